@@ -1,0 +1,1 @@
+//! Random checkpoints (placeholder, filled in next).
