@@ -1,3 +1,4 @@
+#![recursion_limit = "256"]
 //! lily: an inference engine for Qwen3.6-35B-A3B.
 //!
 //! The path of one request: server → chat template → tokenizer → engine → backend forward →

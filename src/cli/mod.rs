@@ -2,6 +2,10 @@
 
 use clap::{Parser, Subcommand};
 
+mod generate;
+mod inspect;
+mod synth;
+
 #[derive(Parser)]
 #[command(name = "lily", version, about = "Inference engine for Qwen3.6-35B-A3B")]
 pub struct Cli {
@@ -11,9 +15,18 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
+    /// Generate tokens from a prompt.
+    Generate(generate::GenerateArgs),
+    /// Show a checkpoint's configuration, formats, parameter counts and memory needs.
+    Inspect(inspect::InspectArgs),
+    /// Write a random-weight checkpoint in the official layout.
+    Synth(synth::SynthArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Synth(a) => synth::run(a),
     }
 }
