@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== CPU tests"
-cargo test --release
+cargo test

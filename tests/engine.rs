@@ -20,14 +20,9 @@ fn alone(w: &lily::model::Weights, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut logits = forward(w, prompt, &mut s, Logits::Last);
     let mut out = vec![];
     for _ in 0..n {
-        let mut best = 0;
-        for (i, &x) in logits.iter().enumerate() {
-            if x > logits[best] {
-                best = i;
-            }
-        }
-        out.push(best as u32);
-        logits = forward(w, &[best as u32], &mut s, Logits::Last);
+        let best = lily::model::argmax(&logits);
+        out.push(best);
+        logits = forward(w, &[best], &mut s, Logits::Last);
     }
     out
 }

@@ -7,7 +7,7 @@ use clap::Args;
 
 use lily::checkpoint;
 use lily::model::cpu::{forward, Logits};
-use lily::model::SequenceState;
+use lily::model::{argmax, SequenceState};
 
 #[derive(Args)]
 pub struct GenerateArgs {
@@ -51,14 +51,4 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         out.len() as f64 / decode.max(1e-9)
     );
     Ok(())
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }

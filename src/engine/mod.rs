@@ -258,13 +258,5 @@ impl EngineLoop {
 
 /// A greedy sampler (argmax, lowest index on ties) with no logprobs: tests and `generate`.
 pub fn greedy_sampler() -> Sampler {
-    Box::new(|logits: &mut [f32], _: &[u32]| {
-        let mut best = 0;
-        for (i, &x) in logits.iter().enumerate() {
-            if x > logits[best] {
-                best = i;
-            }
-        }
-        SampledToken { id: best as u32, logprob: None, top_logprobs: Vec::new() }
-    })
+    Box::new(|logits: &mut [f32], _: &[u32]| SampledToken { id: crate::model::argmax(logits), logprob: None, top_logprobs: Vec::new() })
 }

@@ -26,6 +26,23 @@ pub trait Backend: Send {
     fn free_sequence(&mut self, seq: SeqId);
     /// Runs `tokens` (the next tokens of `seq`) and returns the logits of the last one.
     fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>>;
+    /// Runs `tokens` and returns the greedy next token. Devices override this to keep the
+    /// logits where they are and bring back one id.
+    fn forward_greedy(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<u32> {
+        let logits = self.forward(seq, tokens)?;
+        Ok(argmax(&logits))
+    }
+}
+
+/// Index of the largest value; the lowest index on ties.
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in values.iter().enumerate() {
+        if x > values[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
 
 /// The reference backend: [`cpu::forward`] over weights in host memory.
