@@ -12,11 +12,21 @@ use serde_json::Value;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path} is not valid JSON: {source}")]
-    Json { path: String, source: serde_json::Error },
+    Json {
+        path: String,
+        source: serde_json::Error,
+    },
     #[error("config field `{field}`: expected {expected}, found {found}")]
-    Field { field: String, expected: String, found: String },
+    Field {
+        field: String,
+        expected: String,
+        found: String,
+    },
 }
 
 /// What kind of token mixer a decoder layer has.
@@ -71,14 +81,19 @@ impl ModelConfig {
             source,
         })?;
         Self::from_json_str(&text).map_err(|e| match e {
-            ConfigError::Json { source, .. } => ConfigError::Json { path: path.display().to_string(), source },
+            ConfigError::Json { source, .. } => ConfigError::Json {
+                path: path.display().to_string(),
+                source,
+            },
             other => other,
         })
     }
 
     pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
-        let root: Value = serde_json::from_str(text)
-            .map_err(|source| ConfigError::Json { path: "config.json".into(), source })?;
+        let root: Value = serde_json::from_str(text).map_err(|source| ConfigError::Json {
+            path: "config.json".into(),
+            source,
+        })?;
         Self::from_json(&root)
     }
 
@@ -92,13 +107,21 @@ impl ModelConfig {
 
         let model_type = root.get("model_type").and_then(Value::as_str).unwrap_or("");
         if !matches!(model_type, "qwen3_5_moe" | "qwen3_5_moe_text") {
-            return Err(field_err("model_type", "\"qwen3_5_moe\" or \"qwen3_5_moe_text\"", &json_repr(root.get("model_type"))));
+            return Err(field_err(
+                "model_type",
+                "\"qwen3_5_moe\" or \"qwen3_5_moe_text\"",
+                &json_repr(root.get("model_type")),
+            ));
         }
         f.expect_str("hidden_act", "silu", true)?;
         f.expect_bool("attention_bias", false, true)?;
         if let Some(v) = t.get("norm_topk_prob") {
             if v.as_bool() != Some(true) {
-                return Err(field_err(&format!("{prefix}norm_topk_prob"), "true (routing weights are renormalised)", &v.to_string()));
+                return Err(field_err(
+                    &format!("{prefix}norm_topk_prob"),
+                    "true (routing weights are renormalised)",
+                    &v.to_string(),
+                ));
             }
         }
 
@@ -128,32 +151,70 @@ impl ModelConfig {
                 }
                 kinds
             }
-            Some(other) => return Err(field_err(&format!("{prefix}layer_types"), "a list", &other.to_string())),
+            Some(other) => {
+                return Err(field_err(
+                    &format!("{prefix}layer_types"),
+                    "a list",
+                    &other.to_string(),
+                ))
+            }
             None => {
                 let interval = f.usize_or("full_attention_interval", 4)?;
                 if interval == 0 {
-                    return Err(field_err(&format!("{prefix}full_attention_interval"), "≥ 1", "0"));
+                    return Err(field_err(
+                        &format!("{prefix}full_attention_interval"),
+                        "≥ 1",
+                        "0",
+                    ));
                 }
                 (0..num_hidden_layers)
-                    .map(|i| if (i + 1) % interval == 0 { LayerKind::FullAttention } else { LayerKind::LinearAttention })
+                    .map(|i| {
+                        if (i + 1) % interval == 0 {
+                            LayerKind::FullAttention
+                        } else {
+                            LayerKind::LinearAttention
+                        }
+                    })
                     .collect()
             }
         };
 
         // RoPE: `rope_parameters` (transformers ≥ 5) or the older top-level fields.
-        let rope = t.get("rope_parameters").or_else(|| t.get("rope_scaling")).filter(|v| v.is_object());
-        let rope_fields = rope.map(|r| Fields { obj: r, prefix: if prefix.is_empty() { "rope_parameters." } else { "text_config.rope_parameters." } });
+        let rope = t
+            .get("rope_parameters")
+            .or_else(|| t.get("rope_scaling"))
+            .filter(|v| v.is_object());
+        let rope_fields = rope.map(|r| Fields {
+            obj: r,
+            prefix: if prefix.is_empty() {
+                "rope_parameters."
+            } else {
+                "text_config.rope_parameters."
+            },
+        });
         let rope_theta = match rope_fields.as_ref().and_then(|r| r.obj.get("rope_theta")) {
             Some(_) => rope_fields.as_ref().unwrap().f64("rope_theta")?,
             None => f.f64_or("rope_theta", 10000.0)?,
         };
         if let Some(r) = &rope_fields {
-            let rope_type = r.obj.get("rope_type").or_else(|| r.obj.get("type")).and_then(Value::as_str).unwrap_or("default");
+            let rope_type = r
+                .obj
+                .get("rope_type")
+                .or_else(|| r.obj.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default");
             if rope_type != "default" {
-                return Err(field_err(&format!("{}rope_type", r.prefix), "\"default\" (YaRN is not supported yet)", &format!("\"{rope_type}\"")));
+                return Err(field_err(
+                    &format!("{}rope_type", r.prefix),
+                    "\"default\" (YaRN is not supported yet)",
+                    &format!("\"{rope_type}\""),
+                ));
             }
         }
-        let partial = match rope_fields.as_ref().and_then(|r| r.obj.get("partial_rotary_factor")) {
+        let partial = match rope_fields
+            .as_ref()
+            .and_then(|r| r.obj.get("partial_rotary_factor"))
+        {
             Some(_) => rope_fields.as_ref().unwrap().f64("partial_rotary_factor")?,
             None => f.f64_or("partial_rotary_factor", 0.25)?,
         };
@@ -167,7 +228,10 @@ impl ModelConfig {
                 &format!("{partial} (→ {rotary_dim} of {head_dim})"),
             ));
         }
-        if let Some(section) = rope.and_then(|r| r.get("mrope_section")).and_then(Value::as_array) {
+        if let Some(section) = rope
+            .and_then(|r| r.get("mrope_section"))
+            .and_then(Value::as_array)
+        {
             let sum: u64 = section.iter().filter_map(Value::as_u64).sum();
             if sum as usize != rotary_dim / 2 {
                 return Err(field_err(
@@ -180,7 +244,11 @@ impl ModelConfig {
 
         let eos_token_ids = match t.get("eos_token_id").or_else(|| root.get("eos_token_id")) {
             Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .filter_map(Value::as_u64)
+                .map(|x| x as u32)
+                .collect(),
             _ => Vec::new(),
         };
 
@@ -220,14 +288,35 @@ impl ModelConfig {
     /// Cross-field checks: divisibility that the forward pass relies on.
     fn validate(&self, prefix: &str) -> Result<(), ConfigError> {
         let p = |name: &str| format!("{prefix}{name}");
-        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0 {
-            return Err(field_err(&p("num_key_value_heads"), &format!("a divisor of num_attention_heads ({})", self.num_attention_heads), &self.num_key_value_heads.to_string()));
+        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0
+        {
+            return Err(field_err(
+                &p("num_key_value_heads"),
+                &format!(
+                    "a divisor of num_attention_heads ({})",
+                    self.num_attention_heads
+                ),
+                &self.num_key_value_heads.to_string(),
+            ));
         }
-        if self.linear_num_key_heads == 0 || self.linear_num_value_heads % self.linear_num_key_heads != 0 {
-            return Err(field_err(&p("linear_num_key_heads"), &format!("a divisor of linear_num_value_heads ({})", self.linear_num_value_heads), &self.linear_num_key_heads.to_string()));
+        if self.linear_num_key_heads == 0
+            || self.linear_num_value_heads % self.linear_num_key_heads != 0
+        {
+            return Err(field_err(
+                &p("linear_num_key_heads"),
+                &format!(
+                    "a divisor of linear_num_value_heads ({})",
+                    self.linear_num_value_heads
+                ),
+                &self.linear_num_key_heads.to_string(),
+            ));
         }
         if self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
-            return Err(field_err(&p("num_experts_per_tok"), &format!("1..={} (num_experts)", self.num_experts), &self.num_experts_per_tok.to_string()));
+            return Err(field_err(
+                &p("num_experts_per_tok"),
+                &format!("1..={} (num_experts)", self.num_experts),
+                &self.num_experts_per_tok.to_string(),
+            ));
         }
         if self.linear_conv_kernel_dim < 1 {
             return Err(field_err(&p("linear_conv_kernel_dim"), "≥ 1", "0"));
@@ -239,14 +328,21 @@ impl ModelConfig {
             ("linear_key_head_dim", self.linear_key_head_dim),
             ("linear_value_head_dim", self.linear_value_head_dim),
             ("moe_intermediate_size", self.moe_intermediate_size),
-            ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
+            (
+                "shared_expert_intermediate_size",
+                self.shared_expert_intermediate_size,
+            ),
         ] {
             if v == 0 {
                 return Err(field_err(&p(name), "> 0", "0"));
             }
         }
         if !(self.rms_norm_eps > 0.0) {
-            return Err(field_err(&p("rms_norm_eps"), "> 0", &self.rms_norm_eps.to_string()));
+            return Err(field_err(
+                &p("rms_norm_eps"),
+                "> 0",
+                &self.rms_norm_eps.to_string(),
+            ));
         }
         Ok(())
     }
@@ -256,7 +352,8 @@ impl ModelConfig {
     }
     /// Channels of the GDN causal conv: q ‖ k ‖ v.
     pub fn conv_dim(&self) -> usize {
-        2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
     }
     pub fn linear_key_dim(&self) -> usize {
         self.linear_num_key_heads * self.linear_key_head_dim
@@ -277,21 +374,36 @@ impl ModelConfig {
             + h * self.linear_value_dim();
         let q_out = 2 * self.num_attention_heads * self.head_dim;
         let kv_out = self.num_key_value_heads * self.head_dim;
-        let attn = q_out * h + 2 * kv_out * h + h * self.num_attention_heads * self.head_dim + 2 * self.head_dim;
+        let attn = q_out * h
+            + 2 * kv_out * h
+            + h * self.num_attention_heads * self.head_dim
+            + 2 * self.head_dim;
         let expert = 3 * self.moe_intermediate_size * h;
         let shared = 3 * self.shared_expert_intermediate_size * h + h;
         let router = self.num_experts * h;
-        let n_full = self.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count();
+        let n_full = self
+            .layer_types
+            .iter()
+            .filter(|k| **k == LayerKind::FullAttention)
+            .count();
         let n_lin = self.num_hidden_layers - n_full;
         let mixers = n_lin * gdn + n_full * attn;
         let norms = self.num_hidden_layers * 2 * h + h;
         let embed = self.vocab_size * h;
-        let head = if self.tie_word_embeddings { 0 } else { self.vocab_size * h };
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            self.vocab_size * h
+        };
         let per_layer_moe_total = router + self.num_experts * expert + shared;
         let per_layer_moe_active = router + self.num_experts_per_tok * expert + shared;
         ParameterCounts {
             total: embed + head + mixers + norms + self.num_hidden_layers * per_layer_moe_total,
-            active: h + self.vocab_size * h + mixers + norms + self.num_hidden_layers * per_layer_moe_active,
+            active: h
+                + self.vocab_size * h
+                + mixers
+                + norms
+                + self.num_hidden_layers * per_layer_moe_active,
         }
     }
 }
@@ -304,11 +416,16 @@ pub struct ParameterCounts {
 }
 
 fn field_err(field: &str, expected: &str, found: &str) -> ConfigError {
-    ConfigError::Field { field: field.to_string(), expected: expected.to_string(), found: found.to_string() }
+    ConfigError::Field {
+        field: field.to_string(),
+        expected: expected.to_string(),
+        found: found.to_string(),
+    }
 }
 
 fn json_repr(v: Option<&Value>) -> String {
-    v.map(|v| v.to_string()).unwrap_or_else(|| "nothing (missing)".into())
+    v.map(|v| v.to_string())
+        .unwrap_or_else(|| "nothing (missing)".into())
 }
 
 /// Typed access to a JSON object with errors that name the field.
@@ -335,7 +452,8 @@ impl Fields<'_> {
     }
     fn f64(&self, key: &str) -> Result<f64, ConfigError> {
         let v = self.obj.get(key);
-        v.and_then(Value::as_f64).ok_or_else(|| field_err(&self.name(key), "a number", &json_repr(v)))
+        v.and_then(Value::as_f64)
+            .ok_or_else(|| field_err(&self.name(key), "a number", &json_repr(v)))
     }
     fn f64_or(&self, key: &str, default: f64) -> Result<f64, ConfigError> {
         match self.obj.get(key) {
@@ -347,14 +465,22 @@ impl Fields<'_> {
         match self.obj.get(key) {
             None if optional => Ok(()),
             Some(Value::String(s)) if s == want => Ok(()),
-            other => Err(field_err(&self.name(key), &format!("\"{want}\""), &json_repr(other))),
+            other => Err(field_err(
+                &self.name(key),
+                &format!("\"{want}\""),
+                &json_repr(other),
+            )),
         }
     }
     fn expect_bool(&self, key: &str, want: bool, optional: bool) -> Result<(), ConfigError> {
         match self.obj.get(key) {
             None if optional => Ok(()),
             Some(Value::Bool(b)) if *b == want => Ok(()),
-            other => Err(field_err(&self.name(key), &want.to_string(), &json_repr(other))),
+            other => Err(field_err(
+                &self.name(key),
+                &want.to_string(),
+                &json_repr(other),
+            )),
         }
     }
 }

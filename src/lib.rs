@@ -4,8 +4,9 @@
 //! The path of one request: server → chat template → tokenizer → engine → backend forward →
 //! sampler → detokenizer → reasoning / tool-call parsers → server. See `../shared/DESIGN.md`.
 
-pub mod config;
+pub mod bench;
 pub mod checkpoint;
-pub mod quant;
-pub mod model;
+pub mod config;
 pub mod engine;
+pub mod model;
+pub mod quant;

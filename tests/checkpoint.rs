@@ -29,7 +29,10 @@ fn broken_copy() -> (tempfile::TempDir, std::path::PathBuf) {
 /// Rewrites the fixture's tensors through `edit` (name, dtype, shape, bytes).
 fn rewrite(file: &Path, edit: impl Fn(&mut Vec<(String, DType, Vec<usize>, Vec<u8>)>)) {
     let tensors = safetensors::open_file(file).unwrap();
-    let mut list: Vec<_> = tensors.into_iter().map(|(n, t)| (n, t.dtype, t.shape.clone(), t.data.as_slice().to_vec())).collect();
+    let mut list: Vec<_> = tensors
+        .into_iter()
+        .map(|(n, t)| (n, t.dtype, t.shape.clone(), t.data.as_slice().to_vec()))
+        .collect();
     edit(&mut list);
     safetensors::write_file(file, &list).unwrap();
 }
@@ -44,20 +47,34 @@ fn load_err(dir: &Path) -> String {
 #[test]
 fn missing_tensor_is_named() {
     let (dir, file) = broken_copy();
-    rewrite(&file, |l| l.retain(|(n, ..)| n != "model.layers.2.self_attn.k_norm.weight"));
+    rewrite(&file, |l| {
+        l.retain(|(n, ..)| n != "model.layers.2.self_attn.k_norm.weight")
+    });
     let e = load_err(dir.path());
-    assert!(e.contains("model.layers.2.self_attn.k_norm.weight") && e.contains("missing"), "{e}");
+    assert!(
+        e.contains("model.layers.2.self_attn.k_norm.weight") && e.contains("missing"),
+        "{e}"
+    );
 }
 
 #[test]
 fn wrong_shape_names_tensor_file_and_shapes() {
     let (dir, file) = broken_copy();
     rewrite(&file, |l| {
-        let t = l.iter_mut().find(|(n, ..)| n == "model.layers.0.linear_attn.in_proj_z.weight").unwrap();
+        let t = l
+            .iter_mut()
+            .find(|(n, ..)| n == "model.layers.0.linear_attn.in_proj_z.weight")
+            .unwrap();
         t.2 = vec![t.2[1], t.2[0]];
     });
     let e = load_err(dir.path());
-    assert!(e.contains("in_proj_z") && e.contains("model.safetensors") && e.contains("[48, 72]") && e.contains("[72, 48]"), "{e}");
+    assert!(
+        e.contains("in_proj_z")
+            && e.contains("model.safetensors")
+            && e.contains("[48, 72]")
+            && e.contains("[72, 48]"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -77,7 +94,10 @@ fn truncated_shard_is_reported() {
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() - 1000]).unwrap();
     let e = load_err(dir.path());
-    assert!(e.contains("truncated") && e.contains("model.safetensors"), "{e}");
+    assert!(
+        e.contains("truncated") && e.contains("model.safetensors"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -97,7 +117,11 @@ fn corrupt_header_is_reported() {
 #[test]
 fn index_pointing_at_a_missing_shard_is_reported() {
     let (dir, _) = broken_copy();
-    std::fs::write(dir.path().join("model.safetensors.index.json"), r#"{"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}"#).unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        r#"{"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}"#,
+    )
+    .unwrap();
     let e = load_err(dir.path());
     assert!(e.contains("model-00002-of-00002.safetensors"), "{e}");
 }
@@ -109,13 +133,20 @@ fn synthetic_checkpoint_is_sharded_deterministic_and_runs() {
     let b = tempfile::tempdir().unwrap();
     synth::write_checkpoint(&cfg, a.path(), 7, DType::F32, 1 << 20, false).unwrap();
     synth::write_checkpoint(&cfg, b.path(), 7, DType::F32, 1 << 20, false).unwrap();
-    let shards: Vec<_> = std::fs::read_dir(a.path()).unwrap().filter_map(|e| {
-        let n = e.unwrap().file_name().into_string().unwrap();
-        n.starts_with("model-").then_some(n)
-    }).collect();
+    let shards: Vec<_> = std::fs::read_dir(a.path())
+        .unwrap()
+        .filter_map(|e| {
+            let n = e.unwrap().file_name().into_string().unwrap();
+            n.starts_with("model-").then_some(n)
+        })
+        .collect();
     assert!(shards.len() > 1, "expected several shards, got {shards:?}");
     for s in &shards {
-        assert_eq!(std::fs::read(a.path().join(s)).unwrap(), std::fs::read(b.path().join(s)).unwrap(), "{s} differs between runs");
+        assert_eq!(
+            std::fs::read(a.path().join(s)).unwrap(),
+            std::fs::read(b.path().join(s)).unwrap(),
+            "{s} differs between runs"
+        );
     }
     let w = checkpoint::load(a.path()).unwrap();
     let mut state = SequenceState::new(&w.config);
@@ -127,12 +158,21 @@ fn synthetic_checkpoint_is_sharded_deterministic_and_runs() {
 fn official_layout_keeps_mtp_aside_and_ignores_vision() {
     let (dir, file) = broken_copy();
     rewrite(&file, |l| {
-        let rename = |n: &str| n.strip_prefix("model.").map(|r| format!("model.language_model.{r}")).unwrap_or(n.to_string());
+        let rename = |n: &str| {
+            n.strip_prefix("model.")
+                .map(|r| format!("model.language_model.{r}"))
+                .unwrap_or(n.to_string())
+        };
         for t in l.iter_mut() {
             t.0 = rename(&t.0);
         }
         l.push(("mtp.fc.weight".into(), DType::F32, vec![2, 2], vec![0; 16]));
-        l.push(("model.visual.blocks.0.attn.qkv.weight".into(), DType::F32, vec![2], vec![0; 8]));
+        l.push((
+            "model.visual.blocks.0.attn.qkv.weight".into(),
+            DType::F32,
+            vec![2],
+            vec![0; 8],
+        ));
     });
     let w = checkpoint::load(dir.path()).unwrap();
     assert_eq!(w.mtp_tensors, vec!["mtp.fc.weight".to_string()]);
@@ -142,5 +182,8 @@ fn official_layout_keeps_mtp_aside_and_ignores_vision() {
 fn missing_directory_is_an_error_not_a_panic() {
     let e = checkpoint::load(Path::new("/nonexistent/model")).unwrap_err();
     assert!(matches!(e, CheckpointError::Config(_)), "{e}");
-    assert!(e.to_string().contains("/nonexistent/model/config.json"), "{e}");
+    assert!(
+        e.to_string().contains("/nonexistent/model/config.json"),
+        "{e}"
+    );
 }

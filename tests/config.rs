@@ -15,7 +15,9 @@ fn full_config_parses_with_the_real_numbers() {
     assert_eq!(c.rotary_dim, 64);
     assert_eq!(c.conv_dim(), 8192);
     assert_eq!(c.rope_theta, 1e7);
-    let full_layers: Vec<usize> = (0..40).filter(|&i| c.layer_types[i] == LayerKind::FullAttention).collect();
+    let full_layers: Vec<usize> = (0..40)
+        .filter(|&i| c.layer_types[i] == LayerKind::FullAttention)
+        .collect();
     assert_eq!(full_layers, vec![3, 7, 11, 15, 19, 23, 27, 31, 35, 39]);
     // MODEL.md §7.
     let counts = c.parameter_counts();
@@ -43,11 +45,17 @@ fn error_for(edit: impl FnOnce(&mut serde_json::Value)) -> String {
 #[test]
 fn mismatches_name_the_field_and_the_expectation() {
     let e = error_for(|v| v["text_config"]["hidden_act"] = json!("gelu"));
-    assert!(e.contains("text_config.hidden_act") && e.contains("\"silu\""), "{e}");
+    assert!(
+        e.contains("text_config.hidden_act") && e.contains("\"silu\""),
+        "{e}"
+    );
     let e = error_for(|v| v["model_type"] = json!("llama"));
     assert!(e.contains("model_type") && e.contains("qwen3_5_moe"), "{e}");
     let e = error_for(|v| v["text_config"]["num_key_value_heads"] = json!(3));
-    assert!(e.contains("num_key_value_heads") && e.contains("divisor"), "{e}");
+    assert!(
+        e.contains("num_key_value_heads") && e.contains("divisor"),
+        "{e}"
+    );
     let e = error_for(|v| v["text_config"]["linear_num_key_heads"] = json!(5));
     assert!(e.contains("linear_num_key_heads"), "{e}");
     let e = error_for(|v| v["text_config"]["num_experts_per_tok"] = json!(300));
@@ -57,12 +65,21 @@ fn mismatches_name_the_field_and_the_expectation() {
     let e = error_for(|v| v["text_config"]["layer_types"][2] = json!("sliding"));
     assert!(e.contains("layer_types[2]"), "{e}");
     let e = error_for(|v| v["text_config"]["hidden_size"] = json!("big"));
-    assert!(e.contains("text_config.hidden_size") && e.contains("integer"), "{e}");
-    let e = error_for(|v| { v["text_config"].as_object_mut().unwrap().remove("num_experts"); });
+    assert!(
+        e.contains("text_config.hidden_size") && e.contains("integer"),
+        "{e}"
+    );
+    let e = error_for(|v| {
+        v["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("num_experts");
+    });
     assert!(e.contains("num_experts") && e.contains("missing"), "{e}");
     let e = error_for(|v| v["text_config"]["rope_parameters"]["rope_type"] = json!("yarn"));
     assert!(e.contains("rope_type"), "{e}");
-    let e = error_for(|v| v["text_config"]["rope_parameters"]["mrope_section"] = json!([11, 11, 11]));
+    let e =
+        error_for(|v| v["text_config"]["rope_parameters"]["mrope_section"] = json!([11, 11, 11]));
     assert!(e.contains("mrope_section"), "{e}");
     let e = error_for(|v| v["text_config"]["attention_bias"] = json!(true));
     assert!(e.contains("attention_bias"), "{e}");

@@ -11,7 +11,13 @@ use lily::model::{CpuBackend, SequenceState};
 
 fn engine(prefill_chunk: usize) -> (Engine, lily::model::Weights) {
     let w = checkpoint::load(&fixture_dir("tiny-a")).unwrap();
-    let e = Engine::start(Box::new(CpuBackend::new(w.clone())), EngineOptions { prefill_chunk, max_sequences: 3 });
+    let e = Engine::start(
+        Box::new(CpuBackend::new(w.clone())),
+        EngineOptions {
+            prefill_chunk,
+            max_sequences: 3,
+        },
+    );
     (e, w)
 }
 
@@ -27,12 +33,18 @@ fn alone(w: &lily::model::Weights, prompt: &[u32], n: usize) -> Vec<u32> {
     out
 }
 
-fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Option<FinishReason>, Option<String>) {
+fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> (Vec<u32>, Option<FinishReason>, Option<String>) {
     let mut ids = vec![];
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             Event::Token(t) => ids.push(t.id),
-            Event::Done { reason, completion_tokens, .. } => {
+            Event::Done {
+                reason,
+                completion_tokens,
+                ..
+            } => {
                 assert_eq!(completion_tokens, ids.len());
                 return (ids, Some(reason), None);
             }
@@ -45,10 +57,23 @@ fn collect(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> (Vec<u32>, Op
 #[test]
 fn interleaved_requests_match_each_run_alone() {
     let (engine, w) = engine(7);
-    let prompts: Vec<Vec<u32>> = (0..6).map(|i| (0..(5 + 13 * i)).map(|j| ((j * 31 + i * 7) % 256) as u32).collect()).collect();
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| {
+            (0..(5 + 13 * i))
+                .map(|j| ((j * 31 + i * 7) % 256) as u32)
+                .collect()
+        })
+        .collect();
     let receivers: Vec<_> = prompts
         .iter()
-        .map(|p| engine.submit(GenerateRequest { prompt: p.clone(), max_tokens: 12, stop_token_ids: vec![], sampler: greedy_sampler() }))
+        .map(|p| {
+            engine.submit(GenerateRequest {
+                prompt: p.clone(),
+                max_tokens: 12,
+                stop_token_ids: vec![],
+                sampler: greedy_sampler(),
+            })
+        })
         .collect();
     for (p, rx) in prompts.iter().zip(receivers) {
         let (ids, reason, err) = collect(rx);
@@ -65,7 +90,12 @@ fn stop_tokens_end_generation() {
     let expected = alone(&w, &prompt, 8);
     let stop = expected[4];
     let first = expected.iter().position(|&t| t == stop).unwrap();
-    let (ids, reason, _) = collect(engine.submit(GenerateRequest { prompt, max_tokens: 8, stop_token_ids: vec![stop], sampler: greedy_sampler() }));
+    let (ids, reason, _) = collect(engine.submit(GenerateRequest {
+        prompt,
+        max_tokens: 8,
+        stop_token_ids: vec![stop],
+        sampler: greedy_sampler(),
+    }));
     assert_eq!(reason, Some(FinishReason::Stop));
     assert_eq!(ids, expected[..=first]);
 }
@@ -73,15 +103,30 @@ fn stop_tokens_end_generation() {
 #[test]
 fn cancelled_and_bad_requests_leave_others_untouched() {
     let (engine, w) = engine(16);
-    let dropped = engine.submit(GenerateRequest { prompt: vec![1; 40], max_tokens: 1000, stop_token_ids: vec![], sampler: greedy_sampler() });
-    let bad = engine.submit(GenerateRequest { prompt: vec![1, 999_999], max_tokens: 4, stop_token_ids: vec![], sampler: greedy_sampler() });
+    let dropped = engine.submit(GenerateRequest {
+        prompt: vec![1; 40],
+        max_tokens: 1000,
+        stop_token_ids: vec![],
+        sampler: greedy_sampler(),
+    });
+    let bad = engine.submit(GenerateRequest {
+        prompt: vec![1, 999_999],
+        max_tokens: 4,
+        stop_token_ids: vec![],
+        sampler: greedy_sampler(),
+    });
     let panicking = engine.submit(GenerateRequest {
         prompt: vec![2, 3],
         max_tokens: 4,
         stop_token_ids: vec![],
         sampler: Box::new(|_: &mut [f32], _: &[u32]| panic!("sampler bug")),
     });
-    let good = engine.submit(GenerateRequest { prompt: vec![7, 8, 9], max_tokens: 6, stop_token_ids: vec![], sampler: greedy_sampler() });
+    let good = engine.submit(GenerateRequest {
+        prompt: vec![7, 8, 9],
+        max_tokens: 6,
+        stop_token_ids: vec![],
+        sampler: greedy_sampler(),
+    });
     drop(dropped);
     let (_, _, err) = collect(bad);
     assert!(err.unwrap().contains("999999"));
@@ -92,7 +137,12 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
     assert_eq!(ids, alone(&w, &[7, 8, 9], 6));
     // Everything finished or was cancelled: nothing stays running.
     for _ in 0..200 {
-        if engine.stats().running.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+        if engine
+            .stats()
+            .running
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == 0
+        {
             return;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));

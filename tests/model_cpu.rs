@@ -32,10 +32,20 @@ fn check_f32_model(name: &str) {
         let mut state = SequenceState::new(&weights.config);
         let logits = forward(&weights, &ids, &mut state, Logits::All);
         let err = rel_error(&logits, &reference.f32s(p, "logits"));
-        println!("{name} prompt {p} ({} tokens): logits rel. error {err:.2e}", ids.len());
-        assert!(err <= F32_TOLERANCE, "{name} prompt {p}: logits rel. error {err:.2e} > {F32_TOLERANCE:e}");
+        println!(
+            "{name} prompt {p} ({} tokens): logits rel. error {err:.2e}",
+            ids.len()
+        );
+        assert!(
+            err <= F32_TOLERANCE,
+            "{name} prompt {p}: logits rel. error {err:.2e} > {F32_TOLERANCE:e}"
+        );
         let want = reference.ids(p, "greedy");
-        assert_eq!(greedy(&weights, &ids, want.len()), want, "{name} prompt {p}: greedy continuation differs");
+        assert_eq!(
+            greedy(&weights, &ids, want.len()),
+            want,
+            "{name} prompt {p}: greedy continuation differs"
+        );
     }
 }
 
@@ -73,8 +83,14 @@ fn bf16_model_matches_transformers() {
         let err_bf16 = rel_error(&logits, &ref_bf16);
         let bf16_noise = rel_error(&ref_bf16, &ref_f32);
         println!("{name} prompt {p}: vs f32 run {err_f32:.2e}, vs bf16 run {err_bf16:.2e} (bf16 noise {bf16_noise:.2e})");
-        assert!(err_f32 <= BF16_WEIGHTS_F32_TOLERANCE, "prompt {p}: {err_f32:.2e} against transformers' f32 run");
-        assert!(err_bf16 <= 2.0 * bf16_noise + F32_TOLERANCE, "prompt {p}: {err_bf16:.2e} against the bf16 run");
+        assert!(
+            err_f32 <= BF16_WEIGHTS_F32_TOLERANCE,
+            "prompt {p}: {err_f32:.2e} against transformers' f32 run"
+        );
+        assert!(
+            err_bf16 <= 2.0 * bf16_noise + F32_TOLERANCE,
+            "prompt {p}: {err_bf16:.2e} against the bf16 run"
+        );
     }
 }
 
@@ -85,7 +101,10 @@ fn chunked_prefill_matches_token_by_token_decode() {
     let weights = checkpoint::load(&fixture_dir("tiny-b")).unwrap();
     let reference = Reference::load("tiny-b");
     let ids = reference.ids(reference.prompts() - 1, "ids");
-    assert!(ids.len() > lily::model::cpu::gdn::CHUNK * 2, "needs a prompt spanning several GDN chunks");
+    assert!(
+        ids.len() > lily::model::cpu::gdn::CHUNK * 2,
+        "needs a prompt spanning several GDN chunks"
+    );
 
     let mut batched = SequenceState::new(&weights.config);
     let all = forward(&weights, &ids, &mut batched, Logits::All);
@@ -114,7 +133,10 @@ fn prefill_chunk_size_changes_nothing() {
             got.extend(forward(&weights, part, &mut state, Logits::All));
         }
         let err = rel_error(&got, &want);
-        assert!(err <= F32_TOLERANCE, "chunk {chunk}: logits differ by {err:.2e}");
+        assert!(
+            err <= F32_TOLERANCE,
+            "chunk {chunk}: logits differ by {err:.2e}"
+        );
         assert_states_close(&state, &whole);
     }
 }
@@ -126,14 +148,19 @@ fn assert_states_close(a: &SequenceState, b: &SequenceState) {
         let (u, v) = match (x, y) {
             (LayerState::DeltaNet(x), LayerState::DeltaNet(y)) => {
                 let err = rel_error(&x.conv, &y.conv);
-                assert!(err <= F32_TOLERANCE, "layer {i}: conv windows differ by {err:.2e}");
+                assert!(
+                    err <= F32_TOLERANCE,
+                    "layer {i}: conv windows differ by {err:.2e}"
+                );
                 (&x.ssm, &y.ssm)
             }
             (LayerState::Attention(x), LayerState::Attention(y)) => (&x.keys, &y.keys),
             _ => panic!("layer kinds differ"),
         };
         let err = rel_error(u, v);
-        assert!(err <= F32_TOLERANCE, "layer {i}: states differ by {err:.2e}");
+        assert!(
+            err <= F32_TOLERANCE,
+            "layer {i}: states differ by {err:.2e}"
+        );
     }
 }
-

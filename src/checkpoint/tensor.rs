@@ -78,7 +78,11 @@ impl Bytes {
     }
     pub fn from_vec(v: Vec<u8>) -> Bytes {
         let len = v.len();
-        Bytes { owner: Arc::new(v), start: 0, len }
+        Bytes {
+            owner: Arc::new(v),
+            start: 0,
+            len,
+        }
     }
     pub fn as_slice(&self) -> &[u8] {
         &(*self.owner).as_ref()[self.start..self.start + self.len]
@@ -92,7 +96,11 @@ impl Bytes {
     /// A sub-range of this range; the caller guarantees it lies inside.
     pub fn slice(&self, start: usize, len: usize) -> Bytes {
         assert!(start + len <= self.len, "byte slice out of range");
-        Bytes { owner: self.owner.clone(), start: self.start + start, len }
+        Bytes {
+            owner: self.owner.clone(),
+            start: self.start + start,
+            len,
+        }
     }
 }
 
@@ -120,9 +128,18 @@ impl RawTensor {
     pub fn to_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
         let b = self.data.as_slice();
         Ok(match self.dtype {
-            DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            DType::BF16 => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            DType::F16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::BF16 => b
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            DType::F16 => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
             other => {
                 return Err(CheckpointError::DType {
                     tensor: name.to_string(),
@@ -147,7 +164,10 @@ impl TensorStore {
     pub fn get(&self, name: &str) -> Result<&RawTensor, CheckpointError> {
         self.tensors
             .get(name)
-            .ok_or_else(|| CheckpointError::Missing { tensor: name.to_string(), location: self.source.clone() })
+            .ok_or_else(|| CheckpointError::Missing {
+                tensor: name.to_string(),
+                location: self.source.clone(),
+            })
     }
     /// The tensor with the given shape, or an error naming tensor, file and both shapes.
     pub fn get_shaped(&self, name: &str, shape: &[usize]) -> Result<&RawTensor, CheckpointError> {

@@ -24,7 +24,10 @@ pub struct GenerateArgs {
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let weights = checkpoint::load(&args.model)?;
     let vocab = weights.config.vocab_size;
-    anyhow::ensure!(!args.prompt_ids.is_empty(), "--prompt-ids needs at least one token id");
+    anyhow::ensure!(
+        !args.prompt_ids.is_empty(),
+        "--prompt-ids needs at least one token id"
+    );
     if let Some(bad) = args.prompt_ids.iter().find(|&&id| id as usize >= vocab) {
         anyhow::bail!("token id {bad} is out of range: the model's vocabulary has {vocab} entries");
     }
@@ -42,7 +45,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         }
     }
     let decode = t1.elapsed().as_secs_f64();
-    println!("{}", out.iter().map(u32::to_string).collect::<Vec<_>>().join(","));
+    println!(
+        "{}",
+        out.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+    );
     eprintln!(
         "prefill {} tokens: {:.1} tok/s; decode {} tokens: {:.1} tok/s (cpu, greedy)",
         args.prompt_ids.len(),

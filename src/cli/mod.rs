@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod generate;
 mod inspect;
 mod synth;
@@ -15,6 +16,8 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
+    /// Measure prefill and decode speed over a sweep of contexts.
+    Bench(bench::BenchArgs),
     /// Generate tokens from a prompt.
     Generate(generate::GenerateArgs),
     /// Show a checkpoint's configuration, formats, parameter counts and memory needs.
@@ -25,6 +28,7 @@ pub enum Command {
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Bench(a) => bench::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Synth(a) => synth::run(a),

@@ -31,8 +31,12 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     let config = match synth::preset(&args.config) {
         Some(c) => c,
         None => {
-            let text = std::fs::read_to_string(&args.config)
-                .map_err(|e| anyhow::anyhow!("`{}` is neither a preset (tiny, qwen3.6-35b-a3b) nor a readable file: {e}", args.config))?;
+            let text = std::fs::read_to_string(&args.config).map_err(|e| {
+                anyhow::anyhow!(
+                    "`{}` is neither a preset (tiny, qwen3.6-35b-a3b) nor a readable file: {e}",
+                    args.config
+                )
+            })?;
             serde_json::from_str(&text)?
         }
     };
@@ -41,8 +45,20 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         SynthDType::F32 => DType::F32,
     };
     let start = std::time::Instant::now();
-    let bytes = synth::write_checkpoint(&config, &args.out, args.seed, dtype, synth::SHARD_BYTES, true)?;
+    let bytes = synth::write_checkpoint(
+        &config,
+        &args.out,
+        args.seed,
+        dtype,
+        synth::SHARD_BYTES,
+        true,
+    )?;
     let secs = start.elapsed().as_secs_f64();
-    println!("wrote {} ({:.2} GB) in {secs:.1} s ({:.2} GB/s)", args.out.display(), bytes as f64 / 1e9, bytes as f64 / 1e9 / secs);
+    println!(
+        "wrote {} ({:.2} GB) in {secs:.1} s ({:.2} GB/s)",
+        args.out.display(),
+        bytes as f64 / 1e9,
+        bytes as f64 / 1e9 / secs
+    );
     Ok(())
 }

@@ -51,7 +51,12 @@ pub enum FinishReason {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Token(SampledToken),
-    Done { reason: FinishReason, prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize },
+    Done {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    },
     Error(String),
 }
 
@@ -65,7 +70,10 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { prefill_chunk: 512, max_sequences: 64 }
+        EngineOptions {
+            prefill_chunk: 512,
+            max_sequences: 64,
+        }
     }
 }
 
@@ -100,7 +108,12 @@ impl Engine {
             .name("lily-engine".into())
             .spawn(move || EngineLoop::new(backend, options, loop_stats).run(rx))
             .expect("spawn the engine thread");
-        Engine { tx, config, device, stats }
+        Engine {
+            tx,
+            config,
+            device,
+            stats,
+        }
     }
 
     /// Queues a request; events arrive on the returned receiver. Dropping the receiver
@@ -151,8 +164,19 @@ struct EngineLoop {
 }
 
 impl EngineLoop {
-    fn new(backend: Box<dyn Backend>, options: EngineOptions, stats: Arc<EngineStats>) -> EngineLoop {
-        EngineLoop { backend, options, stats, next_seq: 0, waiting: VecDeque::new(), active: VecDeque::new() }
+    fn new(
+        backend: Box<dyn Backend>,
+        options: EngineOptions,
+        stats: Arc<EngineStats>,
+    ) -> EngineLoop {
+        EngineLoop {
+            backend,
+            options,
+            stats,
+            next_seq: 0,
+            waiting: VecDeque::new(),
+            active: VecDeque::new(),
+        }
     }
 
     fn run(mut self, rx: mpsc::Receiver<(GenerateRequest, UnboundedSender<Event>)>) {
@@ -175,19 +199,31 @@ impl EngineLoop {
                     Ok(Ok(Step::Finished(reason))) => self.finish(a, reason),
                     Ok(Err(e)) => self.fail(a, format!("{e:#}")),
                     Err(panic) => {
-                        let msg = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()));
-                        self.fail(a, format!("internal error: {}", msg.unwrap_or_else(|| "panic".into())));
+                        let msg = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()));
+                        self.fail(
+                            a,
+                            format!("internal error: {}", msg.unwrap_or_else(|| "panic".into())),
+                        );
                     }
                 }
             }
-            self.stats.running.store(self.active.len(), Ordering::Relaxed);
-            self.stats.waiting.store(self.waiting.len(), Ordering::Relaxed);
+            self.stats
+                .running
+                .store(self.active.len(), Ordering::Relaxed);
+            self.stats
+                .waiting
+                .store(self.waiting.len(), Ordering::Relaxed);
         }
     }
 
     fn admit(&mut self) {
         while self.active.len() < self.options.max_sequences {
-            let Some((request, events)) = self.waiting.pop_front() else { break };
+            let Some((request, events)) = self.waiting.pop_front() else {
+                break;
+            };
             if events.is_closed() {
                 continue; // cancelled while queued
             }
@@ -201,8 +237,17 @@ impl EngineLoop {
                 let _ = events.send(Event::Error(format!("cannot start the sequence: {e:#}")));
                 continue;
             }
-            self.stats.prompt_tokens_total.fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
-            self.active.push_back(Active { seq, request, events, prefilled: 0, generated: Vec::new(), logits: None });
+            self.stats
+                .prompt_tokens_total
+                .fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
+            self.active.push_back(Active {
+                seq,
+                request,
+                events,
+                prefilled: 0,
+                generated: Vec::new(),
+                logits: None,
+            });
         }
     }
 
@@ -213,7 +258,10 @@ impl EngineLoop {
         }
         if a.prefilled < a.request.prompt.len() {
             let end = (a.prefilled + self.options.prefill_chunk).min(a.request.prompt.len());
-            a.logits = Some(self.backend.forward(a.seq, &a.request.prompt[a.prefilled..end])?);
+            a.logits = Some(
+                self.backend
+                    .forward(a.seq, &a.request.prompt[a.prefilled..end])?,
+            );
             a.prefilled = end;
             return Ok(Step::Continue);
         }
@@ -224,7 +272,9 @@ impl EngineLoop {
         let token = (a.request.sampler)(&mut logits, &a.generated);
         let id = token.id;
         a.generated.push(id);
-        self.stats.generation_tokens_total.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .generation_tokens_total
+            .fetch_add(1, Ordering::Relaxed);
         if a.events.send(Event::Token(token)).is_err() {
             return Ok(Step::Finished(FinishReason::Cancelled));
         }
@@ -258,5 +308,9 @@ impl EngineLoop {
 
 /// A greedy sampler (argmax, lowest index on ties) with no logprobs: tests and `generate`.
 pub fn greedy_sampler() -> Sampler {
-    Box::new(|logits: &mut [f32], _: &[u32]| SampledToken { id: crate::model::argmax(logits), logprob: None, top_logprobs: Vec::new() })
+    Box::new(|logits: &mut [f32], _: &[u32]| SampledToken {
+        id: crate::model::argmax(logits),
+        logprob: None,
+        top_logprobs: Vec::new(),
+    })
 }

@@ -32,6 +32,11 @@ pub trait Backend: Send {
         let logits = self.forward(seq, tokens)?;
         Ok(argmax(&logits))
     }
+    /// Peak device memory in use since the last reset, where the device can tell.
+    fn peak_memory(&self) -> Option<u64> {
+        None
+    }
+    fn reset_peak_memory(&mut self) {}
 }
 
 /// Index of the largest value; the lowest index on ties.
@@ -53,7 +58,10 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     pub fn new(weights: Weights) -> CpuBackend {
-        CpuBackend { weights, states: HashMap::new() }
+        CpuBackend {
+            weights,
+            states: HashMap::new(),
+        }
     }
 }
 
@@ -65,7 +73,8 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
     fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
-        self.states.insert(seq, SequenceState::new(&self.weights.config));
+        self.states
+            .insert(seq, SequenceState::new(&self.weights.config));
         Ok(())
     }
     fn free_sequence(&mut self, seq: SeqId) {
@@ -76,7 +85,15 @@ impl Backend for CpuBackend {
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             anyhow::bail!("token id {bad} is outside the model's vocabulary ({vocab})");
         }
-        let state = self.states.get_mut(&seq).ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
-        Ok(cpu::forward(&self.weights, tokens, state, cpu::Logits::Last))
+        let state = self
+            .states
+            .get_mut(&seq)
+            .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
+        Ok(cpu::forward(
+            &self.weights,
+            tokens,
+            state,
+            cpu::Logits::Last,
+        ))
     }
 }

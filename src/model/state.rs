@@ -40,11 +40,22 @@ impl SequenceState {
             .map(|kind| match kind {
                 LayerKind::LinearAttention => LayerState::DeltaNet(DeltaNetState {
                     conv: vec![0.0; (c.linear_conv_kernel_dim - 1) * c.conv_dim()],
-                    ssm: vec![0.0; c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim],
+                    ssm: vec![
+                        0.0;
+                        c.linear_num_value_heads
+                            * c.linear_key_head_dim
+                            * c.linear_value_head_dim
+                    ],
                 }),
-                LayerKind::FullAttention => LayerState::Attention(KvCache { keys: Vec::new(), values: Vec::new() }),
+                LayerKind::FullAttention => LayerState::Attention(KvCache {
+                    keys: Vec::new(),
+                    values: Vec::new(),
+                }),
             })
             .collect();
-        SequenceState { position: 0, layers }
+        SequenceState {
+            position: 0,
+            layers,
+        }
     }
 }

@@ -17,7 +17,10 @@ pub enum WeightFormat {
     BF16,
     /// MLX affine quantisation: `w = scale · q + bias` per group of `group_size` columns, with
     /// `bits`-bit unsigned q packed little-endian into u32 words (MODEL.md §5.1).
-    Affine { bits: u32, group_size: usize },
+    Affine {
+        bits: u32,
+        group_size: usize,
+    },
 }
 
 impl WeightFormat {
@@ -55,8 +58,20 @@ impl Matrix {
             DType::BF16 => WeightFormat::BF16,
             other => panic!("dense matrix of {other:?} (loaders check dtypes first)"),
         };
-        assert_eq!(data.len(), rows * cols * dtype.size(), "dense matrix byte count");
-        Matrix { rows, cols, format, data, scales: None, biases: None, scale_dtype: DType::BF16 }
+        assert_eq!(
+            data.len(),
+            rows * cols * dtype.size(),
+            "dense matrix byte count"
+        );
+        Matrix {
+            rows,
+            cols,
+            format,
+            data,
+            scales: None,
+            biases: None,
+            scale_dtype: DType::BF16,
+        }
     }
 
     /// An f32 matrix owning its values (tests, synthetic models).
@@ -101,7 +116,9 @@ impl Matrix {
 
     /// Bytes this matrix occupies (data + scales + biases).
     pub fn storage_bytes(&self) -> usize {
-        self.data.len() + self.scales.as_ref().map_or(0, Bytes::len) + self.biases.as_ref().map_or(0, Bytes::len)
+        self.data.len()
+            + self.scales.as_ref().map_or(0, Bytes::len)
+            + self.biases.as_ref().map_or(0, Bytes::len)
     }
 
     /// Decodes row `r` to f32 (dequantising affine formats).
@@ -128,9 +145,25 @@ impl Matrix {
             WeightFormat::Affine { bits, group_size } => {
                 let g = self.groups_per_row();
                 let ss = self.scale_dtype.size();
-                let scales = &self.scales.as_ref().expect("affine matrix has scales").as_slice()[r * g * ss..(r + 1) * g * ss];
-                let biases = &self.biases.as_ref().expect("affine matrix has biases").as_slice()[r * g * ss..(r + 1) * g * ss];
-                crate::quant::dequantize_row(row, scales, biases, self.scale_dtype, bits, group_size, out);
+                let scales = &self
+                    .scales
+                    .as_ref()
+                    .expect("affine matrix has scales")
+                    .as_slice()[r * g * ss..(r + 1) * g * ss];
+                let biases = &self
+                    .biases
+                    .as_ref()
+                    .expect("affine matrix has biases")
+                    .as_slice()[r * g * ss..(r + 1) * g * ss];
+                crate::quant::dequantize_row(
+                    row,
+                    scales,
+                    biases,
+                    self.scale_dtype,
+                    bits,
+                    group_size,
+                    out,
+                );
             }
         }
     }
@@ -219,28 +252,53 @@ pub struct Weights {
 impl Weights {
     /// Every matrix with a descriptive name, for `inspect` and for uploading to a device.
     pub fn matrices(&self) -> Vec<(String, &Matrix)> {
-        let mut out = vec![("embed_tokens".to_string(), &self.embed), ("lm_head".to_string(), &self.lm_head)];
+        let mut out = vec![
+            ("embed_tokens".to_string(), &self.embed),
+            ("lm_head".to_string(), &self.lm_head),
+        ];
         for (i, l) in self.layers.iter().enumerate() {
             match &l.mixer {
                 Mixer::DeltaNet(d) => {
-                    for (n, m) in [("in_proj_qkv", &d.in_proj_qkv), ("in_proj_z", &d.in_proj_z), ("in_proj_b", &d.in_proj_b), ("in_proj_a", &d.in_proj_a), ("out_proj", &d.out_proj)] {
+                    for (n, m) in [
+                        ("in_proj_qkv", &d.in_proj_qkv),
+                        ("in_proj_z", &d.in_proj_z),
+                        ("in_proj_b", &d.in_proj_b),
+                        ("in_proj_a", &d.in_proj_a),
+                        ("out_proj", &d.out_proj),
+                    ] {
                         out.push((format!("layers.{i}.linear_attn.{n}"), m));
                     }
                 }
                 Mixer::Attention(a) => {
-                    for (n, m) in [("q_proj", &a.q_proj), ("k_proj", &a.k_proj), ("v_proj", &a.v_proj), ("o_proj", &a.o_proj)] {
+                    for (n, m) in [
+                        ("q_proj", &a.q_proj),
+                        ("k_proj", &a.k_proj),
+                        ("v_proj", &a.v_proj),
+                        ("o_proj", &a.o_proj),
+                    ] {
                         out.push((format!("layers.{i}.self_attn.{n}"), m));
                     }
                 }
             }
             out.push((format!("layers.{i}.mlp.gate"), &l.moe.router));
-            out.push((format!("layers.{i}.mlp.shared_expert_gate"), &l.moe.shared_expert_gate));
+            out.push((
+                format!("layers.{i}.mlp.shared_expert_gate"),
+                &l.moe.shared_expert_gate,
+            ));
             let s = &l.moe.shared_expert;
-            for (n, m) in [("gate_proj", &s.gate), ("up_proj", &s.up), ("down_proj", &s.down)] {
+            for (n, m) in [
+                ("gate_proj", &s.gate),
+                ("up_proj", &s.up),
+                ("down_proj", &s.down),
+            ] {
                 out.push((format!("layers.{i}.mlp.shared_expert.{n}"), m));
             }
             for (e, x) in l.moe.experts.iter().enumerate() {
-                for (n, m) in [("gate_proj", &x.gate), ("up_proj", &x.up), ("down_proj", &x.down)] {
+                for (n, m) in [
+                    ("gate_proj", &x.gate),
+                    ("up_proj", &x.up),
+                    ("down_proj", &x.down),
+                ] {
                     out.push((format!("layers.{i}.mlp.experts.{e}.{n}"), m));
                 }
             }

@@ -8,7 +8,9 @@ use lily::checkpoint::safetensors::open_file;
 use lily::checkpoint::tensor::{DType, RawTensor};
 
 pub fn fixture_dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models")
+        .join(name)
 }
 
 /// The transformers reference outputs of one fixture model.
@@ -18,7 +20,10 @@ pub struct Reference {
 
 impl Reference {
     pub fn load(model: &str) -> Reference {
-        Reference { tensors: open_file(&fixture_dir(model).join("reference.safetensors")).expect("reference fixture") }
+        Reference {
+            tensors: open_file(&fixture_dir(model).join("reference.safetensors"))
+                .expect("reference fixture"),
+        }
     }
     pub fn prompts(&self) -> usize {
         self.tensors.keys().filter(|k| k.ends_with(".ids")).count()
@@ -26,7 +31,11 @@ impl Reference {
     pub fn ids(&self, p: usize, what: &str) -> Vec<u32> {
         let t = &self.tensors[&format!("p{p}.{what}")];
         assert_eq!(t.dtype, DType::I32);
-        t.data.as_slice().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32).collect()
+        t.data
+            .as_slice()
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
     }
     pub fn f32s(&self, p: usize, what: &str) -> Vec<f32> {
         let name = format!("p{p}.{what}");

@@ -9,7 +9,14 @@ use crate::model::state::KvCache;
 use crate::model::weights::AttentionWeights;
 
 /// Runs attention for `t` new rows at positions `start ..`, appending to the cache.
-pub fn forward(c: &ModelConfig, w: &AttentionWeights, x: &[f32], t: usize, start: usize, cache: &mut KvCache) -> Vec<f32> {
+pub fn forward(
+    c: &ModelConfig,
+    w: &AttentionWeights,
+    x: &[f32],
+    t: usize,
+    start: usize,
+    cache: &mut KvCache,
+) -> Vec<f32> {
     let (nq, nkv, dh) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let qg = matmul(&w.q_proj, x, t);
     let k = matmul(&w.k_proj, x, t);
@@ -28,11 +35,18 @@ pub fn forward(c: &ModelConfig, w: &AttentionWeights, x: &[f32], t: usize, start
         }
         for h in 0..nkv {
             let mut kh = vec![0f32; dh];
-            rms_norm(&k[(s * nkv + h) * dh..(s * nkv + h + 1) * dh], &w.k_norm, c.rms_norm_eps, &mut kh);
+            rms_norm(
+                &k[(s * nkv + h) * dh..(s * nkv + h + 1) * dh],
+                &w.k_norm,
+                c.rms_norm_eps,
+                &mut kh,
+            );
             apply_rope(&mut kh, &cos, &sin);
             cache.keys.extend_from_slice(&kh);
         }
-        cache.values.extend_from_slice(&v[s * nkv * dh..(s + 1) * nkv * dh]);
+        cache
+            .values
+            .extend_from_slice(&v[s * nkv * dh..(s + 1) * nkv * dh]);
     }
 
     // softmax(q·k / √dh) over positions ≤ own position; query head h reads KV head h / (nq/nkv).
@@ -44,7 +58,14 @@ pub fn forward(c: &ModelConfig, w: &AttentionWeights, x: &[f32], t: usize, start
         let kvh = h / group;
         let qh = &q[i * dh..(i + 1) * dh];
         let visible = start + s + 1;
-        let mut p: Vec<f32> = (0..visible).map(|j| dot(qh, &cache.keys[(j * nkv + kvh) * dh..(j * nkv + kvh + 1) * dh]) * scale).collect();
+        let mut p: Vec<f32> = (0..visible)
+            .map(|j| {
+                dot(
+                    qh,
+                    &cache.keys[(j * nkv + kvh) * dh..(j * nkv + kvh + 1) * dh],
+                ) * scale
+            })
+            .collect();
         softmax(&mut p);
         for (j, pj) in p.iter().enumerate() {
             let vj = &cache.values[(j * nkv + kvh) * dh..(j * nkv + kvh + 1) * dh];

@@ -12,7 +12,13 @@ use crate::model::weights::DeltaNetWeights;
 pub const CHUNK: usize = 64;
 
 /// Runs the GDN mixer over `t` normalised hidden rows `x` (`[t, hidden]`), updating the state.
-pub fn forward(c: &ModelConfig, w: &DeltaNetWeights, x: &[f32], t: usize, state: &mut DeltaNetState) -> Vec<f32> {
+pub fn forward(
+    c: &ModelConfig,
+    w: &DeltaNetWeights,
+    x: &[f32],
+    t: usize,
+    state: &mut DeltaNetState,
+) -> Vec<f32> {
     let conv_dim = c.conv_dim();
     let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
     let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
@@ -23,7 +29,14 @@ pub fn forward(c: &ModelConfig, w: &DeltaNetWeights, x: &[f32], t: usize, state:
     let b = matmul(&w.in_proj_b, x, t);
     let a = matmul(&w.in_proj_a, x, t);
 
-    let mixed = causal_conv(&qkv, t, conv_dim, c.linear_conv_kernel_dim, &w.conv1d, &mut state.conv);
+    let mixed = causal_conv(
+        &qkv,
+        t,
+        conv_dim,
+        c.linear_conv_kernel_dim,
+        &w.conv1d,
+        &mut state.conv,
+    );
 
     // Per token and value head: beta, decay g, and normalised q/k (value head j reads key head
     // j / (hv / hk): the grouped order of the Hugging Face layout).
@@ -60,9 +73,19 @@ pub fn forward(c: &ModelConfig, w: &DeltaNetWeights, x: &[f32], t: usize, state:
         .map(|(j, s)| {
             let kh = j / group;
             let gather = |src: &[f32], heads: usize, d: usize, h: usize| -> Vec<f32> {
-                (0..t).flat_map(|s| src[(s * heads + h) * d..(s * heads + h + 1) * d].iter().copied()).collect()
+                (0..t)
+                    .flat_map(|s| {
+                        src[(s * heads + h) * d..(s * heads + h + 1) * d]
+                            .iter()
+                            .copied()
+                    })
+                    .collect()
             };
-            let (qj, kj, vj) = (gather(&q, hk, dk, kh), gather(&k, hk, dk, kh), gather(&v, hv, dv, j));
+            let (qj, kj, vj) = (
+                gather(&q, hk, dk, kh),
+                gather(&k, hk, dk, kh),
+                gather(&v, hv, dv, j),
+            );
             let bj: Vec<f32> = (0..t).map(|s| beta[s * hv + j]).collect();
             let gj: Vec<f32> = (0..t).map(|s| g[s * hv + j]).collect();
             if t == 1 {
@@ -90,7 +113,14 @@ pub fn forward(c: &ModelConfig, w: &DeltaNetWeights, x: &[f32], t: usize, state:
 
 /// Depthwise causal conv over `t` new rows with `kernel-1` rows of history from `conv_state`
 /// (oldest first), followed by SiLU. The state is replaced by the last `kernel-1` inputs.
-pub fn causal_conv(x: &[f32], t: usize, channels: usize, kernel: usize, weight: &[f32], conv_state: &mut [f32]) -> Vec<f32> {
+pub fn causal_conv(
+    x: &[f32],
+    t: usize,
+    channels: usize,
+    kernel: usize,
+    weight: &[f32],
+    conv_state: &mut [f32],
+) -> Vec<f32> {
     let hist = kernel - 1;
     let mut ext = Vec::with_capacity((hist + t) * channels);
     ext.extend_from_slice(conv_state);
@@ -111,12 +141,25 @@ pub fn causal_conv(x: &[f32], t: usize, channels: usize, kernel: usize, weight: 
 
 /// The delta rule token by token (MODEL.md §3.6.5). `state` is `[dk, dv]`; returns `[t, dv]`.
 #[allow(clippy::too_many_arguments)]
-pub fn delta_rule_recurrent(q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: &[f32], dk: usize, dv: usize, state: &mut [f32]) -> Vec<f32> {
+pub fn delta_rule_recurrent(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    beta: &[f32],
+    g: &[f32],
+    dk: usize,
+    dv: usize,
+    state: &mut [f32],
+) -> Vec<f32> {
     let t = beta.len();
     let mut out = vec![0f32; t * dv];
     let mut u = vec![0f32; dv];
     for s in 0..t {
-        let (qs, ks, vs) = (&q[s * dk..(s + 1) * dk], &k[s * dk..(s + 1) * dk], &v[s * dv..(s + 1) * dv]);
+        let (qs, ks, vs) = (
+            &q[s * dk..(s + 1) * dk],
+            &k[s * dk..(s + 1) * dk],
+            &v[s * dv..(s + 1) * dv],
+        );
         let alpha = g[s].exp();
         state.iter_mut().for_each(|x| *x *= alpha);
         u.iter_mut().for_each(|x| *x = 0.0);
@@ -143,7 +186,17 @@ pub fn delta_rule_recurrent(q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: &[
 /// The delta rule in chunks (MODEL.md §3.6.6, WY form): within a chunk the interactions are
 /// solved as a unit-lower-triangular system; the state is carried between chunks.
 #[allow(clippy::too_many_arguments)]
-pub fn delta_rule_chunked(q: &[f32], k: &[f32], v: &[f32], beta: &[f32], g: &[f32], dk: usize, dv: usize, state: &mut [f32], chunk: usize) -> Vec<f32> {
+pub fn delta_rule_chunked(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    beta: &[f32],
+    g: &[f32],
+    dk: usize,
+    dv: usize,
+    state: &mut [f32],
+    chunk: usize,
+) -> Vec<f32> {
     let t = beta.len();
     let mut out = vec![0f32; t * dv];
     let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();

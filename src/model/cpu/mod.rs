@@ -33,7 +33,9 @@ pub fn forward(w: &Weights, tokens: &[u32], state: &mut SequenceState, which: Lo
         let x = rms_norm_rows(&h, &layer.input_norm, c.rms_norm_eps);
         let r = match (&layer.mixer, st) {
             (Mixer::DeltaNet(m), LayerState::DeltaNet(s)) => gdn::forward(c, m, &x, t, s),
-            (Mixer::Attention(m), LayerState::Attention(kv)) => attention::forward(c, m, &x, t, state.position, kv),
+            (Mixer::Attention(m), LayerState::Attention(kv)) => {
+                attention::forward(c, m, &x, t, state.position, kv)
+            }
             _ => panic!("sequence state does not match the model's layer kinds"),
         };
         h.iter_mut().zip(&r).for_each(|(h, r)| *h += r);

@@ -25,17 +25,26 @@ pub fn forward(c: &ModelConfig, w: &MoeWeights, x: &[f32], t: usize) -> Vec<f32>
         if tokens.is_empty() {
             continue;
         }
-        let xs: Vec<f32> = tokens.iter().flat_map(|&(s, _)| x[s * h..(s + 1) * h].iter().copied()).collect();
+        let xs: Vec<f32> = tokens
+            .iter()
+            .flat_map(|&(s, _)| x[s * h..(s + 1) * h].iter().copied())
+            .collect();
         let out = swiglu(&w.experts[e], &xs, tokens.len());
         for (i, &(s, weight)) in tokens.iter().enumerate() {
-            y[s * h..(s + 1) * h].iter_mut().zip(&out[i * h..(i + 1) * h]).for_each(|(y, o)| *y += weight * o);
+            y[s * h..(s + 1) * h]
+                .iter_mut()
+                .zip(&out[i * h..(i + 1) * h])
+                .for_each(|(y, o)| *y += weight * o);
         }
     }
     let shared = swiglu(&w.shared_expert, x, t);
     let gate = matmul(&w.shared_expert_gate, x, t);
     for s in 0..t {
         let g = sigmoid(gate[s]);
-        y[s * h..(s + 1) * h].iter_mut().zip(&shared[s * h..(s + 1) * h]).for_each(|(y, o)| *y += g * o);
+        y[s * h..(s + 1) * h]
+            .iter_mut()
+            .zip(&shared[s * h..(s + 1) * h])
+            .for_each(|(y, o)| *y += g * o);
     }
     y
 }

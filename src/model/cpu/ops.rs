@@ -12,22 +12,26 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize) -> Vec<f32> {
     let (rows, cols) = (w.rows, w.cols);
     assert_eq!(x.len(), tokens * cols, "matmul input shape");
     const BLOCK: usize = 16;
-    let blocks: Vec<Vec<f32>> = (0..rows.div_ceil(BLOCK))
-        .into_par_iter()
-        .map(|b| {
-            let r0 = b * BLOCK;
-            let n = BLOCK.min(rows - r0);
-            let mut row = vec![0f32; cols];
-            let mut out = vec![0f32; n * tokens];
-            for i in 0..n {
-                w.row_into(r0 + i, &mut row);
-                for t in 0..tokens {
-                    out[i * tokens + t] = dot(&row, &x[t * cols..(t + 1) * cols]);
-                }
+    let block = |b: usize| {
+        let r0 = b * BLOCK;
+        let n = BLOCK.min(rows - r0);
+        let mut row = vec![0f32; cols];
+        let mut out = vec![0f32; n * tokens];
+        for i in 0..n {
+            w.row_into(r0 + i, &mut row);
+            for t in 0..tokens {
+                out[i * tokens + t] = dot(&row, &x[t * cols..(t + 1) * cols]);
             }
-            out
-        })
-        .collect();
+        }
+        out
+    };
+    // Small products cost less than handing them to other threads.
+    let n_blocks = rows.div_ceil(BLOCK);
+    let blocks: Vec<Vec<f32>> = if rows * cols * tokens < 1 << 18 {
+        (0..n_blocks).map(block).collect()
+    } else {
+        (0..n_blocks).into_par_iter().map(block).collect()
+    };
     let mut y = vec![0f32; tokens * rows];
     for (b, out) in blocks.iter().enumerate() {
         let r0 = b * BLOCK;
@@ -69,7 +73,9 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 /// RMSNorm applied to each row of `x` (`[rows, w.len()]`).
 pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
-    out.chunks_mut(w.len()).zip(x.chunks(w.len())).for_each(|(o, x)| rms_norm(x, w, eps, o));
+    out.chunks_mut(w.len())
+        .zip(x.chunks(w.len()))
+        .for_each(|(o, x)| rms_norm(x, w, eps, o));
     out
 }
 
