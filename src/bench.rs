@@ -148,3 +148,30 @@ pub fn to_markdown(points: &[BenchPoint]) -> String {
     }
     s
 }
+
+/// A PNG chart of `what` ("prefill" or "decode") tok/s against context for several engines.
+pub fn to_png(engines: &[(String, Vec<BenchPoint>)], what: &str) -> Vec<u8> {
+    use crate::plot::{Chart, Series, PALETTE};
+    let series = |f: fn(&BenchPoint) -> f64| -> Vec<Series> {
+        engines
+            .iter()
+            .enumerate()
+            .map(|(i, (name, pts))| Series {
+                name: name.clone(),
+                color: PALETTE[i % PALETTE.len()],
+                points: pts.iter().map(|p| (p.context as f64, f(p))).collect(),
+            })
+            .collect()
+    };
+    let (title, series) = match what {
+        "prefill" => ("Prefill, batch 1", series(|p| p.prefill_tok_s)),
+        _ => ("Decode, batch 1", series(|p| p.decode_tok_s)),
+    };
+    Chart {
+        title: title.into(),
+        x_label: "context (tokens)".into(),
+        y_label: "tok/s".into(),
+        series,
+    }
+    .to_png()
+}

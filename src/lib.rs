@@ -9,4 +9,5 @@ pub mod checkpoint;
 pub mod config;
 pub mod engine;
 pub mod model;
+pub mod plot;
 pub mod quant;

@@ -1,4 +1,4 @@
-//! `lily bench`: the prompt × context sweep; writes CSV and a markdown table.
+//! `lily bench`: the prompt × context sweep; writes CSV, a markdown table and PNG charts.
 
 use std::path::PathBuf;
 
@@ -23,7 +23,7 @@ pub struct BenchArgs {
     pub decode_steps: usize,
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
-    /// Directory for bench.csv and bench.md.
+    /// Directory for bench.csv, bench.md, prefill.png and decode.png.
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
@@ -76,6 +76,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         std::fs::create_dir_all(out)?;
         std::fs::write(out.join("bench.csv"), bench::to_csv(&points))?;
         std::fs::write(out.join("bench.md"), md)?;
+        let engines = vec![(format!("lily ({})", backend.device_name()), points.clone())];
+        std::fs::write(out.join("prefill.png"), bench::to_png(&engines, "prefill"))?;
+        std::fs::write(out.join("decode.png"), bench::to_png(&engines, "decode"))?;
     }
     Ok(())
 }
