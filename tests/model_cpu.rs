@@ -69,8 +69,12 @@ fn text_only_layout_f32_matches_transformers() {
 /// errors before it stay ≤ 6e-5 and decay after it), while the bf16 run itself is 0.6 away.
 const BF16_WEIGHTS_F32_TOLERANCE: f32 = 1e-3;
 #[test]
-fn bf16_model_matches_transformers() {
-    let name = "tiny-a-bf16";
+fn bf16_models_match_transformers() {
+    check_bf16_model("tiny-a-bf16");
+    check_bf16_model("tiny-c");
+}
+
+fn check_bf16_model(name: &str) {
     let weights = checkpoint::load(&fixture_dir(name)).unwrap();
     let reference = Reference::load(name);
     for p in 0..reference.prompts() {

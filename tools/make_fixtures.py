@@ -61,6 +61,22 @@ MODELS = {
     ),
     # The tiny-a shape in bf16 (weights stored and computed in bf16, as the real release).
     "tiny-a-bf16": dict(layout="official", dtype="bfloat16", text=None),
+    # Every matrix width a multiple of 64 (the quantisation group and the GPU kernels' tiles):
+    # the fixture for CUDA-vs-CPU and 4-bit checks. bf16 weights keep it small.
+    "tiny-c": dict(
+        layout="official",
+        dtype="bfloat16",
+        text=dict(
+            hidden_size=128, num_hidden_layers=4, vocab_size=512,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+            linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            full_attention_interval=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                             "mrope_interleaved": True, "mrope_section": [3, 3, 2]},
+        ),
+    ),
 }
 MODELS["tiny-a-bf16"]["text"] = MODELS["tiny-a"]["text"]
 
@@ -117,7 +133,7 @@ def main():
     for mi, (name, spec) in enumerate(MODELS.items()):
         if args.only and name not in args.only:
             continue
-        gen = torch.Generator().manual_seed(args.seed + (0 if name.startswith("tiny-a") else 17))
+        gen = torch.Generator().manual_seed(args.seed + {"tiny-a": 0, "tiny-a-bf16": 0, "tiny-b": 17}.get(name, 29))
         text = dict(spec["text"], eos_token_id=0, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
                     max_position_embeddings=4096, rms_norm_eps=1e-6)
         cfg = Qwen3_5MoeTextConfig(**text)
