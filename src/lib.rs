@@ -5,6 +5,7 @@
 //! sampler → detokenizer → reasoning / tool-call parsers → server. See `../shared/DESIGN.md`.
 
 pub mod bench;
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod engine;
