@@ -41,7 +41,10 @@ pub struct ParamError {
 
 impl ParamError {
     fn new(param: &'static str, message: impl Into<String>) -> Self {
-        Self { param, message: message.into() }
+        Self {
+            param,
+            message: message.into(),
+        }
     }
 }
 
@@ -49,9 +52,15 @@ impl ParamError {
 #[derive(Debug, thiserror::Error)]
 pub enum GenerationConfigError {
     #[error("cannot read {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path} is not valid JSON for a generation config: {source}")]
-    Json { path: String, source: serde_json::Error },
+    Json {
+        path: String,
+        source: serde_json::Error,
+    },
     #[error("{path}: {source}")]
     Value { path: String, source: ParamError },
 }
@@ -154,7 +163,10 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Greedy decoding with nothing else set (tests, `lily generate`).
     pub fn greedy() -> Self {
-        Self { temperature: 0.0, ..Self::default() }
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -215,16 +227,25 @@ impl SamplingParams {
 
         let max_tokens = match opts.max_tokens.or(defaults.max_new_tokens) {
             Some(n) if n < 1 => {
-                return Err(ParamError::new("max_tokens", format!("must be at least 1, got {n}")))
+                return Err(ParamError::new(
+                    "max_tokens",
+                    format!("must be at least 1, got {n}"),
+                ))
             }
             Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
             None => None,
         };
 
         // An empty stop string would end every request at once; vLLM drops them too.
-        let stop: Vec<String> = opts.stop.iter().filter(|s| !s.is_empty()).cloned().collect();
+        let stop: Vec<String> = opts
+            .stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .cloned()
+            .collect();
 
-        let mut stop_token_ids = Vec::with_capacity(opts.stop_token_ids.len() + defaults.eos_token_ids.len());
+        let mut stop_token_ids =
+            Vec::with_capacity(opts.stop_token_ids.len() + defaults.eos_token_ids.len());
         for &id in &opts.stop_token_ids {
             stop_token_ids.push(check_token_id("stop_token_ids", id, vocab_size)?);
         }
@@ -277,14 +298,20 @@ impl SamplingParams {
 fn check_temperature(t: f64) -> Result<f32, ParamError> {
     // vLLM accepts any non-negative temperature (OpenAI documents 0..2); we follow vLLM.
     if !t.is_finite() || t < 0.0 {
-        return Err(ParamError::new("temperature", format!("must be a finite number >= 0, got {t}")));
+        return Err(ParamError::new(
+            "temperature",
+            format!("must be a finite number >= 0, got {t}"),
+        ));
     }
     Ok(t as f32)
 }
 
 fn check_top_p(p: f64) -> Result<f32, ParamError> {
     if !(p > 0.0 && p <= 1.0) {
-        return Err(ParamError::new("top_p", format!("must be in (0, 1], got {p}")));
+        return Err(ParamError::new(
+            "top_p",
+            format!("must be in (0, 1], got {p}"),
+        ));
     }
     Ok(p as f32)
 }
@@ -293,27 +320,39 @@ fn check_top_k(k: i64) -> Result<Option<usize>, ParamError> {
     match k {
         -1 | 0 => Ok(None),
         k if k > 0 => Ok(Some(usize::try_from(k).unwrap_or(usize::MAX))),
-        k => Err(ParamError::new("top_k", format!("must be -1, 0 (disabled) or positive, got {k}"))),
+        k => Err(ParamError::new(
+            "top_k",
+            format!("must be -1, 0 (disabled) or positive, got {k}"),
+        )),
     }
 }
 
 fn check_min_p(p: f64) -> Result<f32, ParamError> {
     if !(0.0..=1.0).contains(&p) {
-        return Err(ParamError::new("min_p", format!("must be in [0, 1], got {p}")));
+        return Err(ParamError::new(
+            "min_p",
+            format!("must be in [0, 1], got {p}"),
+        ));
     }
     Ok(p as f32)
 }
 
 fn check_openai_penalty(param: &'static str, v: f64) -> Result<f32, ParamError> {
     if !(-2.0..=2.0).contains(&v) {
-        return Err(ParamError::new(param, format!("must be in [-2, 2], got {v}")));
+        return Err(ParamError::new(
+            param,
+            format!("must be in [-2, 2], got {v}"),
+        ));
     }
     Ok(v as f32)
 }
 
 fn check_repetition_penalty(v: f64) -> Result<f32, ParamError> {
     if !v.is_finite() || v <= 0.0 {
-        return Err(ParamError::new("repetition_penalty", format!("must be > 0, got {v}")));
+        return Err(ParamError::new(
+            "repetition_penalty",
+            format!("must be > 0, got {v}"),
+        ));
     }
     Ok(v as f32)
 }
@@ -321,7 +360,10 @@ fn check_repetition_penalty(v: f64) -> Result<f32, ParamError> {
 fn check_token_id(param: &'static str, id: i64, vocab_size: usize) -> Result<u32, ParamError> {
     match u32::try_from(id) {
         Ok(t) if (t as usize) < vocab_size => Ok(t),
-        _ => Err(ParamError::new(param, format!("token id {id} is outside the vocabulary (size {vocab_size})"))),
+        _ => Err(ParamError::new(
+            param,
+            format!("token id {id} is outside the vocabulary (size {vocab_size})"),
+        )),
     }
 }
 
@@ -381,35 +423,49 @@ impl GenerationDefaults {
     /// Read `<model_dir>/generation_config.json`; a missing file means "no model defaults".
     pub fn load(model_dir: &Path) -> Result<Self, GenerationConfigError> {
         let path = model_dir.join(Self::FILE_NAME);
-        let shown = path.display().to_string();
         match std::fs::read_to_string(&path) {
-            Ok(text) => Self::from_json(&text).map_err(|e| match e {
-                GenerationConfigError::Json { source, .. } => GenerationConfigError::Json { path: shown, source },
-                GenerationConfigError::Value { source, .. } => GenerationConfigError::Value { path: shown, source },
-                other => other,
-            }),
+            Ok(text) => Self::parse(&text, &path.display().to_string()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
-            Err(source) => Err(GenerationConfigError::Io { path: shown, source }),
+            Err(source) => Err(GenerationConfigError::Io {
+                path: path.display().to_string(),
+                source,
+            }),
         }
     }
 
     /// Parse the file's text. Values are range-checked now, so a bad file fails at start-up rather
     /// than in every request that relies on it.
     pub fn from_json(text: &str) -> Result<Self, GenerationConfigError> {
-        let name = Self::FILE_NAME.to_string();
-        let raw: RawGenerationConfig = serde_json::from_str(text)
-            .map_err(|source| GenerationConfigError::Json { path: name.clone(), source })?;
+        Self::parse(text, Self::FILE_NAME)
+    }
+
+    /// `path` only names the file in errors.
+    fn parse(text: &str, path: &str) -> Result<Self, GenerationConfigError> {
+        let raw: RawGenerationConfig =
+            serde_json::from_str(text).map_err(|source| GenerationConfigError::Json {
+                path: path.to_string(),
+                source,
+            })?;
         let check = || -> Result<(), ParamError> {
             raw.temperature.map(check_temperature).transpose()?;
             raw.top_p.map(check_top_p).transpose()?;
             raw.top_k.map(check_top_k).transpose()?;
             raw.min_p.map(check_min_p).transpose()?;
-            raw.repetition_penalty.map(check_repetition_penalty).transpose()?;
-            raw.presence_penalty.map(|v| check_openai_penalty("presence_penalty", v)).transpose()?;
-            raw.frequency_penalty.map(|v| check_openai_penalty("frequency_penalty", v)).transpose()?;
+            raw.repetition_penalty
+                .map(check_repetition_penalty)
+                .transpose()?;
+            raw.presence_penalty
+                .map(|v| check_openai_penalty("presence_penalty", v))
+                .transpose()?;
+            raw.frequency_penalty
+                .map(|v| check_openai_penalty("frequency_penalty", v))
+                .transpose()?;
             Ok(())
         };
-        check().map_err(|source| GenerationConfigError::Value { path: name, source })?;
+        check().map_err(|source| GenerationConfigError::Value {
+            path: path.to_string(),
+            source,
+        })?;
         Ok(Self {
             temperature: raw.temperature,
             top_p: raw.top_p,
@@ -502,7 +558,7 @@ impl Sampler {
             argmax(&self.work)
         } else {
             self.prepare_distribution(logits)?;
-            let probs = self.work_probs();
+            let probs = self.candidate_probs();
             self.draw(&probs)
         };
         self.finish_step(token, logits)
@@ -512,7 +568,10 @@ impl Sampler {
     /// see it and, if asked, report its logprobs like any other token.
     pub fn force(&mut self, token: u32, logits: &[f32]) -> Result<Sampled, SampleError> {
         if token as usize >= logits.len() {
-            return Err(SampleError::TokenOutOfRange { token, vocab: logits.len() });
+            return Err(SampleError::TokenOutOfRange {
+                token,
+                vocab: logits.len(),
+            });
         }
         self.finish_step(token, logits)
     }
@@ -526,7 +585,7 @@ impl Sampler {
             return Ok(vec![(argmax(&self.work), 1.0)]);
         }
         self.prepare_distribution(logits)?;
-        let probs = self.work_probs();
+        let probs = self.candidate_probs();
         Ok(self.candidates.iter().copied().zip(probs).collect())
     }
 
@@ -573,12 +632,19 @@ impl Sampler {
     fn prepare_distribution(&mut self, logits: &[f32]) -> Result<(), SampleError> {
         self.prepare(logits)?;
         let p = &self.params;
-        select_candidates(&self.work, p.temperature, p.min_p, p.top_k, p.top_p, &mut self.candidates);
+        select_candidates(
+            &self.work,
+            p.temperature,
+            p.min_p,
+            p.top_k,
+            p.top_p,
+            &mut self.candidates,
+        );
         Ok(())
     }
 
     /// Softmax at the request's temperature over the current candidates, in candidate order.
-    fn work_probs(&self) -> Vec<f64> {
+    fn candidate_probs(&self) -> Vec<f64> {
         softmax_over(&self.work, &self.candidates, self.params.temperature)
     }
 
@@ -633,7 +699,9 @@ fn argmax(values: &[f32]) -> u32 {
 /// Order for "more likely first": higher logit first, then lower token id. A total order, so
 /// partial selection and sorting give the same answer every time.
 fn more_likely(logits: &[f32], a: u32, b: u32) -> std::cmp::Ordering {
-    logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+    logits[b as usize]
+        .total_cmp(&logits[a as usize])
+        .then(a.cmp(&b))
 }
 
 /// Fill `out` with the tokens that survive min-p, then top-k, then top-p — vLLM's order
@@ -655,7 +723,11 @@ fn select_candidates(
     out: &mut Vec<u32>,
 ) {
     let l_max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let threshold = if min_p > 0.0 { l_max + temperature * min_p.ln() } else { f32::NEG_INFINITY };
+    let threshold = if min_p > 0.0 {
+        l_max + temperature * min_p.ln()
+    } else {
+        f32::NEG_INFINITY
+    };
     out.clear();
     out.extend(
         (0..logits.len() as u32)
@@ -679,7 +751,10 @@ fn select_candidates(
 /// wasteful when the nucleus is a few dozen, so sort a growing prefix found by partial selection
 /// until it holds enough mass.
 fn truncate_top_p(logits: &[f32], temperature: f32, top_p: f32, cands: &mut Vec<u32>) {
-    let l_max = cands.iter().map(|&t| logits[t as usize]).fold(f32::NEG_INFINITY, f32::max);
+    let l_max = cands
+        .iter()
+        .map(|&t| logits[t as usize])
+        .fold(f32::NEG_INFINITY, f32::max);
     let weight = |t: u32| softmax_weight(logits[t as usize], l_max, temperature);
     let total: f64 = cands.iter().map(|&t| weight(t)).sum();
     let target = top_p as f64 * total;
@@ -714,24 +789,45 @@ fn softmax_weight(logit: f32, l_max: f32, temperature: f32) -> f64 {
 }
 
 fn softmax_over(logits: &[f32], tokens: &[u32], temperature: f32) -> Vec<f64> {
-    let l_max = tokens.iter().map(|&t| logits[t as usize]).fold(f32::NEG_INFINITY, f32::max);
-    let weights: Vec<f64> = tokens.iter().map(|&t| softmax_weight(logits[t as usize], l_max, temperature)).collect();
+    let l_max = tokens
+        .iter()
+        .map(|&t| logits[t as usize])
+        .fold(f32::NEG_INFINITY, f32::max);
+    let weights: Vec<f64> = tokens
+        .iter()
+        .map(|&t| softmax_weight(logits[t as usize], l_max, temperature))
+        .collect();
     let total: f64 = weights.iter().sum();
     weights.into_iter().map(|w| w / total).collect()
 }
 
 /// Raw log-softmax of the model's logits: the chosen token's value and the `n` most likely.
 /// `scratch` is a reusable index buffer.
-fn raw_logprobs(logits: &[f32], token: u32, n: usize, scratch: &mut Vec<u32>) -> Result<TokenLogprobs, SampleError> {
+fn raw_logprobs(
+    logits: &[f32],
+    token: u32,
+    n: usize,
+    scratch: &mut Vec<u32>,
+) -> Result<TokenLogprobs, SampleError> {
     if token as usize >= logits.len() {
-        return Err(SampleError::TokenOutOfRange { token, vocab: logits.len() });
+        return Err(SampleError::TokenOutOfRange {
+            token,
+            vocab: logits.len(),
+        });
     }
     let logit = |t: u32| sanitize(logits[t as usize]);
-    let l_max = logits.iter().copied().map(sanitize).fold(f32::NEG_INFINITY, f32::max);
+    let l_max = logits
+        .iter()
+        .copied()
+        .map(sanitize)
+        .fold(f32::NEG_INFINITY, f32::max);
     if l_max == f32::NEG_INFINITY {
         return Err(SampleError::NoFiniteLogits);
     }
-    let sum: f64 = logits.iter().map(|&l| ((sanitize(l) - l_max) as f64).exp()).sum();
+    let sum: f64 = logits
+        .iter()
+        .map(|&l| ((sanitize(l) - l_max) as f64).exp())
+        .sum();
     let log_z = l_max as f64 + sum.ln();
     let logprob = |t: u32| (logit(t) as f64 - log_z) as f32;
 
@@ -747,7 +843,10 @@ fn raw_logprobs(logits: &[f32], token: u32, n: usize, scratch: &mut Vec<u32>) ->
         scratch[..n].sort_unstable_by(order);
         top.extend(scratch[..n].iter().map(|&t| (t, logprob(t))));
     }
-    Ok(TokenLogprobs { logprob: logprob(token), top })
+    Ok(TokenLogprobs {
+        logprob: logprob(token),
+        top,
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -844,27 +943,43 @@ impl StopChecker {
     /// after it is discarded and further calls return nothing.
     pub fn push_text(&mut self, text: &str) -> StopText {
         if self.stopped {
-            return StopText { text: String::new(), stopped: true };
+            return StopText {
+                text: String::new(),
+                stopped: true,
+            };
         }
         if self.stop_strings.is_empty() {
-            return StopText { text: text.to_string(), stopped: false };
+            return StopText {
+                text: text.to_string(),
+                stopped: false,
+            };
         }
         self.held.push_str(text);
 
         // The held part contained no complete stop string, so any match ends in the new text;
         // searching the whole (short) held buffer is simplest and finds the earliest one.
-        let earliest = self.stop_strings.iter().filter_map(|s| self.held.find(s.as_str())).min();
+        let earliest = self
+            .stop_strings
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min();
         if let Some(start) = earliest {
             self.held.truncate(start);
             self.stopped = true;
-            return StopText { text: std::mem::take(&mut self.held), stopped: true };
+            return StopText {
+                text: std::mem::take(&mut self.held),
+                stopped: true,
+            };
         }
 
         let keep = longest_suffix_prefix(&self.held, &self.stop_strings);
         let release = self.held.len() - keep;
         let text = self.held[..release].to_string();
         self.held.replace_range(..release, "");
-        StopText { text, stopped: false }
+        StopText {
+            text,
+            stopped: false,
+        }
     }
 
     /// Release the held-back tail at the end of generation (it turned out not to be a stop string).
@@ -885,7 +1000,10 @@ fn longest_suffix_prefix(text: &str, stops: &[String]) -> usize {
             let start = bytes.len() - len;
             // Comparing bytes is safe: a UTF-8 prefix can only equal a suffix that starts on a
             // character boundary, so the held-back part is always whole characters.
-            text.is_char_boundary(start) && stops.iter().any(|s| s.as_bytes().starts_with(&bytes[start..]))
+            text.is_char_boundary(start)
+                && stops
+                    .iter()
+                    .any(|s| s.as_bytes().starts_with(&bytes[start..]))
         })
         .unwrap_or(0)
 }
@@ -933,7 +1051,13 @@ impl ThinkingBudget {
     /// `thinking`: the prompt ends inside `<think>` (the template's default). With thinking off the
     /// budget only applies if the model opens `<think>` itself as its first token.
     pub fn new(ids: ThinkTokens, thinking: bool, budget: Option<usize>) -> Self {
-        Self { ids, budget, thinking, state: ThinkState::Start, reasoning_tokens: 0 }
+        Self {
+            ids,
+            budget,
+            thinking,
+            state: ThinkState::Start,
+            reasoning_tokens: 0,
+        }
     }
 
     pub fn reasoning_tokens(&self) -> usize {
@@ -957,7 +1081,11 @@ impl ThinkingBudget {
 
     pub fn observe(&mut self, token: u32) {
         if self.state == ThinkState::Start {
-            self.state = if self.thinking { ThinkState::Reasoning } else { ThinkState::Done };
+            self.state = if self.thinking {
+                ThinkState::Reasoning
+            } else {
+                ThinkState::Done
+            };
             if token == self.ids.think_start {
                 // A model that opens `<think>` itself (older templates): the tag is not reasoning.
                 self.state = ThinkState::Reasoning;
@@ -966,9 +1094,13 @@ impl ThinkingBudget {
         }
         match self.state {
             ThinkState::Reasoning if token == self.ids.think_end => self.state = ThinkState::Done,
-            ThinkState::Reasoning if token == self.ids.tool_call_start => self.state = ThinkState::ToolCall,
+            ThinkState::Reasoning if token == self.ids.tool_call_start => {
+                self.state = ThinkState::ToolCall
+            }
             ThinkState::Reasoning => self.reasoning_tokens += 1,
-            ThinkState::ToolCall if token == self.ids.tool_call_end => self.state = ThinkState::Reasoning,
+            ThinkState::ToolCall if token == self.ids.tool_call_end => {
+                self.state = ThinkState::Reasoning
+            }
             ThinkState::Start | ThinkState::ToolCall | ThinkState::Done => {}
         }
     }

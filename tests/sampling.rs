@@ -12,11 +12,20 @@ use rand::{RngExt, SeedableRng};
 const QWEN_VOCAB: usize = 248_320;
 
 fn random_logits(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| (rng.random::<f32>() - 0.5) * 2.0 * scale).collect()
+    (0..n)
+        .map(|_| (rng.random::<f32>() - 0.5) * 2.0 * scale)
+        .collect()
 }
 
 fn params(temperature: f32, top_k: Option<usize>, top_p: f32, min_p: f32) -> SamplingParams {
-    SamplingParams { temperature, top_k, top_p, min_p, seed: Some(1), ..SamplingParams::default() }
+    SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed: Some(1),
+        ..SamplingParams::default()
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -30,8 +39,17 @@ fn reference_distribution(logits: &[f32], p: &SamplingParams) -> BTreeMap<u32, f
     let mut alive: Vec<bool> = scaled.iter().map(|l| l.is_finite()).collect();
 
     let softmax = |alive: &[bool]| -> Vec<f64> {
-        let max = scaled.iter().zip(alive).filter(|(_, &a)| a).map(|(l, _)| *l).fold(f64::NEG_INFINITY, f64::max);
-        let w: Vec<f64> = scaled.iter().zip(alive).map(|(l, &a)| if a { (l - max).exp() } else { 0.0 }).collect();
+        let max = scaled
+            .iter()
+            .zip(alive)
+            .filter(|(_, &a)| a)
+            .map(|(l, _)| *l)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scaled
+            .iter()
+            .zip(alive)
+            .map(|(l, &a)| if a { (l - max).exp() } else { 0.0 })
+            .collect();
         let z: f64 = w.iter().sum();
         w.into_iter().map(|x| x / z).collect()
     };
@@ -46,7 +64,12 @@ fn reference_distribution(logits: &[f32], p: &SamplingParams) -> BTreeMap<u32, f
         }
     }
     if let Some(k) = p.top_k {
-        let mut sorted: Vec<f64> = scaled.iter().zip(&alive).filter(|(_, &a)| a).map(|(l, _)| *l).collect();
+        let mut sorted: Vec<f64> = scaled
+            .iter()
+            .zip(&alive)
+            .filter(|(_, &a)| a)
+            .map(|(l, _)| *l)
+            .collect();
         sorted.sort_by(|a, b| b.total_cmp(a));
         if k < sorted.len() {
             let kth = sorted[k - 1];
@@ -71,7 +94,10 @@ fn reference_distribution(logits: &[f32], p: &SamplingParams) -> BTreeMap<u32, f
         }
     }
     let probs = softmax(&alive);
-    (0..logits.len()).filter(|&i| alive[i]).map(|i| (i as u32, probs[i])).collect()
+    (0..logits.len())
+        .filter(|&i| alive[i])
+        .map(|i| (i as u32, probs[i]))
+        .collect()
 }
 
 fn assert_same_distribution(got: Vec<(u32, f64)>, want: &BTreeMap<u32, f64>, what: &str) {
@@ -80,10 +106,16 @@ fn assert_same_distribution(got: Vec<(u32, f64)>, want: &BTreeMap<u32, f64>, wha
     let want_keys: Vec<_> = want.keys().collect();
     assert_eq!(got_keys, want_keys, "{what}: different candidate sets");
     let total: f64 = got.values().sum();
-    assert!((total - 1.0).abs() < 1e-9, "{what}: probabilities sum to {total}");
+    assert!(
+        (total - 1.0).abs() < 1e-9,
+        "{what}: probabilities sum to {total}"
+    );
     for (t, &q) in &got {
         let r = want[t];
-        assert!((q - r).abs() <= 1e-5 * r.max(1e-12) + 1e-12, "{what}: token {t}: {q} vs reference {r}");
+        assert!(
+            (q - r).abs() <= 1e-5 * r.max(1e-12) + 1e-12,
+            "{what}: token {t}: {q} vs reference {r}"
+        );
     }
 }
 
@@ -121,14 +153,20 @@ fn top_p_on_full_vocabulary_matches_reference() {
         let logits = random_logits(&mut rng, QWEN_VOCAB, scale);
         let p = params(1.0, None, top_p, 0.0);
         let got = Sampler::new(&p, &[]).distribution(&logits).unwrap();
-        assert_same_distribution(got, &reference_distribution(&logits, &p), &format!("scale {scale} top_p {top_p}"));
+        assert_same_distribution(
+            got,
+            &reference_distribution(&logits, &p),
+            &format!("scale {scale} top_p {top_p}"),
+        );
     }
 }
 
 #[test]
 fn top_k_keeps_ties_at_the_boundary() {
     let logits = [1.0, 3.0, 2.0, 2.0, 0.5];
-    let d = Sampler::new(&params(1.0, Some(2), 1.0, 0.0), &[]).distribution(&logits).unwrap();
+    let d = Sampler::new(&params(1.0, Some(2), 1.0, 0.0), &[])
+        .distribution(&logits)
+        .unwrap();
     let mut tokens: Vec<u32> = d.iter().map(|&(t, _)| t).collect();
     tokens.sort();
     assert_eq!(tokens, vec![1, 2, 3]);
@@ -138,13 +176,31 @@ fn top_k_keeps_ties_at_the_boundary() {
 fn greedy_is_argmax_with_lowest_index_on_ties() {
     let mut s = Sampler::new(&SamplingParams::greedy(), &[]);
     assert_eq!(s.sample(&[0.1, 5.0, -1.0, 5.0, 4.9]).unwrap().token, 1);
-    assert_eq!(s.sample(&[f32::NAN, -3.0, f32::NEG_INFINITY, -2.0]).unwrap().token, 3);
+    assert_eq!(
+        s.sample(&[f32::NAN, -3.0, f32::NEG_INFINITY, -2.0])
+            .unwrap()
+            .token,
+        3
+    );
     // Temperatures below 1e-5 are greedy too (vLLM); top-k / top-p do not change the argmax.
-    let p = SamplingParams { temperature: 1e-6, top_k: Some(3), top_p: 0.1, ..SamplingParams::default() };
+    let p = SamplingParams {
+        temperature: 1e-6,
+        top_k: Some(3),
+        top_p: 0.1,
+        ..SamplingParams::default()
+    };
     let logits = random_logits(&mut StdRng::seed_from_u64(3), QWEN_VOCAB, 10.0);
-    let best = logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0))).unwrap().0;
+    let best = logits
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0)))
+        .unwrap()
+        .0;
     for _ in 0..3 {
-        assert_eq!(Sampler::new(&p, &[]).sample(&logits).unwrap().token as usize, best);
+        assert_eq!(
+            Sampler::new(&p, &[]).sample(&logits).unwrap().token as usize,
+            best
+        );
     }
 }
 
@@ -170,12 +226,12 @@ fn logit_bias_and_penalties_follow_vllm() {
     // Expected, by hand: bias, then repetition (prompt + output: 0,1,2,3), then frequency/presence
     // on output counts (2: twice, 3: once).
     let expected = [
-        2.0 / 2.0,                  // prompt token, positive
-        -1.0 * 2.0,                 // prompt token, negative
+        2.0 / 2.0,                    // prompt token, positive
+        -2.0,                         // prompt token, negative: -1 * 2
         3.0 / 2.0 - 2.0 * 0.25 - 0.5, // output twice
-        1.0 / 2.0 - 0.25 - 0.5,     // output once
-        0.5 + 1.5,                  // biased, unseen
-        -0.5,                       // untouched
+        1.0 / 2.0 - 0.25 - 0.5,       // output once
+        0.5 + 1.5,                    // biased, unseen
+        -0.5,                         // untouched
     ];
     let want = reference_distribution(&expected, &SamplingParams::default());
     assert_same_distribution(s.distribution(&logits).unwrap(), &want, "penalised");
@@ -184,9 +240,17 @@ fn logit_bias_and_penalties_follow_vllm() {
 #[test]
 fn same_seed_same_tokens_different_seed_different_tokens() {
     let mut rng = StdRng::seed_from_u64(99);
-    let steps: Vec<Vec<f32>> = (0..64).map(|_| random_logits(&mut rng, 5000, 2.0)).collect();
+    let steps: Vec<Vec<f32>> = (0..64)
+        .map(|_| random_logits(&mut rng, 5000, 2.0))
+        .collect();
     let run = |seed: u64| -> Vec<u32> {
-        let p = SamplingParams { temperature: 1.0, top_p: 0.95, top_k: Some(50), seed: Some(seed), ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.95,
+            top_k: Some(50),
+            seed: Some(seed),
+            ..Default::default()
+        };
         let mut s = Sampler::new(&p, &[]);
         steps.iter().map(|l| s.sample(l).unwrap().token).collect()
     };
@@ -197,9 +261,17 @@ fn same_seed_same_tokens_different_seed_different_tokens() {
 #[test]
 fn draws_follow_the_distribution() {
     let logits = [0.0f32, 1.0, 2.0, -1.0, -30.0];
-    let p = SamplingParams { seed: Some(42), ..SamplingParams::default() };
+    let p = SamplingParams {
+        seed: Some(42),
+        ..SamplingParams::default()
+    };
     let mut s = Sampler::new(&p, &[]);
-    let probs: Vec<f64> = s.distribution(&logits).unwrap().iter().map(|&(_, q)| q).collect();
+    let probs: Vec<f64> = s
+        .distribution(&logits)
+        .unwrap()
+        .iter()
+        .map(|&(_, q)| q)
+        .collect();
     let n = 40_000;
     let mut counts = [0usize; 5];
     // Penalties are off, so recording each draw does not change the distribution.
@@ -209,14 +281,24 @@ fn draws_follow_the_distribution() {
     for (i, &q) in probs.iter().enumerate() {
         let expected = q * n as f64;
         let sigma = (n as f64 * q * (1.0 - q)).sqrt().max(1.0);
-        assert!((counts[i] as f64 - expected).abs() < 5.0 * sigma, "token {i}: {} draws, expected {expected}", counts[i]);
+        assert!(
+            (counts[i] as f64 - expected).abs() < 5.0 * sigma,
+            "token {i}: {} draws, expected {expected}",
+            counts[i]
+        );
     }
 }
 
 #[test]
 fn logprobs_are_raw_model_logprobs() {
     let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
-    let p = SamplingParams { temperature: 0.5, top_k: Some(1), top_logprobs: Some(3), seed: Some(3), ..Default::default() };
+    let p = SamplingParams {
+        temperature: 0.5,
+        top_k: Some(1),
+        top_logprobs: Some(3),
+        seed: Some(3),
+        ..Default::default()
+    };
     let sampled = Sampler::new(&p, &[]).sample(&logits).unwrap();
     let lse = logits.iter().map(|&l| (l as f64).exp()).sum::<f64>().ln();
     let lp = |t: usize| (logits[t] as f64 - lse) as f32;
@@ -235,11 +317,23 @@ fn logprobs_are_raw_model_logprobs() {
 fn bad_logits_are_errors_not_panics() {
     let mut s = Sampler::new(&SamplingParams::default(), &[]);
     assert_eq!(s.sample(&[]), Err(SampleError::EmptyLogits));
-    assert_eq!(s.sample(&[f32::NAN, f32::NEG_INFINITY]), Err(SampleError::NoFiniteLogits));
-    assert!(matches!(s.force(10, &[0.0; 4]), Err(SampleError::TokenOutOfRange { token: 10, vocab: 4 })));
+    assert_eq!(
+        s.sample(&[f32::NAN, f32::NEG_INFINITY]),
+        Err(SampleError::NoFiniteLogits)
+    );
+    assert!(matches!(
+        s.force(10, &[0.0; 4]),
+        Err(SampleError::TokenOutOfRange {
+            token: 10,
+            vocab: 4
+        })
+    ));
     // +inf must not turn into NaN probabilities.
     let d = s.distribution(&[0.0, f32::INFINITY, 1.0]).unwrap();
-    assert!(d.iter().all(|&(t, q)| q == if t == 1 { 1.0 } else { 0.0 }), "{d:?}");
+    assert!(
+        d.iter().all(|&(t, q)| q == if t == 1 { 1.0 } else { 0.0 }),
+        "{d:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -253,22 +347,118 @@ fn resolve(opts: SamplingOptions) -> Result<SamplingParams, ParamError> {
 #[test]
 fn validation_names_the_bad_parameter() {
     let cases: Vec<(SamplingOptions, &str)> = vec![
-        (SamplingOptions { temperature: Some(-0.1), ..Default::default() }, "temperature"),
-        (SamplingOptions { temperature: Some(f64::NAN), ..Default::default() }, "temperature"),
-        (SamplingOptions { top_p: Some(0.0), ..Default::default() }, "top_p"),
-        (SamplingOptions { top_p: Some(1.01), ..Default::default() }, "top_p"),
-        (SamplingOptions { top_k: Some(-2), ..Default::default() }, "top_k"),
-        (SamplingOptions { min_p: Some(1.5), ..Default::default() }, "min_p"),
-        (SamplingOptions { presence_penalty: Some(2.5), ..Default::default() }, "presence_penalty"),
-        (SamplingOptions { frequency_penalty: Some(-2.5), ..Default::default() }, "frequency_penalty"),
-        (SamplingOptions { repetition_penalty: Some(0.0), ..Default::default() }, "repetition_penalty"),
-        (SamplingOptions { max_tokens: Some(0), ..Default::default() }, "max_tokens"),
-        (SamplingOptions { logit_bias: [("abc".to_string(), 1.0)].into(), ..Default::default() }, "logit_bias"),
-        (SamplingOptions { logit_bias: [("5".to_string(), 101.0)].into(), ..Default::default() }, "logit_bias"),
-        (SamplingOptions { logit_bias: [("1000".to_string(), 1.0)].into(), ..Default::default() }, "logit_bias"),
-        (SamplingOptions { stop_token_ids: vec![-1], ..Default::default() }, "stop_token_ids"),
-        (SamplingOptions { thinking_budget: Some(-5), ..Default::default() }, "thinking_token_budget"),
-        (SamplingOptions { top_logprobs: Some(21), ..Default::default() }, "top_logprobs"),
+        (
+            SamplingOptions {
+                temperature: Some(-0.1),
+                ..Default::default()
+            },
+            "temperature",
+        ),
+        (
+            SamplingOptions {
+                temperature: Some(f64::NAN),
+                ..Default::default()
+            },
+            "temperature",
+        ),
+        (
+            SamplingOptions {
+                top_p: Some(0.0),
+                ..Default::default()
+            },
+            "top_p",
+        ),
+        (
+            SamplingOptions {
+                top_p: Some(1.01),
+                ..Default::default()
+            },
+            "top_p",
+        ),
+        (
+            SamplingOptions {
+                top_k: Some(-2),
+                ..Default::default()
+            },
+            "top_k",
+        ),
+        (
+            SamplingOptions {
+                min_p: Some(1.5),
+                ..Default::default()
+            },
+            "min_p",
+        ),
+        (
+            SamplingOptions {
+                presence_penalty: Some(2.5),
+                ..Default::default()
+            },
+            "presence_penalty",
+        ),
+        (
+            SamplingOptions {
+                frequency_penalty: Some(-2.5),
+                ..Default::default()
+            },
+            "frequency_penalty",
+        ),
+        (
+            SamplingOptions {
+                repetition_penalty: Some(0.0),
+                ..Default::default()
+            },
+            "repetition_penalty",
+        ),
+        (
+            SamplingOptions {
+                max_tokens: Some(0),
+                ..Default::default()
+            },
+            "max_tokens",
+        ),
+        (
+            SamplingOptions {
+                logit_bias: [("abc".to_string(), 1.0)].into(),
+                ..Default::default()
+            },
+            "logit_bias",
+        ),
+        (
+            SamplingOptions {
+                logit_bias: [("5".to_string(), 101.0)].into(),
+                ..Default::default()
+            },
+            "logit_bias",
+        ),
+        (
+            SamplingOptions {
+                logit_bias: [("1000".to_string(), 1.0)].into(),
+                ..Default::default()
+            },
+            "logit_bias",
+        ),
+        (
+            SamplingOptions {
+                stop_token_ids: vec![-1],
+                ..Default::default()
+            },
+            "stop_token_ids",
+        ),
+        (
+            SamplingOptions {
+                thinking_budget: Some(-5),
+                ..Default::default()
+            },
+            "thinking_token_budget",
+        ),
+        (
+            SamplingOptions {
+                top_logprobs: Some(21),
+                ..Default::default()
+            },
+            "top_logprobs",
+        ),
     ];
     for (opts, param) in cases {
         let err = resolve(opts.clone()).expect_err(&format!("{opts:?} should be rejected"));
@@ -301,7 +491,15 @@ fn accepted_edge_values() {
     assert_eq!(p.stop, vec!["END".to_string()]);
     assert_eq!(p.thinking_budget, None);
     assert_eq!(p.top_logprobs, Some(0));
-    assert_eq!(resolve(SamplingOptions { top_k: Some(0), ..Default::default() }).unwrap().top_k, None);
+    assert_eq!(
+        resolve(SamplingOptions {
+            top_k: Some(0),
+            ..Default::default()
+        })
+        .unwrap()
+        .top_k,
+        None
+    );
 }
 
 #[test]
@@ -312,7 +510,11 @@ fn generation_config_defaults_fill_what_the_request_leaves_out() {
     let d = GenerationDefaults::from_json(qwen).unwrap();
     assert_eq!(d.eos_token_ids, vec![248046, 248044]);
     let p = SamplingParams::resolve(
-        &SamplingOptions { temperature: Some(0.6), stop_token_ids: vec![5], ..Default::default() },
+        &SamplingOptions {
+            temperature: Some(0.6),
+            stop_token_ids: vec![5],
+            ..Default::default()
+        },
         &d,
         QWEN_VOCAB,
     )
@@ -323,7 +525,8 @@ fn generation_config_defaults_fill_what_the_request_leaves_out() {
     assert_eq!(p.min_p, 0.0); // built-in default
     assert_eq!(p.stop_token_ids, vec![5, 248044, 248046]);
 
-    let single = GenerationDefaults::from_json(r#"{"eos_token_id": 2, "max_new_tokens": 64}"#).unwrap();
+    let single =
+        GenerationDefaults::from_json(r#"{"eos_token_id": 2, "max_new_tokens": 64}"#).unwrap();
     assert_eq!(single.eos_token_ids, vec![2]);
     let p = SamplingParams::resolve(&SamplingOptions::default(), &single, 10).unwrap();
     assert_eq!(p.max_tokens, Some(64));
@@ -337,9 +540,19 @@ fn generation_config_defaults_fill_what_the_request_leaves_out() {
 #[test]
 fn generation_config_file_is_optional() {
     let dir = tempfile::tempdir().unwrap();
-    assert_eq!(GenerationDefaults::load(dir.path()).unwrap(), GenerationDefaults::default());
-    std::fs::write(dir.path().join("generation_config.json"), r#"{"temperature": 0.7}"#).unwrap();
-    assert_eq!(GenerationDefaults::load(dir.path()).unwrap().temperature, Some(0.7));
+    assert_eq!(
+        GenerationDefaults::load(dir.path()).unwrap(),
+        GenerationDefaults::default()
+    );
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        r#"{"temperature": 0.7}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        GenerationDefaults::load(dir.path()).unwrap().temperature,
+        Some(0.7)
+    );
     std::fs::write(dir.path().join("generation_config.json"), "[").unwrap();
     let err = GenerationDefaults::load(dir.path()).unwrap_err();
     assert!(err.to_string().contains("generation_config.json"), "{err}");
@@ -350,7 +563,10 @@ fn generation_config_file_is_optional() {
 // ---------------------------------------------------------------------------------------------
 
 fn stop_params(stops: &[&str]) -> SamplingParams {
-    SamplingParams { stop: stops.iter().map(|s| s.to_string()).collect(), ..SamplingParams::default() }
+    SamplingParams {
+        stop: stops.iter().map(|s| s.to_string()).collect(),
+        ..SamplingParams::default()
+    }
 }
 
 /// Feed `pieces` through a checker; return (shown text, stopped).
@@ -370,8 +586,13 @@ fn run_stops(stops: &[&str], pieces: &[&str]) -> (String, bool) {
 
 /// Every way of cutting `text` into two or three pieces (on char boundaries), plus one char at a time.
 fn all_splits(text: &str) -> Vec<Vec<&str>> {
-    let cuts: Vec<usize> = (0..=text.len()).filter(|&i| text.is_char_boundary(i)).collect();
-    let mut out = vec![text.char_indices().map(|(i, c)| &text[i..i + c.len_utf8()]).collect()];
+    let cuts: Vec<usize> = (0..=text.len())
+        .filter(|&i| text.is_char_boundary(i))
+        .collect();
+    let mut out = vec![text
+        .char_indices()
+        .map(|(i, c)| &text[i..i + c.len_utf8()])
+        .collect()];
     for &a in &cuts {
         out.push(vec![&text[..a], &text[a..]]);
         for &b in cuts.iter().filter(|&&b| b >= a) {
@@ -385,19 +606,48 @@ fn all_splits(text: &str) -> Vec<Vec<&str>> {
 fn stop_strings_across_every_split() {
     let cases: &[(&str, &[&str], &str, bool)] = &[
         ("Hello world. STOP here", &["STOP"], "Hello world. ", true),
-        ("no stop in this text at all", &["STOP", "\n\n"], "no stop in this text at all", false),
-        ("ends with a partial ST", &["STOP"], "ends with a partial ST", false),
-        ("overlap aab then aaab!", &["aaab"], "overlap aab then ", true),
+        (
+            "no stop in this text at all",
+            &["STOP", "\n\n"],
+            "no stop in this text at all",
+            false,
+        ),
+        (
+            "ends with a partial ST",
+            &["STOP"],
+            "ends with a partial ST",
+            false,
+        ),
+        (
+            "overlap aab then aaab!",
+            &["aaab"],
+            "overlap aab then ",
+            true,
+        ),
         ("two: xyz then abc", &["abc", "xyz"], "two: ", true),
-        ("nested: <|end|> vs <|e", &["<|e", "<|end|>"], "nested: ", true),
-        ("unicode: héllo wörld ✓ done", &["wörld ✓"], "unicode: héllo ", true),
+        (
+            "nested: <|end|> vs <|e",
+            &["<|e", "<|end|>"],
+            "nested: ",
+            true,
+        ),
+        (
+            "unicode: héllo wörld ✓ done",
+            &["wörld ✓"],
+            "unicode: héllo ",
+            true,
+        ),
         ("stop at the very start", &["stop"], "", true),
         ("line one\n\nline two", &["\n\n"], "line one", true),
     ];
     for &(text, stops, want, want_stopped) in cases {
         for pieces in all_splits(text) {
             let (shown, stopped) = run_stops(stops, &pieces);
-            assert_eq!((shown.as_str(), stopped), (want, want_stopped), "text {text:?} split {pieces:?}");
+            assert_eq!(
+                (shown.as_str(), stopped),
+                (want, want_stopped),
+                "text {text:?} split {pieces:?}"
+            );
         }
     }
 }
@@ -417,12 +667,22 @@ fn stop_text_is_never_shown_while_pending() {
     }
     assert_eq!(shown, "The answer is 4");
     // Once stopped, nothing more comes out.
-    assert_eq!(c.push_text("more"), StopText { text: String::new(), stopped: true });
+    assert_eq!(
+        c.push_text("more"),
+        StopText {
+            text: String::new(),
+            stopped: true
+        }
+    );
 }
 
 #[test]
 fn stop_tokens_and_max_tokens() {
-    let p = SamplingParams { stop_token_ids: vec![7, 9], max_tokens: Some(3), ..SamplingParams::default() };
+    let p = SamplingParams {
+        stop_token_ids: vec![7, 9],
+        max_tokens: Some(3),
+        ..SamplingParams::default()
+    };
     let mut c = StopChecker::new(&p);
     assert_eq!(c.check_token(1), TokenVerdict::Continue);
     assert_eq!(c.check_token(9), TokenVerdict::Stop);
@@ -443,7 +703,12 @@ fn stop_tokens_and_max_tokens() {
 // Thinking budget
 // ---------------------------------------------------------------------------------------------
 
-const IDS: ThinkTokens = ThinkTokens { think_start: 100, think_end: 101, tool_call_start: 102, tool_call_end: 103 };
+const IDS: ThinkTokens = ThinkTokens {
+    think_start: 100,
+    think_end: 101,
+    tool_call_start: 102,
+    tool_call_end: 103,
+};
 
 /// Drive a budget with a "model" that would emit `model` tokens in order; return what was appended.
 fn drive(thinking: bool, budget: Option<usize>, model: &[u32]) -> (Vec<u32>, ThinkingBudget) {
