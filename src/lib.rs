@@ -8,3 +8,4 @@ pub mod checkpoint;
 pub mod quant;
 pub mod model;
 pub mod sampling;
+pub mod chat;
