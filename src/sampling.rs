@@ -522,7 +522,7 @@ pub struct Sampler {
     seen: FxHashSet<u32>,
     /// Scratch buffers reused across steps so that a step allocates nothing vocabulary-sized.
     work: Vec<f32>,
-    candidates: Vec<u32>,
+    candidates: Vec<RankKey>,
 }
 
 impl Sampler {
@@ -586,7 +586,12 @@ impl Sampler {
         }
         self.prepare_distribution(logits)?;
         let probs = self.candidate_probs();
-        Ok(self.candidates.iter().copied().zip(probs).collect())
+        Ok(self
+            .candidates
+            .iter()
+            .map(|&k| key_token(k))
+            .zip(probs)
+            .collect())
     }
 
     /// Copy the logits into the work buffer and apply bias and penalties (vLLM applies the logit
@@ -652,14 +657,14 @@ impl Sampler {
     fn draw(&mut self, probs: &[f64]) -> u32 {
         let u: f64 = self.rng.random();
         let mut acc = 0.0;
-        for (&token, &p) in self.candidates.iter().zip(probs) {
+        for (&key, &p) in self.candidates.iter().zip(probs) {
             acc += p;
             if u < acc {
-                return token;
+                return key_token(key);
             }
         }
         // Rounding can leave the total a hair below 1; the last candidate takes the remainder.
-        *self.candidates.last().unwrap_or(&0)
+        self.candidates.last().map_or(0, |&k| key_token(k))
     }
 
     fn finish_step(&mut self, token: u32, logits: &[f32]) -> Result<Sampled, SampleError> {
@@ -696,12 +701,35 @@ fn argmax(values: &[f32]) -> u32 {
     best as u32
 }
 
-/// Order for "more likely first": higher logit first, then lower token id. A total order, so
-/// partial selection and sorting give the same answer every time.
-fn more_likely(logits: &[f32], a: u32, b: u32) -> std::cmp::Ordering {
-    logits[b as usize]
-        .total_cmp(&logits[a as usize])
-        .then(a.cmp(&b))
+/// A candidate token packed into one integer whose ascending order is "more likely first":
+/// the logit's bits (arranged so integer order is `f32::total_cmp` order, then inverted so larger
+/// logits come first) above the token id (lower id first on ties). Selecting and sorting plain
+/// integers is several times faster than comparing through the logits array, and the order is
+/// total, so results never depend on the algorithm's tie handling.
+type RankKey = u64;
+
+fn rank_key(logit: f32, token: u32) -> RankKey {
+    let bits = logit.to_bits() as i32;
+    // Negative floats order backwards as integers: flipping all but the sign bit fixes that.
+    let ordered = (bits ^ ((((bits >> 31) as u32) >> 1) as i32)) as u32 ^ 0x8000_0000;
+    (u64::from(!ordered) << 32) | u64::from(token)
+}
+
+fn key_token(key: RankKey) -> u32 {
+    key as u32
+}
+
+/// Keep the `n` most likely keys of `keys`, most likely first.
+fn keep_top(keys: &mut Vec<RankKey>, n: usize) {
+    if n == 0 {
+        keys.clear();
+        return;
+    }
+    if n < keys.len() {
+        keys.select_nth_unstable(n - 1);
+        keys.truncate(n);
+    }
+    keys.sort_unstable();
 }
 
 /// Fill `out` with the tokens that survive min-p, then top-k, then top-p — vLLM's order
@@ -720,7 +748,7 @@ fn select_candidates(
     min_p: f32,
     top_k: Option<usize>,
     top_p: f32,
-    out: &mut Vec<u32>,
+    out: &mut Vec<RankKey>,
 ) {
     let l_max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let threshold = if min_p > 0.0 {
@@ -730,15 +758,19 @@ fn select_candidates(
     };
     out.clear();
     out.extend(
-        (0..logits.len() as u32)
-            .filter(|&t| logits[t as usize] > f32::NEG_INFINITY && logits[t as usize] >= threshold),
+        logits
+            .iter()
+            .zip(0u32..)
+            .filter(|&(&l, _)| l > f32::NEG_INFINITY && l >= threshold)
+            .map(|(&l, t)| rank_key(l, t)),
     );
 
     if let Some(k) = top_k {
         if k < out.len() {
-            out.select_nth_unstable_by(k - 1, |&a, &b| more_likely(logits, a, b));
-            let kth = logits[out[k - 1] as usize];
-            out.retain(|&t| logits[t as usize] >= kth);
+            out.select_nth_unstable(k - 1);
+            // The upper half of a key is the logit: keep everything tied with the k-th.
+            let kth_logit = out[k - 1] >> 32;
+            out.retain(|&key| key >> 32 <= kth_logit);
         }
     }
 
@@ -750,24 +782,25 @@ fn select_candidates(
 /// Keep the nucleus of `cands` (reordered most likely first). Sorting all 248K tokens would be
 /// wasteful when the nucleus is a few dozen, so sort a growing prefix found by partial selection
 /// until it holds enough mass.
-fn truncate_top_p(logits: &[f32], temperature: f32, top_p: f32, cands: &mut Vec<u32>) {
-    let l_max = cands
-        .iter()
-        .map(|&t| logits[t as usize])
-        .fold(f32::NEG_INFINITY, f32::max);
-    let weight = |t: u32| softmax_weight(logits[t as usize], l_max, temperature);
-    let total: f64 = cands.iter().map(|&t| weight(t)).sum();
-    let target = top_p as f64 * total;
-
+fn truncate_top_p(logits: &[f32], temperature: f32, top_p: f32, cands: &mut Vec<RankKey>) {
     if cands.is_empty() {
         return;
     }
+    let logit = |key: RankKey| logits[key_token(key) as usize];
+    let l_max = cands
+        .iter()
+        .map(|&k| logit(k))
+        .fold(f32::NEG_INFINITY, f32::max);
+    let weight = |key: RankKey| softmax_weight(logit(key), l_max, temperature);
+    let total: f64 = cands.iter().map(|&k| weight(k)).sum();
+    let target = top_p as f64 * total;
+
     let mut prefix = 256.min(cands.len());
     loop {
         if prefix < cands.len() {
-            cands.select_nth_unstable_by(prefix - 1, |&a, &b| more_likely(logits, a, b));
+            cands.select_nth_unstable(prefix - 1);
         }
-        cands[..prefix].sort_unstable_by(|&a, &b| more_likely(logits, a, b));
+        cands[..prefix].sort_unstable();
         let mut before = 0.0;
         for i in 0..prefix {
             if before >= target {
@@ -788,26 +821,27 @@ fn softmax_weight(logit: f32, l_max: f32, temperature: f32) -> f64 {
     (((logit - l_max) / temperature) as f64).exp()
 }
 
-fn softmax_over(logits: &[f32], tokens: &[u32], temperature: f32) -> Vec<f64> {
-    let l_max = tokens
+fn softmax_over(logits: &[f32], cands: &[RankKey], temperature: f32) -> Vec<f64> {
+    let logit = |key: RankKey| logits[key_token(key) as usize];
+    let l_max = cands
         .iter()
-        .map(|&t| logits[t as usize])
+        .map(|&k| logit(k))
         .fold(f32::NEG_INFINITY, f32::max);
-    let weights: Vec<f64> = tokens
+    let weights: Vec<f64> = cands
         .iter()
-        .map(|&t| softmax_weight(logits[t as usize], l_max, temperature))
+        .map(|&k| softmax_weight(logit(k), l_max, temperature))
         .collect();
     let total: f64 = weights.iter().sum();
     weights.into_iter().map(|w| w / total).collect()
 }
 
 /// Raw log-softmax of the model's logits: the chosen token's value and the `n` most likely.
-/// `scratch` is a reusable index buffer.
+/// `scratch` is a reusable buffer.
 fn raw_logprobs(
     logits: &[f32],
     token: u32,
     n: usize,
-    scratch: &mut Vec<u32>,
+    scratch: &mut Vec<RankKey>,
 ) -> Result<TokenLogprobs, SampleError> {
     if token as usize >= logits.len() {
         return Err(SampleError::TokenOutOfRange {
@@ -815,7 +849,6 @@ fn raw_logprobs(
             vocab: logits.len(),
         });
     }
-    let logit = |t: u32| sanitize(logits[t as usize]);
     let l_max = logits
         .iter()
         .copied()
@@ -829,23 +862,24 @@ fn raw_logprobs(
         .map(|&l| ((sanitize(l) - l_max) as f64).exp())
         .sum();
     let log_z = l_max as f64 + sum.ln();
-    let logprob = |t: u32| (logit(t) as f64 - log_z) as f32;
+    let logprob = |t: u32| (sanitize(logits[t as usize]) as f64 - log_z) as f32;
 
-    let n = n.min(logits.len());
-    let mut top = Vec::with_capacity(n);
+    scratch.clear();
     if n > 0 {
-        scratch.clear();
-        scratch.extend(0..logits.len() as u32);
-        let order = |a: &u32, b: &u32| logit(*b).total_cmp(&logit(*a)).then(a.cmp(b));
-        if n < scratch.len() {
-            scratch.select_nth_unstable_by(n - 1, order);
-        }
-        scratch[..n].sort_unstable_by(order);
-        top.extend(scratch[..n].iter().map(|&t| (t, logprob(t))));
+        scratch.extend(
+            logits
+                .iter()
+                .zip(0u32..)
+                .map(|(&l, t)| rank_key(sanitize(l), t)),
+        );
     }
+    keep_top(scratch, n);
     Ok(TokenLogprobs {
         logprob: logprob(token),
-        top,
+        top: scratch
+            .iter()
+            .map(|&k| (key_token(k), logprob(key_token(k))))
+            .collect(),
     })
 }
 
