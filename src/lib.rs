@@ -12,3 +12,4 @@ pub mod engine;
 pub mod model;
 pub mod plot;
 pub mod quant;
+pub mod sampling;
