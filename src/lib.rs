@@ -7,3 +7,4 @@ pub mod config;
 pub mod checkpoint;
 pub mod quant;
 pub mod model;
+pub mod tokenizer;
