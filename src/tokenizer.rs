@@ -138,19 +138,21 @@ pub struct Tokenizer {
 
 /// How text becomes ids; decoding never needs this (see `Tokenizer::id_bytes`).
 enum Encoder {
-    /// Our own added-token split and NFC, then tiktoken-rs's regex split and BPE.
-    Tiktoken {
-        bpe: Box<CoreBPE>,
-        added: AddedTokenMatcher,
-    },
+    Tiktoken(Box<TiktokenEncoder>),
     /// The whole pipeline as the tokenizer.json describes it.
     HuggingFace(Box<tokenizers::Tokenizer>),
+}
+
+/// Our own added-token split and NFC, then tiktoken-rs's regex split and BPE.
+struct TiktokenEncoder {
+    bpe: CoreBPE,
+    added: AddedTokenMatcher,
 }
 
 impl fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let source = match self.encoder {
-            Encoder::Tiktoken { .. } => "tiktoken ranks",
+            Encoder::Tiktoken(_) => "tiktoken ranks",
             Encoder::HuggingFace(_) => "tokenizer.json",
         };
         f.debug_struct("Tokenizer")
@@ -207,12 +209,15 @@ impl Tokenizer {
     /// decoding maps every id to bytes.
     pub fn from_tokenizer_json(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let hf = tokenizers::Tokenizer::from_file(path).map_err(|source| {
-            TokenizerError::TokenizerJson {
-                path: path.to_path_buf(),
-                source,
-            }
-        })?;
+        let json_error = |source| TokenizerError::TokenizerJson {
+            path: path.to_path_buf(),
+            source,
+        };
+        let mut hf = tokenizers::Tokenizer::from_file(path).map_err(json_error)?;
+        // A file may carry truncation or padding settings for training; a prompt must never be
+        // silently cut or padded.
+        hf.with_truncation(None).map_err(json_error)?;
+        hf.with_padding(None);
 
         let vocab = hf.get_vocab(false);
         let added_tokens = hf.get_added_tokens_decoder();
@@ -321,10 +326,10 @@ impl Tokenizer {
             .map_err(|e| TokenizerError::Setup(e.to_string()))?;
 
         Ok(Self {
-            encoder: Encoder::Tiktoken {
-                bpe: Box::new(bpe),
+            encoder: Encoder::Tiktoken(Box::new(TiktokenEncoder {
+                bpe,
                 added: AddedTokenMatcher::new(&added),
-            },
+            })),
             id_bytes,
             added,
         })
@@ -333,23 +338,24 @@ impl Tokenizer {
     /// Encodes text into token ids. Added tokens are recognised anywhere in the text; no BOS or
     /// EOS is added (the chat template writes every special token itself).
     ///
-    /// Fails only if the regex engine gives up (its backtracking limit), which is reported rather
-    /// than silently tokenising differently.
+    /// Fails only if the tokenizing machinery reports an error (tiktoken's regex engine hitting
+    /// its backtracking limit, say); it never panics on any input.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match &self.encoder {
             Encoder::HuggingFace(hf) => hf
                 .encode_fast(text, false)
                 .map(|encoding| encoding.get_ids().to_vec())
                 .map_err(|e| TokenizerError::Encode(e.to_string())),
-            Encoder::Tiktoken { bpe, added } => {
+            Encoder::Tiktoken(tiktoken) => {
                 // No added token is "allowed" inside the pieces: they were all cut out already.
                 let none_allowed = HashSet::new();
                 let mut ids = Vec::new();
-                for piece in added.split(text) {
+                for piece in tiktoken.added.split(text) {
                     match piece {
                         Piece::Added(id) => ids.push(id),
                         Piece::Text(text) => {
-                            let (piece_ids, _) = bpe
+                            let (piece_ids, _) = tiktoken
+                                .bpe
                                 .encode(&nfc(text), &none_allowed)
                                 .map_err(|e| TokenizerError::Encode(e.message))?;
                             ids.extend(piece_ids);
@@ -525,7 +531,9 @@ fn parse_tiktoken(data: &[u8]) -> Result<Vec<Vec<u8>>, ParseError> {
             .parse()
             .map_err(|_| fail(format!("rank {rank:?} is not a non-negative integer")))?;
         if let Some((_, first_line)) = by_rank.get(&rank) {
-            return Err(fail(format!("rank {rank} was already given on line {first_line}")));
+            return Err(fail(format!(
+                "rank {rank} was already given on line {first_line}"
+            )));
         }
         if let Some(first_line) = rank_of_token.insert(token.clone(), line) {
             return Err(fail(format!(
@@ -617,11 +625,7 @@ fn learn_merges(text: &str, count: usize) -> Vec<Vec<u8>> {
             }
         }
         // Highest count; among equals the first (smallest) pair, since max_by_key keeps the last.
-        let Some((&(left, right), _)) = pair_counts
-            .iter()
-            .rev()
-            .max_by_key(|(_, &n)| n)
-        else {
+        let Some((&(left, right), _)) = pair_counts.iter().rev().max_by_key(|(_, &n)| n) else {
             break; // every word is a single token: nothing left to learn
         };
         let merged = [tokens[left as usize].as_slice(), &tokens[right as usize]].concat();
@@ -772,8 +776,7 @@ impl IncrementalDecoder {
 
 /// Whether `bytes` is the start of a valid UTF-8 character that needs more bytes.
 fn is_incomplete_char(bytes: &[u8]) -> bool {
-    !bytes.is_empty()
-        && matches!(std::str::from_utf8(bytes), Err(e) if e.error_len().is_none())
+    !bytes.is_empty() && matches!(std::str::from_utf8(bytes), Err(e) if e.error_len().is_none())
 }
 
 #[cfg(test)]
