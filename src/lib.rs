@@ -13,3 +13,4 @@ pub mod model;
 pub mod plot;
 pub mod quant;
 pub mod sampling;
+pub mod tokenizer;
