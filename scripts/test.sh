@@ -4,5 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+echo "== tokenizer.json of the real vocabulary (transformers' converter, pinned)"
+tools/ci-tokenizer-json.sh
+
 echo "== CPU tests"
 cargo test
