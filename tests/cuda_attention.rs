@@ -470,7 +470,8 @@ fn prefill_matches_cpu() {
         let s = seed.wrapping_add(1000 * case as u64);
         // Every other case fills the cache to the last row.
         let capacity = start + t + if case % 2 == 0 { 0 } else { 29 };
-        println!("T = {t}, start = {start}, capacity {capacity}");
+        let (splits, chunk) = g.kernels.prefill_split(t, start + t);
+        println!("T = {t}, start = {start}, capacity {capacity}: {splits} key splits of {chunk}");
         let mut cache = poisoned_cache(&g, slots, layers, capacity);
         let mut host = HostCache::new(capacity);
         random_prefix(&g, &mut cache, &mut host, slot, layer, start, s);

@@ -4,9 +4,11 @@
 //
 //   attn_prepare          per token: q/k RMSNorm (effective weight 1+w), RoPE, K/V cache append
 //   attn_prefill          T new tokens of one sequence over its cache: causal flash attention
-//                         (tensor cores, mma.sync m16n8k16 bf16), output gate fused
+//                         (tensor cores, mma.sync m16n8k16 bf16), output gate fused; for short
+//                         chunks at long context also split over the keys
 //   attn_decode_split     one new token per sequence: flash-decoding over a chunk of the cache
-//   attn_decode_combine   merges the chunks of attn_decode_split, applies the output gate
+//   attn_combine          merges the key chunks of a split attn_decode_split or attn_prefill,
+//                         applies the output gate
 //
 // Input of every kernel: the fused projection `qkv` of each token, 9216 bf16 values laid out as
 // q_proj's output (16 heads × [query 256 ‖ gate 256]) then k (2 × 256) then v (2 × 256).
@@ -213,6 +215,12 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
 //   O += P·V, P taken straight from the S accumulators as bf16 A fragments, V by ldmatrix.trans.
 // O (16 × 256 fp32 per warp) lives in registers: 128 per thread.
 // Blocks run in reverse token order, so the longest (latest) rows start first.
+//
+// Split over keys: a chunk of few tokens at a long context would be a handful of blocks each
+// streaming the whole cache. Then the host launches gridDim.z = nsplit > 1 blocks per 8 tokens,
+// block z taking keys [z·chunk, (z+1)·chunk) (chunk a multiple of 32, the same for all blocks),
+// and the blocks write unnormalised partials like attn_decode_split (row = token) for
+// attn_combine. Token i (position start + i) has visible keys in splits 0 .. (start + i) / chunk.
 
 #define PF_THREADS 128
 #define PF_TOKENS 8
@@ -224,12 +232,16 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
 
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
     attn_prefill(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
-                 int start, int T, bf16* __restrict__ out, float scale_log2) {
+                 int start, int T, bf16* __restrict__ out, float scale_log2, int chunk,
+                 float* __restrict__ part_o, float* __restrict__ part_ml) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const int mt = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y;
+    const int mt = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     const int t0 = mt * PF_TOKENS;
     const int kv_len = start + min(t0 + PF_TOKENS, T);  // keys any row of this block may see
-    const int ntiles = (kv_len + PF_TILE - 1) / PF_TILE;
+    const int k0 = split * chunk;                        // this block's keys: k0 .. k1 - 1
+    if (k0 >= kv_len) return;
+    const int k1 = gridDim.z == 1 ? kv_len : min(k0 + chunk, kv_len);
+    const int ntiles = (k1 - k0 + PF_TILE - 1) / PF_TILE;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const bf16* kg = c.k + cache_offset(c, slot, kvh);
     const bf16* vg = c.v + cache_offset(c, slot, kvh);
@@ -242,12 +254,12 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
         const bf16* src = q + ((u64)(ok ? tok : 0) * N_QHEADS + kvh * GROUP + r % GROUP) * HEAD_DIM + part * 8;
         cp_async16(sq + r * ROW_BYTES + part * 16, src, ok);
     }
-    // K/V tile j into stage s; keys ≥ kv_len are zero rows (and masked below).
+    // K/V tile j (keys k0 + 32j ..) into stage s; keys ≥ k1 are zero rows (and masked below).
     auto load_kv = [&](int j, int s) {
         const u32 sk = sq + PF_Q_BYTES + s * PF_STAGE_BYTES, sv = sk + PF_TILE * ROW_BYTES;
         for (int i = tid; i < PF_TILE * 32; i += PF_THREADS) {
-            const int r = i >> 5, part = i & 31, key = j * PF_TILE + r;
-            const bool ok = key < kv_len;
+            const int r = i >> 5, part = i & 31, key = k0 + j * PF_TILE + r;
+            const bool ok = key < k1;
             const u64 off = (u64)(ok ? key : 0) * HEAD_DIM + part * 8;
             cp_async16(sk + r * ROW_BYTES + part * 16, kg + off, ok);
             cp_async16(sv + r * ROW_BYTES + part * 16, vg + off, ok);
@@ -293,13 +305,14 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
                 mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
         }
-        // Scale into the log2 domain and mask: row g sees keys ≤ pos_lo, row g + 8 keys ≤ pos_hi.
+        // Scale into the log2 domain and mask: row g sees keys ≤ pos_lo, row g + 8 keys ≤ pos_hi
+        // (keys ≥ k1 are beyond both, for every row of a real token).
         float mx_lo = NEG_INF, mx_hi = NEG_INF;
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const int key = j * PF_TILE + n * 8 + 2 * t + e;
+                const int key = k0 + j * PF_TILE + n * 8 + 2 * t + e;
                 s[n][e] = key <= pos_lo ? s[n][e] * scale_log2 : NEG_INF;
                 s[n][2 + e] = key <= pos_hi ? s[n][2 + e] * scale_log2 : NEG_INF;
                 mx_lo = fmaxf(mx_lo, s[n][e]);
@@ -356,13 +369,31 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
         }
     }
 
-    // Epilogue: out = O / l · sigmoid(gate), for the rows of real tokens.
+    // Epilogue, for the rows of real tokens: out = O / l · sigmoid(gate), or the partials.
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {
         l_lo += __shfl_xor_sync(0xffffffffu, l_lo, off);
         l_hi += __shfl_xor_sync(0xffffffffu, l_hi, off);
     }
     const int head = kvh * GROUP + g;
+    if (gridDim.z > 1) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int tok = t0 + 2 * warp + half;
+            // Rows with no visible key here (position < k0) are never read by attn_combine.
+            if (tok >= T) continue;
+            const u64 entry = ((u64)tok * N_QHEADS + head) * gridDim.z + split;
+            float* po = part_o + entry * HEAD_DIM;
+#pragma unroll
+            for (int n = 0; n < 32; ++n)
+                *reinterpret_cast<float2*>(po + n * 8 + 2 * t) = make_float2(o[n][2 * half], o[n][2 * half + 1]);
+            if (t == 0) {
+                part_ml[entry * 2] = half ? m_hi : m_lo;
+                part_ml[entry * 2 + 1] = half ? l_hi : l_lo;
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int tok = t0 + 2 * warp + half;
@@ -384,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
 // ---------------------------------------------------------------------------------------------
 // attn_decode_split: flash-decoding. Grid (max_splits, 2 KV heads, batch). Block (split, kvh, b)
 // attends the 8 query heads of KV head kvh of sequence b over one chunk of its len = pos + 1
-// cached keys and writes unnormalised partial results for attn_decode_combine:
+// cached keys and writes unnormalised partial results for attn_combine:
 //   part_o [batch][16][max_splits][256]: Σ_k exp2(s_k − m) v_k       (fp32)
 //   part_ml[batch][16][max_splits][2]:   m (running max, log2 domain) and l = Σ_k exp2(s_k − m)
 //
@@ -425,7 +456,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     __shared__ float s_m[DEC_WARPS][GROUP], s_l[DEC_WARPS][GROUP];
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const int slot = slots[b], pos = positions[b];
-    if (!in_cache(c, slot, pos)) return;  // attn_decode_combine writes NaN for this sequence
+    if (!in_cache(c, slot, pos)) return;  // attn_combine writes NaN for this sequence
     const int len = pos + 1, chunk = split_chunk(len, max_splits);
     const int k0 = split * chunk;
     if (k0 >= len) return;
@@ -594,9 +625,12 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// attn_decode_combine: grid (16 heads, batch), 256 threads. Merges the nsplit partial results of
-// one (sequence, head): with M = max m_s and w_s = exp2(m_s − M),
-//   o = Σ w_s part_o_s / Σ w_s l_s,   out[b][256·h + d] = bf16(o[d] · sigmoid(gate[b][h][d])).
+// attn_combine: grid (16 heads, rows), 256 threads. Merges the partial results of one (row, head)
+// over the key chunks that hold keys it sees: with M = max m_s and w_s = exp2(m_s − M),
+//   o = Σ w_s part_o_s / Σ w_s l_s,   out[row][256·h + d] = bf16(o[d] · sigmoid(gate[row][h][d])).
+// Decode (positions given): row b is a sequence at positions[b], chunks as split_chunk picks them.
+// Prefill (positions null): row i is token i at position start + i, chunks of `chunk` keys.
+// Either way the row's position pos sees chunks 0 .. pos / chunk.
 // Thread s first holds split s's (m, l) for the block-wide max and sum; then 4 groups of 64
 // threads, one float4 of dims each, sum every 4th split, and group 0 adds the 4 up.
 
@@ -626,21 +660,24 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 }
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
-    attn_decode_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                        const bf16* __restrict__ qkv, const KvCacheArgs c, const int* __restrict__ slots,
-                        const int* __restrict__ positions, bf16* __restrict__ out, int max_splits) {
+    attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml, const bf16* __restrict__ qkv,
+                 const KvCacheArgs c, const int* __restrict__ slots, const int* __restrict__ positions,
+                 bf16* __restrict__ out, int max_splits, int start, int chunk) {
     __shared__ float s_w[DEC_MAX_SPLITS];
     __shared__ float4 s_acc[4][64];
     __shared__ float scratch[COMBINE_THREADS / 32];
     const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
     bf16* dst = out + (u64)b * N_QHEADS * HEAD_DIM + h * HEAD_DIM;
-    const int slot = slots[b], pos = positions[b];
-    if (!in_cache(c, slot, pos)) {
-        dst[tid] = __float2bfloat16_rn(__int_as_float(0x7fc00000));  // NaN: see in_cache
-        return;
+    int pos = start + b;
+    if (positions) {
+        pos = positions[b];
+        if (!in_cache(c, slots[b], pos)) {
+            dst[tid] = __float2bfloat16_rn(__int_as_float(0x7fc00000));  // NaN: see in_cache
+            return;
+        }
+        chunk = split_chunk(pos + 1, max_splits);
     }
-    const int len = pos + 1, chunk = split_chunk(len, max_splits);
-    const int nsplit = (len + chunk - 1) / chunk;
+    const int nsplit = pos / chunk + 1;
     const u64 row = (u64)b * N_QHEADS + h;
 
     float m = NEG_INF, l = 0.0f;

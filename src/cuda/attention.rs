@@ -16,7 +16,8 @@
 //!
 //! Decode is split-KV (flash-decoding): the cached keys of a sequence are cut into chunks that
 //! fill the GPU (see [`AttentionKernels::decode_splits`]), each chunk is attended by one block,
-//! and a second kernel merges the chunks.
+//! and a second kernel merges the chunks. Prefill splits the keys the same way when its chunk is
+//! too short to fill the GPU by itself (see [`AttentionKernels::prefill_split`]).
 
 use std::sync::Arc;
 
@@ -44,12 +45,16 @@ const PREP_WARPS: usize = 4;
 const PF_TOKENS: usize = 8;
 const PF_THREADS: usize = 128;
 const PF_SMEM_BYTES: usize = 101_376;
+const PF_TILE: usize = 32;
+/// The fewest keys a split of prefill attention takes (eight tiles); to be tuned.
+const PF_MIN_CHUNK: usize = 256;
 const DEC_THREADS: usize = 128;
 const DEC_TILE: usize = 64;
 const DEC_SMEM_BYTES: usize = 202_752;
 /// Static shared memory of attn_decode_split (its per-warp max and sum), on top of the dynamic part.
 const DEC_STATIC_SMEM_BYTES: usize = 256;
-const DEC_MAX_SPLITS: usize = 256;
+/// The most key splits one (row, head) can have: attn_combine's thread count.
+const MAX_SPLITS: usize = 256;
 const COMBINE_THREADS: usize = 256;
 
 /// The KV caches of the attention layers for a pool of `slots` sequences of up to `capacity`
@@ -188,11 +193,12 @@ impl KvCache {
 }
 
 /// Scratch memory of the attention kernels, allocated once: the normalised, rotated queries and
-/// the partial results of split-KV decode.
+/// the partial results of split-KV attention.
 pub struct AttentionWorkspace {
     /// `[tokens][16][256]` bf16: the queries attn_prepare writes for the attention kernels.
     q: CudaSlice<bf16>,
-    /// Decode partials: `[batch][16][splits][256]` fp32 sums and `[batch][16][splits][2]` (max, sum).
+    /// Partials of split attention: `[row][16][splits][256]` fp32 sums and `[row][16][splits][2]`
+    /// (max, sum), a row being a decode sequence or a prefill token.
     part_o: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
     /// Rows of `q`: the larger of the longest prefill chunk and the largest decode batch.
@@ -215,22 +221,25 @@ impl AttentionWorkspace {
             "AttentionWorkspace: nothing to hold"
         );
         let q_rows = max_tokens.max(max_batch).max(1);
-        // Split counts fall as the batch grows; the product peaks somewhere in between.
-        let partials = (1..=max_batch)
-            .map(|b| b * Q_HEADS * kernels.decode_splits(b, max_capacity))
-            .max()
-            .unwrap_or(0)
-            .max(1);
+        // Split counts fall as the rows grow; the product peaks somewhere in between.
+        let decode = (1..=max_batch).map(|b| b * kernels.decode_splits(b, max_capacity));
+        // (A prefill of one split writes its output directly, without partials.)
+        let prefill =
+            (1..=max_tokens).map(|t| match kernels.prefill_split_limit(t, max_capacity) {
+                1 => 0,
+                splits => t * splits,
+            });
+        let partials = Q_HEADS * decode.chain(prefill).max().unwrap_or(0).max(1);
         let stream = &kernels.stream;
         let q = stream
             .alloc_zeros::<bf16>(q_rows * Q_HEADS * HEAD_DIM)
             .during(|| "allocating attention queries".into())?;
         let part_o = stream
             .alloc_zeros::<f32>(partials * HEAD_DIM)
-            .during(|| "allocating decode partials".into())?;
+            .during(|| "allocating attention partials".into())?;
         let part_ml = stream
             .alloc_zeros::<f32>(partials * 2)
-            .during(|| "allocating decode partials".into())?;
+            .during(|| "allocating attention partials".into())?;
         Ok(Self {
             q,
             part_o,
@@ -251,7 +260,7 @@ pub struct AttentionKernels {
     prepare: CudaFunction,
     prefill: CudaFunction,
     decode_split: CudaFunction,
-    decode_combine: CudaFunction,
+    combine: CudaFunction,
     rope: RopeFreqs,
     eps: f32,
     /// 1/√256 · log2(e): the kernels' softmax runs in the log2 domain (exp2).
@@ -304,7 +313,7 @@ impl AttentionKernels {
             prepare: load("attn_prepare", 0)?,
             prefill: load("attn_prefill", PF_SMEM_BYTES)?,
             decode_split: load("attn_decode_split", DEC_SMEM_BYTES)?,
-            decode_combine: load("attn_decode_combine", 0)?,
+            combine: load("attn_combine", 0)?,
             rope: RopeFreqs { inv_freq },
             eps: config.rms_norm_eps,
             scale_log2: (HEAD_DIM as f32).sqrt().recip() * std::f32::consts::LOG2_E,
@@ -323,8 +332,32 @@ impl AttentionKernels {
     /// (To be tuned on the H200: a minimum chunk, two blocks per SM.)
     pub fn decode_splits(&self, batch: usize, capacity: usize) -> usize {
         let fill = self.sm_count.div_ceil(KV_HEADS * batch.max(1));
-        fill.min(capacity.div_ceil(DEC_TILE))
-            .clamp(1, DEC_MAX_SPLITS)
+        fill.min(capacity.div_ceil(DEC_TILE)).clamp(1, MAX_SPLITS)
+    }
+
+    /// How prefill attention of `tokens` new tokens over `kv` keys (the last new position + 1)
+    /// is split over the keys: `(splits, chunk)`, split z taking keys `z·chunk .. (z+1)·chunk`.
+    /// One split (chunk = kv) when the 8-token blocks of both KV heads give every SM one;
+    /// otherwise about that many blocks, chunks of at least 256 keys, a multiple of 32. E.g. on
+    /// 132 SMs: 5 tokens after 4000 → 16 splits of 256 keys; 64 after 4000 → 9 of 480; 300 → 2;
+    /// 4096 → 1. (To be tuned on the H200.)
+    pub fn prefill_split(&self, tokens: usize, kv: usize) -> (usize, usize) {
+        let splits = self.prefill_split_limit(tokens, kv);
+        if splits == 1 {
+            return (1, kv);
+        }
+        let chunk = kv.div_ceil(splits).next_multiple_of(PF_TILE);
+        (kv.div_ceil(chunk), chunk)
+    }
+
+    /// The split count before rounding the chunk, which can only lower it; it grows with `kv`,
+    /// so it bounds the splits of any shorter context too (the workspace is sized by it).
+    fn prefill_split_limit(&self, tokens: usize, kv: usize) -> usize {
+        let blocks = tokens.div_ceil(PF_TOKENS) * KV_HEADS;
+        self.sm_count
+            .div_ceil(blocks)
+            .min(kv.div_ceil(PF_MIN_CHUNK))
+            .clamp(1, MAX_SPLITS)
     }
 
     /// Prefill: `T = qkv.len() / QKV_WIDTH` new tokens of the sequence in `slot`, at positions
@@ -378,14 +411,23 @@ impl AttentionKernels {
             "attention prefill: positions {start}..{start}+{t} exceed the cache capacity {}",
             cache.capacity
         );
+        let (splits, chunk) = self.prefill_split(t, start + t);
+        ensure!(
+            splits == 1 || t * Q_HEADS * splits <= ws.partials,
+            "attention prefill: {t} tokens with {splits} key splits need {} partials, the \
+             workspace has {} (make it with this cache's capacity)",
+            t * Q_HEADS * splits,
+            ws.partials
+        );
         self.check_common(qkv, q_norm, k_norm, out)?;
         let (rows, slot, start) = (as_i32(t, "tokens")?, slot as i32, start as i32);
+        let (splits_i, chunk) = (splits as i32, chunk as i32);
 
         let stream = &*self.stream;
         let (c, _guards) = cache.args(stream, layer);
         let null = 0u64; // no device slots/positions: prefill passes them as scalars
         let pf_cfg = LaunchConfig {
-            grid_dim: (t.div_ceil(PF_TOKENS) as u32, KV_HEADS as u32, 1),
+            grid_dim: (t.div_ceil(PF_TOKENS) as u32, KV_HEADS as u32, splits as u32),
             block_dim: (PF_THREADS as u32, 1, 1),
             shared_mem_bytes: PF_SMEM_BYTES as u32,
         };
@@ -419,9 +461,30 @@ impl AttentionKernels {
                 &slot,
                 &start,
                 &rows,
-                out,
-                &self.scale_log2
-            )
+                &mut *out,
+                &self.scale_log2,
+                &chunk,
+                &mut ws.part_o,
+                &mut ws.part_ml
+            )?;
+            if splits > 1 {
+                launch!(
+                    stream,
+                    &self.combine,
+                    combine_config(t),
+                    &ws.part_o,
+                    &ws.part_ml,
+                    qkv,
+                    &c,
+                    &null,
+                    &null,
+                    out,
+                    &splits_i,
+                    &start,
+                    &chunk
+                )?;
+            }
+            Ok(())
         }
     }
 
@@ -495,11 +558,6 @@ impl AttentionKernels {
             block_dim: (DEC_THREADS as u32, 1, 1),
             shared_mem_bytes: DEC_SMEM_BYTES as u32,
         };
-        let combine_cfg = LaunchConfig {
-            grid_dim: (Q_HEADS as u32, b as u32, 1),
-            block_dim: (COMBINE_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         // SAFETY: the checks above bound every host-known index; the kernels check each
         // sequence's slot and position against the cache before using them.
         unsafe {
@@ -533,10 +591,11 @@ impl AttentionKernels {
                 &splits_i,
                 &self.scale_log2
             )?;
+            // start and chunk are unused: with positions, attn_combine takes both from the device.
             launch!(
                 stream,
-                &self.decode_combine,
-                combine_cfg,
+                &self.combine,
+                combine_config(b),
                 &ws.part_o,
                 &ws.part_ml,
                 qkv,
@@ -544,7 +603,9 @@ impl AttentionKernels {
                 slots,
                 positions,
                 out,
-                &splits_i
+                &splits_i,
+                &zero,
+                &zero
             )
         }
     }
@@ -565,6 +626,15 @@ impl AttentionKernels {
         ensure_aligned(q_norm, &self.stream, "attention q_norm")?;
         ensure_aligned(k_norm, &self.stream, "attention k_norm")?;
         ensure_aligned(out, &self.stream, "attention out")
+    }
+}
+
+/// attn_combine: one block per (row, head).
+fn combine_config(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (Q_HEADS as u32, rows as u32, 1),
+        block_dim: (COMBINE_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 
