@@ -1,5 +1,7 @@
 //! Every way weights arrive, mapped onto one canonical set of weights ([`crate::model::Weights`]).
 
+pub mod mlx;
+pub mod mlx_write;
 pub mod safetensors;
 pub mod synth;
 pub mod tensor;
@@ -30,12 +32,17 @@ pub enum CheckpointError {
     Shape { tensor: String, file: String, expected: Vec<usize>, found: Vec<usize> },
     #[error("{file}: tensor `{tensor}` has dtype {found}, expected {expected}")]
     DType { tensor: String, file: String, expected: String, found: String },
+    #[error("{file}: tensor `{tensor}` {message}")]
+    Quantization { tensor: String, file: String, message: String },
 }
 
-/// Loads `config.json` and the weights of the checkpoint in `dir`.
+/// Loads `config.json` and the weights of the checkpoint in `dir` (Hugging Face or MLX layout).
 pub fn load(dir: &Path) -> Result<Weights, CheckpointError> {
     let config = ModelConfig::from_dir(dir)?;
     let store = safetensors::open_dir(dir)?;
+    if mlx::is_mlx_layout(&store) {
+        return mlx::load(dir, config, &store);
+    }
     from_store(config, &store)
 }
 

@@ -6,6 +6,10 @@
 //! gain 1), the GDN gated-norm weight 1, `A_log = ln U(1, 16)`, `dt_bias = 1`, conv weights
 //! U(−1/√K, 1/√K). Tensors are generated in parallel chunks and streamed to disk, so a
 //! full-size model never sits in memory.
+//!
+//! With `--quant`, the same values (rounded to the chosen dtype) are quantised on the fly and
+//! written in the MLX layout: byte for byte what `lily quantize` makes of the unquantised
+//! checkpoint with the same seed.
 
 use std::io::Write;
 use std::path::Path;
@@ -13,13 +17,17 @@ use std::path::Path;
 use rayon::prelude::*;
 use serde_json::{json, Value};
 
+use super::mlx::{self, Plan, PlanOptions};
+use super::mlx_write::{self, Values};
 use super::tensor::DType;
+use super::CheckpointError;
 use crate::config::ModelConfig;
+use crate::quant::{self, Affine};
 
 /// Shards are cut at about this many bytes by default.
 pub const SHARD_BYTES: usize = 4 << 30;
-/// Elements generated per parallel task.
-const CHUNK: usize = 1 << 22;
+/// Elements generated per parallel task; each chunk of each tensor has its own random stream.
+pub const CHUNK: usize = 1 << 22;
 
 /// The configuration presets `lily synth --config` knows by name.
 pub fn preset(name: &str) -> Option<Value> {
@@ -192,6 +200,14 @@ fn fill(init: Init, seed: u64, out: &mut [f32]) {
     }
 }
 
+/// Chunk `ci` (`n` values) of tensor number `index` of the spec list.
+fn chunk_values(init: Init, index: usize, ci: usize, seed: u64, n: usize) -> Vec<f32> {
+    let mut vals = vec![0f32; n];
+    let stream = seed ^ ((index as u64) << 32) ^ ci as u64;
+    fill(init, stream.wrapping_mul(0x2545_F491_4F6C_DD1D), &mut vals);
+    vals
+}
+
 fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
     match dtype {
         DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
@@ -206,11 +222,7 @@ pub fn write_checkpoint(config_json: &Value, out: &Path, seed: u64, dtype: DType
     let config = ModelConfig::from_json(config_json)?;
     let specs = tensor_specs(&config);
     std::fs::create_dir_all(out)?;
-    let mut cfg = config_json.clone();
-    let dtype_name = if dtype == DType::BF16 { "bfloat16" } else { "float32" };
-    if let Some(tc) = cfg.get_mut("text_config").and_then(Value::as_object_mut) {
-        tc.insert("dtype".into(), json!(dtype_name));
-    }
+    let cfg = with_dtype(config_json, dtype);
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
 
     // Plan shards.
@@ -261,13 +273,7 @@ pub fn write_checkpoint(config_json: &Value, out: &Path, seed: u64, dtype: DType
             for w0 in (0..chunks).step_by(window) {
                 let encoded: Vec<Vec<u8>> = (w0..(w0 + window).min(chunks))
                     .into_par_iter()
-                    .map(|ci| {
-                        let n = CHUNK.min(numel - ci * CHUNK);
-                        let mut vals = vec![0f32; n];
-                        let stream = seed ^ ((i as u64) << 32) ^ ci as u64;
-                        fill(s.init, stream.wrapping_mul(0x2545_F491_4F6C_DD1D), &mut vals);
-                        encode(&vals, dtype)
-                    })
+                    .map(|ci| encode(&chunk_values(s.init, i, ci, seed, CHUNK.min(numel - ci * CHUNK)), dtype))
                     .collect();
                 for e in encoded {
                     f.write_all(&e)?;
@@ -281,4 +287,72 @@ pub fn write_checkpoint(config_json: &Value, out: &Path, seed: u64, dtype: DType
     let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
     std::fs::write(out.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
     Ok(total)
+}
+
+/// `config_json` with `text_config.dtype` naming `dtype`.
+fn with_dtype(config_json: &Value, dtype: DType) -> Value {
+    let mut cfg = config_json.clone();
+    let dtype_name = if dtype == DType::BF16 { "bfloat16" } else { "float32" };
+    if let Some(tc) = cfg.get_mut("text_config").and_then(Value::as_object_mut) {
+        tc.insert("dtype".into(), json!(dtype_name));
+    }
+    cfg
+}
+
+/// The MLX checkpoint `write_mlx_checkpoint` writes for `config_json` (a full config.json
+/// value), planned from the shapes alone: its size is known without writing it.
+pub fn mlx_plan(config_json: &Value, dtype: DType, q: Affine) -> anyhow::Result<Plan> {
+    let config = ModelConfig::from_json(config_json)?;
+    let cfg = with_dtype(config_json, dtype);
+    Ok(mlx::plan(
+        &config,
+        &PlanOptions { source_prefix: "model.language_model.", quant: q, cast_to: mlx::conversion_dtype(&cfg), source_dtype: &|_| dtype },
+    ))
+}
+
+/// Writes a random checkpoint of `config_json` in the MLX layout, quantised with `q`: the
+/// values of `write_checkpoint` with the same seed and dtype, converted as `mlx_lm.convert -q`
+/// converts. Returns the bytes of tensor data written.
+pub fn write_mlx_checkpoint(config_json: &Value, out: &Path, seed: u64, dtype: DType, q: Affine, shard_bytes: usize, progress: bool) -> anyhow::Result<usize> {
+    let config = ModelConfig::from_json(config_json)?;
+    let plan = mlx_plan(config_json, dtype, q)?;
+    let values = SynthValues {
+        specs: tensor_specs(&config).into_iter().enumerate().map(|(i, s)| (s.name, (i, s.init, s.shape.iter().product()))).collect(),
+        seed,
+        dtype,
+    };
+    let cfg = mlx::converted_config(&with_dtype(config_json, dtype), None, &plan.quantization);
+    mlx_write::write(&plan, &values, &cfg, out, shard_bytes, progress)
+}
+
+/// The values `write_checkpoint` writes, drawn on demand: per tensor name, its index in the spec
+/// list (which seeds its streams), its initialisation and its number of elements.
+struct SynthValues {
+    specs: std::collections::HashMap<String, (usize, Init, usize)>,
+    seed: u64,
+    dtype: DType,
+}
+
+impl Values for SynthValues {
+    fn read(&self, name: &str, start: usize, out: &mut [f32]) -> Result<(), CheckpointError> {
+        let &(index, init, numel) =
+            self.specs.get(name).ok_or_else(|| CheckpointError::Missing { tensor: name.to_string(), location: "the synthetic model".into() })?;
+        let end = start + out.len();
+        assert!(end <= numel, "read past the end of {name}");
+        let mut pos = start;
+        while pos < end {
+            let ci = pos / CHUNK;
+            let first = ci * CHUNK;
+            let vals = chunk_values(init, index, ci, self.seed, CHUNK.min(numel - first));
+            let take = (first + vals.len()).min(end) - pos;
+            for (o, v) in out[pos - start..pos - start + take].iter_mut().zip(&vals[pos - first..]) {
+                *o = quant::round_to(*v, self.dtype);
+            }
+            pos += take;
+        }
+        Ok(())
+    }
+    fn dtype(&self, _name: &str) -> Result<DType, CheckpointError> {
+        Ok(self.dtype)
+    }
 }

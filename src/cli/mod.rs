@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod generate;
 mod inspect;
+mod quantize;
 mod synth;
 
 #[derive(Parser)]
@@ -19,6 +20,8 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Show a checkpoint's configuration, formats, parameter counts and memory needs.
     Inspect(inspect::InspectArgs),
+    /// Quantise a Hugging Face checkpoint into an MLX one (affine, as mlx_lm.convert -q).
+    Quantize(quantize::QuantizeArgs),
     /// Write a random-weight checkpoint in the official layout.
     Synth(synth::SynthArgs),
 }
@@ -27,6 +30,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Quantize(a) => quantize::run(a),
         Command::Synth(a) => synth::run(a),
     }
 }
