@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod generate;
 mod inspect;
+mod quantize;
 mod synth;
 
 #[derive(Parser)]
@@ -22,6 +23,8 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Show a checkpoint's configuration, formats, parameter counts and memory needs.
     Inspect(inspect::InspectArgs),
+    /// Quantise a Hugging Face checkpoint into an MLX one (affine, as mlx_lm.convert -q).
+    Quantize(quantize::QuantizeArgs),
     /// Write a random-weight checkpoint in the official layout.
     Synth(synth::SynthArgs),
 }
@@ -31,6 +34,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(a) => bench::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Inspect(a) => inspect::run(a),
+        Command::Quantize(a) => quantize::run(a),
         Command::Synth(a) => synth::run(a),
     }
 }
