@@ -21,11 +21,26 @@ fn main() -> anyhow::Result<()> {
     let vocab = weights.config.vocab_size;
     let mut tensors = Vec::new();
     for (p, prompt) in prompts.iter().enumerate() {
-        let ids: Vec<u32> = prompt.split(',').map(|s| s.trim().parse().with_context(|| format!("prompt {p}: `{s}` is not a token id"))).collect::<Result<_, _>>()?;
-        anyhow::ensure!(ids.iter().all(|&i| (i as usize) < vocab), "prompt {p}: a token id is ≥ the vocabulary size {vocab}");
+        let ids: Vec<u32> = prompt
+            .split(',')
+            .map(|s| {
+                s.trim()
+                    .parse()
+                    .with_context(|| format!("prompt {p}: `{s}` is not a token id"))
+            })
+            .collect::<Result<_, _>>()?;
+        anyhow::ensure!(
+            ids.iter().all(|&i| (i as usize) < vocab),
+            "prompt {p}: a token id is ≥ the vocabulary size {vocab}"
+        );
         let mut state = SequenceState::new(&weights.config);
         let logits = forward(&weights, &ids, &mut state, Logits::All);
-        tensors.push((format!("p{p}.logits"), DType::F32, vec![ids.len(), vocab], logits.iter().flat_map(|v| v.to_le_bytes()).collect()));
+        tensors.push((
+            format!("p{p}.logits"),
+            DType::F32,
+            vec![ids.len(), vocab],
+            logits.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ));
     }
     safetensors::write_file(&PathBuf::from(out), &tensors)?;
     Ok(())

@@ -31,7 +31,11 @@ pub enum QuantError {
     #[error("{bits}-bit affine codes are not supported (supported: 2, 4 and 8 bits, packed into u32 words)")]
     Bits { bits: u32 },
     #[error("group size {group_size} is not a positive multiple of {per_word} (the {bits}-bit codes in one u32 word)")]
-    GroupSize { group_size: usize, bits: u32, per_word: usize },
+    GroupSize {
+        group_size: usize,
+        bits: u32,
+        per_word: usize,
+    },
     #[error("group size {group_size} does not divide the {cols} columns")]
     Columns { group_size: usize, cols: usize },
 }
@@ -51,14 +55,21 @@ impl Affine {
         }
         let per_word = (32 / bits) as usize;
         if group_size == 0 || group_size % per_word != 0 {
-            return Err(QuantError::GroupSize { group_size, bits, per_word });
+            return Err(QuantError::GroupSize {
+                group_size,
+                bits,
+                per_word,
+            });
         }
         Ok(Affine { bits, group_size })
     }
     /// Whether a matrix with `cols` columns can use these parameters.
     pub fn check_cols(&self, cols: usize) -> Result<(), QuantError> {
         if cols % self.group_size != 0 {
-            return Err(QuantError::Columns { group_size: self.group_size, cols });
+            return Err(QuantError::Columns {
+                group_size: self.group_size,
+                cols,
+            });
         }
         Ok(())
     }
@@ -112,7 +123,10 @@ pub fn pack(codes: &[u8], bits: u32, words: &mut [u32]) {
     let per_word = (32 / bits) as usize;
     debug_assert_eq!(codes.len(), words.len() * per_word);
     for (w, chunk) in words.iter_mut().zip(codes.chunks_exact(per_word)) {
-        *w = chunk.iter().enumerate().fold(0, |acc, (i, &c)| acc | (c as u32) << (bits as usize * i));
+        *w = chunk
+            .iter()
+            .enumerate()
+            .fold(0, |acc, (i, &c)| acc | (c as u32) << (bits as usize * i));
     }
 }
 
@@ -130,7 +144,14 @@ pub fn unpack(words: &[u32], bits: u32, codes: &mut [u8]) {
 
 /// Quantises one row (a whole number of groups), appending the packed words (little-endian
 /// bytes) to `packed` and the scales and biases, in `dtype`, to `scales` and `biases`.
-pub fn quantize_row(row: &[f32], q: Affine, dtype: DType, packed: &mut Vec<u8>, scales: &mut Vec<u8>, biases: &mut Vec<u8>) {
+pub fn quantize_row(
+    row: &[f32],
+    q: Affine,
+    dtype: DType,
+    packed: &mut Vec<u8>,
+    scales: &mut Vec<u8>,
+    biases: &mut Vec<u8>,
+) {
     debug_assert_eq!(row.len() % q.group_size, 0);
     let mut codes = vec![0u8; q.group_size];
     let mut words = vec![0u32; q.group_size / q.per_word()];
@@ -153,7 +174,12 @@ pub struct Quantized {
 }
 
 /// Quantises a row-major matrix of `cols` columns, with scales and biases stored in `dtype`.
-pub fn quantize(values: &[f32], cols: usize, q: Affine, dtype: DType) -> Result<Quantized, QuantError> {
+pub fn quantize(
+    values: &[f32],
+    cols: usize,
+    q: Affine,
+    dtype: DType,
+) -> Result<Quantized, QuantError> {
     q.check_cols(cols)?;
     let rows = values.len() / cols.max(1);
     let mut out = Quantized {
@@ -162,7 +188,14 @@ pub fn quantize(values: &[f32], cols: usize, q: Affine, dtype: DType) -> Result<
         biases: Vec::with_capacity(rows * q.groups_per_row(cols) * dtype.size()),
     };
     for row in values.chunks_exact(cols) {
-        quantize_row(row, q, dtype, &mut out.packed, &mut out.scales, &mut out.biases);
+        quantize_row(
+            row,
+            q,
+            dtype,
+            &mut out.packed,
+            &mut out.scales,
+            &mut out.biases,
+        );
     }
     Ok(out)
 }

@@ -9,8 +9,16 @@ fn chart_is_a_valid_png_with_the_series_drawn() {
         x_label: "context (tokens)".into(),
         y_label: "tok/s".into(),
         series: vec![
-            Series { name: "lily".into(), color: PALETTE[0], points: vec![(256.0, 1500.0), (4096.0, 1300.0), (131072.0, 700.0)] },
-            Series { name: "peer".into(), color: PALETTE[1], points: vec![(256.0, 200.0), (4096.0, 180.0)] },
+            Series {
+                name: "lily".into(),
+                color: PALETTE[0],
+                points: vec![(256.0, 1500.0), (4096.0, 1300.0), (131072.0, 700.0)],
+            },
+            Series {
+                name: "peer".into(),
+                color: PALETTE[1],
+                points: vec![(256.0, 200.0), (4096.0, 180.0)],
+            },
         ],
     };
     let png = chart.to_png();

@@ -32,32 +32,216 @@ fn case(k: u32) -> Vec<f32> {
                 f32::from_bits(bits << 16)
             }
             2 => -((1 + i % 13) as f32) * 2f32.powi(-8),
-            3 => if i < 64 { 0.25 } else { 0.0 },
+            3 => {
+                if i < 64 {
+                    0.25
+                } else {
+                    0.0
+                }
+            }
             _ => ((i * 7) % 31) as f32 * 0.5 * 2f32.powi(-6),
         })
         .collect()
 }
 
 const GOLDEN: &[Golden] = &[
-    Golden { case: 0, bits: 4, group_size: 64, words: &[0x93d6fa3d, 0xb5f92c6f, 0xe71b5e82, 0x0a3d71a4, 0x2c6f93d6, 0x5f82c5f9, 0x71b4e81b, 0xa3d70a4e, 0xc6f93d6f, 0xe82b5f92, 0x1a4e71b5, 0x3d60a3d7, 0x5f92c6f9, 0x81b5f82c, 0xa4e71b4e, 0xd6fa3d70], scales: &[0xbbf0, 0xbbf0], biases: &[0x3d70, 0x3d70] },
-    Golden { case: 0, bits: 8, group_size: 64, words: &[0xff9a33d1, 0x912bc962, 0x22c05af7, 0xb751ef89, 0x49e6801a, 0xde7711af, 0x6f09a640, 0x009e37d5, 0x952fcd66, 0x26c45efc, 0xbc55f38d, 0x4deb841e, 0xe27c15b3, 0x730dab44, 0x04a23cda, 0x9a33d16b, 0x2bc962ff, 0xc05af791, 0x51ef8922, 0xe6801ab7, 0x7711af49, 0x09a640de, 0x9e37d56f, 0x2fcd6600, 0xc45efc95, 0x55f38d26, 0xeb841ebc, 0x7c15b34d, 0x0dab44e2, 0xa23cda73, 0x33d16b04, 0xc962ff9a], scales: &[0xb9f0, 0xb9f0], biases: &[0x3d70, 0x3d70] },
-    Golden { case: 0, bits: 4, group_size: 32, words: &[0x93d6fa3d, 0xb5f92c6f, 0xe71b5e82, 0x0a3d71a4, 0x2c6f93d6, 0x5f82c5f9, 0x71b4e81b, 0xa3d70a4e, 0xc6f93d6f, 0xe82b5f92, 0x1a4e71b5, 0x3d60a3d7, 0xb17e4a07, 0x8f5b18e4, 0x6c29f5c2, 0x3a06d39f], scales: &[0xbbf0, 0xbbe8, 0xbbf0, 0x3bf0], biases: &[0x3d70, 0x3d68, 0x3d70, 0xbd70] },
-    Golden { case: 1, bits: 4, group_size: 64, words: &[0x2a8f0a78, 0x8b788c78, 0x8e688f69, 0x785b7849, 0x782e680a, 0x6988598c, 0x49882a8f, 0x0a698b78, 0x84c782a8, 0x81f698b7, 0x978498e6, 0xa680a785, 0xb598c782, 0xe2a8f698, 0x98b78498, 0x98e680a7], scales: &[0xbc6a, 0x3c7f], biases: &[0x3dea, 0xbdff] },
-    Golden { case: 1, bits: 8, group_size: 64, words: &[0x02a27783, 0x279879f5, 0x7cc16e85, 0x7daf7384, 0x79fe5e89, 0x7bd96787, 0x72843e92, 0x778351b4, 0x658701a2, 0x6e8526e3, 0x4c8e7cc2, 0x5e8a7d83, 0x1c9b79ff, 0x3e927b86, 0x7db47284, 0x00a25a8b, 0x85249979, 0x8443c26d, 0x8a7db073, 0x870afe5d, 0x937bdc67, 0x8d72843d, 0xa4768350, 0x99658701, 0xc36d8523, 0xb14b8e7c, 0xff5c8a7d, 0xdd1a9c79, 0x843c937b, 0x8b7db572, 0x8700a476, 0x957ae664], scales: &[0xba6a, 0x3a7f], biases: &[0x3dea, 0xbdff] },
-    Golden { case: 1, bits: 4, group_size: 32, words: &[0xe681f698, 0x85988498, 0x82a880a7, 0x98b598c7, 0x782e680a, 0x6988598c, 0x49882a8f, 0x0a698b78, 0x84c782a8, 0x81f698b7, 0x978498e6, 0xa680a785, 0xb598c782, 0xe2a8f698, 0x98b78498, 0x98e680a7], scales: &[0x3c67, 0xbc6a, 0x3c7d, 0x3c7f], biases: &[0xbde7, 0x3dea, 0xbdfd, 0xbdff] },
-    Golden { case: 2, bits: 4, group_size: 64, words: &[0x679abcef, 0xcef01245, 0x245679ab, 0x9abcef01, 0xf0124567, 0x5679abce, 0xbcef0124, 0x1245679a, 0x79abcef0, 0xef012456, 0x45679abc, 0xabcef012, 0x01245679, 0x679abcef, 0xcef01245, 0x245679ab], scales: &[0x3b50, 0x3b50], biases: &[0xbd50, 0xbd50] },
-    Golden { case: 2, bits: 8, group_size: 64, words: &[0xbfd4eaff, 0x6a7f95aa, 0x152a4055, 0xd4eaff00, 0x7f95aabf, 0x2a40556a, 0xeaff0015, 0x95aabfd4, 0x40556a7f, 0xff00152a, 0xaabfd4ea, 0x556a7f95, 0x00152a40, 0xbfd4eaff, 0x6a7f95aa, 0x152a4055, 0xd4eaff00, 0x7f95aabf, 0x2a40556a, 0xeaff0015, 0x95aabfd4, 0x40556a7f, 0xff00152a, 0xaabfd4ea, 0x556a7f95, 0x00152a40, 0xbfd4eaff, 0x6a7f95aa, 0x152a4055, 0xd4eaff00, 0x7f95aabf, 0x2a40556a], scales: &[0x3941, 0x3941], biases: &[0xbd50, 0xbd50] },
-    Golden { case: 2, bits: 4, group_size: 32, words: &[0x679abcef, 0xcef01245, 0x245679ab, 0x9abcef01, 0xf0124567, 0x5679abce, 0xbcef0124, 0x1245679a, 0x79abcef0, 0xef012456, 0x45679abc, 0xabcef012, 0x01245679, 0x679abcef, 0xcef01245, 0x245679ab], scales: &[0x3b50, 0x3b50, 0x3b50, 0x3b50], biases: &[0xbd50, 0xbd50, 0xbd50, 0xbd50] },
-    Golden { case: 3, bits: 4, group_size: 64, words: &[0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000], scales: &[0xb3d7, 0xb3d7], biases: &[0x3e80, 0x0000] },
-    Golden { case: 3, bits: 8, group_size: 64, words: &[0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000], scales: &[0xb3d7, 0xb3d7], biases: &[0x3e80, 0x0000] },
-    Golden { case: 3, bits: 4, group_size: 32, words: &[0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000], scales: &[0xb3d7, 0xb3d7, 0xb3d7, 0xb3d7], biases: &[0x3e80, 0x3e80, 0x0000, 0x0000] },
-    Golden { case: 4, bits: 4, group_size: 64, words: &[0x6ad148cf, 0x9c048be2, 0xc047ae26, 0xf36ae258, 0x26ad148c, 0x69c048be, 0x8c047ae2, 0xcf36ae25, 0xe26ad148, 0x269c048b, 0x58c047ae, 0x8cf36ae2, 0xbe26ad14, 0xe269c048, 0x258c047a, 0x48cf36ae], scales: &[0xbc80, 0xbc80], biases: &[0x3e70, 0x3e70] },
-    Golden { case: 4, bits: 8, group_size: 64, words: &[0x4c88c4ff, 0x66a2dd11, 0x80bbf62a, 0x99d40844, 0xb2ee225e, 0xcc003c77, 0xe61a5590, 0xff336eaa, 0x114c88c4, 0x2a66a2dd, 0x4480bbf6, 0x5e99d408, 0x77b2ee22, 0x90cc003c, 0xaae61a55, 0xc4ff336e, 0xdd114c88, 0xf62a66a2, 0x084480bb, 0x225e99d4, 0x3c77b2ee, 0x5590cc00, 0x6eaae61a, 0x88c4ff33, 0xa2dd114c, 0xbbf62a66, 0xd4084480, 0xee225e99, 0x003c77b2, 0x1a5590cc, 0x336eaae6, 0x4c88c4ff], scales: &[0xba71, 0xba71], biases: &[0x3e70, 0x3e70] },
-    Golden { case: 4, bits: 4, group_size: 32, words: &[0x6ad148cf, 0x9c048be2, 0xc047ae26, 0xf36ae258, 0x26ad148c, 0x69c048be, 0x8c047ae2, 0xcf36ae25, 0xe26ad148, 0x269c048b, 0x58c047ae, 0x8cf36ae2, 0xbe26ad14, 0xe269c048, 0x258c047a, 0x48cf36ae], scales: &[0xbc80, 0xbc80, 0xbc80, 0xbc80], biases: &[0x3e70, 0x3e70, 0x3e70, 0x3e70] },
+    Golden {
+        case: 0,
+        bits: 4,
+        group_size: 64,
+        words: &[
+            0x93d6fa3d, 0xb5f92c6f, 0xe71b5e82, 0x0a3d71a4, 0x2c6f93d6, 0x5f82c5f9, 0x71b4e81b,
+            0xa3d70a4e, 0xc6f93d6f, 0xe82b5f92, 0x1a4e71b5, 0x3d60a3d7, 0x5f92c6f9, 0x81b5f82c,
+            0xa4e71b4e, 0xd6fa3d70,
+        ],
+        scales: &[0xbbf0, 0xbbf0],
+        biases: &[0x3d70, 0x3d70],
+    },
+    Golden {
+        case: 0,
+        bits: 8,
+        group_size: 64,
+        words: &[
+            0xff9a33d1, 0x912bc962, 0x22c05af7, 0xb751ef89, 0x49e6801a, 0xde7711af, 0x6f09a640,
+            0x009e37d5, 0x952fcd66, 0x26c45efc, 0xbc55f38d, 0x4deb841e, 0xe27c15b3, 0x730dab44,
+            0x04a23cda, 0x9a33d16b, 0x2bc962ff, 0xc05af791, 0x51ef8922, 0xe6801ab7, 0x7711af49,
+            0x09a640de, 0x9e37d56f, 0x2fcd6600, 0xc45efc95, 0x55f38d26, 0xeb841ebc, 0x7c15b34d,
+            0x0dab44e2, 0xa23cda73, 0x33d16b04, 0xc962ff9a,
+        ],
+        scales: &[0xb9f0, 0xb9f0],
+        biases: &[0x3d70, 0x3d70],
+    },
+    Golden {
+        case: 0,
+        bits: 4,
+        group_size: 32,
+        words: &[
+            0x93d6fa3d, 0xb5f92c6f, 0xe71b5e82, 0x0a3d71a4, 0x2c6f93d6, 0x5f82c5f9, 0x71b4e81b,
+            0xa3d70a4e, 0xc6f93d6f, 0xe82b5f92, 0x1a4e71b5, 0x3d60a3d7, 0xb17e4a07, 0x8f5b18e4,
+            0x6c29f5c2, 0x3a06d39f,
+        ],
+        scales: &[0xbbf0, 0xbbe8, 0xbbf0, 0x3bf0],
+        biases: &[0x3d70, 0x3d68, 0x3d70, 0xbd70],
+    },
+    Golden {
+        case: 1,
+        bits: 4,
+        group_size: 64,
+        words: &[
+            0x2a8f0a78, 0x8b788c78, 0x8e688f69, 0x785b7849, 0x782e680a, 0x6988598c, 0x49882a8f,
+            0x0a698b78, 0x84c782a8, 0x81f698b7, 0x978498e6, 0xa680a785, 0xb598c782, 0xe2a8f698,
+            0x98b78498, 0x98e680a7,
+        ],
+        scales: &[0xbc6a, 0x3c7f],
+        biases: &[0x3dea, 0xbdff],
+    },
+    Golden {
+        case: 1,
+        bits: 8,
+        group_size: 64,
+        words: &[
+            0x02a27783, 0x279879f5, 0x7cc16e85, 0x7daf7384, 0x79fe5e89, 0x7bd96787, 0x72843e92,
+            0x778351b4, 0x658701a2, 0x6e8526e3, 0x4c8e7cc2, 0x5e8a7d83, 0x1c9b79ff, 0x3e927b86,
+            0x7db47284, 0x00a25a8b, 0x85249979, 0x8443c26d, 0x8a7db073, 0x870afe5d, 0x937bdc67,
+            0x8d72843d, 0xa4768350, 0x99658701, 0xc36d8523, 0xb14b8e7c, 0xff5c8a7d, 0xdd1a9c79,
+            0x843c937b, 0x8b7db572, 0x8700a476, 0x957ae664,
+        ],
+        scales: &[0xba6a, 0x3a7f],
+        biases: &[0x3dea, 0xbdff],
+    },
+    Golden {
+        case: 1,
+        bits: 4,
+        group_size: 32,
+        words: &[
+            0xe681f698, 0x85988498, 0x82a880a7, 0x98b598c7, 0x782e680a, 0x6988598c, 0x49882a8f,
+            0x0a698b78, 0x84c782a8, 0x81f698b7, 0x978498e6, 0xa680a785, 0xb598c782, 0xe2a8f698,
+            0x98b78498, 0x98e680a7,
+        ],
+        scales: &[0x3c67, 0xbc6a, 0x3c7d, 0x3c7f],
+        biases: &[0xbde7, 0x3dea, 0xbdfd, 0xbdff],
+    },
+    Golden {
+        case: 2,
+        bits: 4,
+        group_size: 64,
+        words: &[
+            0x679abcef, 0xcef01245, 0x245679ab, 0x9abcef01, 0xf0124567, 0x5679abce, 0xbcef0124,
+            0x1245679a, 0x79abcef0, 0xef012456, 0x45679abc, 0xabcef012, 0x01245679, 0x679abcef,
+            0xcef01245, 0x245679ab,
+        ],
+        scales: &[0x3b50, 0x3b50],
+        biases: &[0xbd50, 0xbd50],
+    },
+    Golden {
+        case: 2,
+        bits: 8,
+        group_size: 64,
+        words: &[
+            0xbfd4eaff, 0x6a7f95aa, 0x152a4055, 0xd4eaff00, 0x7f95aabf, 0x2a40556a, 0xeaff0015,
+            0x95aabfd4, 0x40556a7f, 0xff00152a, 0xaabfd4ea, 0x556a7f95, 0x00152a40, 0xbfd4eaff,
+            0x6a7f95aa, 0x152a4055, 0xd4eaff00, 0x7f95aabf, 0x2a40556a, 0xeaff0015, 0x95aabfd4,
+            0x40556a7f, 0xff00152a, 0xaabfd4ea, 0x556a7f95, 0x00152a40, 0xbfd4eaff, 0x6a7f95aa,
+            0x152a4055, 0xd4eaff00, 0x7f95aabf, 0x2a40556a,
+        ],
+        scales: &[0x3941, 0x3941],
+        biases: &[0xbd50, 0xbd50],
+    },
+    Golden {
+        case: 2,
+        bits: 4,
+        group_size: 32,
+        words: &[
+            0x679abcef, 0xcef01245, 0x245679ab, 0x9abcef01, 0xf0124567, 0x5679abce, 0xbcef0124,
+            0x1245679a, 0x79abcef0, 0xef012456, 0x45679abc, 0xabcef012, 0x01245679, 0x679abcef,
+            0xcef01245, 0x245679ab,
+        ],
+        scales: &[0x3b50, 0x3b50, 0x3b50, 0x3b50],
+        biases: &[0xbd50, 0xbd50, 0xbd50, 0xbd50],
+    },
+    Golden {
+        case: 3,
+        bits: 4,
+        group_size: 64,
+        words: &[
+            0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
+            0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
+            0x00000000, 0x00000000,
+        ],
+        scales: &[0xb3d7, 0xb3d7],
+        biases: &[0x3e80, 0x0000],
+    },
+    Golden {
+        case: 3,
+        bits: 8,
+        group_size: 64,
+        words: &[
+            0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
+            0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
+            0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
+            0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
+            0x00000000, 0x00000000, 0x00000000, 0x00000000,
+        ],
+        scales: &[0xb3d7, 0xb3d7],
+        biases: &[0x3e80, 0x0000],
+    },
+    Golden {
+        case: 3,
+        bits: 4,
+        group_size: 32,
+        words: &[
+            0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
+            0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000, 0x00000000,
+            0x00000000, 0x00000000,
+        ],
+        scales: &[0xb3d7, 0xb3d7, 0xb3d7, 0xb3d7],
+        biases: &[0x3e80, 0x3e80, 0x0000, 0x0000],
+    },
+    Golden {
+        case: 4,
+        bits: 4,
+        group_size: 64,
+        words: &[
+            0x6ad148cf, 0x9c048be2, 0xc047ae26, 0xf36ae258, 0x26ad148c, 0x69c048be, 0x8c047ae2,
+            0xcf36ae25, 0xe26ad148, 0x269c048b, 0x58c047ae, 0x8cf36ae2, 0xbe26ad14, 0xe269c048,
+            0x258c047a, 0x48cf36ae,
+        ],
+        scales: &[0xbc80, 0xbc80],
+        biases: &[0x3e70, 0x3e70],
+    },
+    Golden {
+        case: 4,
+        bits: 8,
+        group_size: 64,
+        words: &[
+            0x4c88c4ff, 0x66a2dd11, 0x80bbf62a, 0x99d40844, 0xb2ee225e, 0xcc003c77, 0xe61a5590,
+            0xff336eaa, 0x114c88c4, 0x2a66a2dd, 0x4480bbf6, 0x5e99d408, 0x77b2ee22, 0x90cc003c,
+            0xaae61a55, 0xc4ff336e, 0xdd114c88, 0xf62a66a2, 0x084480bb, 0x225e99d4, 0x3c77b2ee,
+            0x5590cc00, 0x6eaae61a, 0x88c4ff33, 0xa2dd114c, 0xbbf62a66, 0xd4084480, 0xee225e99,
+            0x003c77b2, 0x1a5590cc, 0x336eaae6, 0x4c88c4ff,
+        ],
+        scales: &[0xba71, 0xba71],
+        biases: &[0x3e70, 0x3e70],
+    },
+    Golden {
+        case: 4,
+        bits: 4,
+        group_size: 32,
+        words: &[
+            0x6ad148cf, 0x9c048be2, 0xc047ae26, 0xf36ae258, 0x26ad148c, 0x69c048be, 0x8c047ae2,
+            0xcf36ae25, 0xe26ad148, 0x269c048b, 0x58c047ae, 0x8cf36ae2, 0xbe26ad14, 0xe269c048,
+            0x258c047a, 0x48cf36ae,
+        ],
+        scales: &[0xbc80, 0xbc80, 0xbc80, 0xbc80],
+        biases: &[0x3e70, 0x3e70, 0x3e70, 0x3e70],
+    },
 ];
 
 fn bf16_bits(bytes: &[u8]) -> Vec<u16> {
-    bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+    bytes
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect()
 }
 
 #[test]
@@ -65,7 +249,11 @@ fn quantiser_matches_mlx_bit_for_bit() {
     for g in GOLDEN {
         let q = Affine::new(g.bits, g.group_size).unwrap();
         let out = quant::quantize(&case(g.case), 128, q, DType::BF16).unwrap();
-        let words: Vec<u32> = out.packed.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+        let words: Vec<u32> = out
+            .packed
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         let what = format!("case {} at {} bits, group {}", g.case, g.bits, g.group_size);
         assert_eq!(words, g.words, "{what}: packed words");
         assert_eq!(bf16_bits(&out.scales), g.scales, "{what}: scales");
@@ -114,8 +302,18 @@ fn round_trip_error_is_bounded_per_group() {
                     .map(|i| {
                         let r = i / cols;
                         let v = rng.normal() * 10f32.powi(r as i32 % 6 - 4);
-                        let v = if r % 5 == 1 && i % 97 == 0 { v * 30.0 } else { v };
-                        let v = if r % 7 == 3 { v.abs() } else if r % 7 == 4 { -v.abs() } else { v };
+                        let v = if r % 5 == 1 && i % 97 == 0 {
+                            v * 30.0
+                        } else {
+                            v
+                        };
+                        let v = if r % 7 == 3 {
+                            v.abs()
+                        } else if r % 7 == 4 {
+                            -v.abs()
+                        } else {
+                            v
+                        };
                         quant::round_to(v, dtype)
                     })
                     .collect();
@@ -137,12 +335,24 @@ fn check_bounds(values: &[f32], cols: usize, q: Affine, dtype: DType, out: &quan
     let mut back = vec![0f32; cols];
     let mut codes = vec![0u8; cols];
     for (r, row) in values.chunks_exact(cols).enumerate() {
-        let packed = &out.packed[r * q.words_per_row(cols) * 4..(r + 1) * q.words_per_row(cols) * 4];
+        let packed =
+            &out.packed[r * q.words_per_row(cols) * 4..(r + 1) * q.words_per_row(cols) * 4];
         let ss = dtype.size();
         let scales = &out.scales[r * groups * ss..(r + 1) * groups * ss];
         let biases = &out.biases[r * groups * ss..(r + 1) * groups * ss];
-        quant::dequantize_row(packed, scales, biases, dtype, q.bits, q.group_size, &mut back);
-        let words: Vec<u32> = packed.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+        quant::dequantize_row(
+            packed,
+            scales,
+            biases,
+            dtype,
+            q.bits,
+            q.group_size,
+            &mut back,
+        );
+        let words: Vec<u32> = packed
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         quant::unpack(&words, q.bits, &mut codes);
         for g in 0..groups {
             let s = quant::read_scalar(scales, dtype, g).abs();
@@ -159,10 +369,17 @@ fn check_bounds(values: &[f32], cols: usize, q: Affine, dtype: DType, out: &quan
                 );
             }
             let group = &row[range];
-            let (lo, hi) = group.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            let (lo, hi) = group
+                .iter()
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                    (lo.min(v), hi.max(v))
+                });
             let edge = if lo.abs() > hi.abs() { lo } else { hi };
             if dtype == DType::F32 && (hi - lo) / n_bins > 1e-7 {
-                assert_eq!(b, edge, "row {r} group {g}: the bias is the group's edge value");
+                assert_eq!(
+                    b, edge,
+                    "row {r} group {g}: the bias is the group's edge value"
+                );
             }
         }
     }
@@ -172,11 +389,29 @@ fn check_bounds(values: &[f32], cols: usize, q: Affine, dtype: DType, out: &quan
 fn constant_and_zero_groups_round_trip_exactly() {
     for bits in quant::SUPPORTED_BITS {
         let q = Affine::new(bits, 64).unwrap();
-        let values: Vec<f32> = (0..256).map(|i| match i / 64 { 0 => 0.0, 1 => -3.5, 2 => 1e-3, _ => 0.0 }).collect();
-        let values: Vec<f32> = values.into_iter().map(|v| quant::round_to(v, DType::BF16)).collect();
+        let values: Vec<f32> = (0..256)
+            .map(|i| match i / 64 {
+                0 => 0.0,
+                1 => -3.5,
+                2 => 1e-3,
+                _ => 0.0,
+            })
+            .collect();
+        let values: Vec<f32> = values
+            .into_iter()
+            .map(|v| quant::round_to(v, DType::BF16))
+            .collect();
         let out = quant::quantize(&values, 256, q, DType::BF16).unwrap();
         let mut back = vec![0f32; 256];
-        quant::dequantize_row(&out.packed, &out.scales, &out.biases, DType::BF16, bits, 64, &mut back);
+        quant::dequantize_row(
+            &out.packed,
+            &out.scales,
+            &out.biases,
+            DType::BF16,
+            bits,
+            64,
+            &mut back,
+        );
         assert_eq!(back, values, "{bits} bits");
     }
 }
@@ -184,10 +419,30 @@ fn constant_and_zero_groups_round_trip_exactly() {
 #[test]
 fn invalid_parameters_are_errors() {
     assert_eq!(Affine::new(3, 64), Err(QuantError::Bits { bits: 3 }));
-    assert_eq!(Affine::new(4, 12), Err(QuantError::GroupSize { group_size: 12, bits: 4, per_word: 8 }));
-    assert_eq!(Affine::new(8, 0), Err(QuantError::GroupSize { group_size: 0, bits: 8, per_word: 4 }));
+    assert_eq!(
+        Affine::new(4, 12),
+        Err(QuantError::GroupSize {
+            group_size: 12,
+            bits: 4,
+            per_word: 8
+        })
+    );
+    assert_eq!(
+        Affine::new(8, 0),
+        Err(QuantError::GroupSize {
+            group_size: 0,
+            bits: 8,
+            per_word: 4
+        })
+    );
     let q = Affine::new(4, 64).unwrap();
-    assert_eq!(quant::quantize(&[0.0; 96], 96, q, DType::BF16), Err(QuantError::Columns { group_size: 64, cols: 96 }));
+    assert_eq!(
+        quant::quantize(&[0.0; 96], 96, q, DType::BF16),
+        Err(QuantError::Columns {
+            group_size: 64,
+            cols: 96
+        })
+    );
     // Any group size dividing the columns works, not only MLX's 32, 64 and 128.
     assert!(quant::quantize(&[0.5; 96], 96, Affine::new(4, 24).unwrap(), DType::BF16).is_ok());
 }

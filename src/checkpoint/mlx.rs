@@ -25,7 +25,8 @@ use super::tensor::{DType, RawTensor, TensorStore};
 use super::CheckpointError;
 use crate::config::{ConfigError, ModelConfig};
 use crate::model::weights::{
-    AttentionWeights, DeltaNetWeights, FeedForward, LayerWeights, Matrix, Mixer, MoeWeights, WeightFormat, Weights,
+    AttentionWeights, DeltaNetWeights, FeedForward, LayerWeights, Matrix, Mixer, MoeWeights,
+    WeightFormat, Weights,
 };
 use crate::quant::Affine;
 
@@ -34,11 +35,17 @@ pub const MODEL_PREFIX: &str = "language_model.model.";
 /// Module path of the output head in files mlx-lm writes.
 pub const LM_HEAD: &str = "language_model.lm_head";
 /// mlx-lm's parameters for the routers and shared-expert gates, whatever the global ones.
-pub const GATE_QUANT: Affine = Affine { bits: 8, group_size: 64 };
+pub const GATE_QUANT: Affine = Affine {
+    bits: 8,
+    group_size: 64,
+};
 
 /// Whether `store` holds an MLX checkpoint rather than a Hugging Face one.
 pub fn is_mlx_layout(store: &TensorStore) -> bool {
-    store.tensors.keys().any(|k| k.starts_with("language_model.") || k.contains(".switch_mlp."))
+    store
+        .tensors
+        .keys()
+        .any(|k| k.starts_with("language_model.") || k.contains(".switch_mlp."))
 }
 
 /// The `quantization` block of an MLX `config.json`.
@@ -53,11 +60,16 @@ pub struct QuantConfig {
 impl QuantConfig {
     /// Reads `quantization` (or its copy `quantization_config`) from a parsed config.json.
     pub fn from_json(root: &Value) -> Result<QuantConfig, ConfigError> {
-        let (key, block) = match ["quantization", "quantization_config"].iter().find_map(|k| root.get(*k).map(|b| (*k, b))) {
+        let (key, block) = match ["quantization", "quantization_config"]
+            .iter()
+            .find_map(|k| root.get(*k).map(|b| (*k, b)))
+        {
             Some(found) => found,
             None => return Ok(QuantConfig::default()),
         };
-        let obj = block.as_object().ok_or_else(|| field_err(key, "an object", &block.to_string()))?;
+        let obj = block
+            .as_object()
+            .ok_or_else(|| field_err(key, "an object", &block.to_string()))?;
         let default = parse_params(key, obj)?;
         let mut overrides = BTreeMap::new();
         for (path, v) in obj {
@@ -70,7 +82,10 @@ impl QuantConfig {
             };
             overrides.insert(path.clone(), entry);
         }
-        Ok(QuantConfig { default: Some(default), overrides })
+        Ok(QuantConfig {
+            default: Some(default),
+            overrides,
+        })
     }
 
     /// The parameters for module `path`, if it is meant to be quantised.
@@ -86,49 +101,96 @@ impl QuantConfig {
 fn parse_params(field: &str, obj: &Map<String, Value>) -> Result<Affine, ConfigError> {
     if let Some(mode) = obj.get("mode") {
         if mode.as_str() != Some("affine") {
-            return Err(field_err(&format!("{field}.mode"), "\"affine\" (the only MLX quantisation mode lily reads)", &mode.to_string()));
+            return Err(field_err(
+                &format!("{field}.mode"),
+                "\"affine\" (the only MLX quantisation mode lily reads)",
+                &mode.to_string(),
+            ));
         }
     }
     let int = |k: &str| {
         let v = obj.get(k);
-        v.and_then(Value::as_u64).ok_or_else(|| field_err(&format!("{field}.{k}"), "a positive integer", &v.map_or("nothing (missing)".into(), Value::to_string)))
+        v.and_then(Value::as_u64).ok_or_else(|| {
+            field_err(
+                &format!("{field}.{k}"),
+                "a positive integer",
+                &v.map_or("nothing (missing)".into(), Value::to_string),
+            )
+        })
     };
     let (bits, group_size) = (int("bits")?, int("group_size")?);
-    Affine::new(bits as u32, group_size as usize).map_err(|e| field_err(field, "supported affine parameters", &e.to_string()))
+    Affine::new(bits as u32, group_size as usize)
+        .map_err(|e| field_err(field, "supported affine parameters", &e.to_string()))
 }
 
 fn field_err(field: &str, expected: &str, found: &str) -> ConfigError {
-    ConfigError::Field { field: field.to_string(), expected: expected.to_string(), found: found.to_string() }
+    ConfigError::Field {
+        field: field.to_string(),
+        expected: expected.to_string(),
+        found: found.to_string(),
+    }
 }
 
 /// Loads the MLX checkpoint in `dir` whose config and tensors are already open.
-pub fn load(dir: &Path, config: ModelConfig, store: &TensorStore) -> Result<Weights, CheckpointError> {
+pub fn load(
+    dir: &Path,
+    config: ModelConfig,
+    store: &TensorStore,
+) -> Result<Weights, CheckpointError> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|source| CheckpointError::Io { path: path.display().to_string(), source })?;
-    let root: Value = serde_json::from_str(&text).map_err(|source| ConfigError::Json { path: path.display().to_string(), source })?;
+    let text = std::fs::read_to_string(&path).map_err(|source| CheckpointError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let root: Value = serde_json::from_str(&text).map_err(|source| ConfigError::Json {
+        path: path.display().to_string(),
+        source,
+    })?;
     from_store(config, &QuantConfig::from_json(&root)?, store)
 }
 
 /// Builds canonical weights from the tensors of an MLX checkpoint.
-pub fn from_store(config: ModelConfig, quant: &QuantConfig, store: &TensorStore) -> Result<Weights, CheckpointError> {
-    let prefix = if store.contains(&format!("{MODEL_PREFIX}embed_tokens.weight")) { MODEL_PREFIX } else { "model." };
+pub fn from_store(
+    config: ModelConfig,
+    quant: &QuantConfig,
+    store: &TensorStore,
+) -> Result<Weights, CheckpointError> {
+    let prefix = if store.contains(&format!("{MODEL_PREFIX}embed_tokens.weight")) {
+        MODEL_PREFIX
+    } else {
+        "model."
+    };
     let r = Reader { store, quant };
     let c = &config;
     let h = c.hidden_size;
     // mlx-lm's own test for a file it has not converted yet: a conv kernel still in the PyTorch
     // layout means the norms do not hold the +1 either (mlx-lm adds it while converting).
-    let unconverted = store.tensors.iter().any(|(k, t)| k.ends_with("conv1d.weight") && t.shape.last() != Some(&1));
+    let unconverted = store
+        .tensors
+        .iter()
+        .any(|(k, t)| k.ends_with("conv1d.weight") && t.shape.last() != Some(&1));
     let norm = |name: &str, n: usize| -> Result<Vec<f32>, CheckpointError> {
         let w = r.vector(name, n)?;
-        Ok(if unconverted { w.into_iter().map(|w| 1.0 + w).collect() } else { w })
+        Ok(if unconverted {
+            w.into_iter().map(|w| 1.0 + w).collect()
+        } else {
+            w
+        })
     };
 
     let embed = r.matrix(&format!("{prefix}embed_tokens"), None, c.vocab_size, h)?;
-    let head = [LM_HEAD, "lm_head"].into_iter().find(|m| store.contains(&format!("{m}.weight")));
+    let head = [LM_HEAD, "lm_head"]
+        .into_iter()
+        .find(|m| store.contains(&format!("{m}.weight")));
     let lm_head = match head {
         Some(m) => r.matrix(m, None, c.vocab_size, h)?,
         None if c.tie_word_embeddings => embed.clone(),
-        None => return Err(CheckpointError::Missing { tensor: format!("{LM_HEAD}.weight"), location: store.source.clone() }),
+        None => {
+            return Err(CheckpointError::Missing {
+                tensor: format!("{LM_HEAD}.weight"),
+                location: store.source.clone(),
+            })
+        }
     };
     let final_norm = norm(&format!("{prefix}norm.weight"), h)?;
 
@@ -139,10 +201,20 @@ pub fn from_store(config: ModelConfig, quant: &QuantConfig, store: &TensorStore)
             let a = format!("{p}self_attn.");
             let kv_out = c.num_key_value_heads * c.head_dim;
             Mixer::Attention(AttentionWeights {
-                q_proj: r.matrix(&format!("{a}q_proj"), None, 2 * c.num_attention_heads * c.head_dim, h)?,
+                q_proj: r.matrix(
+                    &format!("{a}q_proj"),
+                    None,
+                    2 * c.num_attention_heads * c.head_dim,
+                    h,
+                )?,
                 k_proj: r.matrix(&format!("{a}k_proj"), None, kv_out, h)?,
                 v_proj: r.matrix(&format!("{a}v_proj"), None, kv_out, h)?,
-                o_proj: r.matrix(&format!("{a}o_proj"), None, h, c.num_attention_heads * c.head_dim)?,
+                o_proj: r.matrix(
+                    &format!("{a}o_proj"),
+                    None,
+                    h,
+                    c.num_attention_heads * c.head_dim,
+                )?,
                 q_norm: norm(&format!("{a}q_norm.weight"), c.head_dim)?,
                 k_norm: norm(&format!("{a}k_norm.weight"), c.head_dim)?,
             })
@@ -170,12 +242,20 @@ pub fn from_store(config: ModelConfig, quant: &QuantConfig, store: &TensorStore)
         };
 
         let m = format!("{p}mlp.");
-        let (e, inter, si) = (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+        let (e, inter, si) = (
+            c.num_experts,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        );
         let gate = r.matrix(&format!("{m}switch_mlp.gate_proj"), Some(e), inter, h)?;
         let up = r.matrix(&format!("{m}switch_mlp.up_proj"), Some(e), inter, h)?;
         let down = r.matrix(&format!("{m}switch_mlp.down_proj"), Some(e), h, inter)?;
         let experts = (0..e)
-            .map(|x| FeedForward { gate: gate.rows_view(x * inter, inter), up: up.rows_view(x * inter, inter), down: down.rows_view(x * h, h) })
+            .map(|x| FeedForward {
+                gate: gate.rows_view(x * inter, inter),
+                up: up.rows_view(x * inter, inter),
+                down: down.rows_view(x * h, h),
+            })
             .collect();
         let moe = MoeWeights {
             router: r.matrix(&format!("{m}gate"), None, e, h)?,
@@ -194,8 +274,20 @@ pub fn from_store(config: ModelConfig, quant: &QuantConfig, store: &TensorStore)
             moe,
         });
     }
-    let mtp_tensors = store.tensors.keys().filter(|k| k.starts_with("mtp.") || k.starts_with("language_model.mtp.")).cloned().collect();
-    Ok(Weights { config, embed, layers, final_norm, lm_head, mtp_tensors })
+    let mtp_tensors = store
+        .tensors
+        .keys()
+        .filter(|k| k.starts_with("mtp.") || k.starts_with("language_model.mtp."))
+        .cloned()
+        .collect();
+    Ok(Weights {
+        config,
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+        mtp_tensors,
+    })
 }
 
 /// Typed lookups of MLX modules, checking every quantised tensor against the config.
@@ -229,7 +321,13 @@ impl Reader<'_> {
     /// Module `module`'s weight: `[rows, cols]`, or with `stack = Some(n)` an `[n, rows, cols]`
     /// stack returned as one `[n·rows, cols]` matrix (take views per expert). Quantised iff
     /// `{module}.scales` exists.
-    fn matrix(&self, module: &str, stack: Option<usize>, rows: usize, cols: usize) -> Result<Matrix, CheckpointError> {
+    fn matrix(
+        &self,
+        module: &str,
+        stack: Option<usize>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix, CheckpointError> {
         let weight_name = format!("{module}.weight");
         let scales_name = format!("{module}.scales");
         let biases_name = format!("{module}.biases");
@@ -244,10 +342,18 @@ impl Reader<'_> {
 
         let Some(scales) = self.store.tensors.get(&scales_name) else {
             if weight.dtype == DType::U32 {
-                return Err(bad(&weight_name, weight, format!("holds packed (U32) codes but `{scales_name}` is missing")));
+                return Err(bad(
+                    &weight_name,
+                    weight,
+                    format!("holds packed (U32) codes but `{scales_name}` is missing"),
+                ));
             }
             if let Some(b) = self.store.tensors.get(&biases_name) {
-                return Err(bad(&biases_name, b, format!("exists but `{scales_name}` is missing")));
+                return Err(bad(
+                    &biases_name,
+                    b,
+                    format!("exists but `{scales_name}` is missing"),
+                ));
             }
             let t = self.float_tensor(&weight_name)?;
             if t.shape != shape(cols) {
@@ -257,13 +363,28 @@ impl Reader<'_> {
         };
 
         let q = self.quant.for_module(module).ok_or_else(|| {
-            bad(&scales_name, scales, format!("exists but config.json has no `quantization` parameters for `{module}`"))
+            bad(
+                &scales_name,
+                scales,
+                format!("exists but config.json has no `quantization` parameters for `{module}`"),
+            )
         })?;
         if cols % q.group_size != 0 {
-            return Err(bad(&weight_name, weight, format!("has {cols} columns, which group size {} (config.json) does not divide", q.group_size)));
+            return Err(bad(
+                &weight_name,
+                weight,
+                format!(
+                    "has {cols} columns, which group size {} (config.json) does not divide",
+                    q.group_size
+                ),
+            ));
         }
         let biases = self.store.tensors.get(&biases_name).ok_or_else(|| {
-            bad(&biases_name, scales, format!("is missing: affine quantisation needs biases next to `{scales_name}`"))
+            bad(
+                &biases_name,
+                scales,
+                format!("is missing: affine quantisation needs biases next to `{scales_name}`"),
+            )
         })?;
         if weight.dtype != DType::U32 {
             return Err(bad(&weight_name, weight, format!("is quantised (`{scales_name}` exists) so it must hold U32 packed codes, found {}", weight.dtype.safetensors_name())));
@@ -272,7 +393,10 @@ impl Reader<'_> {
         if weight.shape != shape(words) {
             let hint = match weight.shape.last() {
                 Some(&w) if weight.shape.len() == shape(words).len() && w > 0 && w != words => {
-                    format!(" ({w} words per row would mean {}-bit codes)", w * 32 / cols)
+                    format!(
+                        " ({w} words per row would mean {}-bit codes)",
+                        w * 32 / cols
+                    )
                 }
                 _ => String::new(),
             };
@@ -284,11 +408,23 @@ impl Reader<'_> {
         let groups = q.groups_per_row(cols);
         for (name, t) in [(&scales_name, scales), (&biases_name, biases)] {
             if !is_float(t.dtype) {
-                return Err(bad(name, t, format!("must be BF16, F16 or F32, found {}", t.dtype.safetensors_name())));
+                return Err(bad(
+                    name,
+                    t,
+                    format!(
+                        "must be BF16, F16 or F32, found {}",
+                        t.dtype.safetensors_name()
+                    ),
+                ));
             }
             if t.shape != shape(groups) {
                 let hint = match t.shape.last() {
-                    Some(&g) if t.shape.len() == shape(groups).len() && g > 0 && g != groups && cols % g == 0 => {
+                    Some(&g)
+                        if t.shape.len() == shape(groups).len()
+                            && g > 0
+                            && g != groups
+                            && cols % g == 0 =>
+                    {
                         format!(" ({g} groups per row would mean group size {})", cols / g)
                     }
                     _ => String::new(),
@@ -300,12 +436,23 @@ impl Reader<'_> {
             }
         }
         if biases.dtype != scales.dtype {
-            return Err(bad(&biases_name, biases, format!("is {} but `{scales_name}` is {}", biases.dtype.safetensors_name(), scales.dtype.safetensors_name())));
+            return Err(bad(
+                &biases_name,
+                biases,
+                format!(
+                    "is {} but `{scales_name}` is {}",
+                    biases.dtype.safetensors_name(),
+                    scales.dtype.safetensors_name()
+                ),
+            ));
         }
         Ok(Matrix {
             rows: total_rows,
             cols,
-            format: WeightFormat::Affine { bits: q.bits, group_size: q.group_size },
+            format: WeightFormat::Affine {
+                bits: q.bits,
+                group_size: q.group_size,
+            },
             data: weight.data.clone(),
             scales: Some(scales.data.clone()),
             biases: Some(biases.data.clone()),
@@ -319,7 +466,12 @@ fn is_float(d: DType) -> bool {
 }
 
 fn shape_err(name: &str, t: &RawTensor, expected: Vec<usize>) -> CheckpointError {
-    CheckpointError::Shape { tensor: name.to_string(), file: t.file.display().to_string(), expected, found: t.shape.clone() }
+    CheckpointError::Shape {
+        tensor: name.to_string(),
+        file: t.file.display().to_string(),
+        expected,
+        found: t.shape.clone(),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -354,10 +506,19 @@ pub enum Conversion {
     /// A weight matrix or stack `[.., rows, cols]` written as module `modules[0]`; with
     /// `split_gate_up`, the fused expert `gate_up_proj` `[E, 2I, H]` written as two modules (the
     /// gate rows then the up rows of each expert).
-    Matrix { modules: Vec<String>, format: MatrixFormat, split_gate_up: bool },
+    Matrix {
+        modules: Vec<String>,
+        format: MatrixFormat,
+        split_gate_up: bool,
+    },
     /// Any other tensor, cast to `dtype` and given `shape` (same element order); the
     /// zero-centred norms get `+ 1` first.
-    Plain { name: String, dtype: DType, shape: Vec<usize>, plus_one: bool },
+    Plain {
+        name: String,
+        dtype: DType,
+        shape: Vec<usize>,
+        plus_one: bool,
+    },
 }
 
 /// One Hugging Face tensor and what it becomes.
@@ -372,23 +533,55 @@ impl PlanItem {
     /// The MLX tensors this item writes, in order.
     pub fn outputs(&self) -> Vec<TensorInfo> {
         match &self.conversion {
-            Conversion::Plain { name, dtype, shape, .. } => vec![TensorInfo { name: name.clone(), dtype: *dtype, shape: shape.clone() }],
-            Conversion::Matrix { modules, format, split_gate_up } => {
+            Conversion::Plain {
+                name, dtype, shape, ..
+            } => vec![TensorInfo {
+                name: name.clone(),
+                dtype: *dtype,
+                shape: shape.clone(),
+            }],
+            Conversion::Matrix {
+                modules,
+                format,
+                split_gate_up,
+            } => {
                 let mut shape = self.source_shape.clone();
                 let n = shape.len();
                 let cols = shape[n - 1];
                 if *split_gate_up {
                     shape[n - 2] /= 2;
                 }
-                let with_last = |last: usize| shape[..n - 1].iter().copied().chain([last]).collect::<Vec<_>>();
+                let with_last = |last: usize| {
+                    shape[..n - 1]
+                        .iter()
+                        .copied()
+                        .chain([last])
+                        .collect::<Vec<_>>()
+                };
                 let mut out = Vec::new();
                 for m in modules {
                     match *format {
-                        MatrixFormat::Dense(dtype) => out.push(TensorInfo { name: format!("{m}.weight"), dtype, shape: with_last(cols) }),
+                        MatrixFormat::Dense(dtype) => out.push(TensorInfo {
+                            name: format!("{m}.weight"),
+                            dtype,
+                            shape: with_last(cols),
+                        }),
                         MatrixFormat::Quantized { q, dtype } => {
-                            out.push(TensorInfo { name: format!("{m}.weight"), dtype: DType::U32, shape: with_last(q.words_per_row(cols)) });
-                            out.push(TensorInfo { name: format!("{m}.scales"), dtype, shape: with_last(q.groups_per_row(cols)) });
-                            out.push(TensorInfo { name: format!("{m}.biases"), dtype, shape: with_last(q.groups_per_row(cols)) });
+                            out.push(TensorInfo {
+                                name: format!("{m}.weight"),
+                                dtype: DType::U32,
+                                shape: with_last(q.words_per_row(cols)),
+                            });
+                            out.push(TensorInfo {
+                                name: format!("{m}.scales"),
+                                dtype,
+                                shape: with_last(q.groups_per_row(cols)),
+                            });
+                            out.push(TensorInfo {
+                                name: format!("{m}.biases"),
+                                dtype,
+                                shape: with_last(q.groups_per_row(cols)),
+                            });
                         }
                     }
                 }
@@ -423,7 +616,11 @@ impl Plan {
             .iter()
             .map(|i| match &i.conversion {
                 Conversion::Matrix { .. } => i.source_shape.iter().product(),
-                Conversion::Plain { name, .. } if name.ends_with("A_log") || name.ends_with("dt_bias") => 0,
+                Conversion::Plain { name, .. }
+                    if name.ends_with("A_log") || name.ends_with("dt_bias") =>
+                {
+                    0
+                }
                 Conversion::Plain { shape, .. } => shape.iter().product::<usize>(),
             })
             .sum()
@@ -460,80 +657,234 @@ pub fn plan(c: &ModelConfig, o: &PlanOptions) -> Plan {
     let mut items = Vec::new();
 
     // `modules` is one module, or the gate and up modules that a fused `gate_up_proj` splits into.
-    let mut matrix = |items: &mut Vec<PlanItem>, source: String, shape: Vec<usize>, modules: Vec<String>| {
-        let cols = *shape.last().expect("matrices have columns");
-        let dtype = out_dtype(&source);
-        let module = &modules[0];
-        let is_gate = module.ends_with("mlp.gate") || module.ends_with("shared_expert_gate");
-        let format = if cols % o.quant.group_size != 0 || (is_gate && cols % GATE_QUANT.group_size != 0) {
-            MatrixFormat::Dense(dtype)
-        } else if is_gate {
-            quantization.insert(module.clone(), json!({"group_size": GATE_QUANT.group_size, "bits": GATE_QUANT.bits}));
-            MatrixFormat::Quantized { q: GATE_QUANT, dtype }
-        } else {
-            MatrixFormat::Quantized { q: o.quant, dtype }
+    let mut matrix =
+        |items: &mut Vec<PlanItem>, source: String, shape: Vec<usize>, modules: Vec<String>| {
+            let cols = *shape.last().expect("matrices have columns");
+            let dtype = out_dtype(&source);
+            let module = &modules[0];
+            let is_gate = module.ends_with("mlp.gate") || module.ends_with("shared_expert_gate");
+            let format = if cols % o.quant.group_size != 0
+                || (is_gate && cols % GATE_QUANT.group_size != 0)
+            {
+                MatrixFormat::Dense(dtype)
+            } else if is_gate {
+                quantization.insert(
+                    module.clone(),
+                    json!({"group_size": GATE_QUANT.group_size, "bits": GATE_QUANT.bits}),
+                );
+                MatrixFormat::Quantized {
+                    q: GATE_QUANT,
+                    dtype,
+                }
+            } else {
+                MatrixFormat::Quantized { q: o.quant, dtype }
+            };
+            let split_gate_up = modules.len() == 2;
+            items.push(PlanItem {
+                source,
+                source_shape: shape,
+                conversion: Conversion::Matrix {
+                    modules,
+                    format,
+                    split_gate_up,
+                },
+            });
         };
-        let split_gate_up = modules.len() == 2;
-        items.push(PlanItem { source, source_shape: shape, conversion: Conversion::Matrix { modules, format, split_gate_up } });
-    };
-    let plain = |items: &mut Vec<PlanItem>, source: String, source_shape: Vec<usize>, name: String, shape: Vec<usize>, plus_one: bool| {
+    let plain = |items: &mut Vec<PlanItem>,
+                 source: String,
+                 source_shape: Vec<usize>,
+                 name: String,
+                 shape: Vec<usize>,
+                 plus_one: bool| {
         // mlx-lm keeps A_log in its source dtype (its cast predicate excludes it).
-        let dtype = if source.ends_with("A_log") { (o.source_dtype)(&source) } else { out_dtype(&source) };
-        items.push(PlanItem { source, source_shape, conversion: Conversion::Plain { name, dtype, shape, plus_one } });
+        let dtype = if source.ends_with("A_log") {
+            (o.source_dtype)(&source)
+        } else {
+            out_dtype(&source)
+        };
+        items.push(PlanItem {
+            source,
+            source_shape,
+            conversion: Conversion::Plain {
+                name,
+                dtype,
+                shape,
+                plus_one,
+            },
+        });
     };
 
     let mp = MODEL_PREFIX;
-    matrix(&mut items, format!("{sp}embed_tokens.weight"), vec![c.vocab_size, h], vec![format!("{mp}embed_tokens")]);
+    matrix(
+        &mut items,
+        format!("{sp}embed_tokens.weight"),
+        vec![c.vocab_size, h],
+        vec![format!("{mp}embed_tokens")],
+    );
     for i in 0..c.num_hidden_layers {
         let (src, dst) = (format!("{sp}layers.{i}."), format!("{mp}layers.{i}."));
         if c.is_full_attention(i) {
             let q_out = 2 * c.num_attention_heads * c.head_dim;
             let kv_out = c.num_key_value_heads * c.head_dim;
             let o_in = c.num_attention_heads * c.head_dim;
-            for (n, shape) in [("q_proj", [q_out, h]), ("k_proj", [kv_out, h]), ("v_proj", [kv_out, h]), ("o_proj", [h, o_in])] {
-                matrix(&mut items, format!("{src}self_attn.{n}.weight"), shape.to_vec(), vec![format!("{dst}self_attn.{n}")]);
+            for (n, shape) in [
+                ("q_proj", [q_out, h]),
+                ("k_proj", [kv_out, h]),
+                ("v_proj", [kv_out, h]),
+                ("o_proj", [h, o_in]),
+            ] {
+                matrix(
+                    &mut items,
+                    format!("{src}self_attn.{n}.weight"),
+                    shape.to_vec(),
+                    vec![format!("{dst}self_attn.{n}")],
+                );
             }
             for n in ["q_norm", "k_norm"] {
                 let name = format!("self_attn.{n}.weight");
-                plain(&mut items, format!("{src}{name}"), vec![c.head_dim], format!("{dst}{name}"), vec![c.head_dim], true);
+                plain(
+                    &mut items,
+                    format!("{src}{name}"),
+                    vec![c.head_dim],
+                    format!("{dst}{name}"),
+                    vec![c.head_dim],
+                    true,
+                );
             }
         } else {
-            let (nv, k, conv) = (c.linear_num_value_heads, c.linear_conv_kernel_dim, c.conv_dim());
+            let (nv, k, conv) = (
+                c.linear_num_value_heads,
+                c.linear_conv_kernel_dim,
+                c.conv_dim(),
+            );
             let l = "linear_attn.";
-            for (n, rows) in [("in_proj_qkv", conv), ("in_proj_z", c.linear_value_dim()), ("in_proj_b", nv), ("in_proj_a", nv)] {
-                matrix(&mut items, format!("{src}{l}{n}.weight"), vec![rows, h], vec![format!("{dst}{l}{n}")]);
+            for (n, rows) in [
+                ("in_proj_qkv", conv),
+                ("in_proj_z", c.linear_value_dim()),
+                ("in_proj_b", nv),
+                ("in_proj_a", nv),
+            ] {
+                matrix(
+                    &mut items,
+                    format!("{src}{l}{n}.weight"),
+                    vec![rows, h],
+                    vec![format!("{dst}{l}{n}")],
+                );
             }
-            plain(&mut items, format!("{src}{l}conv1d.weight"), vec![conv, 1, k], format!("{dst}{l}conv1d.weight"), vec![conv, k, 1], false);
-            for (n, len) in [("A_log", nv), ("dt_bias", nv), ("norm.weight", c.linear_value_head_dim)] {
-                plain(&mut items, format!("{src}{l}{n}"), vec![len], format!("{dst}{l}{n}"), vec![len], false);
+            plain(
+                &mut items,
+                format!("{src}{l}conv1d.weight"),
+                vec![conv, 1, k],
+                format!("{dst}{l}conv1d.weight"),
+                vec![conv, k, 1],
+                false,
+            );
+            for (n, len) in [
+                ("A_log", nv),
+                ("dt_bias", nv),
+                ("norm.weight", c.linear_value_head_dim),
+            ] {
+                plain(
+                    &mut items,
+                    format!("{src}{l}{n}"),
+                    vec![len],
+                    format!("{dst}{l}{n}"),
+                    vec![len],
+                    false,
+                );
             }
-            matrix(&mut items, format!("{src}{l}out_proj.weight"), vec![h, c.linear_value_dim()], vec![format!("{dst}{l}out_proj")]);
+            matrix(
+                &mut items,
+                format!("{src}{l}out_proj.weight"),
+                vec![h, c.linear_value_dim()],
+                vec![format!("{dst}{l}out_proj")],
+            );
         }
         for n in ["input_layernorm.weight", "post_attention_layernorm.weight"] {
-            plain(&mut items, format!("{src}{n}"), vec![h], format!("{dst}{n}"), vec![h], true);
+            plain(
+                &mut items,
+                format!("{src}{n}"),
+                vec![h],
+                format!("{dst}{n}"),
+                vec![h],
+                true,
+            );
         }
         let (m, mo) = (format!("{src}mlp."), format!("{dst}mlp."));
-        let (e, inter, si) = (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
-        matrix(&mut items, format!("{m}gate.weight"), vec![e, h], vec![format!("{mo}gate")]);
-        let (gate, up) = (format!("{mo}switch_mlp.gate_proj"), format!("{mo}switch_mlp.up_proj"));
-        matrix(&mut items, format!("{m}experts.gate_up_proj"), vec![e, 2 * inter, h], vec![gate, up]);
-        matrix(&mut items, format!("{m}experts.down_proj"), vec![e, h, inter], vec![format!("{mo}switch_mlp.down_proj")]);
-        for (n, shape) in [("gate_proj", [si, h]), ("up_proj", [si, h]), ("down_proj", [h, si])] {
-            matrix(&mut items, format!("{m}shared_expert.{n}.weight"), shape.to_vec(), vec![format!("{mo}shared_expert.{n}")]);
+        let (e, inter, si) = (
+            c.num_experts,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        );
+        matrix(
+            &mut items,
+            format!("{m}gate.weight"),
+            vec![e, h],
+            vec![format!("{mo}gate")],
+        );
+        let (gate, up) = (
+            format!("{mo}switch_mlp.gate_proj"),
+            format!("{mo}switch_mlp.up_proj"),
+        );
+        matrix(
+            &mut items,
+            format!("{m}experts.gate_up_proj"),
+            vec![e, 2 * inter, h],
+            vec![gate, up],
+        );
+        matrix(
+            &mut items,
+            format!("{m}experts.down_proj"),
+            vec![e, h, inter],
+            vec![format!("{mo}switch_mlp.down_proj")],
+        );
+        for (n, shape) in [
+            ("gate_proj", [si, h]),
+            ("up_proj", [si, h]),
+            ("down_proj", [h, si]),
+        ] {
+            matrix(
+                &mut items,
+                format!("{m}shared_expert.{n}.weight"),
+                shape.to_vec(),
+                vec![format!("{mo}shared_expert.{n}")],
+            );
         }
-        matrix(&mut items, format!("{m}shared_expert_gate.weight"), vec![1, h], vec![format!("{mo}shared_expert_gate")]);
+        matrix(
+            &mut items,
+            format!("{m}shared_expert_gate.weight"),
+            vec![1, h],
+            vec![format!("{mo}shared_expert_gate")],
+        );
     }
-    plain(&mut items, format!("{sp}norm.weight"), vec![h], format!("{mp}norm.weight"), vec![h], true);
+    plain(
+        &mut items,
+        format!("{sp}norm.weight"),
+        vec![h],
+        format!("{mp}norm.weight"),
+        vec![h],
+        true,
+    );
     if !c.tie_word_embeddings {
-        matrix(&mut items, "lm_head.weight".into(), vec![c.vocab_size, h], vec![LM_HEAD.into()]);
+        matrix(
+            &mut items,
+            "lm_head.weight".into(),
+            vec![c.vocab_size, h],
+            vec![LM_HEAD.into()],
+        );
     }
-    Plan { items, quantization }
+    Plan {
+        items,
+        quantization,
+    }
 }
 
 /// mlx-lm's conversion dtype for a source config.json: `torch_dtype`, else `text_config.dtype`,
 /// when it names a float type; `None` keeps every tensor's own dtype.
 pub fn conversion_dtype(root: &Value) -> Option<DType> {
-    let name = root.get("torch_dtype").or_else(|| root.get("text_config").and_then(|t| t.get("dtype")));
+    let name = root
+        .get("torch_dtype")
+        .or_else(|| root.get("text_config").and_then(|t| t.get("dtype")));
     match name.and_then(Value::as_str) {
         Some("bfloat16") => Some(DType::BF16),
         Some("float16") => Some(DType::F16),
@@ -545,7 +896,11 @@ pub fn conversion_dtype(root: &Value) -> Option<DType> {
 /// The config.json mlx-lm writes for a converted model: the source config without
 /// `_name_or_path` and `vision_config`, with `eos_token_id` from generation_config.json (when
 /// given), the quantisation block under both names, top-level keys sorted.
-pub fn converted_config(source: &Value, generation_eos: Option<&Value>, quantization: &Map<String, Value>) -> Value {
+pub fn converted_config(
+    source: &Value,
+    generation_eos: Option<&Value>,
+    quantization: &Map<String, Value>,
+) -> Value {
     let mut root = source.as_object().cloned().unwrap_or_default();
     root.remove("_name_or_path");
     root.remove("vision_config");
@@ -553,11 +908,18 @@ pub fn converted_config(source: &Value, generation_eos: Option<&Value>, quantiza
         root.insert("eos_token_id".into(), eos.clone());
     }
     root.insert("quantization".into(), Value::Object(quantization.clone()));
-    root.insert("quantization_config".into(), Value::Object(quantization.clone()));
+    root.insert(
+        "quantization_config".into(),
+        Value::Object(quantization.clone()),
+    );
     let mut keys: Vec<String> = root.keys().cloned().collect();
     keys.sort();
-    Value::Object(keys.into_iter().map(|k| {
-        let v = root.remove(&k).expect("key listed from the map");
-        (k, v)
-    }).collect())
+    Value::Object(
+        keys.into_iter()
+            .map(|k| {
+                let v = root.remove(&k).expect("key listed from the map");
+                (k, v)
+            })
+            .collect(),
+    )
 }

@@ -61,11 +61,27 @@ pub fn quantize_dir(src: &Path, out: &Path, q: Affine, progress: bool) -> anyhow
     let config = ModelConfig::from_dir(src)?;
     let root: Value = serde_json::from_slice(&std::fs::read(src.join("config.json"))?)?;
     let store = safetensors::open_dir(src)?;
-    anyhow::ensure!(!mlx::is_mlx_layout(&store), "{} already holds an MLX checkpoint", src.display());
-    let source_prefix = if store.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
+    anyhow::ensure!(
+        !mlx::is_mlx_layout(&store),
+        "{} already holds an MLX checkpoint",
+        src.display()
+    );
+    let source_prefix = if store.contains("model.language_model.embed_tokens.weight") {
+        "model.language_model."
+    } else {
+        "model."
+    };
     // A missing tensor gets a placeholder dtype here and is reported just below.
     let source_dtype = |name: &str| store.tensors.get(name).map_or(DType::BF16, |t| t.dtype);
-    let plan = mlx::plan(&config, &PlanOptions { source_prefix, quant: q, cast_to: mlx::conversion_dtype(&root), source_dtype: &source_dtype });
+    let plan = mlx::plan(
+        &config,
+        &PlanOptions {
+            source_prefix,
+            quant: q,
+            cast_to: mlx::conversion_dtype(&root),
+            source_dtype: &source_dtype,
+        },
+    );
     // Check every source tensor before writing anything.
     for item in &plan.items {
         let t = store.get_shaped(&item.source, &item.source_shape)?;
@@ -88,11 +104,23 @@ pub fn quantize_dir(src: &Path, out: &Path, q: Affine, progress: bool) -> anyhow
         None
     };
     let cfg = mlx::converted_config(&root, eos.as_ref(), &plan.quantization);
-    let bytes = write(&plan, &StoreValues(&store), &cfg, out, SHARD_BYTES, progress)?;
+    let bytes = write(
+        &plan,
+        &StoreValues(&store),
+        &cfg,
+        out,
+        SHARD_BYTES,
+        progress,
+    )?;
     for entry in std::fs::read_dir(src)? {
         let path = entry?.path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        let weights_or_config = name.ends_with(".safetensors") || name == "model.safetensors.index.json" || name == "config.json";
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let weights_or_config = name.ends_with(".safetensors")
+            || name == "model.safetensors.index.json"
+            || name == "config.json";
         if path.is_file() && !weights_or_config && !name.starts_with('.') {
             std::fs::copy(&path, out.join(name))?;
         }
@@ -103,7 +131,14 @@ pub fn quantize_dir(src: &Path, out: &Path, q: Affine, progress: bool) -> anyhow
 /// Writes the checkpoint `plan` describes to `out`: shards of at most `shard_bytes` (a larger
 /// tensor gets a shard of its own), `model.safetensors.index.json` and `config` as config.json.
 /// Returns the bytes of tensor data written.
-pub fn write(plan: &Plan, values: &dyn Values, config: &Value, out: &Path, shard_bytes: usize, progress: bool) -> anyhow::Result<usize> {
+pub fn write(
+    plan: &Plan,
+    values: &dyn Values,
+    config: &Value,
+    out: &Path,
+    shard_bytes: usize,
+    progress: bool,
+) -> anyhow::Result<usize> {
     std::fs::create_dir_all(out)?;
     let tensors = plan.tensors();
     // Shards as mlx-lm cuts them: in order, a new one when the next tensor would overflow.
@@ -118,14 +153,33 @@ pub fn write(plan: &Plan, values: &dyn Values, config: &Value, out: &Path, shard
         shards.last_mut().expect("a shard was just pushed").push(t);
     }
     let n = shards.len();
-    let file_name = |i: usize| if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n) };
+    let file_name = |i: usize| {
+        if n == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+        }
+    };
 
     let total = plan.total_bytes();
-    let bar = if progress { indicatif::ProgressBar::new(total as u64) } else { indicatif::ProgressBar::hidden() };
+    let bar = if progress {
+        indicatif::ProgressBar::new(total as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}").expect("static template"),
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("static template"),
     );
-    let mut files = ShardFiles { dir: out, shards: &shards, file_name: &file_name, current: None, next: 0 };
+    let mut files = ShardFiles {
+        dir: out,
+        shards: &shards,
+        file_name: &file_name,
+        current: None,
+        next: 0,
+    };
     for item in &plan.items {
         for (info, bytes) in convert(item, values, &bar)? {
             files.write(&info, &bytes)?;
@@ -134,8 +188,11 @@ pub fn write(plan: &Plan, values: &dyn Values, config: &Value, out: &Path, shard
     files.finish()?;
     bar.finish_and_clear();
 
-    let mut weight_map: Vec<(String, String)> =
-        shards.iter().enumerate().flat_map(|(i, s)| s.iter().map(move |t| (t.name.clone(), file_name(i)))).collect();
+    let mut weight_map: Vec<(String, String)> = shards
+        .iter()
+        .enumerate()
+        .flat_map(|(i, s)| s.iter().map(move |t| (t.name.clone(), file_name(i))))
+        .collect();
     weight_map.sort();
     let index = json!({
         "metadata": {"total_size": total, "total_parameters": plan.total_parameters()},
@@ -149,7 +206,10 @@ pub fn write(plan: &Plan, values: &dyn Values, config: &Value, out: &Path, shard
 /// JSON as Python's `json.dump(indent=4)` lays it out (what mlx-lm writes).
 fn to_json(v: &Value) -> anyhow::Result<Vec<u8>> {
     let mut buf = Vec::new();
-    let mut ser = serde_json::Serializer::with_formatter(&mut buf, serde_json::ser::PrettyFormatter::with_indent(b"    "));
+    let mut ser = serde_json::Serializer::with_formatter(
+        &mut buf,
+        serde_json::ser::PrettyFormatter::with_indent(b"    "),
+    );
     serde::Serialize::serialize(v, &mut ser)?;
     Ok(buf)
 }
@@ -166,18 +226,29 @@ struct ShardFiles<'a> {
 
 impl ShardFiles<'_> {
     fn write(&mut self, info: &TensorInfo, bytes: &[u8]) -> anyhow::Result<()> {
-        if self.current.as_ref().is_none_or(|(i, _, written)| *written == self.shards[*i].len()) {
+        if self
+            .current
+            .as_ref()
+            .is_none_or(|(i, _, written)| *written == self.shards[*i].len())
+        {
             self.finish()?;
             let i = self.next;
             self.next += 1;
-            let mut f = std::io::BufWriter::with_capacity(1 << 24, std::fs::File::create(self.dir.join((self.file_name)(i)))?);
+            let mut f = std::io::BufWriter::with_capacity(
+                1 << 24,
+                std::fs::File::create(self.dir.join((self.file_name)(i)))?,
+            );
             f.write_all(&header(&self.shards[i])?)?;
             self.current = Some((i, f, 0));
         }
         let (i, f, written) = self.current.as_mut().expect("a shard is open");
         let want = &self.shards[*i][*written];
         // The plan and the conversion agree by construction; a mismatch is a bug here.
-        assert!(want == info && bytes.len() == want.bytes(), "tensor {} out of plan", info.name);
+        assert!(
+            want == info && bytes.len() == want.bytes(),
+            "tensor {} out of plan",
+            info.name
+        );
         f.write_all(bytes)?;
         *written += 1;
         Ok(())
@@ -210,33 +281,64 @@ fn header(tensors: &[TensorInfo]) -> anyhow::Result<Vec<u8>> {
 }
 
 /// Converts one source tensor into its MLX tensors (name and bytes, in plan order).
-fn convert(item: &PlanItem, values: &dyn Values, bar: &indicatif::ProgressBar) -> Result<Vec<(TensorInfo, Vec<u8>)>, CheckpointError> {
+fn convert(
+    item: &PlanItem,
+    values: &dyn Values,
+    bar: &indicatif::ProgressBar,
+) -> Result<Vec<(TensorInfo, Vec<u8>)>, CheckpointError> {
     let outputs = item.outputs();
     match &item.conversion {
-        Conversion::Plain { dtype, plus_one, .. } => {
+        Conversion::Plain {
+            dtype, plus_one, ..
+        } => {
             let mut v = vec![0f32; item.source_shape.iter().product()];
             values.read(&item.source, 0, &mut v)?;
             let source_dtype = values.dtype(&item.source)?;
             let mut bytes = Vec::with_capacity(v.len() * dtype.size());
             for x in v {
                 // mlx-lm adds 1 in the source dtype, then casts.
-                let x = if *plus_one { quant::round_to(x + 1.0, source_dtype) } else { x };
+                let x = if *plus_one {
+                    quant::round_to(x + 1.0, source_dtype)
+                } else {
+                    x
+                };
                 quant::encode_scalar(x, *dtype, &mut bytes);
             }
             bar.inc(bytes.len() as u64);
-            Ok(vec![(outputs.into_iter().next().expect("one output"), bytes)])
+            Ok(vec![(
+                outputs.into_iter().next().expect("one output"),
+                bytes,
+            )])
         }
-        Conversion::Matrix { modules, format, split_gate_up } => {
+        Conversion::Matrix {
+            modules,
+            format,
+            split_gate_up,
+        } => {
             let cols = *item.source_shape.last().expect("matrices have columns");
-            let rows: usize = item.source_shape[..item.source_shape.len() - 1].iter().product();
+            let rows: usize = item.source_shape[..item.source_shape.len() - 1]
+                .iter()
+                .product();
             let (dtype, data_row, scale_row) = match *format {
                 MatrixFormat::Dense(d) => (d, cols * d.size(), 0),
-                MatrixFormat::Quantized { q, dtype } => (dtype, q.words_per_row(cols) * 4, q.groups_per_row(cols) * dtype.size()),
+                MatrixFormat::Quantized { q, dtype } => (
+                    dtype,
+                    q.words_per_row(cols) * 4,
+                    q.groups_per_row(cols) * dtype.size(),
+                ),
             };
             // Per output module: data, scales, biases.
             let rows_out = if *split_gate_up { rows / 2 } else { rows };
-            let mut bufs: Vec<[Vec<u8>; 3]> =
-                modules.iter().map(|_| [vec![0u8; rows_out * data_row], vec![0u8; rows_out * scale_row], vec![0u8; rows_out * scale_row]]).collect();
+            let mut bufs: Vec<[Vec<u8>; 3]> = modules
+                .iter()
+                .map(|_| {
+                    [
+                        vec![0u8; rows_out * data_row],
+                        vec![0u8; rows_out * scale_row],
+                        vec![0u8; rows_out * scale_row],
+                    ]
+                })
+                .collect();
             // The gate half of expert e is its first `inter` rows, the up half the next `inter`.
             let inter = item.source_shape[item.source_shape.len() - 2] / 2;
             let route = |r: usize| -> (usize, usize) {
@@ -244,7 +346,11 @@ fn convert(item: &PlanItem, values: &dyn Values, bar: &indicatif::ProgressBar) -
                     return (0, r);
                 }
                 let (e, j) = (r / (2 * inter), r % (2 * inter));
-                if j < inter { (0, e * inter + j) } else { (1, e * inter + j - inter) }
+                if j < inter {
+                    (0, e * inter + j)
+                } else {
+                    (1, e * inter + j - inter)
+                }
             };
             // Blocks of the generator's chunk size, so synthetic values are drawn once.
             let block_rows = (synth::CHUNK / cols).max(1);
@@ -259,12 +365,18 @@ fn convert(item: &PlanItem, values: &dyn Values, bar: &indicatif::ProgressBar) -
                         let n = block_rows.min(rows - r0);
                         let mut v = vec![0f32; n * cols];
                         values.read(&item.source, r0 * cols, &mut v)?;
-                        let mut out = [Vec::with_capacity(n * data_row), Vec::with_capacity(n * scale_row), Vec::with_capacity(n * scale_row)];
+                        let mut out = [
+                            Vec::with_capacity(n * data_row),
+                            Vec::with_capacity(n * scale_row),
+                            Vec::with_capacity(n * scale_row),
+                        ];
                         for row in v.chunks_exact_mut(cols) {
                             // mlx-lm casts to the conversion dtype before quantising.
                             row.iter_mut().for_each(|x| *x = quant::round_to(*x, dtype));
                             match *format {
-                                MatrixFormat::Dense(d) => row.iter().for_each(|&x| quant::encode_scalar(x, d, &mut out[0])),
+                                MatrixFormat::Dense(d) => row
+                                    .iter()
+                                    .for_each(|&x| quant::encode_scalar(x, d, &mut out[0])),
                                 MatrixFormat::Quantized { q, dtype } => {
                                     let [data, scales, biases] = &mut out;
                                     quant::quantize_row(row, q, dtype, data, scales, biases);
@@ -279,17 +391,28 @@ fn convert(item: &PlanItem, values: &dyn Values, bar: &indicatif::ProgressBar) -
                     for k in 0..n {
                         let (m, r) = route(b * block_rows + k);
                         let dst = &mut bufs[m];
-                        dst[0][r * data_row..(r + 1) * data_row].copy_from_slice(&block[0][k * data_row..(k + 1) * data_row]);
+                        dst[0][r * data_row..(r + 1) * data_row]
+                            .copy_from_slice(&block[0][k * data_row..(k + 1) * data_row]);
                         for s in 1..3 {
-                            dst[s][r * scale_row..(r + 1) * scale_row].copy_from_slice(&block[s][k * scale_row..(k + 1) * scale_row]);
+                            dst[s][r * scale_row..(r + 1) * scale_row]
+                                .copy_from_slice(&block[s][k * scale_row..(k + 1) * scale_row]);
                         }
                     }
                     bar.inc(n as u64 * out_bytes_per_row);
                 }
             }
-            let per_module = if matches!(format, MatrixFormat::Quantized { .. }) { 3 } else { 1 };
-            let mut parts = bufs.into_iter().flat_map(|b| b.into_iter().take(per_module));
-            Ok(outputs.into_iter().map(|info| (info, parts.next().expect("one buffer per output"))).collect())
+            let per_module = if matches!(format, MatrixFormat::Quantized { .. }) {
+                3
+            } else {
+                1
+            };
+            let mut parts = bufs
+                .into_iter()
+                .flat_map(|b| b.into_iter().take(per_module));
+            Ok(outputs
+                .into_iter()
+                .map(|info| (info, parts.next().expect("one buffer per output")))
+                .collect())
         }
     }
 }

@@ -10,7 +10,8 @@ use std::path::Path;
 
 use crate::config::{ConfigError, ModelConfig};
 use crate::model::weights::{
-    AttentionWeights, DeltaNetWeights, FeedForward, LayerWeights, Matrix, Mixer, MoeWeights, Weights,
+    AttentionWeights, DeltaNetWeights, FeedForward, LayerWeights, Matrix, Mixer, MoeWeights,
+    Weights,
 };
 use tensor::{DType, RawTensor, TensorStore};
 
@@ -19,21 +20,43 @@ pub enum CheckpointError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("cannot read {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{file}: {message}")]
     Header { file: String, message: String },
     #[error("{file}: tensor `{tensor}` needs bytes up to {needed} but the file has {size}: the file is truncated")]
-    Truncated { file: String, tensor: String, needed: usize, size: usize },
+    Truncated {
+        file: String,
+        tensor: String,
+        needed: usize,
+        size: usize,
+    },
     #[error("no *.safetensors files in {dir}")]
     NoWeights { dir: String },
     #[error("tensor `{tensor}` is missing from the checkpoint in {location}")]
     Missing { tensor: String, location: String },
     #[error("{file}: tensor `{tensor}` has shape {found:?}, expected {expected:?}")]
-    Shape { tensor: String, file: String, expected: Vec<usize>, found: Vec<usize> },
+    Shape {
+        tensor: String,
+        file: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
     #[error("{file}: tensor `{tensor}` has dtype {found}, expected {expected}")]
-    DType { tensor: String, file: String, expected: String, found: String },
+    DType {
+        tensor: String,
+        file: String,
+        expected: String,
+        found: String,
+    },
     #[error("{file}: tensor `{tensor}` {message}")]
-    Quantization { tensor: String, file: String, message: String },
+    Quantization {
+        tensor: String,
+        file: String,
+        message: String,
+    },
 }
 
 /// Loads `config.json` and the weights of the checkpoint in `dir` (Hugging Face or MLX layout).
@@ -50,7 +73,11 @@ pub fn load(dir: &Path) -> Result<Weights, CheckpointError> {
 /// multimodal naming (`model.language_model.*`, vision tower ignored) or the text-only naming
 /// (`model.*`).
 pub fn from_store(config: ModelConfig, store: &TensorStore) -> Result<Weights, CheckpointError> {
-    let prefix = if store.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
+    let prefix = if store.contains("model.language_model.embed_tokens.weight") {
+        "model.language_model."
+    } else {
+        "model."
+    };
     let r = Reader { store };
     let c = &config;
     let h = c.hidden_size;
@@ -74,7 +101,11 @@ pub fn from_store(config: ModelConfig, store: &TensorStore) -> Result<Weights, C
                 q_proj: r.matrix(&format!("{a}q_proj.weight"), q_out, h)?,
                 k_proj: r.matrix(&format!("{a}k_proj.weight"), kv_out, h)?,
                 v_proj: r.matrix(&format!("{a}v_proj.weight"), kv_out, h)?,
-                o_proj: r.matrix(&format!("{a}o_proj.weight"), h, c.num_attention_heads * c.head_dim)?,
+                o_proj: r.matrix(
+                    &format!("{a}o_proj.weight"),
+                    h,
+                    c.num_attention_heads * c.head_dim,
+                )?,
                 q_norm: r.norm_plus_one(&format!("{a}q_norm.weight"), c.head_dim)?,
                 k_norm: r.norm_plus_one(&format!("{a}k_norm.weight"), c.head_dim)?,
             })
@@ -130,13 +161,26 @@ pub fn from_store(config: ModelConfig, store: &TensorStore) -> Result<Weights, C
         };
         layers.push(LayerWeights {
             input_norm: r.norm_plus_one(&format!("{p}input_layernorm.weight"), h)?,
-            post_attention_norm: r.norm_plus_one(&format!("{p}post_attention_layernorm.weight"), h)?,
+            post_attention_norm: r
+                .norm_plus_one(&format!("{p}post_attention_layernorm.weight"), h)?,
             mixer,
             moe,
         });
     }
-    let mtp_tensors = store.tensors.keys().filter(|k| k.starts_with("mtp.")).cloned().collect();
-    Ok(Weights { config, embed, layers, final_norm, lm_head, mtp_tensors })
+    let mtp_tensors = store
+        .tensors
+        .keys()
+        .filter(|k| k.starts_with("mtp."))
+        .cloned()
+        .collect();
+    Ok(Weights {
+        config,
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+        mtp_tensors,
+    })
 }
 
 /// Typed lookups with shape and dtype checks.
@@ -162,7 +206,13 @@ impl Reader<'_> {
         Ok(Matrix::dense(rows, cols, t.dtype, t.data.clone()))
     }
     /// A `[n, rows, cols]` stack as one `[n·rows, cols]` matrix (take views per expert).
-    fn stacked(&self, name: &str, n: usize, rows: usize, cols: usize) -> Result<Matrix, CheckpointError> {
+    fn stacked(
+        &self,
+        name: &str,
+        n: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix, CheckpointError> {
         let t = self.float_tensor(name, &[n, rows, cols])?;
         Ok(Matrix::dense(n * rows, cols, t.dtype, t.data.clone()))
     }

@@ -102,27 +102,79 @@ fn tensor_specs(c: &ModelConfig) -> Vec<Spec> {
     let mut v = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, init: Init| v.push(Spec { name, shape, init });
     let lm = "model.language_model.";
-    add(format!("{lm}embed_tokens.weight"), vec![c.vocab_size, h], std);
+    add(
+        format!("{lm}embed_tokens.weight"),
+        vec![c.vocab_size, h],
+        std,
+    );
     let attention_layer = |add: &mut dyn FnMut(String, Vec<usize>, Init), p: &str| {
         let a = format!("{p}self_attn.");
-        add(format!("{a}q_proj.weight"), vec![2 * c.num_attention_heads * c.head_dim, h], std);
-        add(format!("{a}k_proj.weight"), vec![c.num_key_value_heads * c.head_dim, h], std);
-        add(format!("{a}v_proj.weight"), vec![c.num_key_value_heads * c.head_dim, h], std);
-        add(format!("{a}o_proj.weight"), vec![h, c.num_attention_heads * c.head_dim], std);
-        add(format!("{a}q_norm.weight"), vec![c.head_dim], Init::Const(0.0));
-        add(format!("{a}k_norm.weight"), vec![c.head_dim], Init::Const(0.0));
+        add(
+            format!("{a}q_proj.weight"),
+            vec![2 * c.num_attention_heads * c.head_dim, h],
+            std,
+        );
+        add(
+            format!("{a}k_proj.weight"),
+            vec![c.num_key_value_heads * c.head_dim, h],
+            std,
+        );
+        add(
+            format!("{a}v_proj.weight"),
+            vec![c.num_key_value_heads * c.head_dim, h],
+            std,
+        );
+        add(
+            format!("{a}o_proj.weight"),
+            vec![h, c.num_attention_heads * c.head_dim],
+            std,
+        );
+        add(
+            format!("{a}q_norm.weight"),
+            vec![c.head_dim],
+            Init::Const(0.0),
+        );
+        add(
+            format!("{a}k_norm.weight"),
+            vec![c.head_dim],
+            Init::Const(0.0),
+        );
     };
     let moe_and_norms = |add: &mut dyn FnMut(String, Vec<usize>, Init), p: &str| {
-        add(format!("{p}input_layernorm.weight"), vec![h], Init::Const(0.0));
-        add(format!("{p}post_attention_layernorm.weight"), vec![h], Init::Const(0.0));
+        add(
+            format!("{p}input_layernorm.weight"),
+            vec![h],
+            Init::Const(0.0),
+        );
+        add(
+            format!("{p}post_attention_layernorm.weight"),
+            vec![h],
+            Init::Const(0.0),
+        );
         let m = format!("{p}mlp.");
         add(format!("{m}gate.weight"), vec![c.num_experts, h], std);
-        add(format!("{m}experts.gate_up_proj"), vec![c.num_experts, 2 * c.moe_intermediate_size, h], std);
-        add(format!("{m}experts.down_proj"), vec![c.num_experts, h, c.moe_intermediate_size], std);
+        add(
+            format!("{m}experts.gate_up_proj"),
+            vec![c.num_experts, 2 * c.moe_intermediate_size, h],
+            std,
+        );
+        add(
+            format!("{m}experts.down_proj"),
+            vec![c.num_experts, h, c.moe_intermediate_size],
+            std,
+        );
         let si = c.shared_expert_intermediate_size;
-        add(format!("{m}shared_expert.gate_proj.weight"), vec![si, h], std);
+        add(
+            format!("{m}shared_expert.gate_proj.weight"),
+            vec![si, h],
+            std,
+        );
         add(format!("{m}shared_expert.up_proj.weight"), vec![si, h], std);
-        add(format!("{m}shared_expert.down_proj.weight"), vec![h, si], std);
+        add(
+            format!("{m}shared_expert.down_proj.weight"),
+            vec![h, si],
+            std,
+        );
         add(format!("{m}shared_expert_gate.weight"), vec![1, h], std);
     };
     for i in 0..c.num_hidden_layers {
@@ -134,15 +186,31 @@ fn tensor_specs(c: &ModelConfig) -> Vec<Spec> {
             let nv = c.linear_num_value_heads;
             let k = c.linear_conv_kernel_dim;
             add(format!("{l}in_proj_qkv.weight"), vec![c.conv_dim(), h], std);
-            add(format!("{l}in_proj_z.weight"), vec![c.linear_value_dim(), h], std);
+            add(
+                format!("{l}in_proj_z.weight"),
+                vec![c.linear_value_dim(), h],
+                std,
+            );
             add(format!("{l}in_proj_b.weight"), vec![nv, h], std);
             add(format!("{l}in_proj_a.weight"), vec![nv, h], std);
             let bound = 1.0 / (k as f32).sqrt();
-            add(format!("{l}conv1d.weight"), vec![c.conv_dim(), 1, k], Init::Uniform(-bound, bound));
+            add(
+                format!("{l}conv1d.weight"),
+                vec![c.conv_dim(), 1, k],
+                Init::Uniform(-bound, bound),
+            );
             add(format!("{l}A_log"), vec![nv], Init::LogUniform(1.0, 16.0));
             add(format!("{l}dt_bias"), vec![nv], Init::Const(1.0));
-            add(format!("{l}norm.weight"), vec![c.linear_value_head_dim], Init::Const(1.0));
-            add(format!("{l}out_proj.weight"), vec![h, c.linear_value_dim()], std);
+            add(
+                format!("{l}norm.weight"),
+                vec![c.linear_value_head_dim],
+                Init::Const(1.0),
+            );
+            add(
+                format!("{l}out_proj.weight"),
+                vec![h, c.linear_value_dim()],
+                std,
+            );
         }
         moe_and_norms(&mut add, &p);
     }
@@ -151,8 +219,16 @@ fn tensor_specs(c: &ModelConfig) -> Vec<Spec> {
         add("lm_head.weight".into(), vec![c.vocab_size, h], std);
     }
     for _ in 0..c.mtp_num_hidden_layers.min(1) {
-        add("mtp.pre_fc_norm_embedding.weight".into(), vec![h], Init::Const(0.0));
-        add("mtp.pre_fc_norm_hidden.weight".into(), vec![h], Init::Const(0.0));
+        add(
+            "mtp.pre_fc_norm_embedding.weight".into(),
+            vec![h],
+            Init::Const(0.0),
+        );
+        add(
+            "mtp.pre_fc_norm_hidden.weight".into(),
+            vec![h],
+            Init::Const(0.0),
+        );
         add("mtp.fc.weight".into(), vec![h, 2 * h], std);
         attention_layer(&mut add, "mtp.layers.0.");
         moe_and_norms(&mut add, "mtp.layers.0.");
@@ -183,8 +259,12 @@ fn fill(init: Init, seed: u64, out: &mut [f32]) {
     let mut rng = SplitMix(seed);
     match init {
         Init::Const(c) => out.fill(c),
-        Init::Uniform(lo, hi) => out.iter_mut().for_each(|x| *x = lo + (hi - lo) * rng.unit()),
-        Init::LogUniform(lo, hi) => out.iter_mut().for_each(|x| *x = (lo + (hi - lo) * rng.unit()).ln()),
+        Init::Uniform(lo, hi) => out
+            .iter_mut()
+            .for_each(|x| *x = lo + (hi - lo) * rng.unit()),
+        Init::LogUniform(lo, hi) => out
+            .iter_mut()
+            .for_each(|x| *x = (lo + (hi - lo) * rng.unit()).ln()),
         Init::Normal(std) => {
             // Box–Muller, two values per pair of uniforms.
             for pair in out.chunks_mut(2) {
@@ -211,14 +291,24 @@ fn chunk_values(init: Init, index: usize, ci: usize, seed: u64, n: usize) -> Vec
 fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
     match dtype {
         DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        DType::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+        DType::BF16 => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
         other => panic!("synth writes f32 or bf16, not {other:?}"),
     }
 }
 
 /// Writes a random checkpoint of the configuration `config_json` (a full config.json value)
 /// to `out`, in shards of about `shard_bytes`. Returns the total bytes of tensor data written.
-pub fn write_checkpoint(config_json: &Value, out: &Path, seed: u64, dtype: DType, shard_bytes: usize, progress: bool) -> anyhow::Result<usize> {
+pub fn write_checkpoint(
+    config_json: &Value,
+    out: &Path,
+    seed: u64,
+    dtype: DType,
+    shard_bytes: usize,
+    progress: bool,
+) -> anyhow::Result<usize> {
     let config = ModelConfig::from_json(config_json)?;
     let specs = tensor_specs(&config);
     std::fs::create_dir_all(out)?;
@@ -238,16 +328,26 @@ pub fn write_checkpoint(config_json: &Value, out: &Path, seed: u64, dtype: DType
         in_shard += bytes_of(s);
     }
     let total: usize = specs.iter().map(bytes_of).sum();
-    let bar = if progress { indicatif::ProgressBar::new(total as u64) } else { indicatif::ProgressBar::hidden() };
+    let bar = if progress {
+        indicatif::ProgressBar::new(total as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
-            .expect("static template"),
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("static template"),
     );
 
     let n_shards = shards.len();
     let mut weight_map = serde_json::Map::new();
     for (si, members) in shards.iter().enumerate() {
-        let file = if n_shards == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", si + 1, n_shards) };
+        let file = if n_shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", si + 1, n_shards)
+        };
         // Header first: every size is known before any value is drawn.
         let mut header = serde_json::Map::new();
         let mut offset = 0;
@@ -261,7 +361,8 @@ pub fn write_checkpoint(config_json: &Value, out: &Path, seed: u64, dtype: DType
         while h.len() % 8 != 0 {
             h.push(b' ');
         }
-        let mut f = std::io::BufWriter::with_capacity(1 << 24, std::fs::File::create(out.join(&file))?);
+        let mut f =
+            std::io::BufWriter::with_capacity(1 << 24, std::fs::File::create(out.join(&file))?);
         f.write_all(&(h.len() as u64).to_le_bytes())?;
         f.write_all(&h)?;
         for &i in members {
@@ -273,7 +374,12 @@ pub fn write_checkpoint(config_json: &Value, out: &Path, seed: u64, dtype: DType
             for w0 in (0..chunks).step_by(window) {
                 let encoded: Vec<Vec<u8>> = (w0..(w0 + window).min(chunks))
                     .into_par_iter()
-                    .map(|ci| encode(&chunk_values(s.init, i, ci, seed, CHUNK.min(numel - ci * CHUNK)), dtype))
+                    .map(|ci| {
+                        encode(
+                            &chunk_values(s.init, i, ci, seed, CHUNK.min(numel - ci * CHUNK)),
+                            dtype,
+                        )
+                    })
                     .collect();
                 for e in encoded {
                     f.write_all(&e)?;
@@ -285,14 +391,21 @@ pub fn write_checkpoint(config_json: &Value, out: &Path, seed: u64, dtype: DType
     }
     bar.finish_and_clear();
     let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-    std::fs::write(out.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)?)?;
+    std::fs::write(
+        out.join("model.safetensors.index.json"),
+        serde_json::to_string_pretty(&index)?,
+    )?;
     Ok(total)
 }
 
 /// `config_json` with `text_config.dtype` naming `dtype`.
 fn with_dtype(config_json: &Value, dtype: DType) -> Value {
     let mut cfg = config_json.clone();
-    let dtype_name = if dtype == DType::BF16 { "bfloat16" } else { "float32" };
+    let dtype_name = if dtype == DType::BF16 {
+        "bfloat16"
+    } else {
+        "float32"
+    };
     if let Some(tc) = cfg.get_mut("text_config").and_then(Value::as_object_mut) {
         tc.insert("dtype".into(), json!(dtype_name));
     }
@@ -306,18 +419,35 @@ pub fn mlx_plan(config_json: &Value, dtype: DType, q: Affine) -> anyhow::Result<
     let cfg = with_dtype(config_json, dtype);
     Ok(mlx::plan(
         &config,
-        &PlanOptions { source_prefix: "model.language_model.", quant: q, cast_to: mlx::conversion_dtype(&cfg), source_dtype: &|_| dtype },
+        &PlanOptions {
+            source_prefix: "model.language_model.",
+            quant: q,
+            cast_to: mlx::conversion_dtype(&cfg),
+            source_dtype: &|_| dtype,
+        },
     ))
 }
 
 /// Writes a random checkpoint of `config_json` in the MLX layout, quantised with `q`: the
 /// values of `write_checkpoint` with the same seed and dtype, converted as `mlx_lm.convert -q`
 /// converts. Returns the bytes of tensor data written.
-pub fn write_mlx_checkpoint(config_json: &Value, out: &Path, seed: u64, dtype: DType, q: Affine, shard_bytes: usize, progress: bool) -> anyhow::Result<usize> {
+pub fn write_mlx_checkpoint(
+    config_json: &Value,
+    out: &Path,
+    seed: u64,
+    dtype: DType,
+    q: Affine,
+    shard_bytes: usize,
+    progress: bool,
+) -> anyhow::Result<usize> {
     let config = ModelConfig::from_json(config_json)?;
     let plan = mlx_plan(config_json, dtype, q)?;
     let values = SynthValues {
-        specs: tensor_specs(&config).into_iter().enumerate().map(|(i, s)| (s.name, (i, s.init, s.shape.iter().product()))).collect(),
+        specs: tensor_specs(&config)
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| (s.name, (i, s.init, s.shape.iter().product())))
+            .collect(),
         seed,
         dtype,
     };
@@ -336,7 +466,12 @@ struct SynthValues {
 impl Values for SynthValues {
     fn read(&self, name: &str, start: usize, out: &mut [f32]) -> Result<(), CheckpointError> {
         let &(index, init, numel) =
-            self.specs.get(name).ok_or_else(|| CheckpointError::Missing { tensor: name.to_string(), location: "the synthetic model".into() })?;
+            self.specs
+                .get(name)
+                .ok_or_else(|| CheckpointError::Missing {
+                    tensor: name.to_string(),
+                    location: "the synthetic model".into(),
+                })?;
         let end = start + out.len();
         assert!(end <= numel, "read past the end of {name}");
         let mut pos = start;
@@ -345,7 +480,10 @@ impl Values for SynthValues {
             let first = ci * CHUNK;
             let vals = chunk_values(init, index, ci, self.seed, CHUNK.min(numel - first));
             let take = (first + vals.len()).min(end) - pos;
-            for (o, v) in out[pos - start..pos - start + take].iter_mut().zip(&vals[pos - first..]) {
+            for (o, v) in out[pos - start..pos - start + take]
+                .iter_mut()
+                .zip(&vals[pos - first..])
+            {
                 *o = quant::round_to(*v, self.dtype);
             }
             pos += take;

@@ -17,7 +17,11 @@ pub struct InspectArgs {
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     let weights = checkpoint::load(&args.model)?;
     let c = &weights.config;
-    let n_full = c.layer_types.iter().filter(|k| **k == lily::config::LayerKind::FullAttention).count();
+    let n_full = c
+        .layer_types
+        .iter()
+        .filter(|k| **k == lily::config::LayerKind::FullAttention)
+        .count();
     println!("model: {}", args.model.display());
     println!(
         "layers: {} ({} Gated DeltaNet, {} full attention); hidden {}; vocab {}; experts {} (top {}), expert width {}, shared {}",
@@ -32,7 +36,11 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         c.shared_expert_intermediate_size
     );
     let counts = c.parameter_counts();
-    println!("parameters: {} total, {} active per token", group_digits(counts.total), group_digits(counts.active));
+    println!(
+        "parameters: {} total, {} active per token",
+        group_digits(counts.total),
+        group_digits(counts.active)
+    );
 
     // Bytes, weights and formats per component. A tied head shares the embedding's storage.
     #[derive(Default)]
@@ -56,21 +64,38 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     for (component, entry) in &by_component {
         let formats: Vec<String> = entry.formats.iter().cloned().collect();
         let bpw = entry.bytes as f64 * 8.0 / entry.weights.max(1) as f64;
-        println!("  {component:<16} {:>10.3} GB  {bpw:>5.2} b/w  {}", entry.bytes as f64 / 1e9, formats.join(", "));
+        println!(
+            "  {component:<16} {:>10.3} GB  {bpw:>5.2} b/w  {}",
+            entry.bytes as f64 / 1e9,
+            formats.join(", ")
+        );
         total += entry.bytes;
     }
-    println!("  {:<16} {:>10.3} GB ({} bytes; small vectors not counted)", "total", total as f64 / 1e9, group_digits(total));
+    println!(
+        "  {:<16} {:>10.3} GB ({} bytes; small vectors not counted)",
+        "total",
+        total as f64 / 1e9,
+        group_digits(total)
+    );
     let per_token_kv = n_full * 2 * c.num_key_value_heads * c.head_dim * 2;
     let gdn_state = (c.num_hidden_layers - n_full)
-        * ((c.linear_conv_kernel_dim - 1) * c.conv_dim() * 2 + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4);
-    println!("per sequence: recurrent state {:.1} MiB; KV cache {} bytes per token (bf16)", gdn_state as f64 / (1 << 20) as f64, per_token_kv);
+        * ((c.linear_conv_kernel_dim - 1) * c.conv_dim() * 2
+            + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4);
+    println!(
+        "per sequence: recurrent state {:.1} MiB; KV cache {} bytes per token (bf16)",
+        gdn_state as f64 / (1 << 20) as f64,
+        per_token_kv
+    );
     println!(
         "memory for one sequence at the full {} tokens: {:.2} GB",
         c.max_position_embeddings,
         (total + gdn_state + per_token_kv * c.max_position_embeddings) as f64 / 1e9
     );
     if !weights.mtp_tensors.is_empty() {
-        println!("multi-token prediction: {} tensors present (kept aside, not used)", weights.mtp_tensors.len());
+        println!(
+            "multi-token prediction: {} tensors present (kept aside, not used)",
+            weights.mtp_tensors.len()
+        );
     }
     Ok(())
 }

@@ -28,11 +28,21 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
     let q = Affine::new(args.bits, args.group_size)?;
     // Refuse to mix a new checkpoint into an old one (as mlx_lm.convert refuses).
     if let Ok(mut entries) = std::fs::read_dir(&args.out) {
-        anyhow::ensure!(entries.next().is_none(), "{} exists and is not empty", args.out.display());
+        anyhow::ensure!(
+            entries.next().is_none(),
+            "{} exists and is not empty",
+            args.out.display()
+        );
     }
     let start = std::time::Instant::now();
     let bytes = mlx_write::quantize_dir(&args.model, &args.out, q, true)?;
     let secs = start.elapsed().as_secs_f64();
-    println!("wrote {} ({:.2} GB, {}-bit, group {}) in {secs:.1} s", args.out.display(), bytes as f64 / 1e9, q.bits, q.group_size);
+    println!(
+        "wrote {} ({:.2} GB, {}-bit, group {}) in {secs:.1} s",
+        args.out.display(),
+        bytes as f64 / 1e9,
+        q.bits,
+        q.group_size
+    );
     Ok(())
 }

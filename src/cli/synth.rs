@@ -43,8 +43,12 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     let config = match synth::preset(&args.config) {
         Some(c) => c,
         None => {
-            let text = std::fs::read_to_string(&args.config)
-                .map_err(|e| anyhow::anyhow!("`{}` is neither a preset (tiny, qwen3.6-35b-a3b) nor a readable file: {e}", args.config))?;
+            let text = std::fs::read_to_string(&args.config).map_err(|e| {
+                anyhow::anyhow!(
+                    "`{}` is neither a preset (tiny, qwen3.6-35b-a3b) nor a readable file: {e}",
+                    args.config
+                )
+            })?;
             serde_json::from_str(&text)?
         }
     };
@@ -54,17 +58,37 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
     };
     let start = std::time::Instant::now();
     let bytes = match args.quant {
-        None => synth::write_checkpoint(&config, &args.out, args.seed, dtype, synth::SHARD_BYTES, true)?,
+        None => synth::write_checkpoint(
+            &config,
+            &args.out,
+            args.seed,
+            dtype,
+            synth::SHARD_BYTES,
+            true,
+        )?,
         Some(quant) => {
             let bits = match quant {
                 SynthQuant::Q4 => 4,
                 SynthQuant::Q8 => 8,
             };
             let q = Affine::new(bits, 64)?;
-            synth::write_mlx_checkpoint(&config, &args.out, args.seed, dtype, q, mlx_write::SHARD_BYTES, true)?
+            synth::write_mlx_checkpoint(
+                &config,
+                &args.out,
+                args.seed,
+                dtype,
+                q,
+                mlx_write::SHARD_BYTES,
+                true,
+            )?
         }
     };
     let secs = start.elapsed().as_secs_f64();
-    println!("wrote {} ({:.2} GB) in {secs:.1} s ({:.2} GB/s)", args.out.display(), bytes as f64 / 1e9, bytes as f64 / 1e9 / secs);
+    println!(
+        "wrote {} ({:.2} GB) in {secs:.1} s ({:.2} GB/s)",
+        args.out.display(),
+        bytes as f64 / 1e9,
+        bytes as f64 / 1e9 / secs
+    );
     Ok(())
 }
