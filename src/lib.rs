@@ -13,4 +13,5 @@ pub mod model;
 pub mod plot;
 pub mod quant;
 pub mod sampling;
+pub mod server;
 pub mod tokenizer;

@@ -6,7 +6,10 @@ mod bench;
 mod generate;
 mod inspect;
 mod quantize;
+mod render;
+mod serve;
 mod synth;
+mod tokenize;
 
 #[derive(Parser)]
 #[command(name = "lily", version, about = "Inference engine for Qwen3.6-35B-A3B")]
@@ -25,8 +28,14 @@ pub enum Command {
     Inspect(inspect::InspectArgs),
     /// Quantise a Hugging Face checkpoint into an MLX one (affine, as mlx_lm.convert -q).
     Quantize(quantize::QuantizeArgs),
+    /// Print the exact prompt built for an OpenAI-style chat request.
+    Render(render::RenderArgs),
+    /// Serve the OpenAI-compatible API (a built-in demo model when no --model is given).
+    Serve(serve::ServeArgs),
     /// Write a random-weight checkpoint in the official layout.
     Synth(synth::SynthArgs),
+    /// Text to token ids (JSON), or back with --decode.
+    Tokenize(tokenize::TokenizeArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -35,6 +44,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(a) => generate::run(a),
         Command::Inspect(a) => inspect::run(a),
         Command::Quantize(a) => quantize::run(a),
+        Command::Render(a) => render::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::Tokenize(a) => tokenize::run(a),
     }
 }

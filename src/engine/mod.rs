@@ -6,6 +6,8 @@
 //! (client disconnected, stop string matched) is cancelled before its next step. A panic while
 //! serving one request ends that request with an error and leaves the others untouched.
 
+pub mod generate;
+
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

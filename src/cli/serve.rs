@@ -1,0 +1,89 @@
+//! `lily serve`: the OpenAI-compatible server (see `lily::server`).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+use lily::server::{self, Device, ModelSource, ServeOptions, DEMO_MODEL_NAME};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Model directory or Hugging Face repo id (found in the local Hugging Face cache). Without
+    /// it, a small built-in demo model with random weights is served.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// The name clients put in `model` (default: the repo id or directory name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Address to bind. The default accepts local connections only; use 0.0.0.0 to serve others.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on the API routes.
+    #[arg(long, env = "LILY_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Longest prompt + completion, in tokens (default: the model's context length).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    /// Larger request bodies are refused (413).
+    #[arg(long, default_value_t = 16 << 20)]
+    pub max_body_bytes: usize,
+    /// More requests in flight than this are refused (503, retry later).
+    #[arg(long, default_value_t = 256)]
+    pub max_in_flight: usize,
+    /// Seconds that requests in flight get to finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 5.0)]
+    pub shutdown_grace: f64,
+    /// Test only: reply from this script instead of running a model.
+    #[arg(long, hide = true)]
+    pub scripted_tokens: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let (source, default_name, aliases) = match &args.model {
+        None => (ModelSource::Demo, DEMO_MODEL_NAME.to_string(), Vec::new()),
+        Some(arg) => {
+            let dir = server::hub::resolve(arg)?;
+            let name = if Path::new(arg).is_dir() {
+                dir.canonicalize()
+                    .ok()
+                    .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .unwrap_or_else(|| arg.clone())
+            } else {
+                arg.clone()
+            };
+            (ModelSource::Dir(dir), name, vec![arg.clone()])
+        }
+    };
+    anyhow::ensure!(
+        args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0,
+        "--shutdown-grace must be a number of seconds"
+    );
+    server::run(ServeOptions {
+        source,
+        served_model_name: args.served_model_name.unwrap_or(default_name),
+        aliases,
+        host: args.host,
+        port: args.port,
+        api_key: args.api_key.filter(|k| !k.is_empty()),
+        max_model_len: args.max_model_len,
+        device: match args.device {
+            DeviceArg::Cpu => Device::Cpu,
+            DeviceArg::Cuda => Device::Cuda,
+        },
+        max_body_bytes: args.max_body_bytes,
+        max_in_flight: args.max_in_flight,
+        scripted: args.scripted_tokens,
+        shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+    })
+}

@@ -1,0 +1,690 @@
+//! The text side of generation, around the token-level [`Engine`]: what a request needs before
+//! its first token (tokenizer, chat template, model defaults, grammar compiler) and what turns
+//! the engine's token stream back into an answer.
+//!
+//! Per request, two halves cooperate:
+//! * a [`TokenPicker`] runs on the engine thread as the request's sampler. It applies the
+//!   request's sampling parameters, forces `</think>` when the thinking budget is spent, and,
+//!   once the reasoning is over, masks the logits with the request's grammar (`response_format`,
+//!   `tool_choice: required` or a named tool);
+//! * a [`Generation`] runs in the HTTP handler. It detokenizes incrementally, splits the text into
+//!   reasoning, content and tool calls ([`OutputParser`]), applies stop strings to the content
+//!   only (so a stop string can neither cut a tool call nor leak `</think>`), and counts usage.
+//!
+//! Dropping a [`Generation`] drops the engine's receiver, which cancels the sequence before its
+//! next step: that is how a client disconnect and a matched stop string end generation.
+
+use std::collections::{HashSet, VecDeque};
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{self, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::{Engine, Event, FinishReason as EngineFinish, GenerateRequest, SampledToken};
+use crate::chat::template::ChatTemplate;
+use crate::chat::tools::{OutputEvent, OutputParser, ToolSchemas};
+use crate::sampling::{
+    GenerationDefaults, Sampler, SamplingParams, StopChecker, ThinkTokens, ThinkingBudget,
+};
+use crate::tokenizer::{IncrementalDecoder, Tokenizer, ADDED_TOKENS};
+
+/// Ids of the special tokens the pipeline acts on.
+#[derive(Debug, Clone)]
+pub struct SpecialTokens {
+    /// `<|im_end|>`: ends an assistant turn; the grammar's end-of-sequence token.
+    pub im_end: u32,
+    /// Tokens that end every generation (the model's EOS ids, `<|im_end|>`, `<|endoftext|>`).
+    pub eos: Vec<u32>,
+    /// `<think>`, `</think>`, `<tool_call>`, `</tool_call>`, when the vocabulary has them.
+    pub think: Option<ThinkTokens>,
+    /// Control tokens (`<|...|>`: `<|im_start|>`, `<|vision_pad|>`, ...). Their text is never
+    /// part of an answer (vLLM's `skip_special_tokens` default); `<think>` and `<tool_call>` are
+    /// not among them, since the parsers read them.
+    pub control: Arc<HashSet<u32>>,
+}
+
+/// Everything about a model except its weights: enough to render, tokenize, constrain and parse.
+/// `lily render` and `lily tokenize` use it without loading weights.
+pub struct TextModel {
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: ChatTemplate,
+    pub defaults: GenerationDefaults,
+    pub special: SpecialTokens,
+    /// Compiles `response_format` and tool-call grammars against this vocabulary. Built on
+    /// first use (it indexes the whole vocabulary): `lily render` never needs it, and the
+    /// server builds it while loading (see [`TextModel::prepare_grammars`]).
+    grammars: OnceLock<Result<ParserFactory, String>>,
+}
+
+impl TextModel {
+    /// The tokenizer, chat template and `generation_config.json` of a model directory. A
+    /// directory without a chat template gets the built-in Qwen3.6 one (the only family lily
+    /// serves), with a warning.
+    pub fn from_dir(dir: &Path) -> anyhow::Result<TextModel> {
+        let tokenizer = Tokenizer::from_dir(dir)?;
+        let template = match ChatTemplate::from_model_dir(dir) {
+            Ok(t) => t,
+            Err(crate::chat::template::TemplateError::Missing(_)) => {
+                tracing::warn!(
+                    "{} has no chat template; using the built-in Qwen3.6 template",
+                    dir.display()
+                );
+                ChatTemplate::qwen36()
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let defaults = GenerationDefaults::load(dir)?;
+        TextModel::new(tokenizer, template, defaults)
+    }
+
+    /// The built-in demo model's text side: the byte-level demo tokenizer, the real Qwen3.6
+    /// template, no model defaults.
+    pub fn demo() -> anyhow::Result<TextModel> {
+        TextModel::new(
+            Tokenizer::byte_level_demo()?,
+            ChatTemplate::qwen36(),
+            GenerationDefaults::default(),
+        )
+    }
+
+    pub fn new(
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        mut defaults: GenerationDefaults,
+    ) -> anyhow::Result<TextModel> {
+        let id = |t: &str| tokenizer.token_id(t);
+        let im_end = id("<|im_end|>")
+            .ok_or_else(|| anyhow::anyhow!("the tokenizer has no <|im_end|> token"))?;
+        // Chat turns end with <|im_end|> whatever generation_config.json lists; <|endoftext|>
+        // ends raw completions.
+        defaults.eos_token_ids.push(im_end);
+        defaults.eos_token_ids.extend(id("<|endoftext|>"));
+        defaults.eos_token_ids.sort_unstable();
+        defaults.eos_token_ids.dedup();
+        let think = match (
+            id("<think>"),
+            id("</think>"),
+            id("<tool_call>"),
+            id("</tool_call>"),
+        ) {
+            (Some(think_start), Some(think_end), Some(tool_call_start), Some(tool_call_end)) => {
+                Some(ThinkTokens {
+                    think_start,
+                    think_end,
+                    tool_call_start,
+                    tool_call_end,
+                })
+            }
+            _ => None,
+        };
+        let control = ADDED_TOKENS
+            .iter()
+            .filter(|t| t.starts_with("<|") && t.ends_with("|>"))
+            .filter_map(|t| tokenizer.token_id(t))
+            .collect();
+        let special = SpecialTokens {
+            im_end,
+            eos: defaults.eos_token_ids.clone(),
+            think,
+            control: Arc::new(control),
+        };
+        Ok(TextModel {
+            tokenizer: Arc::new(tokenizer),
+            template,
+            defaults,
+            special,
+            grammars: OnceLock::new(),
+        })
+    }
+
+    /// Builds the grammar compiler now rather than on the first request that needs it.
+    pub fn prepare_grammars(&self) -> Result<(), String> {
+        self.grammars().map(|_| ())
+    }
+
+    fn grammars(&self) -> Result<&ParserFactory, String> {
+        self.grammars
+            .get_or_init(|| {
+                grammar_factory(&self.tokenizer, &self.special).map_err(|e| format!("{e:#}"))
+            })
+            .as_ref()
+            .map_err(|e| format!("the grammar compiler is unavailable: {e}"))
+    }
+
+    /// Compiles a grammar for this vocabulary. A bad grammar (an unsupported or unsatisfiable
+    /// JSON schema) is the request's fault: the error text says why.
+    pub fn compile(&self, grammar: &Grammar) -> Result<Matcher, String> {
+        let top = match grammar {
+            Grammar::JsonSchema {
+                schema,
+                after_thinking,
+            } => TopLevelGrammar::from_lark(json_lark(schema, *after_thinking)),
+            Grammar::Lark(source) => TopLevelGrammar::from_lark(source.clone()),
+        };
+        let parser = self
+            .grammars()?
+            .create_parser(top)
+            .map_err(|e| e.to_string())?;
+        let matcher = Matcher::new(Ok(parser));
+        match matcher.get_error() {
+            Some(e) => Err(e),
+            None => Ok(matcher),
+        }
+    }
+
+    /// Queues a generation on `engine`. The grammar, if any, must already be compiled (see
+    /// [`TextModel::compile`]) so that a bad schema is reported before anything starts.
+    pub fn start(&self, engine: &Engine, plan: GenerationPlan) -> Generation {
+        let think_ids = self.special.think;
+        let budget = |budget| think_ids.map(|ids| ThinkingBudget::new(ids, plan.thinking, budget));
+        let picker = TokenPicker {
+            sampler: Sampler::new(&plan.params, &plan.prompt),
+            budget: budget(plan.params.thinking_budget),
+            grammar: plan.grammar,
+            answer_started: !plan.thinking,
+            think_end: think_ids.map(|t| t.think_end),
+            vocab: self.tokenizer.vocab_size(),
+            banned: plan.banned_tokens,
+            stop_tokens: plan.params.stop_token_ids.clone(),
+            im_end: self.special.im_end,
+        };
+        let request = GenerateRequest {
+            prompt: plan.prompt.clone(),
+            max_tokens: plan.params.max_tokens.unwrap_or(0),
+            stop_token_ids: plan.params.stop_token_ids.clone(),
+            sampler: picker.into_sampler(),
+        };
+        let events = engine.submit(request);
+        Generation {
+            events: Some(events),
+            ready: VecDeque::new(),
+            tokenizer: self.tokenizer.clone(),
+            decoder: IncrementalDecoder::new(),
+            parser: (!plan.raw).then(|| OutputParser::new(plan.thinking, plan.tools)),
+            stop: StopChecker::new(&plan.params),
+            stop_ids: plan.params.stop_token_ids.clone(),
+            control: self.special.control.clone(),
+            reasoning: budget(None),
+            want_logprobs: plan.params.top_logprobs.is_some(),
+            single_tool_call: plan.single_tool_call,
+            prompt_tokens: plan.prompt.len(),
+            completion_tokens: 0,
+            open_calls: 0,
+            calls: 0,
+        }
+    }
+}
+
+/// A grammar the answer must follow.
+#[derive(Debug, Clone)]
+pub enum Grammar {
+    /// JSON matching this schema (`{"type": "object"}` for `json_object`). `after_thinking`:
+    /// the answer follows `</think>`, where the model writes a blank line first (the reasoning
+    /// parser drops it); elsewhere the JSON starts at once.
+    JsonSchema {
+        schema: serde_json::Value,
+        after_thinking: bool,
+    },
+    /// A grammar in llguidance's Lark dialect (tool calls in Qwen's XML format).
+    Lark(String),
+}
+
+/// One validated request, ready for the engine.
+pub struct GenerationPlan {
+    pub prompt: Vec<u32>,
+    /// `max_tokens` must be set: the caller resolves it against the context length.
+    pub params: SamplingParams,
+    /// The prompt ends inside `<think>`: generation starts in the reasoning.
+    pub thinking: bool,
+    /// Parse tool calls with these schemas (`None`: all content is text).
+    pub tools: Option<ToolSchemas>,
+    /// Constrains the answer (everything after `</think>`), compiled by [`TextModel::compile`].
+    pub grammar: Option<Matcher>,
+    /// Tokens that may never be generated (`<tool_call>` under `tool_choice: "none"`).
+    pub banned_tokens: Vec<u32>,
+    /// `parallel_tool_calls: false`: stop after the first complete tool call.
+    pub single_tool_call: bool,
+    /// A text completion: the output is plain text, with no reasoning or tool calls to find.
+    pub raw: bool,
+}
+
+/// The Lark grammar for a JSON answer: JSON per the schema, laid out like Python's `json.dumps`
+/// (", " and ": ", no other whitespace, so a model cannot wander into endless blank space),
+/// after the thinking optionally preceded by the usual blank line.
+fn json_lark(schema: &serde_json::Value, after_thinking: bool) -> String {
+    let mut schema = schema.clone();
+    if let Some(object) = schema.as_object_mut() {
+        object.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+        });
+    }
+    let start = if after_thinking {
+        "start: NL? answer\nNL: /\\n\\n?/"
+    } else {
+        "start: answer"
+    };
+    format!("{start}\nanswer: %json {schema}\n")
+}
+
+/// llguidance's view of our vocabulary: every id's bytes, with control tokens marked (0xFF
+/// prefix) so that grammar text can never produce them by accident; `<|im_end|>` is the
+/// end-of-sequence token a finished grammar allows.
+fn grammar_factory(
+    tokenizer: &Arc<Tokenizer>,
+    special: &SpecialTokens,
+) -> anyhow::Result<ParserFactory> {
+    let vocab = tokenizer.vocab_size();
+    let mut words = Vec::with_capacity(vocab);
+    for id in 0..vocab as u32 {
+        let bytes = tokenizer.token_to_bytes(id).unwrap_or(&[]);
+        let mut word = Vec::with_capacity(bytes.len() + 1);
+        if special.control.contains(&id) {
+            word.push(TokTrie::SPECIAL_TOKEN_MARKER);
+        }
+        word.extend_from_slice(bytes);
+        words.push(word);
+    }
+    let trie = TokTrie::from(&TokRxInfo::new(vocab as u32, special.im_end), &words);
+    let env: TokEnv = Arc::new(GrammarTokenizer {
+        trie,
+        tokenizer: tokenizer.clone(),
+    });
+    let mut factory = ParserFactory::new_simple(&env)?;
+    // Grammar problems come back as errors on the matcher; nothing should go to stderr.
+    factory.set_stderr_log_level(0);
+    Ok(factory)
+}
+
+struct GrammarTokenizer {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for GrammarTokenizer {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    /// Grammar literals tokenized the way the model's tokenizer would; the trie's greedy split
+    /// is the fallback for bytes that are not UTF-8.
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<toktrie::TokenId> {
+        match std::str::from_utf8(s)
+            .ok()
+            .and_then(|text| self.tokenizer.encode(text).ok())
+        {
+            Some(ids) => ids,
+            None => self.trie.greedy_tokenize(s),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine-thread half: choosing each token
+// ---------------------------------------------------------------------------------------------
+
+/// The request's sampler as the engine calls it: masks, forced tokens, then a draw.
+struct TokenPicker {
+    sampler: Sampler,
+    /// `None` when the vocabulary has no thinking tokens.
+    budget: Option<ThinkingBudget>,
+    grammar: Option<Matcher>,
+    /// The reasoning is over (or there was none): the grammar applies from here.
+    answer_started: bool,
+    think_end: Option<u32>,
+    /// Tokenizer vocabulary size; the model's logits can be longer (padding rows), and ids
+    /// beyond the tokenizer's cannot be decoded, so they are never chosen.
+    vocab: usize,
+    banned: Vec<u32>,
+    /// The request's stop tokens: not allowed while a grammar still waits for the answer.
+    stop_tokens: Vec<u32>,
+    im_end: u32,
+}
+
+impl TokenPicker {
+    fn into_sampler(mut self) -> super::Sampler {
+        Box::new(move |logits: &mut [f32], _generated: &[u32]| self.pick(logits))
+    }
+
+    fn pick(&mut self, logits: &mut [f32]) -> SampledToken {
+        for l in logits.iter_mut().skip(self.vocab) {
+            *l = f32::NEG_INFINITY;
+        }
+        // With a grammar, the turn may not end before the answer it constrains has started
+        // (a turn that ends inside the reasoning would have no answer at all).
+        let pending_grammar = self.grammar.is_some() && !self.answer_started;
+        let ended = if pending_grammar {
+            self.stop_tokens.as_slice()
+        } else {
+            &[]
+        };
+        for &t in self.banned.iter().chain(ended) {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        let forced = self
+            .budget
+            .as_ref()
+            .and_then(ThinkingBudget::forced_token)
+            .or_else(|| self.mask(logits));
+        let result = match forced {
+            Some(token) => self.sampler.force(token, logits),
+            None => self.sampler.sample(logits),
+        };
+        let sampled = match result {
+            Ok(s) => s,
+            // Every token masked out: the grammar and the sampling parameters leave nothing to
+            // choose. Ending the turn is the only answer that does not break the grammar.
+            Err(crate::sampling::SampleError::NoFiniteLogits) => {
+                tracing::warn!("no token is allowed at this step; ending the generation");
+                match self.sampler.force(self.im_end, logits) {
+                    Ok(s) => s,
+                    Err(e) => panic!("sampler: {e}"),
+                }
+            }
+            // The engine reports a panic as this request's error and carries on with the others.
+            Err(e) => panic!("sampler: {e}"),
+        };
+        self.observe(sampled.token);
+        let (logprob, top_logprobs) = match sampled.logprobs {
+            Some(lp) => (Some(lp.logprob), lp.top),
+            None => (None, Vec::new()),
+        };
+        SampledToken {
+            id: sampled.token,
+            logprob,
+            top_logprobs,
+        }
+    }
+
+    /// Applies the grammar, if it is active, to `logits`. Returns a token to force instead of
+    /// sampling: `<|im_end|>` once the grammar is complete or broken.
+    fn mask(&mut self, logits: &mut [f32]) -> Option<u32> {
+        if !self.answer_started {
+            return None;
+        }
+        let grammar = self.grammar.as_mut()?;
+        if grammar.is_stopped() {
+            return Some(self.im_end);
+        }
+        match grammar.compute_mask() {
+            Ok(allowed) => {
+                for (id, l) in logits.iter_mut().enumerate() {
+                    if !allowed.is_allowed(id as u32) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+                None
+            }
+            Err(e) => {
+                tracing::warn!("grammar failed, ending the generation: {e}");
+                Some(self.im_end)
+            }
+        }
+    }
+
+    fn observe(&mut self, token: u32) {
+        if let Some(budget) = &mut self.budget {
+            budget.observe(token);
+        }
+        // `<|im_end|>` ends the sequence: the grammar allowed it because it is complete, and
+        // has nothing more to check.
+        if self.answer_started && token != self.im_end {
+            if let Some(grammar) = &mut self.grammar {
+                // An error leaves the matcher stopped; the next step then ends the generation.
+                if let Err(e) = grammar.consume_token(token) {
+                    tracing::warn!("grammar rejected token {token}: {e}");
+                }
+            }
+        } else if !self.answer_started && Some(token) == self.think_end {
+            self.answer_started = true;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The HTTP-side half: from tokens to an answer
+// ---------------------------------------------------------------------------------------------
+
+/// Why a choice ended, in OpenAI's words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    Stop,
+    Length,
+    ToolCalls,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
+        }
+    }
+}
+
+/// Token counts for `usage`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+    pub reasoning_tokens: usize,
+}
+
+/// One generated token as `logprobs` reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenInfo {
+    pub id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What a [`Generation`] yields.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// Parsed output of one or more tokens (possibly no events while text is held back).
+    Delta {
+        events: Vec<OutputEvent>,
+        logprobs: Vec<TokenInfo>,
+    },
+    /// The last item.
+    Done { finish: Finish, counts: Counts },
+}
+
+/// A generation failed on the engine side (a backend error, a panic while serving it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct GenerationError(pub String);
+
+/// A running generation; see the module documentation.
+pub struct Generation {
+    /// `None` once generation is over (dropping it cancels the engine's sequence).
+    events: Option<UnboundedReceiver<Event>>,
+    /// Outputs ready to hand out (the end of a generation can yield a last delta and `Done`).
+    ready: VecDeque<Output>,
+    tokenizer: Arc<Tokenizer>,
+    decoder: IncrementalDecoder,
+    /// `None` for raw text completions.
+    parser: Option<OutputParser>,
+    stop: StopChecker,
+    /// Stop tokens: they end the turn and their text is not shown.
+    stop_ids: Vec<u32>,
+    /// Control tokens, whose text is not shown either.
+    control: Arc<HashSet<u32>>,
+    /// Counts reasoning tokens (a budget without a limit).
+    reasoning: Option<ThinkingBudget>,
+    want_logprobs: bool,
+    single_tool_call: bool,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    /// Tool calls started and not yet ended, and all calls started.
+    open_calls: usize,
+    calls: usize,
+}
+
+impl Generation {
+    /// The next piece of output; `None` after [`Output::Done`] or an error.
+    pub async fn next(&mut self) -> Option<Result<Output, GenerationError>> {
+        loop {
+            if let Some(output) = self.ready.pop_front() {
+                return Some(Ok(output));
+            }
+            let event = match self.events.as_mut()?.recv().await {
+                Some(event) => event,
+                None => Event::Error("the engine stopped".into()),
+            };
+            match event {
+                Event::Token(token) => self.on_token(token),
+                Event::Done {
+                    reason,
+                    prompt_tokens,
+                    cached_tokens,
+                    ..
+                } => {
+                    self.prompt_tokens = prompt_tokens;
+                    let finish = match reason {
+                        EngineFinish::Length => Finish::Length,
+                        EngineFinish::Stop | EngineFinish::Cancelled => Finish::Stop,
+                    };
+                    self.finish(finish, cached_tokens, true);
+                }
+                Event::Error(message) => {
+                    self.events = None;
+                    return Some(Err(GenerationError(message)));
+                }
+            }
+        }
+    }
+
+    fn on_token(&mut self, token: SampledToken) {
+        self.completion_tokens += 1;
+        if let Some(r) = &mut self.reasoning {
+            r.observe(token.id);
+        }
+        // A stop token (the engine ends the sequence after it and sends Done) or a control
+        // token is not text of the answer, so it has no logprobs entry either.
+        let hidden = self.stop_ids.contains(&token.id) || self.control.contains(&token.id);
+        let logprobs = match (self.want_logprobs && !hidden, token.logprob) {
+            (true, Some(logprob)) => vec![TokenInfo {
+                id: token.id,
+                logprob,
+                top: token.top_logprobs,
+            }],
+            _ => Vec::new(),
+        };
+        let (events, stopped) = if hidden {
+            (Vec::new(), false)
+        } else {
+            // The picker never chooses an id the tokenizer cannot decode; should the engine
+            // produce one anyway, it shows as the replacement character rather than vanishing.
+            let text = self
+                .decoder
+                .push(&self.tokenizer, token.id)
+                .unwrap_or_else(|_| "\u{FFFD}".into());
+            let parsed = self.parse(&text);
+            self.filter(parsed)
+        };
+        self.ready.push_back(Output::Delta { events, logprobs });
+        if stopped {
+            self.finish(Finish::Stop, 0, false);
+        }
+    }
+
+    fn parse(&mut self, text: &str) -> Vec<OutputEvent> {
+        match &mut self.parser {
+            Some(parser) => parser.push(text),
+            None if text.is_empty() => Vec::new(),
+            None => vec![OutputEvent::Content(text.to_string())],
+        }
+    }
+
+    /// Applies stop strings to content events and tracks tool calls. Returns the events to pass
+    /// on and whether generation must stop here (a stop string matched, or the one allowed tool
+    /// call is complete); events after that point are dropped.
+    fn filter(&mut self, events: Vec<OutputEvent>) -> (Vec<OutputEvent>, bool) {
+        let mut out = Vec::with_capacity(events.len());
+        for event in events {
+            if let OutputEvent::Content(text) = event {
+                let released = self.stop.push_text(&text);
+                if !released.text.is_empty() {
+                    out.push(OutputEvent::Content(released.text));
+                }
+                if released.stopped {
+                    return (out, true);
+                }
+                continue;
+            }
+            // Content held back for a possible stop string comes before what follows it.
+            let held = self.stop.flush();
+            if !held.is_empty() {
+                out.push(OutputEvent::Content(held));
+            }
+            let call_done = matches!(event, OutputEvent::ToolCallEnd { .. });
+            match event {
+                OutputEvent::ToolCallStart { .. } => {
+                    self.open_calls += 1;
+                    self.calls += 1;
+                }
+                OutputEvent::ToolCallEnd { .. } => {
+                    self.open_calls = self.open_calls.saturating_sub(1)
+                }
+                _ => {}
+            }
+            out.push(event);
+            if call_done && self.single_tool_call {
+                return (out, true);
+            }
+        }
+        (out, false)
+    }
+
+    /// Ends the generation and drops the engine receiver (cancelling the sequence if it still
+    /// runs). With `flush`, text still held by the decoder, parsers and stop checker is released
+    /// first; without (a stop string or the single tool call ended it), everything after that
+    /// point is dropped.
+    fn finish(&mut self, reason: Finish, cached_tokens: usize, flush: bool) {
+        self.events = None;
+        // A call cut off by max_tokens is still closed by the parser, but it is truncated.
+        let truncated_call = reason == Finish::Length && self.open_calls > 0;
+        if flush {
+            let tail = self.decoder.finish();
+            let mut parsed = self.parse(&tail);
+            if let Some(parser) = &mut self.parser {
+                parsed.extend(parser.finish());
+            }
+            let (mut events, stopped) = self.filter(parsed);
+            if !stopped {
+                let held = self.stop.flush();
+                if !held.is_empty() {
+                    events.push(OutputEvent::Content(held));
+                }
+            }
+            if !events.is_empty() {
+                self.ready.push_back(Output::Delta {
+                    events,
+                    logprobs: Vec::new(),
+                });
+            }
+        }
+        let finish = if self.calls > 0 && !truncated_call {
+            Finish::ToolCalls
+        } else {
+            reason
+        };
+        let counts = Counts {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            cached_tokens,
+            reasoning_tokens: self
+                .reasoning
+                .as_ref()
+                .map_or(0, ThinkingBudget::reasoning_tokens),
+        };
+        self.ready.push_back(Output::Done { finish, counts });
+    }
+}

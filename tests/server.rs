@@ -1,0 +1,1298 @@
+//! The server over real TCP on 127.0.0.1, with a raw HTTP/1.1 client (so that what is checked is
+//! exactly what goes over the wire, and a client can hang up mid-response).
+//!
+//! Two kinds of servers: the built-in demo model (random weights: real forward passes, greedy or
+//! seeded) and the scripted test backend, which emits known token sequences through the real
+//! detokenizer, parsers and SSE path (see `lily::server::scripted`).
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+
+use lily::server::{self, Device, ModelSource, ServeOptions, DEMO_MODEL_NAME};
+use lily::tokenizer::Tokenizer;
+
+// ---------------------------------------------------------------------------------------------
+// A server per test
+// ---------------------------------------------------------------------------------------------
+
+struct TestServer {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    /// Keeps the script file alive.
+    _script: Option<tempfile::NamedTempFile>,
+}
+
+fn options() -> ServeOptions {
+    ServeOptions {
+        source: ModelSource::Demo,
+        served_model_name: DEMO_MODEL_NAME.into(),
+        aliases: Vec::new(),
+        host: "127.0.0.1".into(),
+        port: 0,
+        api_key: None,
+        max_model_len: None,
+        device: Device::Cpu,
+        max_body_bytes: 1 << 20,
+        max_in_flight: 256,
+        scripted: None,
+        shutdown_grace: Duration::from_secs(2),
+    }
+}
+
+impl TestServer {
+    async fn start(mut options: ServeOptions, script: Option<Value>) -> TestServer {
+        let file = script.map(|s| {
+            let file = tempfile::NamedTempFile::new().expect("temp file");
+            std::fs::write(file.path(), s.to_string()).expect("write the script");
+            file
+        });
+        options.scripted = file.as_ref().map(|f| f.path().to_path_buf());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server::serve(listener, options, async {
+            let _ = stopped.await;
+        }));
+        let server = TestServer {
+            addr,
+            stop: Some(stop),
+            task: Some(task),
+            _script: file,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if server.get("/health").await.status == 200 {
+                return server;
+            }
+            assert!(Instant::now() < deadline, "the server did not become ready");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn scripted(script: Value) -> TestServer {
+        TestServer::start(options(), Some(script)).await
+    }
+
+    async fn demo() -> TestServer {
+        TestServer::start(options(), None).await
+    }
+
+    async fn get(&self, path: &str) -> Response {
+        http(self.addr, "GET", path, &[], b"").await
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> Response {
+        http(
+            self.addr,
+            "POST",
+            path,
+            &[("content-type", "application/json")],
+            body.to_string().as_bytes(),
+        )
+        .await
+    }
+
+    async fn chat(&self, body: Value) -> Value {
+        let r = self.post("/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    }
+
+    /// A streamed chat: the JSON of every `data:` event before `[DONE]` (which must end it).
+    async fn chat_stream(&self, mut body: Value) -> Vec<Value> {
+        body["stream"] = json!(true);
+        let r = self.post("/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(
+            r.header("content-type").as_deref(),
+            Some("text/event-stream")
+        );
+        sse_events(&r.text())
+    }
+
+    async fn metric(&self, name: &str) -> f64 {
+        let text = self.get("/metrics").await.text();
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let result = tokio::time::timeout(Duration::from_secs(10), task).await;
+            assert!(
+                matches!(result, Ok(Ok(Ok(())))),
+                "the server did not stop cleanly"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A minimal HTTP/1.1 client
+// ---------------------------------------------------------------------------------------------
+
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Response {
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+    }
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+}
+
+fn request_bytes(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Vec<u8> {
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut bytes = head.into_bytes();
+    bytes.extend_from_slice(body);
+    bytes
+}
+
+async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Response {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream
+        .write_all(&request_bytes(addr, method, path, headers, body))
+        .await
+        .expect("send");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await.expect("read");
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> Response {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("end of headers");
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .expect("status line");
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    if headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"))
+    {
+        body = dechunk(&body);
+    }
+    Response {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(eol) = data.windows(2).position(|w| w == b"\r\n") {
+        let size = usize::from_str_radix(
+            std::str::from_utf8(&data[..eol])
+                .expect("chunk size")
+                .trim(),
+            16,
+        )
+        .expect("hex size");
+        if size == 0 {
+            break;
+        }
+        out.extend_from_slice(&data[eol + 2..eol + 2 + size]);
+        data = &data[eol + 2 + size + 2..];
+    }
+    out
+}
+
+/// The `data:` payloads of an SSE body, checking the framing: events separated by blank lines,
+/// `[DONE]` exactly once and last, comments (`: ping`) allowed.
+fn sse_events(body: &str) -> Vec<Value> {
+    let mut events = Vec::new();
+    let mut done = false;
+    for block in body.split("\n\n").filter(|b| !b.is_empty()) {
+        if block.starts_with(':') {
+            continue;
+        }
+        let data = block
+            .strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("not an SSE data event: {block:?}"));
+        assert!(!done, "an event after [DONE]");
+        if data == "[DONE]" {
+            done = true;
+        } else {
+            events.push(
+                serde_json::from_str(data)
+                    .unwrap_or_else(|e| panic!("bad event JSON ({e}): {data}")),
+            );
+        }
+    }
+    assert!(done, "the stream did not end with [DONE]");
+    events
+}
+
+/// What a streamed chat adds up to, after checking the chunk contract of spec/API.md §2.5.
+#[derive(Debug, Default, PartialEq)]
+struct Streamed {
+    reasoning: String,
+    content: String,
+    /// (id, name, arguments) per call index.
+    tool_calls: Vec<(String, String, String)>,
+    finish_reason: String,
+    usage: Option<Value>,
+}
+
+fn assemble(events: &[Value], include_usage: bool) -> Streamed {
+    let mut out = Streamed::default();
+    let id = events[0]["id"].clone();
+    assert_eq!(
+        events[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""}),
+        "first chunk"
+    );
+    let mut finishes = 0;
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event["id"], id, "one id for the whole stream");
+        assert_eq!(event["object"], "chat.completion.chunk");
+        let choices = event["choices"].as_array().expect("choices");
+        if choices.is_empty() {
+            assert!(include_usage, "a usage chunk nobody asked for");
+            assert_eq!(i, events.len() - 1, "the usage chunk comes last");
+            out.usage = Some(event["usage"].clone());
+            continue;
+        }
+        assert!(
+            event.get("usage").is_none_or(Value::is_null),
+            "usage outside the usage chunk: {event}"
+        );
+        let choice = &choices[0];
+        let delta = &choice["delta"];
+        assert!(
+            delta.get("content").is_none_or(Value::is_string),
+            "content must not be null: {event}"
+        );
+        if let Some(r) = delta.get("reasoning_content").and_then(Value::as_str) {
+            assert_eq!(delta["reasoning"], json!(r), "reasoning under both names");
+            out.reasoning.push_str(r);
+        }
+        if let Some(c) = delta.get("content").and_then(Value::as_str) {
+            out.content.push_str(c);
+        }
+        for call in delta
+            .get("tool_calls")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            let index = call["index"].as_u64().expect("tool call index") as usize;
+            if index == out.tool_calls.len() {
+                assert_eq!(call["type"], "function", "first delta of a call: {call}");
+                let id = call["id"]
+                    .as_str()
+                    .expect("first delta has the id")
+                    .to_string();
+                let name = call["function"]["name"]
+                    .as_str()
+                    .expect("first delta has the name")
+                    .to_string();
+                out.tool_calls.push((id, name, String::new()));
+            }
+            assert!(
+                index < out.tool_calls.len(),
+                "tool call indexes go up one at a time"
+            );
+            out.tool_calls[index]
+                .2
+                .push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+        }
+        if let Some(reason) = choice["finish_reason"].as_str() {
+            finishes += 1;
+            out.finish_reason = reason.to_string();
+        }
+    }
+    assert_eq!(finishes, 1, "exactly one finish chunk");
+    assert_eq!(out.usage.is_some(), include_usage);
+    out
+}
+
+fn demo_tokenizer() -> Tokenizer {
+    Tokenizer::byte_level_demo().expect("demo tokenizer")
+}
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_health_and_metrics() {
+    let server = TestServer::demo().await;
+    assert_eq!(server.get("/health").await.json(), json!({"status": "ok"}));
+    let models = server.get("/v1/models").await.json();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], DEMO_MODEL_NAME);
+    assert_eq!(models["data"][0]["max_model_len"], 32768);
+    assert_eq!(
+        models["data"][0]["meta"]["demo"], true,
+        "the demo model says so"
+    );
+    assert_eq!(server.get("/v1/models/lily-demo").await.status, 200);
+    assert_eq!(server.get("/v1/models/other").await.status, 404);
+    let metrics = server.get("/metrics").await.text();
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+    ] {
+        assert!(
+            metrics.contains(&format!("{name}{{model_name=\"lily-demo\"}}")),
+            "{name} missing from /metrics"
+        );
+    }
+    // CORS: a browser's preflight is answered.
+    let preflight = http(
+        server.addr,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &[
+            ("origin", "http://example.com"),
+            ("access-control-request-method", "POST"),
+        ],
+        b"",
+    )
+    .await;
+    assert_eq!(preflight.status, 200);
+    assert!(preflight.header("access-control-allow-origin").is_some());
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_openai_shaped_with_the_right_status() {
+    let mut opts = options();
+    opts.api_key = Some("sekret".into());
+    opts.max_body_bytes = 4096;
+    let server = TestServer::start(opts, Some(json!({"default": "ok"}))).await;
+    let auth = [
+        ("authorization", "Bearer sekret"),
+        ("content-type", "application/json"),
+    ];
+    let post = |body: Value| {
+        let addr = server.addr;
+        async move {
+            http(
+                addr,
+                "POST",
+                "/v1/chat/completions",
+                &auth,
+                body.to_string().as_bytes(),
+            )
+            .await
+        }
+    };
+    let check = |r: &Response, status: u16, param: Option<&str>, code: Option<&str>| {
+        assert_eq!(r.status, status, "{}", r.text());
+        let error = &r.json()["error"];
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{error}"
+        );
+        assert!(error["type"].is_string(), "{error}");
+        if let Some(p) = param {
+            assert_eq!(error["param"], p, "{error}");
+        }
+        if let Some(c) = code {
+            assert_eq!(error["code"], c, "{error}");
+        }
+    };
+
+    // Health needs no key; the API does.
+    assert_eq!(server.get("/health").await.status, 200);
+    check(
+        &server.get("/v1/models").await,
+        401,
+        None,
+        Some("invalid_api_key"),
+    );
+    let wrong = http(
+        server.addr,
+        "GET",
+        "/v1/models",
+        &[("authorization", "Bearer nope")],
+        b"",
+    )
+    .await;
+    check(&wrong, 401, None, Some("invalid_api_key"));
+    assert_eq!(
+        http(server.addr, "GET", "/v1/models", &auth, b"")
+            .await
+            .status,
+        200
+    );
+
+    let ok = post(json!({"messages": user("hi")})).await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    let bad_json = http(
+        server.addr,
+        "POST",
+        "/v1/chat/completions",
+        &auth,
+        b"{\"messages\": [",
+    )
+    .await;
+    check(&bad_json, 400, None, None);
+    check(
+        &post(json!({"messages": user("hi"), "temperature": -1})).await,
+        400,
+        Some("temperature"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "temperature": "hot"})).await,
+        400,
+        Some("temperature"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "top_p": 0})).await,
+        400,
+        Some("top_p"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "n": 0})).await,
+        400,
+        Some("n"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "max_tokens": 0})).await,
+        400,
+        Some("max_tokens"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "max_completion_tokens": -5})).await,
+        400,
+        Some("max_completion_tokens"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "top_logprobs": 3})).await,
+        400,
+        Some("top_logprobs"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "logprobs": true, "top_logprobs": 50})).await,
+        400,
+        Some("top_logprobs"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "stream_options": {"include_usage": true}})).await,
+        400,
+        Some("stream_options"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "logit_bias": {"999999": 5}})).await,
+        400,
+        Some("logit_bias"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "tool_choice": "required"})).await,
+        400,
+        Some("tool_choice"),
+        None,
+    );
+    check(
+        &post(json!({"messages": user("hi"), "response_format": {"type": "xml"}})).await,
+        400,
+        Some("response_format"),
+        None,
+    );
+    check(
+        &post(json!({"messages": []})).await,
+        400,
+        Some("messages"),
+        None,
+    );
+    check(
+        &post(json!({"messages": [{"role": "wizard", "content": "x"}]})).await,
+        400,
+        Some("messages[0].role"),
+        None,
+    );
+    let image = json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]);
+    check(
+        &post(json!({"messages": image})).await,
+        400,
+        Some("messages[0].content[0]"),
+        Some("unsupported_value"),
+    );
+    // The template's own rule: 400 with its message, never a 500.
+    check(
+        &post(json!({"messages": [{"role": "assistant", "content": "x"}]})).await,
+        400,
+        None,
+        None,
+    );
+    // Context: the prompt plus the requested output must fit.
+    let overflow = post(json!({"messages": user("hi"), "max_tokens": 40000})).await;
+    check(&overflow, 400, None, Some("context_length_exceeded"));
+    let message = overflow.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        message.contains("maximum context length is 32768 tokens")
+            && message.contains("exceeds the available context size")
+    );
+    check(
+        &post(json!({"model": "gpt-4", "messages": user("hi")})).await,
+        404,
+        Some("model"),
+        Some("model_not_found"),
+    );
+    check(&server.get("/v1/nothing").await, 404, None, None);
+    check(
+        &http(server.addr, "DELETE", "/v1/models", &auth, b"").await,
+        405,
+        None,
+        None,
+    );
+    let big = json!({"messages": user(&"x".repeat(10_000))});
+    check(&post(big).await, 413, None, None);
+    // Lenient input: unknown fields, the developer role, content parts, several system messages.
+    let lenient = post(json!({
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "system", "content": [{"type": "text", "text": "Be kind.", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+        ],
+        "user": "u-1", "metadata": {"a": "b"}, "store": false, "some_vendor_field": 1
+    }))
+    .await;
+    assert_eq!(lenient.status, 200, "{}", lenient.text());
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_and_whole_responses_agree_under_greedy_decoding() {
+    let server = TestServer::demo().await;
+    for thinking in [true, false] {
+        let body = json!({
+            "messages": user("Tell me a story."),
+            "temperature": 0,
+            "max_tokens": 40,
+            "chat_template_kwargs": {"enable_thinking": thinking},
+        });
+        let whole = server.chat(body.clone()).await;
+        let mut streamed_body = body.clone();
+        streamed_body["stream_options"] = json!({"include_usage": true});
+        let streamed = assemble(&server.chat_stream(streamed_body).await, true);
+        let message = &whole["choices"][0]["message"];
+        assert_eq!(
+            streamed.content,
+            message["content"].as_str().unwrap_or_default(),
+            "thinking {thinking}"
+        );
+        assert_eq!(
+            streamed.reasoning,
+            message["reasoning_content"].as_str().unwrap_or_default(),
+            "thinking {thinking}"
+        );
+        assert_eq!(message["reasoning"], message["reasoning_content"]);
+        assert_eq!(
+            streamed.finish_reason,
+            whole["choices"][0]["finish_reason"]
+                .as_str()
+                .unwrap_or_default()
+        );
+        assert_eq!(streamed.usage.as_ref(), Some(&whole["usage"]));
+        if !thinking {
+            assert!(
+                message["reasoning_content"].is_null(),
+                "no reasoning with thinking off"
+            );
+        }
+        // Without include_usage there is no usage chunk (assemble checks it).
+        assemble(&server.chat_stream(body).await, false);
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_counts_match_the_tokenizer() {
+    let reply = "Sure! The answer is forty-two.";
+    let server =
+        TestServer::scripted(json!({"default": format!("Thinking hard.\n</think>\n\n{reply}")}))
+            .await;
+    let messages = user("What is the answer?");
+    let response = server.chat(json!({"messages": messages})).await;
+    let prompt = server
+        .post("/tokenize", &json!({"messages": messages}))
+        .await
+        .json();
+    let usage = &response["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt["count"]);
+    let tokenizer = demo_tokenizer();
+    let generated = tokenizer
+        .encode(&format!("Thinking hard.\n</think>\n\n{reply}"))
+        .expect("encode")
+        .len()
+        + 1; // + <|im_end|>
+    assert_eq!(usage["completion_tokens"], json!(generated));
+    assert_eq!(
+        usage["total_tokens"],
+        json!(generated + prompt["count"].as_u64().unwrap_or(0) as usize)
+    );
+    // Reasoning tokens: "Thinking hard." and the newline before </think>.
+    let reasoning = tokenizer.encode("Thinking hard.\n").expect("encode").len();
+    assert_eq!(
+        usage["completion_tokens_details"]["reasoning_tokens"],
+        json!(reasoning)
+    );
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(response["choices"][0]["message"]["content"], reply);
+    assert_eq!(
+        response["choices"][0]["message"]["reasoning_content"],
+        "Thinking hard."
+    );
+    server.stop().await;
+}
+
+const WEATHER_CALLS: &str = "The user wants the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>";
+
+fn weather_tools() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_and_reasoning_end_to_end() {
+    let server =
+        TestServer::scripted(json!({"replies": [{"when": "weather", "text": WEATHER_CALLS}]}))
+            .await;
+    let body = json!({"messages": user("What is the weather in Paris and Rome?"), "tools": weather_tools()});
+
+    let whole = server.chat(body.clone()).await;
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    assert!(
+        choice["message"]["content"].is_null(),
+        "only tool calls: content is null"
+    );
+    assert_eq!(
+        choice["message"]["reasoning_content"],
+        "The user wants the weather."
+    );
+    let calls = choice["message"]["tool_calls"]
+        .as_array()
+        .expect("tool calls");
+    assert_eq!(calls.len(), 2);
+    let args: Vec<Value> = calls
+        .iter()
+        .map(|c| {
+            serde_json::from_str(c["function"]["arguments"].as_str().unwrap_or(""))
+                .expect("JSON arguments")
+        })
+        .collect();
+    assert_eq!(
+        args,
+        [json!({"city": "Paris", "days": 3}), json!({"city": "Rome"})],
+        "typed by the schema"
+    );
+    assert_eq!(calls[0]["type"], "function");
+    assert_ne!(calls[0]["id"], calls[1]["id"]);
+
+    let streamed = assemble(&server.chat_stream(body.clone()).await, false);
+    assert_eq!(streamed.finish_reason, "tool_calls");
+    assert_eq!(streamed.reasoning, "The user wants the weather.");
+    assert_eq!(streamed.content, "");
+    let names: Vec<&str> = streamed
+        .tool_calls
+        .iter()
+        .map(|(_, n, _)| n.as_str())
+        .collect();
+    assert_eq!(names, ["get_weather", "get_weather"]);
+    for ((_, _, arguments), expected) in streamed.tool_calls.iter().zip(&args) {
+        assert_eq!(
+            &serde_json::from_str::<Value>(arguments).expect("streamed arguments are JSON"),
+            expected
+        );
+    }
+
+    // parallel_tool_calls: false stops after the first call.
+    let mut single = body.clone();
+    single["parallel_tool_calls"] = json!(false);
+    let one = server.chat(single).await;
+    assert_eq!(
+        one["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+    assert_eq!(one["choices"][0]["finish_reason"], "tool_calls");
+
+    // The turn goes back into the history (arguments as a JSON string, reasoning under either
+    // name) and the conversation continues.
+    let mut history = user("What is the weather in Paris and Rome?")
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    history.push(json!({"role": "assistant", "content": null, "reasoning": "The user wants the weather.", "tool_calls": calls}));
+    for call in calls {
+        history.push(json!({"role": "tool", "tool_call_id": call["id"], "content": [{"type": "text", "text": "sunny"}]}));
+    }
+    let next = server.chat(json!({"messages": history, "tools": weather_tools(), "chat_template_kwargs": {"preserve_thinking": true}})).await;
+    assert_eq!(next["choices"][0]["finish_reason"], "stop");
+    let text = rendered_prompt(server.addr, &json!({"messages": history, "tools": weather_tools(), "chat_template_kwargs": {"preserve_thinking": true}})).await;
+    assert!(
+        text.contains("<think>\nThe user wants the weather.\n</think>"),
+        "reasoning kept in history: {text}"
+    );
+    assert!(
+        text.contains("<parameter=city>\nParis\n</parameter>"),
+        "{text}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_choice_required_and_named_produce_calls() {
+    // The demo model has random weights: only the grammar makes it call a tool.
+    let server = TestServer::demo().await;
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+    ] {
+        for seed in 0..3 {
+            let response = server
+                .chat(json!({
+                    "messages": user("weather?"), "tools": weather_tools(), "tool_choice": choice,
+                    "temperature": 1.0, "seed": seed, "max_tokens": 300,
+                    "chat_template_kwargs": {"enable_thinking": false},
+                }))
+                .await;
+            let choice0 = &response["choices"][0];
+            let calls = choice0["message"]["tool_calls"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            assert!(!calls.is_empty(), "no tool call: {response}");
+            assert_eq!(calls[0]["function"]["name"], "get_weather");
+            if choice0["finish_reason"] == "tool_calls" {
+                let args: Value =
+                    serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap_or(""))
+                        .expect("JSON arguments");
+                assert!(
+                    args.as_object()
+                        .is_some_and(|a| a.keys().all(|k| k == "city" || k == "days")),
+                    "{args}"
+                );
+            }
+        }
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_schema_answers_always_parse_and_validate() {
+    let server = TestServer::demo().await;
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 3},
+            "ok": {"type": "boolean"}
+        },
+        "required": ["name", "age", "tags", "ok"],
+        "additionalProperties": false
+    });
+    for (seed, thinking) in (0..6).map(|s| (s, s % 2 == 0)) {
+        let response = server
+            .chat(json!({
+                "messages": user("Describe a person."),
+                "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": true}},
+                "temperature": 1.0, "seed": seed, "max_tokens": 400,
+                // With thinking on, the grammar applies only after </think>; a budget makes the
+                // random model close its reasoning.
+                "chat_template_kwargs": {"enable_thinking": thinking}, "thinking_token_budget": 5,
+            }))
+            .await;
+        let choice = &response["choices"][0];
+        assert_eq!(choice["finish_reason"], "stop", "{response}");
+        let content = choice["message"]["content"].as_str().expect("content");
+        let value: Value =
+            serde_json::from_str(content).unwrap_or_else(|e| panic!("not JSON ({e}): {content:?}"));
+        let object = value.as_object().expect("an object");
+        assert_eq!(object.len(), 4, "{value}");
+        assert!(
+            object["name"]
+                .as_str()
+                .is_some_and(|s| s.chars().count() <= 12),
+            "{value}"
+        );
+        assert!(object["age"].as_u64().is_some_and(|a| a <= 150), "{value}");
+        assert!(
+            object["tags"].as_array().is_some_and(|t| t.len() <= 3
+                && t.iter()
+                    .all(|x| ["a", "b", "c"].contains(&x.as_str().unwrap_or("")))),
+            "{value}"
+        );
+        assert!(object["ok"].is_boolean(), "{value}");
+        if thinking {
+            assert!(
+                choice["message"]["reasoning_content"].is_string(),
+                "reasoning stays unconstrained: {response}"
+            );
+        }
+    }
+    // json_object: any JSON object.
+    let response = server
+        .chat(json!({"messages": user("hi"), "response_format": {"type": "json_object"}, "seed": 1, "temperature": 1.0, "max_tokens": 400, "chat_template_kwargs": {"enable_thinking": false}}))
+        .await;
+    if response["choices"][0]["finish_reason"] == "stop" {
+        let content = response["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(
+            serde_json::from_str::<Value>(content).is_ok_and(|v| v.is_object()),
+            "{content:?}"
+        );
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_end_the_content_only() {
+    let server =
+        TestServer::scripted(json!({"default": "Stop here?\n</think>\n\nHello! How can I help?"}))
+            .await;
+    let body = json!({"messages": user("hi"), "stop": ["can", "here"]});
+    let whole = server.chat(body.clone()).await;
+    // "here" is in the reasoning: stop strings apply to the answer only.
+    assert_eq!(
+        whole["choices"][0]["message"]["reasoning_content"],
+        "Stop here?"
+    );
+    assert_eq!(whole["choices"][0]["message"]["content"], "Hello! How ");
+    assert_eq!(whole["choices"][0]["finish_reason"], "stop");
+    let streamed = assemble(&server.chat_stream(body).await, false);
+    assert_eq!(streamed.content, "Hello! How ");
+    assert_eq!(streamed.reasoning, "Stop here?");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_n_and_seed() {
+    let server = TestServer::demo().await;
+    let response = server
+        .chat(json!({"messages": user("hi"), "logprobs": true, "top_logprobs": 3, "max_tokens": 8, "temperature": 0, "chat_template_kwargs": {"enable_thinking": false}}))
+        .await;
+    let entries = response["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(!entries.is_empty());
+    for entry in &entries {
+        assert_eq!(entry["top_logprobs"].as_array().map(Vec::len), Some(3));
+        assert!(entry["logprob"].as_f64().is_some_and(|l| l <= 0.0));
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(entry["top_logprobs"][0]["token"], entry["token"]);
+    }
+    let text: String = entries.iter().filter_map(|e| e["token"].as_str()).collect();
+    assert_eq!(
+        text,
+        response["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+    );
+
+    let body =
+        json!({"messages": user("hi"), "n": 3, "seed": 7, "temperature": 1.0, "max_tokens": 12});
+    let a = server.chat(body.clone()).await;
+    let b = server.chat(body).await;
+    assert_eq!(a["choices"].as_array().map(Vec::len), Some(3));
+    for i in 0..3 {
+        assert_eq!(a["choices"][i]["index"], i);
+        assert_eq!(
+            a["choices"][i]["message"], b["choices"][i]["message"],
+            "a seed makes choices reproducible"
+        );
+    }
+    assert!(
+        a["usage"]["completion_tokens"]
+            .as_u64()
+            .is_some_and(|n| n >= 3),
+        "usage sums the choices"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_completions() {
+    let server = TestServer::scripted(json!({"default": "one two three"})).await;
+    let r = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Count:", "max_tokens": 50}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let body = r.json();
+    assert_eq!(body["object"], "text_completion");
+    assert_eq!(body["choices"][0]["text"], "one two three");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    let tokenizer = demo_tokenizer();
+    assert_eq!(
+        body["usage"]["prompt_tokens"],
+        json!(tokenizer.encode("Count:").expect("encode").len())
+    );
+
+    let r = server.post("/v1/completions", &json!({"prompt": "Count:", "max_tokens": 50, "stream": true, "stream_options": {"include_usage": true}})).await;
+    let events = sse_events(&r.text());
+    let text: String = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, "one two three");
+    assert_eq!(events.last().map(|e| e["choices"].clone()), Some(json!([])));
+    assert_eq!(
+        server
+            .post("/v1/completions", &json!({"prompt": "x", "echo": true}))
+            .await
+            .status,
+        400
+    );
+    assert_eq!(
+        server
+            .post("/v1/completions", &json!({"prompt": ["a", "b"]}))
+            .await
+            .status,
+        400
+    );
+    let short = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Count:", "max_tokens": 2}),
+        )
+        .await
+        .json();
+    assert_eq!(short["choices"][0]["finish_reason"], "length");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fifty_concurrent_streams_all_complete() {
+    let replies: Vec<Value> = (0..50).map(|i| json!({"when": format!("client {i}."), "text": format!("Done.\n</think>\n\nReply for client {i}, all good.")})).collect();
+    let server = TestServer::scripted(json!({"replies": replies, "token_delay_ms": 1})).await;
+    let addr = server.addr;
+    let tasks: Vec<_> = (0..50)
+        .map(|i| {
+            tokio::spawn(async move {
+                let body = json!({"messages": user(&format!("I am client {i}.")), "stream": true});
+                let r = http(
+                    addr,
+                    "POST",
+                    "/v1/chat/completions",
+                    &[],
+                    body.to_string().as_bytes(),
+                )
+                .await;
+                assert_eq!(r.status, 200);
+                let streamed = assemble(&sse_events(&r.text()), false);
+                assert_eq!(streamed.content, format!("Reply for client {i}, all good."));
+                assert_eq!(streamed.finish_reason, "stop");
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("client task");
+    }
+    server.stop().await;
+}
+
+/// Waits until no request is running; false on timeout.
+async fn idle(server: &TestServer, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if server.metric("vllm:num_requests_running").await == 0.0
+            && server.metric("vllm:num_requests_waiting").await == 0.0
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disconnect_frees_the_slot() {
+    let long = "word ".repeat(5000);
+    let server = TestServer::scripted(
+        json!({"replies": [{"when": "long", "text": long}], "token_delay_ms": 2}),
+    )
+    .await;
+    for stream in [true, false] {
+        let body = json!({"messages": user("long please"), "stream": stream, "chat_template_kwargs": {"enable_thinking": false}});
+        let mut socket = TcpStream::connect(server.addr).await.expect("connect");
+        socket
+            .write_all(&request_bytes(
+                server.addr,
+                "POST",
+                "/v1/chat/completions",
+                &[],
+                body.to_string().as_bytes(),
+            ))
+            .await
+            .expect("send");
+        if stream {
+            // Read until a few content chunks arrived, then hang up.
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            while String::from_utf8_lossy(&seen)
+                .matches("\"content\"")
+                .count()
+                < 5
+            {
+                let n = socket.read(&mut buf).await.expect("read");
+                assert!(n > 0, "stream ended early");
+                seen.extend_from_slice(&buf[..n]);
+            }
+        } else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        assert_eq!(
+            server.metric("vllm:num_requests_running").await,
+            1.0,
+            "stream {stream}: generating"
+        );
+        drop(socket);
+        assert!(
+            idle(&server, Duration::from_secs(3)).await,
+            "stream {stream}: the slot was not freed"
+        );
+        let generated = server.metric("vllm:generation_tokens_total").await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            server.metric("vllm:generation_tokens_total").await,
+            generated,
+            "generation stopped"
+        );
+        assert!(
+            generated < 2000.0,
+            "stopped long before the end ({generated} tokens)"
+        );
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_one_request_leaves_the_others_alone() {
+    let server = TestServer::scripted(json!({
+        "replies": [{"when": "explode", "panic": true}, {"when": "slow", "text": "fine ".repeat(200)}],
+        "token_delay_ms": 2,
+    }))
+    .await;
+    let addr = server.addr;
+    let bystander = tokio::spawn(async move {
+        let body = json!({"messages": user("slow please"), "stream": true, "chat_template_kwargs": {"enable_thinking": false}});
+        let r = http(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            &[],
+            body.to_string().as_bytes(),
+        )
+        .await;
+        assemble(&sse_events(&r.text()), false)
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let failed = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": user("explode")}),
+        )
+        .await;
+    assert_eq!(failed.status, 500, "{}", failed.text());
+    assert_eq!(failed.json()["error"]["type"], "server_error");
+    let failed_stream = server
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": user("explode"), "stream": true}),
+        )
+        .await;
+    let events = sse_events(&failed_stream.text());
+    assert!(
+        events
+            .last()
+            .is_some_and(|e| e["error"]["message"].is_string()),
+        "a mid-stream error event: {events:?}"
+    );
+    let streamed = bystander.await.expect("bystander");
+    assert_eq!(streamed.content, "fine ".repeat(200));
+    assert_eq!(server.get("/health").await.status, 200);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thinking_switches_and_budget() {
+    let server = TestServer::demo().await;
+    let prompt = |extra: Value| {
+        let mut body = json!({"messages": user("hi")});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        body
+    };
+    let addr = server.addr;
+    let rendered = |body: Value| async move { rendered_prompt(addr, &body).await };
+    assert!(
+        rendered(prompt(json!({}))).await.ends_with("<think>\n"),
+        "thinking is on by default"
+    );
+    for off in [
+        json!({"chat_template_kwargs": {"enable_thinking": false}}),
+        json!({"reasoning_effort": "none"}),
+        json!({"enable_thinking": false}),
+    ] {
+        assert!(
+            rendered(prompt(off.clone()))
+                .await
+                .ends_with("<think>\n\n</think>\n\n"),
+            "{off}"
+        );
+    }
+    // A budget of 3 reasoning tokens forces </think> after them.
+    let response = server
+        .chat(prompt(
+            json!({"thinking_token_budget": 3, "max_tokens": 30, "temperature": 0}),
+        ))
+        .await;
+    assert_eq!(
+        response["usage"]["completion_tokens_details"]["reasoning_tokens"], 3,
+        "{response}"
+    );
+    server.stop().await;
+}
+
+/// The prompt the server builds for a chat request, through /tokenize and /detokenize.
+async fn rendered_prompt(addr: SocketAddr, body: &Value) -> String {
+    let post = |path: &'static str, body: String| async move {
+        http(addr, "POST", path, &[], body.as_bytes()).await.json()
+    };
+    let ids = post("/tokenize", body.to_string()).await["tokens"].clone();
+    post("/detokenize", json!({"tokens": ids}).to_string()).await["prompt"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn the_binary_serves_the_demo_model_and_stops_on_sigterm() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(["serve", "--port", "0"])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start lily serve");
+    let stderr = child.stderr.take().expect("stderr");
+    let mut lines = BufReader::new(stderr).lines();
+    let addr: SocketAddr = loop {
+        let line = lines.next().expect("a log line").expect("read the log");
+        if let Some(rest) = line.split("listening on http://").nth(1) {
+            break rest
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .parse()
+                .expect("address");
+        }
+    };
+    let ready_line = loop {
+        let line = lines.next().expect("a log line").expect("read the log");
+        if line.contains("ready: serving") {
+            break line;
+        }
+    };
+    assert!(ready_line.contains("lily-demo"), "{ready_line}");
+    assert!(addr.ip().is_loopback(), "binds 127.0.0.1 by default");
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let health = runtime.block_on(http(addr, "GET", "/health", &[], b""));
+    assert_eq!(health.status, 200);
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let exit = loop {
+        if let Some(exit) = child.try_wait().expect("wait") {
+            break exit;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "lily serve did not stop on SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(exit.success(), "clean exit: {exit:?}");
+}
