@@ -32,7 +32,7 @@ use crate::checkpoint::{self, synth};
 use crate::config::ModelConfig;
 use crate::engine::generate::TextModel;
 use crate::engine::{Engine, EngineOptions};
-use crate::model::{Backend, CpuBackend};
+use crate::model::{Backend, CpuBackend, Weights};
 
 /// Name under which the built-in demo model is served.
 pub const DEMO_MODEL_NAME: &str = "lily-demo";
@@ -45,6 +45,16 @@ pub enum ModelSource {
     Demo,
     /// A model directory (already resolved from a Hugging Face repo id if one was given).
     Dir(PathBuf),
+}
+
+impl ModelSource {
+    /// From a `--model` argument: none is the demo; a directory or a cached Hugging Face repo id.
+    pub fn from_arg(arg: Option<&str>) -> anyhow::Result<ModelSource> {
+        match arg {
+            None => Ok(ModelSource::Demo),
+            Some(arg) => Ok(ModelSource::Dir(hub::resolve(arg)?)),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -289,34 +299,24 @@ pub fn load(options: &ServeOptions) -> anyhow::Result<ServedModel> {
                     script.display().to_string(),
                 )
             }
-            (None, ModelSource::Demo) => {
-                let text = TextModel::demo()?;
-                let weights = demo_weights(text.tokenizer.vocab_size(), text.special.im_end)?;
-                tracing::warn!(
-                "serving the built-in DEMO model: random weights, so its replies are gibberish. \
-                 Pass --model DIR (or a Hugging Face repo id) to serve a real model."
-            );
+            (None, source) => {
+                let (text, weights) = load_model(source)?;
+                let description = match source {
+                    ModelSource::Demo => {
+                        "built-in demo model: tiny, random weights, byte-level demo tokenizer"
+                            .into()
+                    }
+                    ModelSource::Dir(dir) => format!("{} on cpu", dir.display()),
+                };
+                let source = match source {
+                    ModelSource::Demo => "built-in".into(),
+                    ModelSource::Dir(dir) => dir.display().to_string(),
+                };
                 (
                     text,
                     Box::new(CpuBackend::new(weights)),
-                    "built-in demo model: tiny, random weights, byte-level demo tokenizer".into(),
-                    "built-in".into(),
-                )
-            }
-            (None, ModelSource::Dir(dir)) => {
-                let text = TextModel::from_dir(dir)?;
-                let weights = load_weights(dir)?;
-                let vocab = weights.config.vocab_size;
-                anyhow::ensure!(
-                    vocab >= text.tokenizer.vocab_size(),
-                    "the tokenizer has {} tokens but the model only {vocab} logits",
-                    text.tokenizer.vocab_size()
-                );
-                (
-                    text,
-                    Box::new(CpuBackend::new(weights)),
-                    format!("{} on cpu", dir.display()),
-                    dir.display().to_string(),
+                    description,
+                    source,
                 )
             }
         };
@@ -355,6 +355,32 @@ pub fn load(options: &ServeOptions) -> anyhow::Result<ServedModel> {
     })
 }
 
+/// The text side and the weights of a model: what `lily serve` and `lily generate` run.
+pub fn load_model(source: &ModelSource) -> anyhow::Result<(TextModel, Weights)> {
+    match source {
+        ModelSource::Demo => {
+            let text = TextModel::demo()?;
+            let weights = demo_weights(text.tokenizer.vocab_size(), text.special.im_end)?;
+            tracing::warn!(
+                "using the built-in DEMO model: random weights, so its output is gibberish. \
+                 Pass --model DIR (or a Hugging Face repo id) for a real model."
+            );
+            Ok((text, weights))
+        }
+        ModelSource::Dir(dir) => {
+            let text = TextModel::from_dir(dir)?;
+            let weights = load_weights(dir)?;
+            let vocab = weights.config.vocab_size;
+            anyhow::ensure!(
+                vocab >= text.tokenizer.vocab_size(),
+                "the tokenizer has {} tokens but the model only {vocab} logits",
+                text.tokenizer.vocab_size()
+            );
+            Ok((text, weights))
+        }
+    }
+}
+
 /// The demo model's config: the `tiny` preset with the demo tokenizer's vocabulary and
 /// `<|im_end|>` as its end-of-sequence token.
 fn demo_config(vocab_size: usize, im_end: u32) -> serde_json::Value {
@@ -366,7 +392,7 @@ fn demo_config(vocab_size: usize, im_end: u32) -> serde_json::Value {
 
 /// Writes the demo checkpoint to a temporary directory, loads it and removes the directory
 /// (the loaded weights do not need the files: a mapping outlives the file's name).
-fn demo_weights(vocab_size: usize, im_end: u32) -> anyhow::Result<crate::model::Weights> {
+fn demo_weights(vocab_size: usize, im_end: u32) -> anyhow::Result<Weights> {
     let dir = std::env::temp_dir().join(format!(
         "lily-demo-{}-{}",
         std::process::id(),
@@ -388,7 +414,7 @@ fn demo_weights(vocab_size: usize, im_end: u32) -> anyhow::Result<crate::model::
 }
 
 /// Loads a checkpoint with a progress line (a spinner with the elapsed time on a terminal).
-fn load_weights(dir: &Path) -> anyhow::Result<crate::model::Weights> {
+fn load_weights(dir: &Path) -> anyhow::Result<Weights> {
     let (files, bytes) = std::fs::read_dir(dir)?
         .filter_map(Result::ok)
         .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))

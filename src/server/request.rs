@@ -693,3 +693,71 @@ fn completion_prompt(model: &TextModel, prompt: Option<&Value>) -> Result<Vec<u3
         _ => Err(bad()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thinking_is_read_from_the_rendered_prompt() {
+        assert!(prompt_ends_in_thinking(
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+        ));
+        assert!(!prompt_ends_in_thinking(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        ));
+        // An earlier turn's reasoning does not count.
+        assert!(!prompt_ends_in_thinking(
+            "<|im_start|>assistant\n<think>\nx<|im_end|>\n<|im_start|>assistant\n"
+        ));
+    }
+
+    #[test]
+    fn tool_choice_forms() {
+        let tools = vec![json!({"type": "function", "function": {"name": "f"}})];
+        assert_eq!(
+            parse_tool_choice(None, Some(&tools)).ok(),
+            Some(ToolChoice::Auto)
+        );
+        assert_eq!(parse_tool_choice(None, None).ok(), Some(ToolChoice::None));
+        assert_eq!(
+            parse_tool_choice(Some(&json!("auto")), None).ok(),
+            Some(ToolChoice::None)
+        );
+        let named = json!({"type": "function", "function": {"name": "f"}});
+        assert_eq!(
+            parse_tool_choice(Some(&named), Some(&tools)).ok(),
+            Some(ToolChoice::Named("f".into()))
+        );
+        let unknown = json!({"type": "function", "function": {"name": "g"}});
+        assert!(parse_tool_choice(Some(&unknown), Some(&tools)).is_err());
+        assert!(parse_tool_choice(Some(&json!("sometimes")), Some(&tools)).is_err());
+    }
+
+    #[test]
+    fn tool_call_grammars_compile() {
+        let model = TextModel::demo().expect("demo text model");
+        let tools = vec![
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "odd \"name\"": {}}}}}),
+            json!({"type": "function", "function": {"name": "no_params"}}),
+        ];
+        for (only, parallel) in [(None, true), (None, false), (Some("no_params"), false)] {
+            let grammar = Grammar::Lark(tool_call_lark(&tools, only, parallel));
+            assert!(
+                model.compile(&grammar).is_ok(),
+                "{grammar:?}: {:?}",
+                model.compile(&grammar).err()
+            );
+        }
+        let schema = Grammar::JsonSchema {
+            schema: json!({"type": "object", "properties": {"a": {"type": "integer"}}}),
+            after_thinking: true,
+        };
+        assert!(model.compile(&schema).is_ok());
+        let unsatisfiable = Grammar::JsonSchema {
+            schema: json!({"type": "integer", "minimum": 5, "maximum": 1}),
+            after_thinking: false,
+        };
+        assert!(model.compile(&unsatisfiable).is_err());
+    }
+}

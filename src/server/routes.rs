@@ -532,6 +532,53 @@ async fn detokenize(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::{Device, ModelSource, ServeOptions};
+
+    fn loading_state() -> Shared {
+        Arc::new(AppState::new(&ServeOptions {
+            source: ModelSource::Demo,
+            served_model_name: "m".into(),
+            aliases: Vec::new(),
+            host: "127.0.0.1".into(),
+            port: 0,
+            api_key: None,
+            max_model_len: None,
+            device: Device::Cpu,
+            max_body_bytes: 1024,
+            max_in_flight: 1,
+            scripted: None,
+            shutdown_grace: std::time::Duration::ZERO,
+        }))
+    }
+
+    #[tokio::test]
+    async fn while_loading_everything_is_503() {
+        let state = loading_state();
+        assert_eq!(
+            health(State(state.clone())).await.status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        let body = Ok(Bytes::from_static(
+            b"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}",
+        ));
+        let chat = chat_completions(State(state.clone()), HeaderMap::new(), body).await;
+        let error = chat.err().map(|e| (e.status, e.kind));
+        assert_eq!(
+            error,
+            Some((StatusCode::SERVICE_UNAVAILABLE, "unavailable_error"))
+        );
+        assert!(list_models(State(state)).await.is_err());
+    }
+
+    #[test]
+    fn admission_is_limited() {
+        let state = loading_state();
+        let first = state.admit();
+        assert!(first.is_some());
+        assert!(state.admit().is_none(), "one in flight is the limit");
+        drop(first);
+        assert!(state.admit().is_some(), "the slot is free again");
+    }
 
     #[test]
     fn key_comparison() {
