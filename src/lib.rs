@@ -7,3 +7,5 @@ pub mod config;
 pub mod checkpoint;
 pub mod quant;
 pub mod model;
+#[cfg(feature = "cuda")]
+pub mod cuda;
