@@ -579,32 +579,35 @@ fn gemv_bandwidth() {
         let bytes = (slots * m.matrix_bytes() + 2 * slots * (cols + rows)) as f64;
         let gbs = |ms: f64| bytes / (ms * 1e-3) / 1e9;
         let view = m.view();
-        let mut time = |shape: GemvShape| {
+        // Times one launch shape (stream, graph); None if the kernel does not take it.
+        let mut time = |shape: GemvShape| -> Option<(f64, f64)> {
             let mut launch = |i: usize| {
                 let set = (i % sets) * slots;
-                let id = ids.slice(set..set + slots);
-                let result = if slots == 1 {
+                if slots == 1 {
                     k.gemv_slots_shaped(&sub_matrix(&m, set), None, 1, &xs.as_view(), false, 1, &mut y.as_view_mut(), shape)
                 } else {
+                    let id = ids.slice(set..set + slots);
                     k.gemv_slots_shaped(&view, Some(&id), slots, &xs.as_view(), x_per_slot, 1, &mut y.as_view_mut(), shape)
-                };
-                result.unwrap();
+                }
             };
-            (time_ms(&dev, reps, &mut launch), time_graph_ms(&dev, reps, &mut launch))
+            launch(0).ok()?;
+            let mut launch = |i: usize| launch(i).unwrap();
+            Some((time_ms(&dev, reps, &mut launch), time_graph_ms(&dev, reps, &mut launch)))
         };
         let default = k.shape(&view, slots);
-        let (t_stream, t_graph) = time(default);
-        // Other launch shapes, to tune the default by: K-split halved or doubled, 1..4 tiles a block.
+        let (t_stream, t_graph) = time(default).expect("the default shape launches");
+        // Other launch shapes, to tune the default by: K-split halved or doubled, 1..8 tiles a block.
         let mut best: Option<(GemvShape, f64)> = None;
         for kw in [default.warps_per_tile / 2, default.warps_per_tile, default.warps_per_tile * 2] {
-            for tb in [1, 2, 4] {
+            for tb in [1, 2, 4, 8] {
                 let shape = GemvShape { warps_per_tile: kw, tiles_per_block: tb };
-                if kw == 0 || kw * tb > 16 || shape == default {
+                if kw == 0 || shape == default {
                     continue;
                 }
-                let t = time(shape).1;
-                if best.is_none_or(|(_, b)| t < b) {
-                    best = Some((shape, t));
+                if let Some((_, t)) = time(shape) {
+                    if best.is_none_or(|(_, b)| t < b) {
+                        best = Some((shape, t));
+                    }
                 }
             }
         }

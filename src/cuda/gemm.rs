@@ -164,9 +164,10 @@ impl GemvKernels {
         let format = check_matrices(w)?;
         let GemvShape { warps_per_tile, tiles_per_block } = shape;
         ensure!(
-            (1..=16).contains(&warps_per_tile) && tiles_per_block >= 1 && warps_per_tile * tiles_per_block <= 16,
-            "gemv: launch shape {shape:?} needs 1..=16 warps per block"
+            warps_per_tile >= 1 && tiles_per_block >= 1 && warps_per_tile * tiles_per_block <= MAX_WARPS,
+            "gemv: launch shape {shape:?} needs 1..={MAX_WARPS} warps per block"
         );
+        ensure!(splits_evenly(format, w.cols, warps_per_tile), "gemv: {warps_per_tile} warps cannot split cols = {} evenly", w.cols);
         ensure!((1..=MAX_TOKENS).contains(&ntok), "gemv: {ntok} tokens; one launch takes 1..={MAX_TOKENS}");
         ensure!(slots > 0, "gemv: no slots");
         let x_slots = if x_per_slot { slots } else { 1 };
@@ -215,47 +216,64 @@ impl GemvKernels {
             warps_per_tile: warps_per_tile as i32,
             count: as_i32(w.count, "count")?,
         };
-        let cfg = LaunchConfig {
-            grid_dim: (w.rows.div_ceil(TILE_ROWS * tiles_per_block) as u32, slots as u32, 1),
-            block_dim: (32 * (warps_per_tile * tiles_per_block) as u32, 1, 1),
-            shared_mem_bytes: shared_bytes as u32,
-        };
         let func = match format {
             Format::Q4 => &self.q4,
             Format::Q8 => &self.q8,
             Format::Bf16 => &self.bf16,
         };
+        // Persistent blocks: about as many as fit on the GPU at once, each taking the same number
+        // of rounds (a round: tiles_per_block tiles), so that none is left with an extra one.
+        let threads = 32 * (warps_per_tile * tiles_per_block) as u32;
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes, None)
+            .during(|| "gemv occupancy".into())? as usize;
+        let rounds = w.rows.div_ceil(TILE_ROWS * tiles_per_block);
+        let resident_per_slot = (per_sm.max(1) * self.sm_count / slots).max(1);
+        let blocks = rounds.div_ceil(rounds.div_ceil(resident_per_slot));
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, slots as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: shared_bytes as u32,
+        };
         // SAFETY: check_matrices and the checks above bound every index the kernel forms.
         unsafe { launch!(self.stream, func, cfg, &args) }
     }
 
-    /// The default launch shape: warps along K per 16-row tile so that each has ~BATCH
-    /// iterations (up to 16 warps), then tiles per block so that blocks have ≥ 8 warps to share
-    /// the staged x, unless that leaves fewer than two blocks per SM.
+    /// The default launch shape: the fewest warps along K (each then streams longer) that still
+    /// give about two blocks' worth of warps per SM, then tiles per block to make 8-warp blocks.
     pub fn shape(&self, w: &Matrices, slots: usize) -> GemvShape {
-        let iters = w.cols / format_of(w).cols_per_iter();
-        let warps_per_tile = (iters / BATCH).clamp(1, 16);
-        let tiles = w.rows.div_ceil(TILE_ROWS);
-        let mut tiles_per_block = (8 / warps_per_tile).max(1);
-        while tiles_per_block > 1 && tiles.div_ceil(tiles_per_block) * slots < 2 * self.sm_count {
-            tiles_per_block /= 2;
+        let format = format_of(w);
+        let tiles = w.rows.div_ceil(TILE_ROWS) * slots;
+        let mut warps_per_tile = 1;
+        while tiles * warps_per_tile < 16 * self.sm_count
+            && warps_per_tile < MAX_WARPS
+            && splits_evenly(format, w.cols, 2 * warps_per_tile)
+        {
+            warps_per_tile *= 2;
         }
-        GemvShape { warps_per_tile, tiles_per_block }
+        GemvShape { warps_per_tile, tiles_per_block: MAX_WARPS / warps_per_tile }
     }
+}
+
+/// Warps per block, at most (the Q4 kernel's launch bounds assume it).
+const MAX_WARPS: usize = 8;
+
+/// Whether `warps` warps can split the iterations of a row evenly, in whole batches for the
+/// quantised formats (whose batches load 4 groups' scales at once).
+fn splits_evenly(format: Format, cols: usize, warps: usize) -> bool {
+    let iters = cols / format.cols_per_iter();
+    let unit = if format == Format::Bf16 { 1 } else { BATCH };
+    iters % (warps * unit) == 0
 }
 
 /// Dynamic shared memory of one block; the layout is described in gemm.cu.
 fn shared_bytes(format: Format, cols: usize, ntok: usize, shape: GemvShape) -> usize {
     let words_per_row = cols * format.bits() / 32;
     let staged_x = ntok * (words_per_row * format.stage_bytes_per_word() + 16);
-    let scales = if format == Format::Bf16 {
-        0
-    } else {
-        let groups = cols / GROUP;
-        groups * MAX_TOKENS * 4 + shape.tiles_per_block * TILE_ROWS * (groups + 1) * 8
-    };
-    let reduction = shape.warps_per_tile * shape.tiles_per_block * MAX_TOKENS * TILE_ROWS * 4;
-    staged_x + scales + reduction
+    let xsum = if format == Format::Bf16 { 0 } else { cols / GROUP * MAX_TOKENS * 4 };
+    let warps = shape.warps_per_tile * shape.tiles_per_block;
+    let reduction = if shape.warps_per_tile > 1 { 2 * warps * MAX_TOKENS * TILE_ROWS * 4 } else { 0 };
+    staged_x + xsum + reduction
 }
 
 fn format_of(w: &Matrices) -> Format {
@@ -279,7 +297,8 @@ fn check_matrices(w: &Matrices) -> Result<Format> {
         ensure!(*bits == 4 || *bits == 8, "gemv: {bits}-bit weights are not supported (4 or 8)");
     }
     let format = format_of(w);
-    let step = format.cols_per_iter();
+    // Whole iterations; for the quantised formats whole batches of 4 groups (see splits_evenly).
+    let step = if format == Format::Bf16 { format.cols_per_iter() } else { BATCH * GROUP };
     ensure!(w.cols % step == 0, "gemv: cols = {} must be a multiple of {step}", w.cols);
     let n = w.count * w.rows * w.cols;
     let words = n * format.bits() / 32;
