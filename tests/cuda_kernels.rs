@@ -539,23 +539,32 @@ fn gemv_bandwidth() {
     let k = GemvKernels::load(&dev).unwrap();
     let s = dev.stream();
     let mut rng = Rng::new("gemv bandwidth");
-    // Each case cycles through enough different weights (≥ 150 MB, most ≥ 500 MB, against a
+    // The ceiling: a 1 GiB device-to-device copy (bytes read + written).
+    {
+        let n = 1 << 29;
+        let src = s.alloc_zeros::<u16>(n).unwrap();
+        let mut dst = s.alloc_zeros::<u16>(n).unwrap();
+        let ms = time_ms(&dev, 4, &mut |_| s.memcpy_dtod(&src, &mut dst).unwrap());
+        println!("device-to-device copy: {:.0} GB/s (read + written)", 4.0 * n as f64 / (ms * 1e-3) / 1e9);
+    }
+    // Each case cycles through enough different weights (≥ 300 MB, most ≥ 500 MB, against a
     // 60 MB L2) that launches read their weights from HBM. (bits, matrices in the stack, rows,
-    // cols, slots).
-    let cases: &[(&str, u32, usize, usize, usize, usize)] = &[
-        ("Q4 in_proj_qkv / q_proj", 4, 56, 8192, 2048, 1),
-        ("Q4 out_proj / o_proj", 4, 112, 2048, 4096, 1),
-        ("Q4 8 experts gate_up", 4, 256, 1024, 2048, 8),
-        ("Q4 8 experts down", 4, 512, 2048, 512, 8),
-        ("Q4 lm_head", 4, 2, 248_320, 2048, 1),
-        ("Q8 router", 8, 512, 256, 2048, 1),
-        ("bf16 [8192×2048]", 16, 16, 8192, 2048, 1),
+    // cols, slots, tokens).
+    let cases: &[(&str, u32, usize, usize, usize, usize, usize)] = &[
+        ("Q4 in_proj_qkv / q_proj", 4, 56, 8192, 2048, 1, 1),
+        ("Q4 out_proj / o_proj", 4, 112, 2048, 4096, 1, 1),
+        ("Q4 8 experts gate_up", 4, 256, 1024, 2048, 8, 1),
+        ("Q4 8 experts down", 4, 512, 2048, 512, 8, 1),
+        ("Q4 lm_head", 4, 2, 248_320, 2048, 1, 1),
+        ("Q4 lm_head, 8 tokens", 4, 2, 248_320, 2048, 1, 8),
+        ("Q8 router", 8, 512, 256, 2048, 1, 1),
+        ("bf16 [8192×2048]", 16, 16, 8192, 2048, 1, 1),
     ];
     println!(
         "\n{:<24} {:>9} {:>11} {:>10} {:>7} {:>10} {:>7}   {}",
-        "GEMV (1 token)", "MB/launch", "shape", "µs stream", "GB/s", "µs graph", "GB/s", "best other shape (graph)"
+        "GEMV", "MB/launch", "shape", "µs stream", "GB/s", "µs graph", "GB/s", "best other shape (graph)"
     );
-    for &(name, bits, count, rows, cols, slots) in cases {
+    for &(name, bits, count, rows, cols, slots, ntok) in cases {
         // One random matrix, copied to fill the stack (the copies sit at different addresses,
         // which is all the timing needs).
         let one = HostMatrices::random(&mut rng, bits, 1, rows, cols);
@@ -570,13 +579,13 @@ fn gemv_bandwidth() {
         let m = DeviceMatrices::upload(s, &stack);
         drop(stack);
         let x_per_slot = name.contains("down");
-        let xs = upload(s, &rng.bf16s(if x_per_slot { slots } else { 1 } * cols, 1.0));
-        let mut y = poisoned(s, slots * rows);
+        let xs = upload(s, &rng.bf16s(if x_per_slot { slots } else { 1 } * ntok * cols, 1.0));
+        let mut y = poisoned(s, slots * ntok * rows);
         // Launch i uses matrices (i·slots .. i·slots + slots) mod count: distinct until the stack wraps.
         let ids = upload(s, &(0..count * slots).map(|i| (i % count) as i32).collect::<Vec<_>>());
         let sets = count.div_ceil(slots);
         let reps = sets.max(32);
-        let bytes = (slots * m.matrix_bytes() + 2 * slots * (cols + rows)) as f64;
+        let bytes = (slots * m.matrix_bytes() + 2 * slots * ntok * (cols + rows)) as f64;
         let gbs = |ms: f64| bytes / (ms * 1e-3) / 1e9;
         let view = m.view();
         // Times one launch shape (stream, graph); None if the kernel does not take it.
@@ -584,10 +593,10 @@ fn gemv_bandwidth() {
             let mut launch = |i: usize| {
                 let set = (i % sets) * slots;
                 if slots == 1 {
-                    k.gemv_slots_shaped(&sub_matrix(&m, set), None, 1, &xs.as_view(), false, 1, &mut y.as_view_mut(), shape)
+                    k.gemv_slots_shaped(&sub_matrix(&m, set), None, 1, &xs.as_view(), false, ntok, &mut y.as_view_mut(), shape)
                 } else {
                     let id = ids.slice(set..set + slots);
-                    k.gemv_slots_shaped(&view, Some(&id), slots, &xs.as_view(), x_per_slot, 1, &mut y.as_view_mut(), shape)
+                    k.gemv_slots_shaped(&view, Some(&id), slots, &xs.as_view(), x_per_slot, ntok, &mut y.as_view_mut(), shape)
                 }
             };
             launch(0).ok()?;
@@ -623,7 +632,7 @@ fn gemv_bandwidth() {
             gbs(t_graph)
         );
     }
-    println!("(shape: warps per tile along K × tiles per block. H200: ~4300 GB/s device-to-device copy measured on this machine kind; 85% = 3650 GB/s)\n");
+    println!("(MB/launch: weights, scales and biases read, plus x and y. shape: warps per tile along K × tiles per block.)\n");
 }
 
 /// Matrix `i` of a device stack, as a stack of one.

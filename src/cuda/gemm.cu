@@ -14,14 +14,19 @@
 //       Σ_c (s·q_c + b)·x_c = s · (Σ_c (128 + q_c)·x_c − 128·Σ_c x_c) + b · Σ_c x_c
 //   so every mma's 16 k-values must come from one group: in a tile iteration the 4 lanes of an mma
 //   quad share one group, each lane taking a quarter of it (Q4: 8 bytes per row, Q8 and bf16: 16).
+// * That split would make lanes load 8 or 16 scattered bytes per row, which costs the load unit
+//   4-8x more requests per byte than a coalesced stream and held an earlier version to ~60% of
+//   HBM bandwidth. So weights (and scales, biases) travel through shared memory instead: each warp
+//   copies its next batches of 16 rows × 4 iterations there with cp.async, 16 contiguous bytes per
+//   lane and whole 128-byte lines per request, STAGES batches ahead, and the mma lanes read their
+//   pieces from there. Rows are padded in shared memory so those reads hit distinct banks.
 // * 8-bit values are split into two nibbles; the high nibble's mma column holds 16·x (exact in
 //   bf16), so Q8 needs no other instructions than Q4. Its magic sum is 128·(1 + 16) per column.
 // * x is staged once per block in shared memory, already permuted into the order the mma operands
-//   need, with the per-group sums Σx. The first batch of weight loads is issued before that
-//   staging, so their DRAM latency overlaps it.
+//   need, with the per-group sums Σx. The first batches' copies are issued before that staging,
+//   so their DRAM latency overlaps it.
 // * Blocks are persistent (about one wave of them): each loops over rounds of tiles, and each
-//   warp streams its weights in batches of 4 iterations, loading the next batch (across round
-//   boundaries too) before it computes the current one. Scales and biases come with the batch.
+//   warp's copy pipeline runs on across round boundaries.
 // * Short matrices need more warps than they have tiles: then several warps split K for one tile
 //   and reduce through shared memory. The host picks that split and the tiles per block (gemm.rs).
 // * Batches: blockIdx.y is a slot; slot s multiplies matrix ids[s] (or s) of a stack (e.g. the
@@ -42,20 +47,32 @@ constexpr int TILE_ROWS = 16;
 constexpr int MAX_TOKENS = 8;  // mma N
 constexpr int BATCH = 4;       // iterations whose loads are issued together
 
-// WORDS: 32-bit words a lane loads per row per iteration. COLS: columns one iteration covers
-// (4 lanes × WORDS words). STAGE: bytes of staged x per weight word. MAGIC: Σ of the bf16 magic
-// offsets per unit of x (see above), for the quantised formats.
+constexpr int STAGES = 4;      // batches a warp has in flight (copied ahead into shared memory)
+
+// WORDS: 32-bit words a lane takes per row per iteration. COLS: columns one iteration covers
+// (4 lanes × WORDS words). STAGE: bytes of staged x per weight word. ROW_STRIDE: bytes of one
+// row's batch in shared memory, padded so that the 8 rows read at once land on different banks.
+// MAGIC: Σ of the bf16 magic offsets per unit of x (see above), for the quantised formats.
 template <int F> struct Fmt;
 template <> struct Fmt<Q4> {
-    static constexpr int WORDS = 2, COLS = 64, STAGE = 16;
+    static constexpr int WORDS = 2, COLS = 64, STAGE = 16, ROW_STRIDE = 128 + 32;
     static constexpr float MAGIC = 128.0f;
 };
 template <> struct Fmt<Q8> {
-    static constexpr int WORDS = 4, COLS = 64, STAGE = 16;
+    static constexpr int WORDS = 4, COLS = 64, STAGE = 16, ROW_STRIDE = 256 + 64;
     static constexpr float MAGIC = 128.0f * 17.0f;
 };
-template <> struct Fmt<BF16> {
-    static constexpr int WORDS = 4, COLS = 32, STAGE = 4;  // no MAGIC: bf16 weights need no offset
+template <> struct Fmt<BF16> {  // no MAGIC: bf16 weights need no offset
+    static constexpr int WORDS = 4, COLS = 32, STAGE = 4, ROW_STRIDE = 256 + 64;
+};
+
+// One batch in shared memory: 16 rows of BATCH iterations (ROW_BYTES each, at ROW_STRIDE), then
+// for the quantised formats the batch's scales and biases: [2][16 rows][4 groups] bf16.
+template <int F> struct Slot {
+    static constexpr bool QUANT = F != BF16;
+    static constexpr int ROW_BYTES = BATCH * 4 * Fmt<F>::WORDS * 4;
+    static constexpr int SCALES = TILE_ROWS * Fmt<F>::ROW_STRIDE;  // offset of the scales
+    static constexpr int BYTES = SCALES + (QUANT ? 2 * TILE_ROWS * 8 : 0);
 };
 
 }  // namespace
@@ -107,40 +124,15 @@ __device__ __forceinline__ u32 times16(u32 pair) {
     return *reinterpret_cast<u32*>(&p);
 }
 
-// What a lane loads for one batch of BATCH iterations: its words of rows g and g+8 and, for the
-// quantised formats, the scales and biases of those rows for the batch's BATCH groups (one
-// 8-byte load each: a batch starts on a multiple of 4 groups, which the host guarantees).
-template <int F> struct Batch {
-    u32 w[BATCH][2][Fmt<F>::WORDS];
-    uint2 s[2], b[2];  // 4 bf16 each: groups it0..it0+3 of rows g, g+8
-};
-
-template <int F>
-__device__ __forceinline__ void load_batch(Batch<F>& b, const u32* w, const bf16* sc, const bf16* bi, u32 row_g,
-                                           u32 row_g8, u32 grp_g, u32 grp_g8, int it0, int it_end, int t) {
-    constexpr int W = Fmt<F>::WORDS;
-#pragma unroll
-    for (int k = 0; k < BATCH; ++k) {
-        if (it0 + k >= it_end) break;
-        const u32 off = (it0 + k) * 4 * W + t * W;
-        if constexpr (W == 2) {
-            const uint2 a = __ldg(reinterpret_cast<const uint2*>(w + row_g + off));
-            const uint2 c = __ldg(reinterpret_cast<const uint2*>(w + row_g8 + off));
-            b.w[k][0][0] = a.x, b.w[k][0][1] = a.y, b.w[k][1][0] = c.x, b.w[k][1][1] = c.y;
-        } else {
-            const uint4 a = __ldg(reinterpret_cast<const uint4*>(w + row_g + off));
-            const uint4 c = __ldg(reinterpret_cast<const uint4*>(w + row_g8 + off));
-            b.w[k][0][0] = a.x, b.w[k][0][1] = a.y, b.w[k][0][2] = a.z, b.w[k][0][3] = a.w;
-            b.w[k][1][0] = c.x, b.w[k][1][1] = c.y, b.w[k][1][2] = c.z, b.w[k][1][3] = c.w;
-        }
-    }
-    if constexpr (F != BF16) {
-        b.s[0] = __ldg(reinterpret_cast<const uint2*>(sc + grp_g + it0));
-        b.s[1] = __ldg(reinterpret_cast<const uint2*>(sc + grp_g8 + it0));
-        b.b[0] = __ldg(reinterpret_cast<const uint2*>(bi + grp_g + it0));
-        b.b[1] = __ldg(reinterpret_cast<const uint2*>(bi + grp_g8 + it0));
-    }
+// cp.async takes shared-memory addresses as 32-bit offsets into the shared window.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));  // .cg: via L2 only
 }
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // bf16 number k (0..3) of four packed in a uint2, as fp32.
 __device__ __forceinline__ float bf16_at(uint2 v, int k) {
@@ -156,7 +148,8 @@ struct Job {
 template <int F>
 __device__ void gemv(const GemvArgs& a) {
     using T = Fmt<F>;
-    constexpr bool QUANT = F != BF16;
+    using S = Slot<F>;
+    constexpr bool QUANT = S::QUANT;
     const int K = a.cols, ntok = a.ntok;
     const int iters = K / T::COLS, ngroups = K / 64;
     const int words_per_row = iters * 4 * T::WORDS;
@@ -164,56 +157,78 @@ __device__ void gemv(const GemvArgs& a) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int tile_in_round = warp / kw, kwarp = warp % kw;
-    const int slot = blockIdx.y;
-    const int mat = a.ids ? min(max(a.ids[slot], 0), a.count - 1) : slot;
+    const int slot_id = blockIdx.y;
+    const int mat = a.ids ? min(max(a.ids[slot_id], 0), a.count - 1) : slot_id;
     const u32* wmat = a.w + mat * a.w_mat_words;
     const bf16* smat = a.scales + (i64)mat * a.rows * ngroups;
     const bf16* bmat = a.biases + (i64)mat * a.rows * ngroups;
 
     // The block is persistent: it takes rounds blockIdx.x, blockIdx.x + gridDim.x, ... Each warp
-    // runs the same number of rounds and, within a round, its slice of K (iters / kw iterations,
-    // exact: the host picks kw to divide iters) in batches of BATCH iterations.
+    // runs the same number of rounds and, within a round, its slice of K (iters / kw iterations:
+    // whole batches, as the host guarantees) batch by batch. A job = (round, batch).
     const int rounds = (a.rows + TILE_ROWS * tb - 1) / (TILE_ROWS * tb);
     const int my_rounds = (rounds - blockIdx.x + gridDim.x - 1) / gridDim.x;
-    const int per_warp = iters / kw, batches = (per_warp + BATCH - 1) / BATCH;
-    const int it_begin = kwarp * per_warp, it_end = it_begin + per_warp;
+    const int batches = iters / kw / BATCH;
+    const int it_begin = kwarp * batches * BATCH;
     const int jobs = my_rounds * batches;
-
-    // Offsets (32-bit, to save registers) of the rows of the current round: words into wmat and
-    // groups into smat/bmat. Rows past the end are clamped: loaded, never stored.
-    u32 row_g = 0, row_g8 = 0, grp_g = 0, grp_g8 = 0;
-    auto job_of = [&](int j) { return Job{(int)blockIdx.x + (j / batches) * (int)gridDim.x, j % batches}; };
     auto row0_of = [&](int round) { return (round * tb + tile_in_round) * TILE_ROWS; };
-    auto load = [&](Batch<F>& b, int j) {
-        const Job job = job_of(j);
-        if (job.batch == 0) {
-            const int row0 = row0_of(job.round);
-            const u32 rg = min(row0 + g, a.rows - 1), rg8 = min(row0 + g + 8, a.rows - 1);
-            row_g = rg * words_per_row, row_g8 = rg8 * words_per_row;
-            grp_g = rg * ngroups, grp_g8 = rg8 * ngroups;
-        }
-        load_batch<F>(b, wmat, smat, bmat, row_g, row_g8, grp_g, grp_g8, it_begin + job.batch * BATCH, it_end, t);
+    // Advances a job (round, batch) to the next one of this block.
+    auto advance = [&](Job& job) {
+        if (++job.batch == batches) job.batch = 0, job.round += gridDim.x;
     };
-
-    // The first batch's loads go out before x is staged, so their DRAM latency overlaps it.
-    Batch<F> cur;
-    if (jobs > 0) load(cur, 0);
 
     // Shared memory, in this order (sizes must match shared_bytes in gemm.rs):
     //   staged x  [ntok][words_per_row · STAGE + 16]  (+16: consecutive tokens on other banks)
     //   xsum      [ngroups][MAX_TOKENS] fp32          (quantised formats)
     //   red       [2][warps][MAX_TOKENS · 16] fp32    (only when kw > 1; two, alternating by round)
+    //   ring      [warps][STAGES] Slot<F>             (each warp's batches in flight)
     extern __shared__ __align__(16) unsigned char smem[];
+    const int warps = blockDim.x / 32;
     const int stage_tok = words_per_row * T::STAGE + 16;
     unsigned char* xstage = smem;
     float* xsum = reinterpret_cast<float*>(smem + ntok * stage_tok);
     float* red = xsum + (QUANT ? ngroups * MAX_TOKENS : 0);
+    unsigned char* ring = reinterpret_cast<unsigned char*>(red + (kw > 1 ? 2 * warps * MAX_TOKENS * TILE_ROWS : 0));
+    ring += warp * STAGES * S::BYTES;
+
+    // Copies job j (the one at `next_copy`) into its ring slot: 16 rows × BATCH iterations, each
+    // lane 16 contiguous bytes per instruction (so each instruction moves whole lines): piece p of
+    // rows r, r + ROW_STEP, ... Rows past the end are clamped (copied, never stored). For the
+    // quantised formats one more 8-byte copy per lane: 4 groups' scales (lanes 0..15) or biases
+    // (16..31) of row lane % 16. The host guarantees the alignment of every piece. One commit
+    // group per job, empty past the end: cp.async.wait_group counts groups.
+    constexpr int PIECES = S::ROW_BYTES / 16, ROW_STEP = 32 / PIECES;
+    const int my_r = lane / PIECES, my_p = lane % PIECES;
+    const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
+    const u32 dst0 = ring_s + my_r * T::ROW_STRIDE + my_p * 16;
+    const bf16* sb_src = lane < 16 ? smat : bmat;
+    Job next_copy{(int)blockIdx.x, 0};
+    auto issue = [&](int j) {
+        if (j < jobs) {
+            const u32 slot = (j % STAGES) * S::BYTES;
+            const int row0 = row0_of(next_copy.round), it0 = it_begin + next_copy.batch * BATCH;
+            const u32 col = it0 * 4 * T::WORDS + my_p * 4;  // in words
+#pragma unroll
+            for (int i = 0; i < TILE_ROWS / ROW_STEP; ++i) {
+                const u32 row = min(row0 + my_r + i * ROW_STEP, a.rows - 1);
+                cp_async16(dst0 + slot + i * ROW_STEP * T::ROW_STRIDE, wmat + row * words_per_row + col);
+            }
+            if constexpr (QUANT) {
+                const u32 row = min(row0 + lane % 16, a.rows - 1);
+                cp_async8(ring_s + slot + S::SCALES + lane * 8, sb_src + row * ngroups + it0);
+            }
+            advance(next_copy);
+        }
+        cp_async_commit();
+    };
+    // The first batches' copies go out before x is staged, so their DRAM latency overlaps it.
+    for (int j = 0; j < STAGES - 1; ++j) issue(j);
 
     // Stage x: each thread takes 8 columns (one uint4) per step. 8 consecutive threads cover one
     // group of 64, so Σx of a group is a shuffle over 8 lanes; all lanes run the same number of
     // steps so the shuffle never sees an inactive lane.
     {
-        const bf16* x = a.x + slot * a.x_slot_stride;
+        const bf16* x = a.x + slot_id * a.x_slot_stride;
         const int vec_per_tok = K / 8, total = ntok * vec_per_tok;
         const int steps = (total + blockDim.x - 1) / blockDim.x;
         for (int s = 0; s < steps; ++s) {
@@ -257,17 +272,38 @@ __device__ void gemv(const GemvArgs& a) {
     // acc: the C fragment, {row g, tokens 2t, 2t+1}, {row g+8, tokens 2t, 2t+1}.
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const unsigned char* my_x = xstage + g * stage_tok;  // this lane's B column is token g
-    bf16* y = a.y + (i64)slot * ntok * a.rows;
-    for (int j = 0; j < jobs; ++j) {
-        // Prefetch the next batch (the next round's first, at a round's end) before computing.
-        Batch<F> next;
-        if (j + 1 < jobs) load(next, j + 1);
-        const Job job = job_of(j);
+    bf16* y = a.y + (i64)slot_id * ntok * a.rows;
+    Job job{(int)blockIdx.x, 0};
+    for (int j = 0; j < jobs; ++j, advance(job)) {
+        // Job j's copies are done once at most STAGES - 2 newer groups are pending; the warp
+        // barrier makes every lane's copies visible to all. Then the slot read in the previous
+        // job is free, and the copy of job j + STAGES - 1 can go into it.
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();
+        issue(j + STAGES - 1);
+        const unsigned char* cur = ring + (j % STAGES) * S::BYTES;
         const int it0 = it_begin + job.batch * BATCH;
+        uint2 sc0, sc8, bi0, bi8;  // 4 groups' scales and biases of rows g, g+8
+        if constexpr (QUANT) {
+            const uint2* sb = reinterpret_cast<const uint2*>(cur + S::SCALES);
+            sc0 = sb[g], sc8 = sb[g + 8], bi0 = sb[16 + g], bi8 = sb[16 + g + 8];
+        }
 #pragma unroll
         for (int k = 0; k < BATCH; ++k) {
             const int it = it0 + k;
-            if (it >= it_end) break;
+            // A operands: this lane's WORDS words of rows g and g+8.
+            u32 w0[T::WORDS], w8[T::WORDS];
+            const unsigned char* piece = cur + k * 4 * T::WORDS * 4 + t * T::WORDS * 4;
+            if constexpr (T::WORDS == 2) {
+                const uint2 p0 = *reinterpret_cast<const uint2*>(piece + g * T::ROW_STRIDE);
+                const uint2 p8 = *reinterpret_cast<const uint2*>(piece + (g + 8) * T::ROW_STRIDE);
+                w0[0] = p0.x, w0[1] = p0.y, w8[0] = p8.x, w8[1] = p8.y;
+            } else {
+                const uint4 p0 = *reinterpret_cast<const uint4*>(piece + g * T::ROW_STRIDE);
+                const uint4 p8 = *reinterpret_cast<const uint4*>(piece + (g + 8) * T::ROW_STRIDE);
+                w0[0] = p0.x, w0[1] = p0.y, w0[2] = p0.z, w0[3] = p0.w;
+                w8[0] = p8.x, w8[1] = p8.y, w8[2] = p8.z, w8[3] = p8.w;
+            }
             // B operands: this lane's staged x for its WORDS words (zeros for absent tokens).
             constexpr int NB = T::WORDS * T::STAGE / 4;
             u32 bx[NB];
@@ -277,47 +313,44 @@ __device__ void gemv(const GemvArgs& a) {
                 const uint4 v = g < ntok ? src[q] : make_uint4(0, 0, 0, 0);
                 bx[4 * q] = v.x, bx[4 * q + 1] = v.y, bx[4 * q + 2] = v.z, bx[4 * q + 3] = v.w;
             }
-            const u32(*wr)[T::WORDS] = cur.w[k];
             if constexpr (QUANT) {
                 float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
                 for (int q = 0; q < T::WORDS; ++q) {
                     u32 n0[4], n8[4];
-                    expand_nibbles(wr[0][q], n0);
-                    expand_nibbles(wr[1][q], n8);
+                    expand_nibbles(w0[q], n0);
+                    expand_nibbles(w8[q], n8);
                     mma(d, n0[0], n8[0], n0[1], n8[1], bx[4 * q], bx[4 * q + 1]);
                     mma(d, n0[2], n8[2], n0[3], n8[3], bx[4 * q + 2], bx[4 * q + 3]);
                 }
                 // Group `it`: acc += s · (d − MAGIC·Σx) + b · Σx, as three FMAs per value.
-                const float s0 = bf16_at(cur.s[0], k), s8 = bf16_at(cur.s[1], k);
-                const float b0 = bf16_at(cur.b[0], k), b8 = bf16_at(cur.b[1], k);
+                const float s0 = bf16_at(sc0, k), s8 = bf16_at(sc8, k);
+                const float b0 = bf16_at(bi0, k), b8 = bf16_at(bi8, k);
                 const float2 xs = *reinterpret_cast<const float2*>(xsum + it * MAX_TOKENS + 2 * t);
                 acc[0] = fmaf(s0, fmaf(-T::MAGIC, xs.x, d[0]), fmaf(b0, xs.x, acc[0]));
                 acc[1] = fmaf(s0, fmaf(-T::MAGIC, xs.y, d[1]), fmaf(b0, xs.y, acc[1]));
                 acc[2] = fmaf(s8, fmaf(-T::MAGIC, xs.x, d[2]), fmaf(b8, xs.x, acc[2]));
                 acc[3] = fmaf(s8, fmaf(-T::MAGIC, xs.y, d[3]), fmaf(b8, xs.y, acc[3]));
             } else {
-                mma(acc, wr[0][0], wr[1][0], wr[0][1], wr[1][1], bx[0], bx[1]);
-                mma(acc, wr[0][2], wr[1][2], wr[0][3], wr[1][3], bx[2], bx[3]);
+                mma(acc, w0[0], w8[0], w0[1], w8[1], bx[0], bx[1]);
+                mma(acc, w0[2], w8[2], w0[3], w8[3], bx[2], bx[3]);
             }
         }
-        cur = next;
         if (job.batch + 1 < batches) continue;
 
         // End of a round: this tile's outputs.
         const int row0 = row0_of(job.round);
         if (kw == 1) {
             // The warp has the whole sum: store straight from the C fragment.
-            const float out[4] = {acc[0], acc[1], acc[2], acc[3]};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int n = 2 * t + i % 2, row = row0 + g + 8 * (i / 2);
-                if (n < ntok && row < a.rows) y[(i64)n * a.rows + row] = __float2bfloat16_rn(out[i]);
+                if (n < ntok && row < a.rows) y[(i64)n * a.rows + row] = __float2bfloat16_rn(acc[i]);
             }
         } else {
             // Sum the K-slices through shared memory: red[parity][warp][token][row], then one
             // thread per (tile, token, row). Alternating two buffers by round needs one barrier.
-            float* buf = red + (job.round / gridDim.x % 2) * blockDim.x / 32 * MAX_TOKENS * TILE_ROWS;
+            float* buf = red + (job.round / gridDim.x % 2) * warps * MAX_TOKENS * TILE_ROWS;
             float* mine = buf + warp * MAX_TOKENS * TILE_ROWS;
             mine[(2 * t) * TILE_ROWS + g] = acc[0];
             mine[(2 * t + 1) * TILE_ROWS + g] = acc[1];
@@ -336,13 +369,13 @@ __device__ void gemv(const GemvArgs& a) {
         }
         acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
     }
+    cp_async_wait<0>();  // no copy may still be writing when the block's shared memory is reused
 }
 
 }  // namespace
 
-// Blocks have at most 256 threads (gemm.rs). For Q4, the decode kernel, asking for three per SM
-// caps registers at 80 (from 99; a few bytes of spill, outside the main loop): 24 warps per SM
-// instead of 16, so more weight loads in flight.
-extern "C" __global__ void __launch_bounds__(256, 3) gemv_q4(const GemvArgs a) { gemv<Q4>(a); }
-extern "C" __global__ void gemv_q8(const GemvArgs a) { gemv<Q8>(a); }
-extern "C" __global__ void gemv_bf16(const GemvArgs a) { gemv<BF16>(a); }
+// Blocks have at most 256 threads (gemm.rs); saying so lets ptxas give each thread the registers it
+// needs (without it, ptxas plans for 1024 threads and spills).
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4(const GemvArgs a) { gemv<Q4>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8(const GemvArgs a) { gemv<Q8>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16(const GemvArgs a) { gemv<BF16>(a); }

@@ -14,8 +14,10 @@ pub const MAX_TOKENS: usize = 8;
 /// The quantisation group size: one scale and one bias per 64 columns of a row.
 pub const GROUP: usize = 64;
 const TILE_ROWS: usize = 16;
-/// Iterations whose loads a warp issues together (BATCH in gemm.cu).
+/// Iterations a warp copies into shared memory at once (BATCH in gemm.cu) ...
 const BATCH: usize = 4;
+/// ... and how many such batches each warp has in flight (STAGES in gemm.cu).
+const STAGES: usize = 4;
 
 /// The weights of a stack of `count` matrices `[rows][cols]` (one matrix: `count` = 1; the experts
 /// of a layer: `count` = 256), row-major, matrix after matrix.
@@ -84,6 +86,15 @@ impl Format {
         match self {
             Format::Q4 | Format::Q8 => 16,
             Format::Bf16 => 4,
+        }
+    }
+    /// Bytes of one batch of 16 rows in shared memory (Slot<F>::BYTES in gemm.cu): padded rows,
+    /// then the scales and biases of the quantised formats.
+    fn slot_bytes(self) -> usize {
+        match self {
+            Format::Q4 => TILE_ROWS * (128 + 32) + 2 * TILE_ROWS * 8,
+            Format::Q8 => TILE_ROWS * (256 + 64) + 2 * TILE_ROWS * 8,
+            Format::Bf16 => TILE_ROWS * (256 + 64),
         }
     }
 }
@@ -196,7 +207,8 @@ impl GemvKernels {
                 (addr(packed, stream, &mut guards), addr(scales, stream, &mut guards), addr(biases, stream, &mut guards))
             }
         };
-        ensure!(wp % 16 == 0, "gemv: weights at {wp:#x} are not 16-byte aligned");
+        // The kernel copies weights in 16-byte and scales in 8-byte pieces.
+        ensure!(wp % 16 == 0 && sp % 8 == 0 && bp % 8 == 0, "gemv: weights must be 16-byte, scales and biases 8-byte aligned");
         let xp = addr(x, stream, &mut guards);
         let idp = ids.map_or(0, |ids| addr(ids, stream, &mut guards));
         let (yp, _y) = y.device_ptr_mut(stream);
@@ -258,12 +270,10 @@ impl GemvKernels {
 /// Warps per block, at most (the Q4 kernel's launch bounds assume it).
 const MAX_WARPS: usize = 8;
 
-/// Whether `warps` warps can split the iterations of a row evenly, in whole batches for the
-/// quantised formats (whose batches load 4 groups' scales at once).
+/// Whether `warps` warps can split the iterations of a row evenly, in whole batches.
 fn splits_evenly(format: Format, cols: usize, warps: usize) -> bool {
     let iters = cols / format.cols_per_iter();
-    let unit = if format == Format::Bf16 { 1 } else { BATCH };
-    iters % (warps * unit) == 0
+    iters % (warps * BATCH) == 0
 }
 
 /// Dynamic shared memory of one block; the layout is described in gemm.cu.
@@ -273,7 +283,8 @@ fn shared_bytes(format: Format, cols: usize, ntok: usize, shape: GemvShape) -> u
     let xsum = if format == Format::Bf16 { 0 } else { cols / GROUP * MAX_TOKENS * 4 };
     let warps = shape.warps_per_tile * shape.tiles_per_block;
     let reduction = if shape.warps_per_tile > 1 { 2 * warps * MAX_TOKENS * TILE_ROWS * 4 } else { 0 };
-    staged_x + xsum + reduction
+    let ring = warps * STAGES * format.slot_bytes();
+    staged_x + xsum + reduction + ring
 }
 
 fn format_of(w: &Matrices) -> Format {
@@ -297,8 +308,8 @@ fn check_matrices(w: &Matrices) -> Result<Format> {
         ensure!(*bits == 4 || *bits == 8, "gemv: {bits}-bit weights are not supported (4 or 8)");
     }
     let format = format_of(w);
-    // Whole iterations; for the quantised formats whole batches of 4 groups (see splits_evenly).
-    let step = if format == Format::Bf16 { format.cols_per_iter() } else { BATCH * GROUP };
+    // Whole batches of iterations (see splits_evenly): 256 columns for Q4/Q8, 128 for bf16.
+    let step = BATCH * format.cols_per_iter();
     ensure!(w.cols % step == 0, "gemv: cols = {} must be a multiple of {step}", w.cols);
     let n = w.count * w.rows * w.cols;
     let words = n * format.bits() / 32;
