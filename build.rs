@@ -47,7 +47,8 @@ fn build_kernels() -> Result<(), String> {
     check_nvcc_version(&nvcc)?;
 
     let mut sources = Vec::new();
-    collect_files(&cuda_dir, &mut sources).map_err(|e| format!("reading {}: {e}", cuda_dir.display()))?;
+    collect_files(&cuda_dir, &mut sources)
+        .map_err(|e| format!("reading {}: {e}", cuda_dir.display()))?;
     sources.sort();
     for path in &sources {
         println!("cargo:rerun-if-changed={}", path.display());
@@ -65,7 +66,11 @@ fn build_kernels() -> Result<(), String> {
         .collect();
 
     // Compile in parallel, at most as many nvcc processes as cargo allows jobs.
-    let jobs: usize = env::var("NUM_JOBS").ok().and_then(|j| j.parse().ok()).unwrap_or(1).max(1);
+    let jobs: usize = env::var("NUM_JOBS")
+        .ok()
+        .and_then(|j| j.parse().ok())
+        .unwrap_or(1)
+        .max(1);
     let next = std::sync::atomic::AtomicUsize::new(0);
     let errors: Vec<String> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..jobs.min(kernels.len()))
@@ -74,8 +79,11 @@ fn build_kernels() -> Result<(), String> {
                     let mut errors = Vec::new();
                     loop {
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some((name, src)) = kernels.get(i) else { break };
-                        if let Err(e) = compile(&nvcc, &cuda_dir, src, name, &header_text, &out_dir) {
+                        let Some((name, src)) = kernels.get(i) else {
+                            break;
+                        };
+                        if let Err(e) = compile(&nvcc, &cuda_dir, src, name, &header_text, &out_dir)
+                        {
                             errors.push(e);
                         }
                     }
@@ -83,7 +91,10 @@ fn build_kernels() -> Result<(), String> {
                 })
             })
             .collect();
-        workers.into_iter().flat_map(|w| w.join().unwrap()).collect()
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect()
     });
     if !errors.is_empty() {
         return Err(errors.join("\n"));
@@ -97,7 +108,10 @@ fn build_kernels() -> Result<(), String> {
     );
     for (name, _) in &kernels {
         let cubin = out_dir.join(format!("{}.cubin", name.replace('/', "__")));
-        table.push_str(&format!("    ({name:?}, include_bytes!({:?})),\n", cubin.display().to_string()));
+        table.push_str(&format!(
+            "    ({name:?}, include_bytes!({:?})),\n",
+            cubin.display().to_string()
+        ));
     }
     table.push_str("];\n");
     fs::write(out_dir.join("cubins.rs"), table).map_err(|e| format!("writing cubins.rs: {e}"))
@@ -123,19 +137,27 @@ fn find_nvcc(manifest_dir: &Path) -> Option<PathBuf> {
             }
         }
     }
-    env::split_paths(&env::var_os("PATH")?).map(|dir| dir.join("nvcc")).find(|p| p.is_file())
+    env::split_paths(&env::var_os("PATH")?)
+        .map(|dir| dir.join("nvcc"))
+        .find(|p| p.is_file())
 }
 
 /// The kernels are pinned to CUDA 13.0 (the GPU machine's driver is 580 / CUDA 13.0). A newer nvcc's
 /// cubins still load there, so another version is a warning, not an error.
 fn check_nvcc_version(nvcc: &Path) -> Result<(), String> {
     let out = Command::new(nvcc).arg("--version").output().map_err(|e| {
-        format!("cannot run nvcc at {} ({e}). Run `scripts/setup-cuda.sh`, or fix NVCC / CUDA_HOME.", nvcc.display())
+        format!(
+            "cannot run nvcc at {} ({e}). Run `scripts/setup-cuda.sh`, or fix NVCC / CUDA_HOME.",
+            nvcc.display()
+        )
     })?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !text.contains("release 13.0") {
-        println!("cargo:warning=nvcc at {} is not CUDA 13.0 (pinned: 13.0.88): {}", nvcc.display(),
-            text.lines().last().unwrap_or(""));
+        println!(
+            "cargo:warning=nvcc at {} is not CUDA 13.0 (pinned: 13.0.88): {}",
+            nvcc.display(),
+            text.lines().last().unwrap_or("")
+        );
     }
     Ok(())
 }
@@ -143,7 +165,14 @@ fn check_nvcc_version(nvcc: &Path) -> Result<(), String> {
 /// Compiles one .cu file unless its cubin is already up to date. Cargo reruns this script when any
 /// file under src/cuda changes (a .rs edit too), so each cubin is stamped with a hash of everything
 /// that goes into it, and unchanged kernels are not recompiled.
-fn compile(nvcc: &Path, cuda_dir: &Path, src: &Path, name: &str, headers: &str, out_dir: &Path) -> Result<(), String> {
+fn compile(
+    nvcc: &Path,
+    cuda_dir: &Path,
+    src: &Path,
+    name: &str,
+    headers: &str,
+    out_dir: &Path,
+) -> Result<(), String> {
     use std::hash::{Hash, Hasher};
     let base = out_dir.join(name.replace('/', "__"));
     let cubin = base.with_extension("cubin");

@@ -36,9 +36,15 @@ struct Rng(u64);
 
 impl Rng {
     fn new(test: &str) -> Self {
-        let seed = std::env::var("LILY_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-        });
+        let seed = std::env::var("LILY_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
         println!("{test}: seed {seed}");
         Rng(seed)
     }
@@ -57,7 +63,9 @@ impl Rng {
         (self.next_u64() % n as u64) as usize
     }
     fn bf16s(&mut self, n: usize, scale: f32) -> Vec<bf16> {
-        (0..n).map(|_| bf16::from_f32(self.unit() * scale)).collect()
+        (0..n)
+            .map(|_| bf16::from_f32(self.unit() * scale))
+            .collect()
     }
     fn words(&mut self, n: usize) -> Vec<u32> {
         (0..n).map(|_| self.next_u64() as u32).collect()
@@ -68,7 +76,10 @@ fn upload<T: cudarc::driver::DeviceRepr>(stream: &Arc<CudaStream>, v: &[T]) -> C
     stream.clone_htod(v).expect("host to device copy")
 }
 
-fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(stream: &Arc<CudaStream>, v: &CudaSlice<T>) -> Vec<T> {
+fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+    stream: &Arc<CudaStream>,
+    v: &CudaSlice<T>,
+) -> Vec<T> {
     stream.clone_dtoh(v).expect("device to host copy")
 }
 
@@ -92,7 +103,10 @@ fn check(what: &str, got: &[bf16], want: &[f64], rel: f64, abs: &dyn Fn(usize) -
     let (mut worst, mut worst_at, mut diff2, mut ref2) = (0.0f64, 0usize, 0.0f64, 0.0f64);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let g = f(g);
-        assert!(g.is_finite(), "{what}: element {i} is {g} (not written, or overflow); want {w}");
+        assert!(
+            g.is_finite(),
+            "{what}: element {i} is {g} (not written, or overflow); want {w}"
+        );
         let err = (g - w).abs();
         let allowed = rel * w.abs() + abs(i);
         if err / allowed > worst {
@@ -126,10 +140,22 @@ const FP32_SLACK: f64 = 1e-5;
 fn device_opens_and_rejects_bad_specs() {
     let dev = device();
     println!("device: {}", dev.name());
-    assert!(matches!(CudaDevice::open("gpu0"), Err(CudaError::BadDeviceSpec(_))));
-    assert!(matches!(CudaDevice::open("cuda:x"), Err(CudaError::BadDeviceSpec(_))));
-    assert!(matches!(CudaDevice::open("cuda:999"), Err(CudaError::NoSuchDevice { index: 999, .. })));
-    assert!(matches!(dev.function("nope", "f"), Err(CudaError::MissingModule(_))));
+    assert!(matches!(
+        CudaDevice::open("gpu0"),
+        Err(CudaError::BadDeviceSpec(_))
+    ));
+    assert!(matches!(
+        CudaDevice::open("cuda:x"),
+        Err(CudaError::BadDeviceSpec(_))
+    ));
+    assert!(matches!(
+        CudaDevice::open("cuda:999"),
+        Err(CudaError::NoSuchDevice { index: 999, .. })
+    ));
+    assert!(matches!(
+        dev.function("nope", "f"),
+        Err(CudaError::MissingModule(_))
+    ));
     // Which libcuda/libcublas were loaded, from where (the loader path or our preload).
     if let Ok(maps) = std::fs::read_to_string("/proc/self/maps") {
         let mut libs: Vec<&str> = maps
@@ -161,7 +187,8 @@ fn rmsnorm_matches_reference() {
         let x = rng.bf16s(rows * n, scale);
         let w: Vec<f32> = (0..n).map(|_| 1.0 + 0.5 * rng.unit()).collect(); // effective 1 + w
         let (dx, dw, mut dy) = (upload(s, &x), upload(s, &w), poisoned(s, rows * n));
-        k.rmsnorm(&dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), EPS).unwrap();
+        k.rmsnorm(&dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), EPS)
+            .unwrap();
         let y = download(s, &dy);
         let mut want = Vec::with_capacity(rows * n);
         for row in x.chunks(n) {
@@ -170,7 +197,13 @@ fn rmsnorm_matches_reference() {
             want.extend(xf.iter().zip(&w).map(|(v, &wi)| v * r * wi as f64));
         }
         // Tolerance: half a bf16 ulp of the output, plus fp32 arithmetic.
-        check(&format!("rmsnorm [{rows}×{n}]"), &y, &want, HALF_ULP + FP32_SLACK, &|_| 1e-30);
+        check(
+            &format!("rmsnorm [{rows}×{n}]"),
+            &y,
+            &want,
+            HALF_ULP + FP32_SLACK,
+            &|_| 1e-30,
+        );
     }
 }
 
@@ -184,19 +217,39 @@ fn add_rmsnorm_matches_reference() {
     let h = rng.bf16s(rows * n, 8.0);
     let r = rng.bf16s(rows * n, 2.0);
     let w: Vec<f32> = (0..n).map(|_| 1.0 + 0.5 * rng.unit()).collect();
-    let (mut dh, dr, dw, mut dy) = (upload(s, &h), upload(s, &r), upload(s, &w), poisoned(s, rows * n));
-    k.add_rmsnorm(&mut dh.as_view_mut(), &dr.as_view(), &dw.as_view(), &mut dy.as_view_mut(), EPS).unwrap();
+    let (mut dh, dr, dw, mut dy) = (
+        upload(s, &h),
+        upload(s, &r),
+        upload(s, &w),
+        poisoned(s, rows * n),
+    );
+    k.add_rmsnorm(
+        &mut dh.as_view_mut(),
+        &dr.as_view(),
+        &dw.as_view(),
+        &mut dy.as_view_mut(),
+        EPS,
+    )
+    .unwrap();
     let (h_gpu, y) = (download(s, &dh), download(s, &dy));
     // h = bf16(h + r), then the norm of the rounded h.
     let h_sum: Vec<f64> = h.iter().zip(&r).map(|(&a, &b)| f(a) + f(b)).collect();
-    check("add_rmsnorm h", &h_gpu, &h_sum, HALF_ULP + FP32_SLACK, &|_| 1e-30);
+    check(
+        "add_rmsnorm h",
+        &h_gpu,
+        &h_sum,
+        HALF_ULP + FP32_SLACK,
+        &|_| 1e-30,
+    );
     let h_new: Vec<f64> = h_sum.iter().map(|&v| round_bf16(v)).collect();
     let mut want = Vec::with_capacity(rows * n);
     for row in h_new.chunks(n) {
         let inv = inv_rms(row);
         want.extend(row.iter().zip(&w).map(|(v, &wi)| v * inv * wi as f64));
     }
-    check("add_rmsnorm y", &y, &want, HALF_ULP + FP32_SLACK, &|_| 1e-30);
+    check("add_rmsnorm y", &y, &want, HALF_ULP + FP32_SLACK, &|_| {
+        1e-30
+    });
 }
 
 fn silu(v: f64) -> f64 {
@@ -213,9 +266,23 @@ fn gated_rmsnorm_matches_reference() {
     let (rows, n) = (96, 128);
     let o = rng.bf16s(rows * n, 1.0);
     let z = rng.bf16s(rows * n, 4.0);
-    let w: Vec<f32> = (0..n).map(|_| bf16::from_f32(1.0 + 0.3 * rng.unit()).to_f32()).collect();
-    let (d_o, dz, dw, mut dy) = (upload(s, &o), upload(s, &z), upload(s, &w), poisoned(s, rows * n));
-    k.gated_rmsnorm(&d_o.as_view(), &dz.as_view(), &dw.as_view(), &mut dy.as_view_mut(), EPS).unwrap();
+    let w: Vec<f32> = (0..n)
+        .map(|_| bf16::from_f32(1.0 + 0.3 * rng.unit()).to_f32())
+        .collect();
+    let (d_o, dz, dw, mut dy) = (
+        upload(s, &o),
+        upload(s, &z),
+        upload(s, &w),
+        poisoned(s, rows * n),
+    );
+    k.gated_rmsnorm(
+        &d_o.as_view(),
+        &dz.as_view(),
+        &dw.as_view(),
+        &mut dy.as_view_mut(),
+        EPS,
+    )
+    .unwrap();
     let y = download(s, &dy);
     let mut want = Vec::with_capacity(rows * n);
     for (orow, zrow) in o.chunks(n).zip(z.chunks(n)) {
@@ -231,7 +298,10 @@ fn gated_rmsnorm_matches_reference() {
     // value sits near a rounding boundary, so allow 2^-5 per element; the norm-wise error must
     // still be that of plain output rounding.
     let norm_err = check("gated_rmsnorm", &y, &want, 1.0 / 32.0, &|_| 1e-30);
-    assert!(norm_err < HALF_ULP, "gated_rmsnorm: norm-wise error {norm_err:.2e}");
+    assert!(
+        norm_err < HALF_ULP,
+        "gated_rmsnorm: norm-wise error {norm_err:.2e}"
+    );
 }
 
 #[test]
@@ -244,10 +314,20 @@ fn silu_mul_matches_reference() {
     for (rows, n) in [(8, 512), (1, 512)] {
         let gu = rng.bf16s(rows * 2 * n, 6.0);
         let (dgu, mut dout) = (upload(s, &gu), poisoned(s, rows * n));
-        k.silu_mul(&dgu.as_view(), &mut dout.as_view_mut(), n).unwrap();
+        k.silu_mul(&dgu.as_view(), &mut dout.as_view_mut(), n)
+            .unwrap();
         let out = download(s, &dout);
-        let want: Vec<f64> = gu.chunks(2 * n).flat_map(|r| (0..n).map(move |i| silu(f(r[i])) * f(r[n + i]))).collect();
-        check(&format!("silu_mul [{rows}×{n}]"), &out, &want, HALF_ULP + FP32_SLACK, &|_| 1e-30);
+        let want: Vec<f64> = gu
+            .chunks(2 * n)
+            .flat_map(|r| (0..n).map(move |i| silu(f(r[i])) * f(r[n + i])))
+            .collect();
+        check(
+            &format!("silu_mul [{rows}×{n}]"),
+            &out,
+            &want,
+            HALF_ULP + FP32_SLACK,
+            &|_| 1e-30,
+        );
     }
 }
 
@@ -273,17 +353,36 @@ impl HostMatrices {
         let n = count * rows * cols;
         if bits == 16 {
             let dense = rng.bf16s(n, 0.08);
-            return Self { bits, count, rows, cols, packed: vec![], scales: vec![], biases: vec![], dense };
+            return Self {
+                bits,
+                count,
+                rows,
+                cols,
+                packed: vec![],
+                scales: vec![],
+                biases: vec![],
+                dense,
+            };
         }
         let levels = ((1u32 << bits) - 1) as f32;
         let packed = rng.words(n * bits as usize / 32);
-        let (mut scales, mut biases) = (Vec::with_capacity(n / GROUP), Vec::with_capacity(n / GROUP));
+        let (mut scales, mut biases) =
+            (Vec::with_capacity(n / GROUP), Vec::with_capacity(n / GROUP));
         for _ in 0..n / GROUP {
             let s = 0.15 / levels * (1.0 + 0.5 * rng.unit());
             scales.push(bf16::from_f32(s));
             biases.push(bf16::from_f32(-s * levels / 2.0 * (1.0 + 0.2 * rng.unit())));
         }
-        Self { bits, count, rows, cols, packed, scales, biases, dense: vec![] }
+        Self {
+            bits,
+            count,
+            rows,
+            cols,
+            packed,
+            scales,
+            biases,
+            dense: vec![],
+        }
     }
 
     /// W[m][r][c] as f64, and the bf16 offset the quantised kernel adds to q before its fp32 sums
@@ -378,12 +477,21 @@ impl DeviceMatrices {
                 biases: self.biases.as_ref().unwrap().as_view(),
             },
         };
-        Matrices { data, count: self.count, rows: self.rows, cols: self.cols }
+        Matrices {
+            data,
+            count: self.count,
+            rows: self.rows,
+            cols: self.cols,
+        }
     }
 
     /// Bytes of weights (and scales, biases) one matrix of the stack occupies.
     fn matrix_bytes(&self) -> usize {
-        let quant = if self.bits == 16 { 0 } else { 4 * self.rows * self.cols / GROUP };
+        let quant = if self.bits == 16 {
+            0
+        } else {
+            4 * self.rows * self.cols / GROUP
+        };
         self.rows * self.cols * self.bits as usize / 8 + quant
     }
 }
@@ -400,7 +508,10 @@ fn format_name(bits: u32) -> &'static str {
 /// (from HostMatrices::gemv), and norm-wise within half an ulp.
 fn check_gemv(what: &str, got: &[bf16], want: &[f64], tol: &[f64]) {
     let norm_err = check(what, got, want, HALF_ULP, &|i| tol[i]);
-    assert!(norm_err < HALF_ULP, "{what}: norm-wise error {norm_err:.2e}");
+    assert!(
+        norm_err < HALF_ULP,
+        "{what}: norm-wise error {norm_err:.2e}"
+    );
 }
 
 #[test]
@@ -434,7 +545,8 @@ fn gemv_matches_reference() {
         let m = DeviceMatrices::upload(s, &h);
         let x = rng.bf16s(ntok * cols, 1.0);
         let (dx, mut dy) = (upload(s, &x), poisoned(s, ntok * rows));
-        k.gemv(&m.view(), &dx.as_view(), &mut dy.as_view_mut()).unwrap();
+        k.gemv(&m.view(), &dx.as_view(), &mut dy.as_view_mut())
+            .unwrap();
         let y = download(s, &dy);
         let (want, tol) = h.gemv(0, &x, ntok);
         check_gemv(&what, &y, &want, &tol);
@@ -459,16 +571,30 @@ fn gemv_expert_slots_match_reference() {
     println!("expert ids {ids:?}");
     let dids = upload(s, &ids);
     for (rows, cols, x_per_slot) in [(1024, 2048, false), (2048, 512, true)] {
-        let what = format!("gemv Q4 experts [{rows}×{cols}] ×{slots} slots, x per slot: {x_per_slot}");
+        let what =
+            format!("gemv Q4 experts [{rows}×{cols}] ×{slots} slots, x per slot: {x_per_slot}");
         let h = HostMatrices::random(&mut rng, 4, experts, rows, cols);
         let m = DeviceMatrices::upload(s, &h);
         let x = rng.bf16s(if x_per_slot { slots } else { 1 } * cols, 1.0);
         let (dx, mut dy) = (upload(s, &x), poisoned(s, slots * rows));
-        k.gemv_slots(&m.view(), Some(&dids.as_view()), slots, &dx.as_view(), x_per_slot, 1, &mut dy.as_view_mut()).unwrap();
+        k.gemv_slots(
+            &m.view(),
+            Some(&dids.as_view()),
+            slots,
+            &dx.as_view(),
+            x_per_slot,
+            1,
+            &mut dy.as_view_mut(),
+        )
+        .unwrap();
         let y = download(s, &dy);
         let (mut want, mut tol) = (Vec::new(), Vec::new());
         for (slot, &id) in ids.iter().enumerate() {
-            let xs = if x_per_slot { &x[slot * cols..(slot + 1) * cols] } else { &x[..] };
+            let xs = if x_per_slot {
+                &x[slot * cols..(slot + 1) * cols]
+            } else {
+                &x[..]
+            };
             let (w, t) = h.gemv(id as usize, xs, 1);
             want.extend(w);
             tol.extend(t);
@@ -488,12 +614,21 @@ fn gemv_rejects_bad_shapes() {
     let x = upload(s, &rng.bf16s(9 * 2048, 1.0));
     let mut y = poisoned(s, 9 * 64);
     // 9 tokens: more than one launch takes.
-    assert!(matches!(k.gemv(&m.view(), &x.as_view(), &mut y.as_view_mut()), Err(CudaError::Shape(_))));
+    assert!(matches!(
+        k.gemv(&m.view(), &x.as_view(), &mut y.as_view_mut()),
+        Err(CudaError::Shape(_))
+    ));
     // x not a whole number of rows.
-    assert!(matches!(k.gemv(&m.view(), &x.slice(..2047), &mut y.as_view_mut()), Err(CudaError::Shape(_))));
+    assert!(matches!(
+        k.gemv(&m.view(), &x.slice(..2047), &mut y.as_view_mut()),
+        Err(CudaError::Shape(_))
+    ));
     // A misaligned view.
     let mut y1 = poisoned(s, 64);
-    assert!(matches!(k.gemv(&m.view(), &x.slice(1..2049), &mut y1.as_view_mut()), Err(CudaError::Shape(_))));
+    assert!(matches!(
+        k.gemv(&m.view(), &x.slice(1..2049), &mut y1.as_view_mut()),
+        Err(CudaError::Shape(_))
+    ));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -502,7 +637,11 @@ fn gemv_rejects_bad_shapes() {
 /// Median milliseconds per launch of `launch`, run `reps` times between two events, 5 samples.
 fn time_ms(dev: &CudaDevice, reps: usize, launch: &mut dyn FnMut(usize)) -> f64 {
     let s = dev.stream();
-    let ev = || dev.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    let ev = || {
+        dev.context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap()
+    };
     let (start, end) = (ev(), ev());
     for i in 0..reps {
         launch(i); // warm-up
@@ -525,11 +664,15 @@ fn time_ms(dev: &CudaDevice, reps: usize, launch: &mut dyn FnMut(usize)) -> f64 
 /// median milliseconds per launch.
 fn time_graph_ms(dev: &CudaDevice, reps: usize, launch: &mut dyn FnMut(usize)) -> f64 {
     let s = dev.stream();
-    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
     for i in 0..reps {
         launch(i);
     }
-    let graph = s.end_capture(sys::CUgraphInstantiate_flags(0)).unwrap().expect("captured graph");
+    let graph = s
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
     time_ms(dev, 1, &mut |_| graph.launch().unwrap()) / reps as f64
 }
 
@@ -545,7 +688,10 @@ fn gemv_bandwidth() {
         let src = s.alloc_zeros::<u16>(n).unwrap();
         let mut dst = s.alloc_zeros::<u16>(n).unwrap();
         let ms = time_ms(&dev, 4, &mut |_| s.memcpy_dtod(&src, &mut dst).unwrap());
-        println!("device-to-device copy: {:.0} GB/s (read + written)", 4.0 * n as f64 / (ms * 1e-3) / 1e9);
+        println!(
+            "device-to-device copy: {:.0} GB/s (read + written)",
+            4.0 * n as f64 / (ms * 1e-3) / 1e9
+        );
     }
     // Each case cycles through enough different weights (≥ 300 MB, most ≥ 500 MB, against a
     // 60 MB L2) that launches read their weights from HBM. (bits, matrices in the stack, rows,
@@ -561,8 +707,8 @@ fn gemv_bandwidth() {
         ("bf16 [8192×2048]", 16, 16, 8192, 2048, 1, 1),
     ];
     println!(
-        "\n{:<24} {:>9} {:>11} {:>10} {:>7} {:>10} {:>7}   {}",
-        "GEMV", "MB/launch", "shape", "µs stream", "GB/s", "µs graph", "GB/s", "best other shape (graph)"
+        "\n{:<24} {:>9} {:>11} {:>10} {:>7} {:>10} {:>7}   best other shape (graph)",
+        "GEMV", "MB/launch", "shape", "µs stream", "GB/s", "µs graph", "GB/s"
     );
     for &(name, bits, count, rows, cols, slots, ntok) in cases {
         // One random matrix, copied to fill the stack (the copies sit at different addresses,
@@ -579,10 +725,18 @@ fn gemv_bandwidth() {
         let m = DeviceMatrices::upload(s, &stack);
         drop(stack);
         let x_per_slot = name.contains("down");
-        let xs = upload(s, &rng.bf16s(if x_per_slot { slots } else { 1 } * ntok * cols, 1.0));
+        let xs = upload(
+            s,
+            &rng.bf16s(if x_per_slot { slots } else { 1 } * ntok * cols, 1.0),
+        );
         let mut y = poisoned(s, slots * ntok * rows);
         // Launch i uses matrices (i·slots .. i·slots + slots) mod count: distinct until the stack wraps.
-        let ids = upload(s, &(0..count * slots).map(|i| (i % count) as i32).collect::<Vec<_>>());
+        let ids = upload(
+            s,
+            &(0..count * slots)
+                .map(|i| (i % count) as i32)
+                .collect::<Vec<_>>(),
+        );
         let sets = count.div_ceil(slots);
         let reps = sets.max(32);
         let bytes = (slots * m.matrix_bytes() + 2 * slots * ntok * (cols + rows)) as f64;
@@ -593,23 +747,51 @@ fn gemv_bandwidth() {
             let mut launch = |i: usize| {
                 let set = (i % sets) * slots;
                 if slots == 1 {
-                    k.gemv_slots_shaped(&sub_matrix(&m, set), None, 1, &xs.as_view(), false, ntok, &mut y.as_view_mut(), shape)
+                    k.gemv_slots_shaped(
+                        &sub_matrix(&m, set),
+                        None,
+                        1,
+                        &xs.as_view(),
+                        false,
+                        ntok,
+                        &mut y.as_view_mut(),
+                        shape,
+                    )
                 } else {
                     let id = ids.slice(set..set + slots);
-                    k.gemv_slots_shaped(&view, Some(&id), slots, &xs.as_view(), x_per_slot, ntok, &mut y.as_view_mut(), shape)
+                    k.gemv_slots_shaped(
+                        &view,
+                        Some(&id),
+                        slots,
+                        &xs.as_view(),
+                        x_per_slot,
+                        ntok,
+                        &mut y.as_view_mut(),
+                        shape,
+                    )
                 }
             };
             launch(0).ok()?;
             let mut launch = |i: usize| launch(i).unwrap();
-            Some((time_ms(&dev, reps, &mut launch), time_graph_ms(&dev, reps, &mut launch)))
+            Some((
+                time_ms(&dev, reps, &mut launch),
+                time_graph_ms(&dev, reps, &mut launch),
+            ))
         };
         let default = k.shape(&view, slots);
         let (t_stream, t_graph) = time(default).expect("the default shape launches");
         // Other launch shapes, to tune the default by: K-split halved or doubled, 1..8 tiles a block.
         let mut best: Option<(GemvShape, f64)> = None;
-        for kw in [default.warps_per_tile / 2, default.warps_per_tile, default.warps_per_tile * 2] {
+        for kw in [
+            default.warps_per_tile / 2,
+            default.warps_per_tile,
+            default.warps_per_tile * 2,
+        ] {
             for tb in [1, 2, 4, 8] {
-                let shape = GemvShape { warps_per_tile: kw, tiles_per_block: tb };
+                let shape = GemvShape {
+                    warps_per_tile: kw,
+                    tiles_per_block: tb,
+                };
                 if kw == 0 || shape == default {
                     continue;
                 }
@@ -621,7 +803,9 @@ fn gemv_bandwidth() {
             }
         }
         let shape_str = |s: GemvShape| format!("{}k×{}t", s.warps_per_tile, s.tiles_per_block);
-        let other = best.map_or(String::new(), |(sh, t)| format!("{} {:.2} µs {:.0} GB/s", shape_str(sh), t * 1e3, gbs(t)));
+        let other = best.map_or(String::new(), |(sh, t)| {
+            format!("{} {:.2} µs {:.0} GB/s", shape_str(sh), t * 1e3, gbs(t))
+        });
         println!(
             "{name:<24} {:>9.2} {:>11} {:>10.2} {:>7.0} {:>10.2} {:>7.0}   {other}",
             bytes / 1e6,
@@ -647,10 +831,23 @@ fn sub_matrix(m: &DeviceMatrices, i: usize) -> Matrices<'_> {
             WeightData::Affine {
                 bits: m.bits,
                 packed: m.packed.as_ref().unwrap().slice(i * words..(i + 1) * words),
-                scales: m.scales.as_ref().unwrap().slice(i * groups..(i + 1) * groups),
-                biases: m.biases.as_ref().unwrap().slice(i * groups..(i + 1) * groups),
+                scales: m
+                    .scales
+                    .as_ref()
+                    .unwrap()
+                    .slice(i * groups..(i + 1) * groups),
+                biases: m
+                    .biases
+                    .as_ref()
+                    .unwrap()
+                    .slice(i * groups..(i + 1) * groups),
             }
         }
     };
-    Matrices { data, count: 1, rows, cols }
+    Matrices {
+        data,
+        count: 1,
+        rows,
+        cols,
+    }
 }

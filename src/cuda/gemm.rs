@@ -7,7 +7,10 @@ use std::sync::Arc;
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
 use half::bf16;
 
-use super::{as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaStream, CudaView, CudaViewMut, Result};
+use super::{
+    as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaStream,
+    CudaView, CudaViewMut, Result,
+};
 
 /// Tokens one launch can take: the mma's N.
 pub const MAX_TOKENS: usize = 8;
@@ -26,9 +29,15 @@ pub enum WeightData<'a> {
     /// MLX affine quantisation: `W[r][c] = scales[r][c/64] · q + biases[r][c/64]`. `packed` is
     /// `[count][rows][cols·bits/32]` uint32, element `c` of a word in bits `bits·c ..` (lowest first);
     /// scales and biases are `[count][rows][cols/64]`.
-    Affine { bits: u32, packed: CudaView<'a, u32>, scales: CudaView<'a, bf16>, biases: CudaView<'a, bf16> },
+    Affine {
+        bits: u32,
+        packed: CudaView<'a, u32>,
+        scales: CudaView<'a, bf16>,
+        biases: CudaView<'a, bf16>,
+    },
 }
 
+/// A stack of matrices as the kernels take it: weights plus their shape.
 pub struct Matrices<'a> {
     pub data: WeightData<'a>,
     pub count: usize,
@@ -120,22 +129,38 @@ impl GemvKernels {
     pub fn load(dev: &CudaDevice) -> Result<Self> {
         let max_shared = dev.max_shared_memory_per_block()?;
         let sm_attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
-        let sm_count = dev.context().attribute(sm_attr).during(|| "multiprocessor count".into())? as usize;
+        let sm_count = dev
+            .context()
+            .attribute(sm_attr)
+            .during(|| "multiprocessor count".into())? as usize;
         let load = |name: &str| -> Result<CudaFunction> {
             let f = dev.function("gemm", name)?;
-            // Opt in to more than the default 48 KB of dynamic shared memory: 8 tokens of a long
-            // x need it. Launches that ask for less are not affected.
+            // Opt in to more than the default 48 KB of dynamic shared memory: the warps' copy
+            // rings take 90-170 KB. The limit only caps what a launch may ask for.
             let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            f.set_attribute(attr, max_shared as i32).during(|| format!("shared memory limit of {name}"))?;
+            f.set_attribute(attr, max_shared as i32)
+                .during(|| format!("shared memory limit of {name}"))?;
             Ok(f)
         };
-        Ok(Self { stream: dev.stream().clone(), q4: load("gemv_q4")?, q8: load("gemv_q8")?, bf16: load("gemv_bf16")?, max_shared, sm_count })
+        Ok(Self {
+            stream: dev.stream().clone(),
+            q4: load("gemv_q4")?,
+            q8: load("gemv_q8")?,
+            bf16: load("gemv_bf16")?,
+            max_shared,
+            sm_count,
+        })
     }
 
     /// `y = W · x` for matrix 0 of `w` and `ntok = x.len() / cols` tokens (1..=8): x is
     /// `[ntok][cols]`, y is `[ntok][rows]`.
     pub fn gemv(&self, w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>) -> Result<()> {
-        ensure!(w.cols > 0 && x.len() % w.cols == 0, "gemv: x has {} values, not whole rows of {}", x.len(), w.cols);
+        ensure!(
+            w.cols > 0 && x.len() % w.cols == 0,
+            "gemv: x has {} values, not whole rows of {}",
+            x.len(),
+            w.cols
+        );
         self.gemv_slots(w, None, 1, x, false, x.len() / w.cols, y)
     }
 
@@ -173,20 +198,50 @@ impl GemvKernels {
         shape: GemvShape,
     ) -> Result<()> {
         let format = check_matrices(w)?;
-        let GemvShape { warps_per_tile, tiles_per_block } = shape;
+        let GemvShape {
+            warps_per_tile,
+            tiles_per_block,
+        } = shape;
         ensure!(
-            warps_per_tile >= 1 && tiles_per_block >= 1 && warps_per_tile * tiles_per_block <= MAX_WARPS,
+            warps_per_tile >= 1
+                && tiles_per_block >= 1
+                && warps_per_tile * tiles_per_block <= MAX_WARPS,
             "gemv: launch shape {shape:?} needs 1..={MAX_WARPS} warps per block"
         );
-        ensure!(splits_evenly(format, w.cols, warps_per_tile), "gemv: {warps_per_tile} warps cannot split cols = {} evenly", w.cols);
-        ensure!((1..=MAX_TOKENS).contains(&ntok), "gemv: {ntok} tokens; one launch takes 1..={MAX_TOKENS}");
+        ensure!(
+            splits_evenly(format, w.cols, warps_per_tile),
+            "gemv: {warps_per_tile} warps cannot split cols = {} evenly",
+            w.cols
+        );
+        ensure!(
+            (1..=MAX_TOKENS).contains(&ntok),
+            "gemv: {ntok} tokens; one launch takes 1..={MAX_TOKENS}"
+        );
         ensure!(slots > 0, "gemv: no slots");
         let x_slots = if x_per_slot { slots } else { 1 };
-        ensure!(x.len() == x_slots * ntok * w.cols, "gemv: x has {} values, expected {x_slots}×{ntok}×{}", x.len(), w.cols);
-        ensure!(y.len() == slots * ntok * w.rows, "gemv: y has {} values, expected {slots}×{ntok}×{}", y.len(), w.rows);
+        ensure!(
+            x.len() == x_slots * ntok * w.cols,
+            "gemv: x has {} values, expected {x_slots}×{ntok}×{}",
+            x.len(),
+            w.cols
+        );
+        ensure!(
+            y.len() == slots * ntok * w.rows,
+            "gemv: y has {} values, expected {slots}×{ntok}×{}",
+            y.len(),
+            w.rows
+        );
         match ids {
-            Some(ids) => ensure!(ids.len() >= slots, "gemv: {} ids for {slots} slots", ids.len()),
-            None => ensure!(slots <= w.count, "gemv: {slots} slots but only {} matrices", w.count),
+            Some(ids) => ensure!(
+                ids.len() >= slots,
+                "gemv: {} ids for {slots} slots",
+                ids.len()
+            ),
+            None => ensure!(
+                slots <= w.count,
+                "gemv: {slots} slots but only {} matrices",
+                w.count
+            ),
         }
         ensure_aligned(x, &self.stream, "gemv x")?;
         ensure_aligned(y, &self.stream, "gemv y")?;
@@ -203,12 +258,22 @@ impl GemvKernels {
         let mut guards = Vec::new();
         let (wp, sp, bp) = match &w.data {
             WeightData::Bf16(v) => (addr(v, stream, &mut guards), 0, 0),
-            WeightData::Affine { packed, scales, biases, .. } => {
-                (addr(packed, stream, &mut guards), addr(scales, stream, &mut guards), addr(biases, stream, &mut guards))
-            }
+            WeightData::Affine {
+                packed,
+                scales,
+                biases,
+                ..
+            } => (
+                addr(packed, stream, &mut guards),
+                addr(scales, stream, &mut guards),
+                addr(biases, stream, &mut guards),
+            ),
         };
         // The kernel copies weights in 16-byte and scales in 8-byte pieces.
-        ensure!(wp % 16 == 0 && sp % 8 == 0 && bp % 8 == 0, "gemv: weights must be 16-byte, scales and biases 8-byte aligned");
+        ensure!(
+            wp % 16 == 0 && sp % 8 == 0 && bp % 8 == 0,
+            "gemv: weights must be 16-byte, scales and biases 8-byte aligned"
+        );
         let xp = addr(x, stream, &mut guards);
         let idp = ids.map_or(0, |ids| addr(ids, stream, &mut guards));
         let (yp, _y) = y.device_ptr_mut(stream);
@@ -220,7 +285,11 @@ impl GemvKernels {
             y: yp,
             ids: idp,
             w_mat_words: (w.rows * w.cols * format.bits() / 32) as i64,
-            x_slot_stride: if x_per_slot { (ntok * w.cols) as i64 } else { 0 },
+            x_slot_stride: if x_per_slot {
+                (ntok * w.cols) as i64
+            } else {
+                0
+            },
             rows: as_i32(w.rows, "rows")?,
             cols: as_i32(w.cols, "cols")?,
             ntok: ntok as i32,
@@ -263,7 +332,10 @@ impl GemvKernels {
         {
             warps_per_tile *= 2;
         }
-        GemvShape { warps_per_tile, tiles_per_block: MAX_WARPS / warps_per_tile }
+        GemvShape {
+            warps_per_tile,
+            tiles_per_block: MAX_WARPS / warps_per_tile,
+        }
     }
 }
 
@@ -280,9 +352,17 @@ fn splits_evenly(format: Format, cols: usize, warps: usize) -> bool {
 fn shared_bytes(format: Format, cols: usize, ntok: usize, shape: GemvShape) -> usize {
     let words_per_row = cols * format.bits() / 32;
     let staged_x = ntok * (words_per_row * format.stage_bytes_per_word() + 16);
-    let xsum = if format == Format::Bf16 { 0 } else { cols / GROUP * MAX_TOKENS * 4 };
+    let xsum = if format == Format::Bf16 {
+        0
+    } else {
+        cols / GROUP * MAX_TOKENS * 4
+    };
     let warps = shape.warps_per_tile * shape.tiles_per_block;
-    let reduction = if shape.warps_per_tile > 1 { 2 * warps * MAX_TOKENS * TILE_ROWS * 4 } else { 0 };
+    let reduction = if shape.warps_per_tile > 1 {
+        2 * warps * MAX_TOKENS * TILE_ROWS * 4
+    } else {
+        0
+    };
     let ring = warps * STAGES * format.slot_bytes();
     staged_x + xsum + reduction + ring
 }
@@ -295,7 +375,11 @@ fn format_of(w: &Matrices) -> Format {
     }
 }
 
-fn addr<'a, T>(v: &'a CudaView<'_, T>, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+fn addr<'a, T>(
+    v: &'a CudaView<'_, T>,
+    stream: &'a CudaStream,
+    guards: &mut Vec<SyncOnDrop<'a>>,
+) -> u64 {
     let (ptr, guard) = v.device_ptr(stream);
     guards.push(guard);
     ptr
@@ -305,20 +389,43 @@ fn addr<'a, T>(v: &'a CudaView<'_, T>, stream: &'a CudaStream, guards: &mut Vec<
 fn check_matrices(w: &Matrices) -> Result<Format> {
     ensure!(w.count > 0 && w.rows > 0, "gemv: empty matrix stack");
     if let WeightData::Affine { bits, .. } = &w.data {
-        ensure!(*bits == 4 || *bits == 8, "gemv: {bits}-bit weights are not supported (4 or 8)");
+        ensure!(
+            *bits == 4 || *bits == 8,
+            "gemv: {bits}-bit weights are not supported (4 or 8)"
+        );
     }
     let format = format_of(w);
     // Whole batches of iterations (see splits_evenly): 256 columns for Q4/Q8, 128 for bf16.
     let step = BATCH * format.cols_per_iter();
-    ensure!(w.cols % step == 0, "gemv: cols = {} must be a multiple of {step}", w.cols);
+    ensure!(
+        w.cols % step == 0,
+        "gemv: cols = {} must be a multiple of {step}",
+        w.cols
+    );
     let n = w.count * w.rows * w.cols;
     let words = n * format.bits() / 32;
     match &w.data {
-        WeightData::Bf16(v) => ensure!(v.len() == n, "gemv: bf16 weights have {} values, expected {n}", v.len()),
-        WeightData::Affine { packed, scales, biases, .. } => {
-            ensure!(packed.len() == words, "gemv: packed weights have {} words, expected {words}", packed.len());
+        WeightData::Bf16(v) => ensure!(
+            v.len() == n,
+            "gemv: bf16 weights have {} values, expected {n}",
+            v.len()
+        ),
+        WeightData::Affine {
+            packed,
+            scales,
+            biases,
+            ..
+        } => {
+            ensure!(
+                packed.len() == words,
+                "gemv: packed weights have {} words, expected {words}",
+                packed.len()
+            );
             let groups = n / GROUP;
-            ensure!(scales.len() == groups && biases.len() == groups, "gemv: scales/biases need {groups} values each");
+            ensure!(
+                scales.len() == groups && biases.len() == groups,
+                "gemv: scales/biases need {groups} values each"
+            );
         }
     }
     Ok(format)
