@@ -2,6 +2,12 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
+mod generate;
+mod inspect;
+mod quantize;
+mod synth;
+
 #[derive(Parser)]
 #[command(name = "lily", version, about = "Inference engine for Qwen3.6-35B-A3B")]
 pub struct Cli {
@@ -11,9 +17,24 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
+    /// Measure prefill and decode speed over a sweep of contexts.
+    Bench(bench::BenchArgs),
+    /// Generate tokens from a prompt.
+    Generate(generate::GenerateArgs),
+    /// Show a checkpoint's configuration, formats, parameter counts and memory needs.
+    Inspect(inspect::InspectArgs),
+    /// Quantise a Hugging Face checkpoint into an MLX one (affine, as mlx_lm.convert -q).
+    Quantize(quantize::QuantizeArgs),
+    /// Write a random-weight checkpoint in the official layout.
+    Synth(synth::SynthArgs),
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Bench(a) => bench::run(a),
+        Command::Generate(a) => generate::run(a),
+        Command::Inspect(a) => inspect::run(a),
+        Command::Quantize(a) => quantize::run(a),
+        Command::Synth(a) => synth::run(a),
     }
 }

@@ -6,6 +6,7 @@
 //! so a build without a GPU runs everywhere and reports a clear error when asked for a device.
 //! The kernels are sm_90a cubins compiled by build.rs and embedded in the binary.
 
+pub mod attention;
 pub mod gemm;
 pub mod norm;
 

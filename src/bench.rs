@@ -1,0 +1,177 @@
+//! The benchmark sweep (the protocol of Perplexity's Lily): batch 1, prompt length = context,
+//! a warm-up, then per round one measured prefill followed by N greedy decode steps; the median
+//! of the rounds is reported. Works on any [`Backend`].
+
+use std::time::Instant;
+
+use crate::model::{Backend, SeqId};
+
+/// The contexts of the standard sweep.
+pub const CONTEXTS: [usize; 10] = [
+    256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072,
+];
+
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    pub contexts: Vec<usize>,
+    pub decode_steps: usize,
+    pub rounds: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchPoint {
+    pub context: usize,
+    /// Seconds for the whole prompt (median over rounds).
+    pub prefill_s: f64,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    /// Peak device memory seen during the point, when the backend can tell.
+    pub peak_memory_bytes: Option<u64>,
+}
+
+/// Deterministic pseudo-random prompt ids below `vocab` (never a run of one id).
+pub fn synthetic_prompt(len: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab.min(200_000) as u64) as u32
+        })
+        .collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// One prefill of `context` tokens and `steps` decode steps; returns (prefill s, decode s).
+fn one_round(
+    backend: &mut dyn Backend,
+    seq: SeqId,
+    context: usize,
+    steps: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let vocab = backend.config().vocab_size;
+    let prompt = synthetic_prompt(context, vocab, context as u64);
+    backend.create_sequence(seq)?;
+    let t0 = Instant::now();
+    let mut next = backend.forward_greedy(seq, &prompt)?;
+    let prefill = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    for _ in 0..steps {
+        next = backend.forward_greedy(seq, &[next])?;
+    }
+    let decode = t1.elapsed().as_secs_f64();
+    backend.free_sequence(seq);
+    Ok((prefill, decode))
+}
+
+/// Runs the sweep, calling `report` after each point.
+pub fn sweep(
+    backend: &mut dyn Backend,
+    options: &BenchOptions,
+    mut report: impl FnMut(&BenchPoint),
+) -> anyhow::Result<Vec<BenchPoint>> {
+    anyhow::ensure!(options.rounds >= 1, "at least one round");
+    let mut seq: SeqId = 1 << 40;
+    // Warm-up: module loading, allocations, graph capture stay out of the numbers.
+    one_round(
+        backend,
+        seq,
+        options.contexts.first().copied().unwrap_or(256).min(1024),
+        options.decode_steps.min(8),
+    )?;
+    let mut points = Vec::new();
+    for &context in &options.contexts {
+        backend.reset_peak_memory();
+        let mut prefills = Vec::new();
+        let mut decodes = Vec::new();
+        for _ in 0..options.rounds {
+            seq += 1;
+            let (p, d) = one_round(backend, seq, context, options.decode_steps)?;
+            prefills.push(p);
+            decodes.push(d);
+        }
+        let prefill_s = median(prefills);
+        let decode_s = median(decodes);
+        let point = BenchPoint {
+            context,
+            prefill_s,
+            prefill_tok_s: context as f64 / prefill_s,
+            decode_tok_s: options.decode_steps as f64 / decode_s,
+            peak_memory_bytes: backend.peak_memory(),
+        };
+        report(&point);
+        points.push(point);
+    }
+    Ok(points)
+}
+
+pub fn to_csv(points: &[BenchPoint]) -> String {
+    let mut s = String::from("context,prefill_s,prefill_tok_s,decode_tok_s,peak_memory_bytes\n");
+    for p in points {
+        s += &format!(
+            "{},{:.6},{:.1},{:.1},{}\n",
+            p.context,
+            p.prefill_s,
+            p.prefill_tok_s,
+            p.decode_tok_s,
+            p.peak_memory_bytes
+                .map(|b| b.to_string())
+                .unwrap_or_default()
+        );
+    }
+    s
+}
+
+pub fn to_markdown(points: &[BenchPoint]) -> String {
+    let mut s = String::from("| context | prefill tok/s | decode tok/s | TTFT (s) | peak memory (GB) |\n|---:|---:|---:|---:|---:|\n");
+    for p in points {
+        s += &format!(
+            "| {} | {:.0} | {:.1} | {:.3} | {} |\n",
+            p.context,
+            p.prefill_tok_s,
+            p.decode_tok_s,
+            p.prefill_s,
+            p.peak_memory_bytes
+                .map(|b| format!("{:.2}", b as f64 / 1e9))
+                .unwrap_or_else(|| "–".into())
+        );
+    }
+    s
+}
+
+/// A PNG chart of `what` ("prefill" or "decode") tok/s against context for several engines.
+pub fn to_png(engines: &[(String, Vec<BenchPoint>)], what: &str) -> Vec<u8> {
+    use crate::plot::{Chart, Series, PALETTE};
+    let series = |f: fn(&BenchPoint) -> f64| -> Vec<Series> {
+        engines
+            .iter()
+            .enumerate()
+            .map(|(i, (name, pts))| Series {
+                name: name.clone(),
+                color: PALETTE[i % PALETTE.len()],
+                points: pts.iter().map(|p| (p.context as f64, f(p))).collect(),
+            })
+            .collect()
+    };
+    let (title, series) = match what {
+        "prefill" => ("Prefill, batch 1", series(|p| p.prefill_tok_s)),
+        _ => ("Decode, batch 1", series(|p| p.decode_tok_s)),
+    };
+    Chart {
+        title: title.into(),
+        x_label: "context (tokens)".into(),
+        y_label: "tok/s".into(),
+        series,
+    }
+    .to_png()
+}

@@ -1,0 +1,58 @@
+//! The sparse MoE block (MODEL.md §3.7): softmax router over all experts, top-k, renormalised
+//! weights, SwiGLU experts, plus the always-on shared expert behind a sigmoid gate.
+
+use super::ops::{matmul, sigmoid, silu, softmax, top_k};
+use crate::config::ModelConfig;
+use crate::model::weights::{FeedForward, MoeWeights};
+
+/// `t` normalised rows in, `t` rows of MoE output out (accumulated in f32).
+pub fn forward(c: &ModelConfig, w: &MoeWeights, x: &[f32], t: usize) -> Vec<f32> {
+    let h = c.hidden_size;
+    let mut logits = matmul(&w.router, x, t);
+    // Tokens routed to each expert, with their weights.
+    let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); c.num_experts];
+    for s in 0..t {
+        let p = &mut logits[s * c.num_experts..(s + 1) * c.num_experts];
+        softmax(p);
+        let top = top_k(p, c.num_experts_per_tok);
+        let sum: f32 = top.iter().map(|&e| p[e]).sum();
+        for e in top {
+            routed[e].push((s, p[e] / sum));
+        }
+    }
+    let mut y = vec![0f32; t * h];
+    for (e, tokens) in routed.iter().enumerate() {
+        if tokens.is_empty() {
+            continue;
+        }
+        let xs: Vec<f32> = tokens
+            .iter()
+            .flat_map(|&(s, _)| x[s * h..(s + 1) * h].iter().copied())
+            .collect();
+        let out = swiglu(&w.experts[e], &xs, tokens.len());
+        for (i, &(s, weight)) in tokens.iter().enumerate() {
+            y[s * h..(s + 1) * h]
+                .iter_mut()
+                .zip(&out[i * h..(i + 1) * h])
+                .for_each(|(y, o)| *y += weight * o);
+        }
+    }
+    let shared = swiglu(&w.shared_expert, x, t);
+    let gate = matmul(&w.shared_expert_gate, x, t);
+    for s in 0..t {
+        let g = sigmoid(gate[s]);
+        y[s * h..(s + 1) * h]
+            .iter_mut()
+            .zip(&shared[s * h..(s + 1) * h])
+            .for_each(|(y, o)| *y += g * o);
+    }
+    y
+}
+
+/// `down · (silu(gate · x) ⊙ (up · x))` for `t` rows.
+pub fn swiglu(f: &FeedForward, x: &[f32], t: usize) -> Vec<f32> {
+    let g = matmul(&f.gate, x, t);
+    let u = matmul(&f.up, x, t);
+    let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect();
+    matmul(&f.down, &act, t)
+}

@@ -1,0 +1,61 @@
+//! Per-sequence state: what a sequence carries from one forward call to the next
+//! (MODEL.md §3.9). GDN layers keep a conv window and an fp32 recurrent state of constant size;
+//! attention layers keep a growing KV cache.
+
+use crate::config::{LayerKind, ModelConfig};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeltaNetState {
+    /// The last `kernel - 1` pre-conv `qkv` rows, oldest first: `[kernel - 1, conv_dim]`.
+    pub conv: Vec<f32>,
+    /// Recurrent state per value head: `[value_heads, key_dim, value_dim]`.
+    pub ssm: Vec<f32>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvCache {
+    /// `[tokens, kv_heads, head_dim]`, post-norm and post-RoPE.
+    pub keys: Vec<f32>,
+    pub values: Vec<f32>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum LayerState {
+    DeltaNet(DeltaNetState),
+    Attention(KvCache),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceState {
+    /// Tokens processed so far (the position of the next token).
+    pub position: usize,
+    pub layers: Vec<LayerState>,
+}
+
+impl SequenceState {
+    pub fn new(c: &ModelConfig) -> SequenceState {
+        let layers = c
+            .layer_types
+            .iter()
+            .map(|kind| match kind {
+                LayerKind::LinearAttention => LayerState::DeltaNet(DeltaNetState {
+                    conv: vec![0.0; (c.linear_conv_kernel_dim - 1) * c.conv_dim()],
+                    ssm: vec![
+                        0.0;
+                        c.linear_num_value_heads
+                            * c.linear_key_head_dim
+                            * c.linear_value_head_dim
+                    ],
+                }),
+                LayerKind::FullAttention => LayerState::Attention(KvCache {
+                    keys: Vec::new(),
+                    values: Vec::new(),
+                }),
+            })
+            .collect();
+        SequenceState {
+            position: 0,
+            layers,
+        }
+    }
+}

@@ -1,0 +1,54 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use lily::checkpoint::safetensors::open_file;
+use lily::checkpoint::tensor::{DType, RawTensor};
+
+pub fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models")
+        .join(name)
+}
+
+/// The transformers reference outputs of one fixture model.
+pub struct Reference {
+    tensors: BTreeMap<String, RawTensor>,
+}
+
+impl Reference {
+    pub fn load(model: &str) -> Reference {
+        Reference {
+            tensors: open_file(&fixture_dir(model).join("reference.safetensors"))
+                .expect("reference fixture"),
+        }
+    }
+    pub fn prompts(&self) -> usize {
+        self.tensors.keys().filter(|k| k.ends_with(".ids")).count()
+    }
+    pub fn ids(&self, p: usize, what: &str) -> Vec<u32> {
+        let t = &self.tensors[&format!("p{p}.{what}")];
+        assert_eq!(t.dtype, DType::I32);
+        t.data
+            .as_slice()
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
+    }
+    pub fn f32s(&self, p: usize, what: &str) -> Vec<f32> {
+        let name = format!("p{p}.{what}");
+        self.tensors[&name].to_f32(&name).unwrap()
+    }
+}
+
+/// max |a − b| / max |b|: the error relative to the scale of the reference.
+pub fn rel_error(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[allow(unused_imports)]
+pub use lily::model::argmax;
