@@ -7,8 +7,16 @@
 //! The kernels are sm_90a cubins compiled by build.rs and embedded in the binary.
 
 pub mod attention;
+pub mod embed;
+pub mod forward;
+pub mod gdn;
 pub mod gemm;
+pub mod model;
+pub mod moe;
 pub mod norm;
+pub mod sample;
+pub mod synth;
+pub mod weights;
 
 use std::collections::HashMap;
 use std::sync::Arc;
