@@ -30,8 +30,8 @@ fn config() -> serde_json::Value {
     t.insert("num_hidden_layers".into(), json!(4));
     t.insert("layer_types".into(), json!(["linear_attention", "linear_attention", "linear_attention", "full_attention"]));
     t.insert("num_experts".into(), json!(16));
-    t.insert("moe_intermediate_size".into(), json!(128));
-    t.insert("shared_expert_intermediate_size".into(), json!(128));
+    t.insert("moe_intermediate_size".into(), json!(256));
+    t.insert("shared_expert_intermediate_size".into(), json!(256));
     t.insert("vocab_size".into(), json!(2048));
     t.insert("mtp_num_hidden_layers".into(), json!(0));
     c

@@ -16,7 +16,7 @@ use half::bf16;
 use super::attention::{AttentionKernels, AttentionWorkspace, KvCache, QKV_WIDTH};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
-use super::gemm::{GemvKernels, MAX_TOKENS};
+use super::gemm::GemvKernels;
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::MoeKernels;
 use super::norm::NormKernels;
@@ -317,13 +317,14 @@ fn moe(c: &ModelConfig, k: &mut Kernels, w: &super::model::DeviceMoe, s: &mut Sc
     )
 }
 
-/// `y = W · x` for `t` rows, in launches of up to 8 tokens.
+/// `y = W · x` for `t` rows, in launches of as many tokens as the GEMV takes (≤ 8).
 fn gemv_rows(g: &GemvKernels, w: &DeviceMatrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>, t: usize) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     let view = w.view();
+    let per_launch = g.max_tokens(&view);
     let mut done = 0;
     while done < t {
-        let n = MAX_TOKENS.min(t - done);
+        let n = per_launch.min(t - done);
         let xs = x.slice(done * cols..(done + n) * cols);
         let mut ys = y.slice_mut(done * rows..(done + n) * rows);
         g.gemv(&view, &xs, &mut ys)?;

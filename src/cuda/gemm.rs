@@ -184,6 +184,14 @@ impl GemvKernels {
         self.gemv_slots_shaped(w, ids, slots, x, x_per_slot, ntok, y, shape)
     }
 
+    /// The most tokens (≤ `MAX_TOKENS`) one launch over `w` can take: the staged x grows with
+    /// the tokens and must fit in shared memory (8 tokens of a 4096-wide bf16 row do not).
+    pub fn max_tokens(&self, w: &Matrices) -> usize {
+        let format = format_of(w);
+        let shape = self.shape(w, 1);
+        (1..=MAX_TOKENS).rev().find(|&n| shared_bytes(format, w.cols, n, shape) <= self.max_shared).unwrap_or(1)
+    }
+
     /// `gemv_slots` with a given launch shape (for tuning).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_slots_shaped(
