@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod embed;
 pub mod gemm;
+pub mod gemm_prefill;
 pub mod model;
 pub mod moe;
 pub mod forward;
