@@ -2,10 +2,11 @@
 //!
 //! Activations are bf16 `[tokens][width]` rows, norms and the recurrent state fp32. A call runs
 //! one sequence's next tokens: prompts in chunks of up to [`CudaOptions::prefill_chunk`] tokens
-//! (chunked GDN, flash attention), single tokens through the decode kernels. The dense
-//! projections and the experts are GEMVs of up to 8 tokens per launch (the prefill GEMM is the
-//! next step, see bench/NOTES.md). Routing, expert selection and greedy sampling stay on the
-//! device; a greedy step brings back one token id.
+//! (chunked GDN, flash attention), single tokens through the decode kernels. Up to 8 tokens, the
+//! projections and the experts are GEMVs; longer chunks use the tensor-core GEMM for the dense
+//! projections and, for the experts, group their (token, slot) pairs by expert on the device and
+//! run one grouped GEMM for gate‖up (SwiGLU fused) and one for down. Routing, expert selection
+//! and greedy sampling stay on the device; a greedy step brings back one token id.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,9 +17,10 @@ use half::bf16;
 use super::attention::{AttentionKernels, AttentionWorkspace, KvCache, QKV_WIDTH};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
-use super::gemm::GemvKernels;
+use super::gemm::{GemvKernels, MAX_TOKENS};
+use super::gemm_prefill::{GemmKernels, TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
-use super::moe::MoeKernels;
+use super::moe::{ExpertGroups, MoeKernels};
 use super::norm::NormKernels;
 use super::sample::SampleKernels;
 use super::weights::DeviceMatrices;
@@ -48,6 +50,7 @@ impl Default for CudaOptions {
 struct Kernels {
     norm: NormKernels,
     gemv: GemvKernels,
+    gemm: GemmKernels,
     embed: EmbedKernels,
     moe: MoeKernels,
     sample: SampleKernels,
@@ -68,8 +71,10 @@ struct Scratch {
     expert_ids: CudaSlice<i32>,
     expert_weights: CudaSlice<f32>,
     gu: CudaSlice<bf16>,
+    /// Decode: `[top_k][I]`; prefill: `[tokens·top_k][I]` in expert-sorted order.
     act: CudaSlice<bf16>,
     routed: CudaSlice<bf16>,
+    groups: ExpertGroups,
     shared_gu: CudaSlice<bf16>,
     shared_act: CudaSlice<bf16>,
     shared: CudaSlice<bf16>,
@@ -122,6 +127,7 @@ impl CudaBackend {
         let k = Kernels {
             norm: NormKernels::load(&dev)?,
             gemv: GemvKernels::load(&dev)?,
+            gemm: GemmKernels::load(&dev)?,
             embed: EmbedKernels::load(&dev)?,
             moe: MoeKernels::load(&dev)?,
             sample: SampleKernels::load(&dev, 1)?,
@@ -145,8 +151,9 @@ impl CudaBackend {
             expert_ids: alloc(&st, rows * topk)?,
             expert_weights: alloc(&st, rows * topk)?,
             gu: alloc(&st, topk * 2 * inter)?,
-            act: alloc(&st, topk * inter)?,
+            act: alloc(&st, rows * topk * inter)?,
             routed: alloc(&st, rows * topk * h)?,
+            groups: ExpertGroups::new(&st, rows, topk, e, TILE_ROWS)?,
             shared_gu: alloc(&st, rows * 2 * si)?,
             shared_act: alloc(&st, rows * si)?,
             shared: alloc(&st, rows * h)?,
@@ -246,7 +253,7 @@ impl CudaBackend {
             match &layer.mixer {
                 DeviceMixer::DeltaNet { in_proj, out_proj, conv_w, a_log, dt_bias, norm } => {
                     let width = in_proj.rows;
-                    gemv_rows(&k.gemv, in_proj, &s.xn.slice(..t * hd), &mut s.proj.slice_mut(..t * width), t)?;
+                    gemv_rows(k, in_proj, &s.xn.slice(..t * hd), &mut s.proj.slice_mut(..t * width), t)?;
                     let proj = s.proj.slice(..t * width);
                     let inputs = GdnInputs::fused(&proj, width)?;
                     let w = GdnWeights { conv_w: conv_w.as_view(), a_log: a_log.as_view(), dt_bias: dt_bias.as_view(), norm_w: norm.as_view(), eps: c.rms_norm_eps };
@@ -259,11 +266,11 @@ impl CudaBackend {
                         let mut conv = self.conv[gdn_i].slice_mut(slot * gdn::CONV_STATE_LEN..(slot + 1) * gdn::CONV_STATE_LEN);
                         k.gdn.prefill(&w, &inputs, t, &mut ssm, &mut conv, &mut self.gdn_ws, &mut y)?;
                     }
-                    gemv_rows(&k.gemv, out_proj, &s.mixed.slice(..t * vd), &mut s.r.slice_mut(..t * hd), t)?;
+                    gemv_rows(k, out_proj, &s.mixed.slice(..t * vd), &mut s.r.slice_mut(..t * hd), t)?;
                     gdn_i += 1;
                 }
                 DeviceMixer::Attention { qkv, o_proj, q_norm, k_norm } => {
-                    gemv_rows(&k.gemv, qkv, &s.xn.slice(..t * hd), &mut s.proj.slice_mut(..t * QKV_WIDTH), t)?;
+                    gemv_rows(k, qkv, &s.xn.slice(..t * hd), &mut s.proj.slice_mut(..t * QKV_WIDTH), t)?;
                     let od = c.num_attention_heads * c.head_dim;
                     let proj = s.proj.slice(..t * QKV_WIDTH);
                     let mut out = s.mixed.slice_mut(..t * od);
@@ -272,7 +279,7 @@ impl CudaBackend {
                     } else {
                         k.attn.prefill(&proj, &q_norm.as_view(), &k_norm.as_view(), &mut self.kv, attn_i, slot, start, &mut self.attn_ws, &mut out)?;
                     }
-                    gemv_rows(&k.gemv, o_proj, &s.mixed.slice(..t * od), &mut s.r.slice_mut(..t * hd), t)?;
+                    gemv_rows(k, o_proj, &s.mixed.slice(..t * od), &mut s.r.slice_mut(..t * hd), t)?;
                     attn_i += 1;
                 }
             }
@@ -285,7 +292,7 @@ impl CudaBackend {
         }
         // Logits of the last token only.
         let last = s.xn.slice((t - 1) * hd..t * hd);
-        gemv_rows(&k.gemv, &m.lm_head, &last, &mut s.logits.as_view_mut(), 1)?;
+        gemv_rows(k, &m.lm_head, &last, &mut s.logits.as_view_mut(), 1)?;
         k.sample.argmax(&s.logits.as_view(), c.vocab_size, &mut s.next.as_view_mut())
     }
 }
@@ -293,20 +300,33 @@ impl CudaBackend {
 /// The MoE block for `t` rows of `s.xn`, written to `s.r`.
 fn moe(c: &ModelConfig, k: &mut Kernels, w: &super::model::DeviceMoe, s: &mut Scratch, t: usize) -> Result<()> {
     let (hd, e, topk, inter, si) = (c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size);
-    gemv_rows(&k.gemv, &w.router, &s.xn.slice(..t * hd), &mut s.router.slice_mut(..t * e), t)?;
+    gemv_rows(k, &w.router, &s.xn.slice(..t * hd), &mut s.router.slice_mut(..t * e), t)?;
     k.moe.router_topk(&s.router.slice(..t * e), e, topk, &mut s.expert_ids.slice_mut(..t * topk), &mut s.expert_weights.slice_mut(..t * topk))?;
-    for row in 0..t {
-        let ids = s.expert_ids.slice(row * topk..(row + 1) * topk);
-        let x = s.xn.slice(row * hd..(row + 1) * hd);
-        k.gemv.gemv_slots(&w.gate_up.view(), Some(&ids), topk, &x, false, 1, &mut s.gu.as_view_mut())?;
-        k.norm.silu_mul(&s.gu.as_view(), &mut s.act.as_view_mut(), inter)?;
-        let mut out = s.routed.slice_mut(row * topk * hd..(row + 1) * topk * hd);
-        k.gemv.gemv_slots(&w.down.view(), Some(&ids), topk, &s.act.as_view(), true, 1, &mut out)?;
+    let prefill = t > MAX_TOKENS && GemmKernels::supports(&w.gate_up.view()) && GemmKernels::supports(&w.down.view());
+    if prefill {
+        // Pairs sorted by expert, then one grouped GEMM per projection; routed[token][slot] as below.
+        k.moe.group_by_expert(&s.expert_ids.slice(..t * topk), topk, &mut s.groups)?;
+        let mut act = s.act.slice_mut(..t * topk * inter);
+        k.gemm.experts_gate_up(&w.gate_up.view(), &s.xn.slice(..t * hd), &s.groups, &mut act)?;
+        k.gemm.experts_down(&w.down.view(), &s.act.slice(..t * topk * inter), &s.groups, &mut s.routed.slice_mut(..t * topk * hd))?;
+    } else {
+        for row in 0..t {
+            let ids = s.expert_ids.slice(row * topk..(row + 1) * topk);
+            let x = s.xn.slice(row * hd..(row + 1) * hd);
+            k.gemv.gemv_slots(&w.gate_up.view(), Some(&ids), topk, &x, false, 1, &mut s.gu.as_view_mut())?;
+            k.norm.silu_mul(&s.gu.as_view(), &mut s.act.slice_mut(..topk * inter), inter)?;
+            let mut out = s.routed.slice_mut(row * topk * hd..(row + 1) * topk * hd);
+            k.gemv.gemv_slots(&w.down.view(), Some(&ids), topk, &s.act.slice(..topk * inter), true, 1, &mut out)?;
+        }
     }
-    gemv_rows(&k.gemv, &w.shared_gate_up, &s.xn.slice(..t * hd), &mut s.shared_gu.slice_mut(..t * 2 * si), t)?;
-    k.norm.silu_mul(&s.shared_gu.slice(..t * 2 * si), &mut s.shared_act.slice_mut(..t * si), si)?;
-    gemv_rows(&k.gemv, &w.shared_down, &s.shared_act.slice(..t * si), &mut s.shared.slice_mut(..t * hd), t)?;
-    gemv_rows(&k.gemv, &w.shared_gate, &s.xn.slice(..t * hd), &mut s.shared_gate.slice_mut(..t), t)?;
+    if t > MAX_TOKENS && GemmKernels::supports(&w.shared_gate_up.view()) {
+        k.gemm.gemm_swiglu(&w.shared_gate_up.view(), &s.xn.slice(..t * hd), &mut s.shared_act.slice_mut(..t * si))?;
+    } else {
+        gemv_rows(k, &w.shared_gate_up, &s.xn.slice(..t * hd), &mut s.shared_gu.slice_mut(..t * 2 * si), t)?;
+        k.norm.silu_mul(&s.shared_gu.slice(..t * 2 * si), &mut s.shared_act.slice_mut(..t * si), si)?;
+    }
+    gemv_rows(k, &w.shared_down, &s.shared_act.slice(..t * si), &mut s.shared.slice_mut(..t * hd), t)?;
+    gemv_rows(k, &w.shared_gate, &s.xn.slice(..t * hd), &mut s.shared_gate.slice_mut(..t), t)?;
     k.moe.combine(
         &s.routed.slice(..t * topk * hd),
         &s.expert_weights.slice(..t * topk),
@@ -317,17 +337,21 @@ fn moe(c: &ModelConfig, k: &mut Kernels, w: &super::model::DeviceMoe, s: &mut Sc
     )
 }
 
-/// `y = W · x` for `t` rows, in launches of as many tokens as the GEMV takes (≤ 8).
-fn gemv_rows(g: &GemvKernels, w: &DeviceMatrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>, t: usize) -> Result<()> {
+/// `y = W · x` for `t` rows: the tensor-core GEMM for more than 8 rows, else (or for weights it
+/// does not take) GEMVs of as many tokens per launch as fit in shared memory (≤ 8).
+fn gemv_rows(k: &Kernels, w: &DeviceMatrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>, t: usize) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     let view = w.view();
-    let per_launch = g.max_tokens(&view);
+    if t > MAX_TOKENS && GemmKernels::supports(&view) {
+        return k.gemm.gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
+    }
+    let per_launch = k.gemv.max_tokens(&view);
     let mut done = 0;
     while done < t {
         let n = per_launch.min(t - done);
         let xs = x.slice(done * cols..(done + n) * cols);
         let mut ys = y.slice_mut(done * rows..(done + n) * rows);
-        g.gemv(&view, &xs, &mut ys)?;
+        k.gemv.gemv(&view, &xs, &mut ys)?;
         done += n;
     }
     Ok(())

@@ -11,6 +11,7 @@ pub mod embed;
 pub mod forward;
 pub mod gdn;
 pub mod gemm;
+pub mod gemm_prefill;
 pub mod model;
 pub mod moe;
 pub mod norm;
