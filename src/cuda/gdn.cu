@@ -49,7 +49,6 @@
 // float4 reads down a column of rows (row r, r+1, ... at one offset) fall into distinct banks.
 #define PITCH 132
 #define LPITCH 68  // 64×64 matrices
-#define SPITCH 36  // 32-column slices
 
 // Everything a GDN kernel may need; each kernel reads the fields it documents. Field for field
 // the `GdnArgs` struct of gdn.rs.
@@ -372,8 +371,88 @@ extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
 //                      then the gated RMSNorm
 //   gdn_conv_update    the conv state after the last token (last: the others read the old one)
 // Only gdn_prefill_state is sequential; it splits the dv columns, which evolve independently.
-// All fp32 on the CUDA cores (no tensor cores yet): the state must match the recurrent form to
-// ~1e-5, which bf16 or tf32 operands would not give.
+// Precision: the state must match the recurrent form to ~1e-5 over thousands of tokens and the
+// outputs must agree with decode, so everything is fp32-accurate: gdn_prefill_prep on the CUDA
+// cores, the products of gdn_prefill_state and gdn_prefill_out on the tensor cores in 3xTF32.
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most one group of this thread's copies is still in flight.
+__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor cores: mma.m16n8k8 with tf32 operands and fp32 accumulators. Fragments, lane = 4g + t:
+//   A (16×8, row-major)  a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]}
+//   B (8×8, k × n)       b = {B[t][g], B[t+4][g]}
+//   C, D (16×8)          d = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}
+// A tf32 operand keeps 10 of fp32's 23 mantissa bits, too few here, so every product splits its
+// operands as x = hi + lo (both tf32) and sums hi·hi + hi·lo + lo·hi ("3xTF32"): as accurate as
+// fp32, at three tensor-core products for one, still several times the fp32 CUDA-core rate.
+
+__device__ __forceinline__ u32 tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// d += a·b.
+__device__ __forceinline__ void mma_tf32(float d[4], const u32 a[4], const u32 b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The four A values of lane (g, t) for the tile at (m0, k0) of a matrix with element (m, k) at
+// x[m · ms + k · ks] (row-major: ms = pitch, ks = 1; transposed storage: ms = 1, ks = pitch).
+__device__ __forceinline__ void load_a(float v[4], const float* x, int ms, int ks, int m0, int k0, int g, int t) {
+    v[0] = x[(m0 + g) * ms + (k0 + t) * ks];
+    v[1] = x[(m0 + g + 8) * ms + (k0 + t) * ks];
+    v[2] = x[(m0 + g) * ms + (k0 + t + 4) * ks];
+    v[3] = x[(m0 + g + 8) * ms + (k0 + t + 4) * ks];
+}
+// The two B values of lane (g, t) for the tile at (k0, n0), element (k, n) at x[k · ks + n · ns].
+__device__ __forceinline__ void load_b(float v[2], const float* x, int ks, int ns, int k0, int n0, int g, int t) {
+    v[0] = x[(k0 + t) * ks + (n0 + g) * ns];
+    v[1] = x[(k0 + t + 4) * ks + (n0 + g) * ns];
+}
+
+// x = hi + lo with hi, lo tf32.
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+    hi = tf32(x);
+    lo = tf32(x - __uint_as_float(hi));
+}
+
+// d += a·b to fp32 accuracy from split operands (the small products first).
+__device__ __forceinline__ void mma_3xtf32(float d[4], const u32 ahi[4], const u32 alo[4], const u32 bhi[2], const u32 blo[2]) {
+    mma_tf32(d, alo, bhi);
+    mma_tf32(d, ahi, blo);
+    mma_tf32(d, ahi, bhi);
+}
+
+// The split A fragment of the tile at (m0, k0) (see load_a), negated when `neg`.
+__device__ __forceinline__ void load_a_split(u32 hi[4], u32 lo[4], const float* x, int ms, int ks, int m0, int k0, int g, int t,
+                                             bool neg = false) {
+    float v[4];
+    load_a(v, x, ms, ks, m0, k0, g, t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split_tf32(neg ? -v[e] : v[e], hi[e], lo[e]);
+}
+// The split B fragment of the tile at (k0, n0) (see load_b).
+__device__ __forceinline__ void load_b_split(u32 hi[2], u32 lo[2], const float* x, int ks, int ns, int k0, int n0, int g, int t) {
+    float v[2];
+    load_b(v, x, ks, ns, k0, n0, g, t);
+    split_tf32(v[0], hi[0], lo[0]);
+    split_tf32(v[1], hi[1], lo[1]);
+}
+
+// Rows of 128 values read as the k × n operand B of an mma: a pitch of 8 (mod 32) floats spreads
+// the lanes' (row t, column g) reads over all banks. For 32-column slices: 40.
+#define VPITCH 136
+#define SPITCH 40
 
 // Conv + SiLU of the chunk starting at token t0, for two heads of 128 channels starting at channels
 // ch0 and ch1, into dst0 and dst1 ([64][PITCH] floats in shared memory). Rows past T are zeros.
@@ -466,28 +545,26 @@ __device__ void l2norm_rows(float* x, float scale) {
     }
 }
 
-// acc[i][j] = x_(a+16i) · y_(b+16j) over 128 values, for the 64 × 64 products of the rows of x and y
-// (shared, pitch PITCH); thread (a, b) = (tid / 16, tid % 16) takes a 4 × 4 tile, strided by 16 so
-// that a warp's reads of y rows b, b+1, ... are conflict-free.
-__device__ __forceinline__ void rows_dot_64x64(const float* x, const float* y, float acc[4][4]) {
-    const int a = threadIdx.x / 16, b = threadIdx.x % 16;
+// acc[j] = the 16 × 8 tiles at rows m0.., columns n_base + 8j (j < 4) of x·yᵀ, for x and y 64 rows of
+// 128 values (shared, pitch PITCH), in 3xTF32. Tiles wholly above the diagonal (first column past
+// m0 + 15) are not computed and stay zero: the callers keep only s ≤ r.
+__device__ __forceinline__ void rows_dot_tile(const float* x, const float* y, int m0, int n_base, float acc[4][4]) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-#pragma unroll 4
-    for (int d = 0; d < GDN_DK; d += 4) {
-        float4 xr[4], yr[4];
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
+        u32 ahi[4], alo[4];
+        load_a_split(ahi, alo, x, PITCH, 1, m0, k0, g, t);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            xr[i] = *reinterpret_cast<const float4*>(x + (a + 16 * i) * PITCH + d);
-            yr[i] = *reinterpret_cast<const float4*>(y + (b + 16 * i) * PITCH + d);
+        for (int j = 0; j < 4; ++j) {
+            if (n_base + 8 * j > m0 + 15) continue;  // the same for the whole warp
+            u32 bhi[2], blo[2];
+            load_b_split(bhi, blo, y, 1, PITCH, k0, n_base + 8 * j, g, t);  // B = yᵀ: (k, n) at y[n][k]
+            mma_3xtf32(acc[j], ahi, alo, bhi, blo);
         }
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                acc[i][j] += xr[i].x * yr[j].x + xr[i].y * yr[j].y + xr[i].z * yr[j].z + xr[i].w * yr[j].w;
     }
 }
 
@@ -510,16 +587,17 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     __syncthreads();
 
     // L[r][s] = β_r (k_r·k_s) e^(G_r − G_s) for s < r (the reference's order of factors), else 0.
+    // Warp w: rows 16(w/2)..+15, columns 32(w%2)..+31 (C-fragment layout, see mma_tf32).
     {
+        const int m0 = 16 * (tid / 64), n_base = 32 * (tid / 32 % 2), g = tid % 32 / 4, t = tid % 4;
         float acc[4][4];
-        rows_dot_64x64(k_s, k_s, acc);
-        const int a = tid / 16, b = tid % 16;
+        rows_dot_tile(k_s, k_s, m0, n_base, acc);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int r = a + 16 * i, s = b + 16 * j;
-                L_s[r * LPITCH + s] = s < r ? beta_s[r] * acc[i][j] * expf(G_s[r] - G_s[s]) : 0.0f;
+            for (int e = 0; e < 4; ++e) {
+                const int r = m0 + g + 8 * (e / 2), s = n_base + 8 * j + 2 * t + e % 2;
+                L_s[r * LPITCH + s] = s < r ? beta_s[r] * acc[j][e] * expf(G_s[r] - G_s[s]) : 0.0f;
             }
     }
     const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;  // this (chunk, head) in ws_*
@@ -563,30 +641,23 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     }
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Waits until at most one group of this thread's copies is still in flight.
-__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-
-// Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, K̃, U, and S.
-#define STATE_SMEM ((2 * (2 * CHUNK * PITCH + CHUNK * SPITCH) + GDN_DK * SPITCH) * 4)
+// Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, K̃ and U, and S.
+#define STATE_SMEM ((2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + GDN_DK * SPITCH) * 4)
 
 // Grid (4 column slices, 32 value heads), 256 threads; sequential over the chunks. The block's
-// state slice S[128][32] lives in registers (thread (dd, vv) = (tid / 8, tid % 8) holds rows
-// 4dd..4dd+3, columns 4vv..4vv+3) and in shared memory for the W·S product. The next chunk's W, K̃
-// and U are prefetched with cp.async while the current one is computed.
+// state slice S[128 d][32 v] stays in the accumulators of the tensor-core products: warp w holds rows
+// 16w..16w+15 as 4 tiles of 16 × 8 (C-fragment layout), and a copy in shared memory feeds W·S.
+// The next chunk's W, K̃ and U are prefetched with cp.async while the current one is computed.
+// Both products use 3xTF32 (fp32 accuracy): the state is carried over thousands of tokens.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(const GdnArgs p) {
     extern __shared__ float4 smem4[];
     float* W_s = reinterpret_cast<float*>(smem4);  // [2][64][PITCH]
-    float* K_s = W_s + 2 * CHUNK * PITCH;            // [2][64][PITCH]
-    float* U_s = K_s + 2 * CHUNK * PITCH;            // [2][64][SPITCH], U then Vn
+    float* K_s = W_s + 2 * CHUNK * PITCH;            // [2][64][VPITCH]
+    float* U_s = K_s + 2 * CHUNK * VPITCH;           // [2][64][SPITCH], U then Vn
     float* S_s = U_s + 2 * CHUNK * SPITCH;           // [128][SPITCH]
     const int hv = blockIdx.y, v0 = blockIdx.x * ST_COLS, tid = threadIdx.x;
+    const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
     const int nc = (p.rows + CHUNK - 1) / CHUNK;
-    const int dd = tid / 8, vv = tid % 8;
 
     // Copies chunk c's W, K̃ (whole) and U (this slice) into buffer `buf`: 8 + 8 + 2 vectors per thread.
     auto prefetch = [&](int c, int buf) {
@@ -594,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
         for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
             const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
             cp_async16(W_s + (buf * CHUNK + r) * PITCH + d, p.ws_w + tile + r * GDN_DK + d);
-            cp_async16(K_s + (buf * CHUNK + r) * PITCH + d, p.ws_k + tile + r * GDN_DK + d);
+            cp_async16(K_s + (buf * CHUNK + r) * VPITCH + d, p.ws_k + tile + r * GDN_DK + d);
         }
         for (int e = tid; e < CHUNK * ST_COLS / 4; e += PF_THREADS) {
             const int r = e / (ST_COLS / 4), v = (e % (ST_COLS / 4)) * 4;
@@ -604,14 +675,23 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     prefetch(0, 0);
     cp_async_commit();
 
-    float* state = p.ssm + (i64)hv * GDN_HEAD_STATE + v0 + 4 * vv;  // + row · 128
-    float4 sreg[4];
+    // S[d][v] for d = 16·warp + g (+8), v = 8j + 2t (+1): s[j] = {S[d][v], S[d][v+1], S[d+8][v], S[d+8][v+1]}.
+    const int d0 = 16 * warp;
+    float* state = p.ssm + (i64)hv * GDN_HEAD_STATE + v0;
+    float s[4][4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        sreg[e] = *reinterpret_cast<const float4*>(state + (4 * dd + e) * GDN_DV);
-        *reinterpret_cast<float4*>(S_s + (4 * dd + e) * SPITCH + 4 * vv) = sreg[e];
-    }
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int d = d0 + g + 8 * h, v = 8 * j + 2 * t;
+            const float2 x = *reinterpret_cast<const float2*>(state + d * GDN_DV + v);
+            s[j][2 * h] = x.x;
+            s[j][2 * h + 1] = x.y;
+            *reinterpret_cast<float2*>(S_s + d * SPITCH + v) = x;
+        }
 
+    // Vn tiles of warp w: rows 16(w/2).., columns 16(w%2) + 8j, j < 2.
+    const int vm0 = 16 * (warp / 2), vn0 = 16 * (warp % 2);
 #pragma unroll 1
     for (int c = 0; c < nc; ++c) {
         const int buf = c % 2;
@@ -620,97 +700,101 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
         cp_async_wait_1();
         __syncthreads();  // chunk c's buffers (everyone's copies) and S_s are ready
         const float* W = W_s + buf * CHUNK * PITCH;
-        const float* K = K_s + buf * CHUNK * PITCH;
+        const float* K = K_s + buf * CHUNK * VPITCH;
         float* U = U_s + buf * CHUNK * SPITCH;
         const i64 tile = ((i64)c * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
         const float decay = p.ws_decay[c * GDN_VALUE_HEADS + hv];
 
         // The state at the start of chunk c, for gdn_prefill_out.
-        float* h = p.ws_h + ((i64)c * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE + v0 + 4 * vv;
+        float* h = p.ws_h + ((i64)c * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE + v0;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) *reinterpret_cast<float4*>(h + (4 * dd + e) * GDN_DV) = sreg[e];
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                *reinterpret_cast<float2*>(h + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
+                    make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
 
-        // Vn = U − W·S: thread (dd, vv) takes rows dd and dd + 32, columns 4vv..4vv+3.
+        // Vn = U − W·S, accumulated onto U with −W as the A operand.
         {
             float acc[2][4];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const float4 u = *reinterpret_cast<const float4*>(U + (dd + 32 * i) * SPITCH + 4 * vv);
-                acc[i][0] = u.x;
-                acc[i][1] = u.y;
-                acc[i][2] = u.z;
-                acc[i][3] = u.w;
-            }
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] = U[(vm0 + g + 8 * (e / 2)) * SPITCH + vn0 + 8 * j + 2 * t + e % 2];
 #pragma unroll 4
-            for (int d = 0; d < GDN_DK; d += 4) {
-                const float4 w0 = *reinterpret_cast<const float4*>(W + dd * PITCH + d);
-                const float4 w1 = *reinterpret_cast<const float4*>(W + (dd + 32) * PITCH + d);
-                const float wr[2][4] = {{w0.x, w0.y, w0.z, w0.w}, {w1.x, w1.y, w1.z, w1.w}};
+            for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
+                u32 ahi[4], alo[4];
+                load_a_split(ahi, alo, W, PITCH, 1, vm0, k0, g, t, true);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float4 sv = *reinterpret_cast<const float4*>(S_s + (d + e) * SPITCH + 4 * vv);
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        acc[i][0] -= wr[i][e] * sv.x;
-                        acc[i][1] -= wr[i][e] * sv.y;
-                        acc[i][2] -= wr[i][e] * sv.z;
-                        acc[i][3] -= wr[i][e] * sv.w;
-                    }
+                for (int j = 0; j < 2; ++j) {
+                    u32 bhi[2], blo[2];
+                    load_b_split(bhi, blo, S_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
+                    mma_3xtf32(acc[j], ahi, alo, bhi, blo);
                 }
             }
+            // Each value goes back to the U element it started from (no other thread reads those
+            // before the barrier) and to the workspace for gdn_prefill_out.
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const float4 vn = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-                *reinterpret_cast<float4*>(U + (dd + 32 * i) * SPITCH + 4 * vv) = vn;
-                *reinterpret_cast<float4*>(p.ws_u + tile + (dd + 32 * i) * GDN_DV + v0 + 4 * vv) = vn;
-            }
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = vm0 + g + 8 * hh, v = vn0 + 8 * j + 2 * t;
+                    const float2 x = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+                    *reinterpret_cast<float2*>(U + r * SPITCH + v) = x;
+                    *reinterpret_cast<float2*>(p.ws_u + tile + r * GDN_DV + v0 + v) = x;
+                }
         }
         __syncthreads();  // Vn complete; S_s reads done
 
-        // S ← e^(G_last) S + K̃ᵀ Vn on this thread's 4 × 4 tile.
+        // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) at K[r][d]), B = Vn.
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            sreg[e].x *= decay;
-            sreg[e].y *= decay;
-            sreg[e].z *= decay;
-            sreg[e].w *= decay;
-        }
-#pragma unroll 4
-        for (int r = 0; r < CHUNK; ++r) {
-            const float4 k4 = *reinterpret_cast<const float4*>(K + r * PITCH + 4 * dd);
-            const float4 vn = *reinterpret_cast<const float4*>(U + r * SPITCH + 4 * vv);
-            const float kr[4] = {k4.x, k4.y, k4.z, k4.w};
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                sreg[e].x += kr[e] * vn.x;
-                sreg[e].y += kr[e] * vn.y;
-                sreg[e].z += kr[e] * vn.z;
-                sreg[e].w += kr[e] * vn.w;
+            for (int e = 0; e < 4; ++e) s[j][e] *= decay;
+#pragma unroll 2
+        for (int k0 = 0; k0 < CHUNK; k0 += 8) {
+            u32 ahi[4], alo[4];
+            load_a_split(ahi, alo, K, 1, VPITCH, d0, k0, g, t);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32 bhi[2], blo[2];
+                load_b_split(bhi, blo, U, SPITCH, 1, k0, 8 * j, g, t);
+                mma_3xtf32(s[j], ahi, alo, bhi, blo);
             }
         }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) *reinterpret_cast<float4*>(S_s + (4 * dd + e) * SPITCH + 4 * vv) = sreg[e];
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                *reinterpret_cast<float2*>(S_s + (d0 + g + 8 * hh) * SPITCH + 8 * j + 2 * t) =
+                    make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
         __syncthreads();  // S_s updated; this chunk's buffers free for the prefetch of chunk c + 2
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) *reinterpret_cast<float4*>(state + (4 * dd + e) * GDN_DV) = sreg[e];
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            *reinterpret_cast<float2*>(state + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
+                make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
 }
 
 // Dynamic shared memory of gdn_prefill_out (bytes): q, k/Vn, A, a 32-row slab of S, G.
-#define OUT_SMEM ((2 * CHUNK * PITCH + CHUNK * LPITCH + 32 * PITCH + CHUNK) * 4)
+#define OUT_SMEM ((CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4)
 
-// Grid (chunks, 32 value heads), 256 threads. Thread (a, b) = (tid / 16, tid % 16) computes rows
-// a + 16i (i < 4) of the chunk's outputs, columns 4b..4b+3 and 64+4b..64+4b+3; the 16 threads of a
-// row are 16 consecutive lanes, which reduce the gated norm's Σo² with shuffles.
+// Grid (chunks, 32 value heads), 256 threads. The products run on the tensor cores in 3xTF32 (plain
+// tf32 would add noise of ~1e-3 of a head's rms to the outputs, 1/3 of a bf16 rounding; prefill then
+// agrees with decode as closely as fp32 allows): warp w computes rows 16(w/2)..+15 of the chunk's
+// outputs, columns 64(w%2)..+63; the outputs go through shared memory to the gated norm, a warp per row.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(const GdnArgs p) {
     extern __shared__ float4 smem4[];
-    float* q_s = reinterpret_cast<float*>(smem4);  // q, then q e^G
-    float* kv_s = q_s + CHUNK * PITCH;              // k, then Vn
-    float* A_s = kv_s + CHUNK * PITCH;
-    float* H_s = A_s + CHUNK * LPITCH;              // 32 rows of the chunk's starting state
-    float* G_s = H_s + 32 * PITCH;
+    float* q_s = reinterpret_cast<float*>(smem4);  // [64][PITCH]: q, then q e^G, then the outputs
+    float* kv_s = q_s + CHUNK * PITCH;              // [64][PITCH] k, then [64][VPITCH] Vn
+    float* A_s = kv_s + CHUNK * VPITCH;             // [64][LPITCH]
+    float* H_s = A_s + CHUNK * LPITCH;              // [32][VPITCH]: 32 rows of the chunk's starting state
+    float* G_s = H_s + 32 * VPITCH;
     const int chunk = blockIdx.x, hv = blockIdx.y, kh = hv / 2, t0 = chunk * CHUNK, tid = threadIdx.x;
-    const int a = tid / 16, b = tid % 16;
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int m0 = 16 * (warp / 2);
 
     chunk_conv(p, t0, kh * GDN_DK, GDN_KEY_DIM + kh * GDN_DK, q_s, kv_s);
     chunk_gates(p, t0, hv, nullptr, G_s);
@@ -718,16 +802,17 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
     l2norm_rows(kv_s, 1.0f);
     __syncthreads();
 
-    // A[r][s] = (q_r·k_s) e^(G_r − G_s) for s ≤ r, else 0.
+    // A[r][s] = (q_r·k_s) e^(G_r − G_s) for s ≤ r, else 0: rows m0..m0+15, columns 32(w%2)..+31.
     {
+        const int n_base = 32 * (warp % 2);
         float acc[4][4];
-        rows_dot_64x64(q_s, kv_s, acc);
+        rows_dot_tile(q_s, kv_s, m0, n_base, acc);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int r = a + 16 * i, s = b + 16 * j;
-                A_s[r * LPITCH + s] = s <= r ? acc[i][j] * expf(G_s[r] - G_s[s]) : 0.0f;
+            for (int e = 0; e < 4; ++e) {
+                const int r = m0 + g + 8 * (e / 2), s = n_base + 8 * j + 2 * t + e % 2;
+                A_s[r * LPITCH + s] = s <= r ? acc[j][e] * expf(G_s[r] - G_s[s]) : 0.0f;
             }
     }
     __syncthreads();  // q and k no longer read as they are
@@ -743,15 +828,15 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
         q.z *= f;
         q.w *= f;
         *qr = q;
-        *reinterpret_cast<float4*>(kv_s + r * PITCH + d) = reinterpret_cast<const float4*>(p.ws_u + tile)[e];
+        *reinterpret_cast<float4*>(kv_s + r * VPITCH + d) = reinterpret_cast<const float4*>(p.ws_u + tile)[e];
     }
-    __syncthreads();
 
-    float acc[4][8];
+    const int n_base = 64 * (warp % 2);
+    float acc[8][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
 
     // The inter-chunk part (q e^G)·S_chunk, S streamed through shared memory 32 rows at a time.
     const float* hsrc = p.ws_h + ((i64)chunk * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE;
@@ -759,87 +844,67 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
     for (int d0 = 0; d0 < GDN_DK; d0 += 32) {
         for (int e = tid; e < 32 * GDN_DV / 4; e += PF_THREADS) {
             const int r = e / (GDN_DV / 4), v = (e % (GDN_DV / 4)) * 4;
-            *reinterpret_cast<float4*>(H_s + r * PITCH + v) =
-                *reinterpret_cast<const float4*>(hsrc + (d0 + r) * GDN_DV + v);
+            *reinterpret_cast<float4*>(H_s + r * VPITCH + v) = *reinterpret_cast<const float4*>(hsrc + (d0 + r) * GDN_DV + v);
         }
-        __syncthreads();
+        __syncthreads();  // the slab (and, the first time, q e^G and Vn) are in place
 #pragma unroll 2
-        for (int d = 0; d < 32; d += 4) {
-            float4 qr[4];
+        for (int k0 = 0; k0 < 32; k0 += 8) {
+            u32 ahi[4], alo[4];
+            load_a_split(ahi, alo, q_s, PITCH, 1, m0, d0 + k0, g, t);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) qr[i] = *reinterpret_cast<const float4*>(q_s + (a + 16 * i) * PITCH + d0 + d);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float4 h0 = *reinterpret_cast<const float4*>(H_s + (d + e) * PITCH + 4 * b);
-                const float4 h1 = *reinterpret_cast<const float4*>(H_s + (d + e) * PITCH + 64 + 4 * b);
-                const float hv8[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float qv = e == 0 ? qr[i].x : e == 1 ? qr[i].y : e == 2 ? qr[i].z : qr[i].w;
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[i][j] += qv * hv8[j];
-                }
+            for (int j = 0; j < 8; ++j) {
+                u32 bhi[2], blo[2];
+                load_b_split(bhi, blo, H_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
+                mma_3xtf32(acc[j], ahi, alo, bhi, blo);
             }
         }
         __syncthreads();  // H_s free for the next slab
     }
 
-    // The intra-chunk part A·Vn.
-#pragma unroll 2
-    for (int s = 0; s < CHUNK; s += 4) {
-        float4 ar[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ar[i] = *reinterpret_cast<const float4*>(A_s + (a + 16 * i) * LPITCH + s);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float4 v0 = *reinterpret_cast<const float4*>(kv_s + (s + e) * PITCH + 4 * b);
-            const float4 v1 = *reinterpret_cast<const float4*>(kv_s + (s + e) * PITCH + 64 + 4 * b);
-            const float vv8[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float av = e == 0 ? ar[i].x : e == 1 ? ar[i].y : e == 2 ? ar[i].z : ar[i].w;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[i][j] += av * vv8[j];
-            }
-        }
-    }
-
-    // Gated RMSNorm per row (as in gdn_decode), written for the real rows only.
-    const float4 wa = *reinterpret_cast<const float4*>(p.norm_w + 4 * b);
-    const float4 wb = *reinterpret_cast<const float4*>(p.norm_w + 64 + 4 * b);
-    const float wv[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float ob[8], ss = 0.0f;
+    // The intra-chunk part A·Vn; A's rows m0..m0+15 are zero past column m0 + 15.
+#pragma unroll 1
+    for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+        u32 ahi[4], alo[4];
+        load_a_split(ahi, alo, A_s, LPITCH, 1, m0, k0, g, t);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            ob[j] = bf16_round(acc[i][j]);
-            ss += ob[j] * ob[j];
+            u32 bhi[2], blo[2];
+            load_b_split(bhi, blo, kv_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
+            mma_3xtf32(acc[j], ahi, alo, bhi, blo);
         }
+    }
+    __syncthreads();  // every warp is done with q_s, which takes the outputs now
 #pragma unroll
-        for (int off = 1; off < 16; off *= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-        const float rinv = rsqrtf(ss / GDN_DV + p.eps);
-        const int t = t0 + a + 16 * i;
-        if (t >= p.rows) continue;
-        const bf16* zr = p.z + t * p.z_stride + hv * GDN_DV;
-        bf16* yr = p.y + (i64)t * GDN_VALUE_DIM + hv * GDN_DV;
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int col = half * 64 + 4 * b;
-            const uint2 zw = *reinterpret_cast<const uint2*>(zr + col);
-            const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&zw.x));
-            const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&zw.y));
-            const float zf[4] = {z01.x, z01.y, z23.x, z23.y};
-            float yv[4];
+        for (int hh = 0; hh < 2; ++hh)
+            *reinterpret_cast<float2*>(q_s + (m0 + g + 8 * hh) * PITCH + n_base + 8 * j + 2 * t) =
+                make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+    __syncthreads();
+
+    // Gated RMSNorm per row (as in gdn_decode), a warp per row, lane l on columns 4l..4l+3;
+    // written for the real rows only.
+    const float4 w4 = *reinterpret_cast<const float4*>(p.norm_w + 4 * lane);
+    const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+    for (int r = warp; r < CHUNK; r += PF_THREADS / 32) {
+        const float4 o4 = *reinterpret_cast<const float4*>(q_s + r * PITCH + 4 * lane);
+        const float ob[4] = {bf16_round(o4.x), bf16_round(o4.y), bf16_round(o4.z), bf16_round(o4.w)};
+        const float rinv = rsqrtf(warp_sum(ob[0] * ob[0] + ob[1] * ob[1] + ob[2] * ob[2] + ob[3] * ob[3]) / GDN_DV + p.eps);
+        const int tok = t0 + r;
+        if (tok >= p.rows) continue;
+        const int col = hv * GDN_DV + 4 * lane;
+        const uint2 zw = *reinterpret_cast<const uint2*>(p.z + tok * p.z_stride + col);
+        const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&zw.x));
+        const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&zw.y));
+        const float zf[4] = {z01.x, z01.y, z23.x, z23.y};
+        float yv[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                yv[j] = bf16_round(wv[4 * half + j] * bf16_round(ob[4 * half + j] * rinv)) * silu(zf[j]);
-            const bf162 y01 = __floats2bfloat162_rn(yv[0], yv[1]), y23 = __floats2bfloat162_rn(yv[2], yv[3]);
-            uint2 out;
-            out.x = *reinterpret_cast<const u32*>(&y01);
-            out.y = *reinterpret_cast<const u32*>(&y23);
-            *reinterpret_cast<uint2*>(yr + col) = out;
-        }
+        for (int j = 0; j < 4; ++j) yv[j] = bf16_round(wv[j] * bf16_round(ob[j] * rinv)) * silu(zf[j]);
+        const bf162 y01 = __floats2bfloat162_rn(yv[0], yv[1]), y23 = __floats2bfloat162_rn(yv[2], yv[3]);
+        uint2 out;
+        out.x = *reinterpret_cast<const u32*>(&y01);
+        out.y = *reinterpret_cast<const u32*>(&y23);
+        *reinterpret_cast<uint2*>(p.y + (i64)tok * GDN_VALUE_DIM + col) = out;
     }
 }
 

@@ -48,10 +48,11 @@ const PF_THREADS: u32 = 256;
 const ST_COLS: usize = 32;
 const PITCH: usize = 132;
 const LPITCH: usize = 68;
-const SPITCH: usize = 36;
+const VPITCH: usize = 136;
+const SPITCH: usize = 40;
 const PREP_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4;
-const STATE_SMEM: usize = (2 * (2 * CHUNK * PITCH + CHUNK * SPITCH) + HEAD_DIM * SPITCH) * 4;
-const OUT_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 32 * PITCH + CHUNK) * 4;
+const STATE_SMEM: usize = (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + HEAD_DIM * SPITCH) * 4;
+const OUT_SMEM: usize = (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4;
 
 /// Checks that a model's GDN layers have the shapes these kernels are compiled for.
 pub fn check_config(c: &ModelConfig) -> Result<()> {
