@@ -5,7 +5,8 @@
 //! Tolerances (the GPU keeps fp32 everywhere the reference does; differences are summation order):
 //! * outputs y (bf16) vs the f32 reference: per element |gpu − ref| ≤ 2e-2·|ref| + 2e-3·rms(head),
 //!   and the mean relative error ≤ 5e-3. The GPU rounds o, the normalised o, w·norm(o) and y to
-//!   bf16 (as transformers does; 4 roundings of ≤ 2⁻⁸ relative each), the reference rounds nothing.
+//!   bf16 (as transformers does; 4 roundings of ≤ 2⁻⁸ relative each, ≤ 1.6% together), the
+//!   reference rounds nothing. Two GPU paths compared with each other: 4e-2 (each within 1.6%).
 //! * fp32 recurrent state: max |gpu − ref| ≤ 1e-4 · max |ref| per sequence.
 //! * bf16 conv state: bit-exact (it is a copy of inputs).
 //! Every output is poisoned with NaN before a launch, so an element never written fails.
@@ -30,6 +31,7 @@ use rayon::prelude::*;
 
 const EPS: f32 = 1e-6;
 const Y_REL: f32 = 2e-2;
+const Y_REL_GPU_PAIR: f32 = 4e-2;
 const Y_ABS: f32 = 2e-3;
 const Y_MEAN_REL: f32 = 5e-3;
 const STATE_REL: f32 = 1e-4;
@@ -267,9 +269,9 @@ fn reference(l: &HostLayer, x: &HostInputs, st: &mut HostState, chunked: bool) -
     y
 }
 
-/// Checks bf16 outputs `[rows][4096]` against the f32 reference (tolerances at the top); returns
-/// (max, mean) relative error.
-fn check_y(what: &str, gpu: &[bf16], want: &[f32]) -> (f32, f32) {
+/// Checks bf16 outputs `[rows][4096]` against a reference, per element within `rel`·|ref| +
+/// Y_ABS·rms(head) (see the top); returns (max, mean) relative error.
+fn check_y(what: &str, gpu: &[bf16], want: &[f32], rel_tol: f32) -> (f32, f32) {
     assert_eq!(gpu.len(), want.len(), "{what}: output length");
     let (mut max_rel, mut sum_rel, mut n_rel) = (0f32, 0f64, 0usize);
     for (h, (g, w)) in gpu.chunks(HEAD_DIM).zip(want.chunks(HEAD_DIM)).enumerate() {
@@ -278,7 +280,7 @@ fn check_y(what: &str, gpu: &[bf16], want: &[f32]) -> (f32, f32) {
             let g = g.to_f32();
             let err = (g - w).abs();
             assert!(
-                g.is_finite() && err <= Y_REL * w.abs() + Y_ABS * rms,
+                g.is_finite() && err <= rel_tol * w.abs() + Y_ABS * rms,
                 "{what}: row {} head {} dim {i}: gpu {g}, reference {w} (head rms {rms})",
                 h / VALUE_HEADS,
                 h % VALUE_HEADS
@@ -366,7 +368,7 @@ fn decode_matches_reference() {
                 continue;
             }
             let want = reference(&layer, &x.rows(i, 1), &mut states[slot as usize], false);
-            max_rel = max_rel.max(check_y(&format!("decode step {step} row {i}"), row, &want).0);
+            max_rel = max_rel.max(check_y(&format!("decode step {step} row {i}"), row, &want, Y_REL).0);
         }
     }
     for (slot, (ssm, conv)) in pools.download(&stream).iter().enumerate() {
@@ -402,7 +404,7 @@ fn prefill_matches_reference() {
             .expect("prefill");
         let y = download(&stream, &y);
         let want = reference(&layer, &x, &mut st, true);
-        let (max_rel, mean_rel) = check_y(&format!("prefill T={t}"), &y, &want);
+        let (max_rel, mean_rel) = check_y(&format!("prefill T={t}"), &y, &want, Y_REL);
         let (ssm, conv) = &pools.download(&stream)[0];
         let state_err = check_state(&format!("prefill T={t}"), ssm, conv, &st);
         println!("prefill T={t}: y max/mean relative error {max_rel:.2e}/{mean_rel:.2e}, state error / scale {state_err:.2e}");
@@ -472,18 +474,21 @@ fn prefill_then_decode_matches_decode_only() {
     let mut want = initial.clone();
     let y_ref = reference(&layer, &x, &mut want, false);
     let (y_a, y_b) = (download(&stream, &y_a), download(&stream, &y_b));
-    let (rel_b, _) = check_y("decode-only vs CPU", &y_b, &y_ref);
+    let (rel_a, _) = check_y("prefill+decode vs CPU", &y_a, &y_ref, Y_REL);
+    let (rel_b, _) = check_y("decode-only vs CPU", &y_b, &y_ref, Y_REL);
     let (ssm_b, conv_b) = &pools_b.download(&stream)[0];
     let err_b = check_state("decode-only vs CPU", ssm_b, conv_b, &want);
 
-    // Prefill + decode against decode-only: both bf16, so compare each to the other as reference.
+    // Prefill + decode against decode-only directly: the two differ only where fp32 noise moves a
+    // value across a bf16 rounding boundary, so the mean difference is far below the CPU's.
     let y_b_f32: Vec<f32> = y_b.iter().map(|v| v.to_f32()).collect();
-    let (rel_ab, _) = check_y("prefill+decode vs decode-only", &y_a, &y_b_f32);
+    let (rel_ab, mean_ab) = check_y("prefill+decode vs decode-only", &y_a, &y_b_f32, Y_REL_GPU_PAIR);
     let (ssm_a, conv_a) = &pools_a.download(&stream)[0];
     let state_b = HostState { conv: conv_b.iter().map(|v| v.to_f32()).collect(), ssm: ssm_b.clone() };
     let err_ab = check_state("prefill+decode vs decode-only", ssm_a, conv_a, &state_b);
     println!(
-        "decode-only vs CPU: y {rel_b:.2e}, state {err_b:.2e}; prefill+decode vs decode-only: y {rel_ab:.2e}, state {err_ab:.2e}"
+        "vs CPU: y max relative error prefill+decode {rel_a:.2e}, decode-only {rel_b:.2e}, state {err_b:.2e}; \
+         prefill+decode vs decode-only: y max/mean {rel_ab:.2e}/{mean_ab:.2e}, state {err_ab:.2e}"
     );
 }
 

@@ -371,9 +371,88 @@ extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
 //                      then the gated RMSNorm
 //   gdn_conv_update    the conv state after the last token (last: the others read the old one)
 // Only gdn_prefill_state is sequential; it splits the dv columns, which evolve independently.
-// Precision: the state must match the recurrent form to ~1e-5 over thousands of tokens, so what
-// feeds it stays fp32: gdn_prefill_prep on the CUDA cores, gdn_prefill_state on the tensor cores
-// with 3xTF32 (fp32-accurate). gdn_prefill_out feeds only the bf16 outputs: plain tf32 products.
+// Precision: the state must match the recurrent form to ~1e-5 over thousands of tokens and the
+// outputs must agree with decode, so everything is fp32-accurate: gdn_prefill_prep on the CUDA
+// cores, the products of gdn_prefill_state and gdn_prefill_out on the tensor cores in 3xTF32.
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most one group of this thread's copies is still in flight.
+__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor cores: mma.m16n8k8 with tf32 operands and fp32 accumulators. Fragments, lane = 4g + t:
+//   A (16×8, row-major)  a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]}
+//   B (8×8, k × n)       b = {B[t][g], B[t+4][g]}
+//   C, D (16×8)          d = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}
+// A tf32 operand keeps 10 of fp32's 23 mantissa bits, too few here, so every product splits its
+// operands as x = hi + lo (both tf32) and sums hi·hi + hi·lo + lo·hi ("3xTF32"): as accurate as
+// fp32, at three tensor-core products for one, still several times the fp32 CUDA-core rate.
+
+__device__ __forceinline__ u32 tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// d += a·b.
+__device__ __forceinline__ void mma_tf32(float d[4], const u32 a[4], const u32 b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The four A values of lane (g, t) for the tile at (m0, k0) of a matrix with element (m, k) at
+// x[m · ms + k · ks] (row-major: ms = pitch, ks = 1; transposed storage: ms = 1, ks = pitch).
+__device__ __forceinline__ void load_a(float v[4], const float* x, int ms, int ks, int m0, int k0, int g, int t) {
+    v[0] = x[(m0 + g) * ms + (k0 + t) * ks];
+    v[1] = x[(m0 + g + 8) * ms + (k0 + t) * ks];
+    v[2] = x[(m0 + g) * ms + (k0 + t + 4) * ks];
+    v[3] = x[(m0 + g + 8) * ms + (k0 + t + 4) * ks];
+}
+// The two B values of lane (g, t) for the tile at (k0, n0), element (k, n) at x[k · ks + n · ns].
+__device__ __forceinline__ void load_b(float v[2], const float* x, int ks, int ns, int k0, int n0, int g, int t) {
+    v[0] = x[(k0 + t) * ks + (n0 + g) * ns];
+    v[1] = x[(k0 + t + 4) * ks + (n0 + g) * ns];
+}
+
+// x = hi + lo with hi, lo tf32.
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+    hi = tf32(x);
+    lo = tf32(x - __uint_as_float(hi));
+}
+
+// d += a·b to fp32 accuracy from split operands (the small products first).
+__device__ __forceinline__ void mma_3xtf32(float d[4], const u32 ahi[4], const u32 alo[4], const u32 bhi[2], const u32 blo[2]) {
+    mma_tf32(d, alo, bhi);
+    mma_tf32(d, ahi, blo);
+    mma_tf32(d, ahi, bhi);
+}
+
+// The split A fragment of the tile at (m0, k0) (see load_a), negated when `neg`.
+__device__ __forceinline__ void load_a_split(u32 hi[4], u32 lo[4], const float* x, int ms, int ks, int m0, int k0, int g, int t,
+                                             bool neg = false) {
+    float v[4];
+    load_a(v, x, ms, ks, m0, k0, g, t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split_tf32(neg ? -v[e] : v[e], hi[e], lo[e]);
+}
+// The split B fragment of the tile at (k0, n0) (see load_b).
+__device__ __forceinline__ void load_b_split(u32 hi[2], u32 lo[2], const float* x, int ks, int ns, int k0, int n0, int g, int t) {
+    float v[2];
+    load_b(v, x, ks, ns, k0, n0, g, t);
+    split_tf32(v[0], hi[0], lo[0]);
+    split_tf32(v[1], hi[1], lo[1]);
+}
+
+// Rows of 128 values read as the k × n operand B of an mma: a pitch of 8 (mod 32) floats spreads
+// the lanes' (row t, column g) reads over all banks. For 32-column slices: 40.
+#define VPITCH 136
+#define SPITCH 40
 
 // Conv + SiLU of the chunk starting at token t0, for two heads of 128 channels starting at channels
 // ch0 and ch1, into dst0 and dst1 ([64][PITCH] floats in shared memory). Rows past T are zeros.
@@ -466,28 +545,26 @@ __device__ void l2norm_rows(float* x, float scale) {
     }
 }
 
-// acc[i][j] = x_(a+16i) · y_(b+16j) over 128 values, for the 64 × 64 products of the rows of x and y
-// (shared, pitch PITCH); thread (a, b) = (tid / 16, tid % 16) takes a 4 × 4 tile, strided by 16 so
-// that a warp's reads of y rows b, b+1, ... are conflict-free.
-__device__ __forceinline__ void rows_dot_64x64(const float* x, const float* y, float acc[4][4]) {
-    const int a = threadIdx.x / 16, b = threadIdx.x % 16;
+// acc[j] = the 16 × 8 tiles at rows m0.., columns n_base + 8j (j < 4) of x·yᵀ, for x and y 64 rows of
+// 128 values (shared, pitch PITCH), in 3xTF32. Tiles wholly above the diagonal (first column past
+// m0 + 15) are not computed and stay zero: the callers keep only s ≤ r.
+__device__ __forceinline__ void rows_dot_tile(const float* x, const float* y, int m0, int n_base, float acc[4][4]) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
-#pragma unroll 4
-    for (int d = 0; d < GDN_DK; d += 4) {
-        float4 xr[4], yr[4];
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
+        u32 ahi[4], alo[4];
+        load_a_split(ahi, alo, x, PITCH, 1, m0, k0, g, t);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            xr[i] = *reinterpret_cast<const float4*>(x + (a + 16 * i) * PITCH + d);
-            yr[i] = *reinterpret_cast<const float4*>(y + (b + 16 * i) * PITCH + d);
+        for (int j = 0; j < 4; ++j) {
+            if (n_base + 8 * j > m0 + 15) continue;  // the same for the whole warp
+            u32 bhi[2], blo[2];
+            load_b_split(bhi, blo, y, 1, PITCH, k0, n_base + 8 * j, g, t);  // B = yᵀ: (k, n) at y[n][k]
+            mma_3xtf32(acc[j], ahi, alo, bhi, blo);
         }
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                acc[i][j] += xr[i].x * yr[j].x + xr[i].y * yr[j].y + xr[i].z * yr[j].z + xr[i].w * yr[j].w;
     }
 }
 
@@ -510,16 +587,17 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     __syncthreads();
 
     // L[r][s] = β_r (k_r·k_s) e^(G_r − G_s) for s < r (the reference's order of factors), else 0.
+    // Warp w: rows 16(w/2)..+15, columns 32(w%2)..+31 (C-fragment layout, see mma_tf32).
     {
+        const int m0 = 16 * (tid / 64), n_base = 32 * (tid / 32 % 2), g = tid % 32 / 4, t = tid % 4;
         float acc[4][4];
-        rows_dot_64x64(k_s, k_s, acc);
-        const int a = tid / 16, b = tid % 16;
+        rows_dot_tile(k_s, k_s, m0, n_base, acc);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int r = a + 16 * i, s = b + 16 * j;
-                L_s[r * LPITCH + s] = s < r ? beta_s[r] * acc[i][j] * expf(G_s[r] - G_s[s]) : 0.0f;
+            for (int e = 0; e < 4; ++e) {
+                const int r = m0 + g + 8 * (e / 2), s = n_base + 8 * j + 2 * t + e % 2;
+                L_s[r * LPITCH + s] = s < r ? beta_s[r] * acc[j][e] * expf(G_s[r] - G_s[s]) : 0.0f;
             }
     }
     const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;  // this (chunk, head) in ws_*
@@ -562,62 +640,6 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
         reinterpret_cast<float4*>(p.ws_u + tile)[e] = *reinterpret_cast<const float4*>(v_s + r * PITCH + d);
     }
 }
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Waits until at most one group of this thread's copies is still in flight.
-__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-
-// ---------------------------------------------------------------------------------------------
-// Tensor cores: mma.m16n8k8 with tf32 operands and fp32 accumulators. Fragments, lane = 4g + t:
-//   A (16×8, row-major)  a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]}
-//   B (8×8, k × n)       b = {B[t][g], B[t+4][g]}
-//   C, D (16×8)          d = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}
-// A tf32 operand keeps 10 of fp32's 23 mantissa bits. Where the state depends on a product it is
-// split as x = hi + lo (both tf32) and computed as hi·hi + hi·lo + lo·hi ("3xTF32"), which is as
-// accurate as fp32; the outputs only need the plain tf32 product.
-
-__device__ __forceinline__ u32 tf32(float x) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
-// d += a·b.
-__device__ __forceinline__ void mma_tf32(float d[4], const u32 a[4], const u32 b[2]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// x = hi + lo with hi, lo tf32.
-__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
-    hi = tf32(x);
-    lo = tf32(x - __uint_as_float(hi));
-}
-
-// The four A values of lane (g, t) for the tile at (m0, k0) of a matrix with element (m, k) at
-// x[m · ms + k · ks] (row-major: ms = pitch, ks = 1; transposed storage: ms = 1, ks = pitch).
-__device__ __forceinline__ void load_a(float v[4], const float* x, int ms, int ks, int m0, int k0, int g, int t) {
-    v[0] = x[(m0 + g) * ms + (k0 + t) * ks];
-    v[1] = x[(m0 + g + 8) * ms + (k0 + t) * ks];
-    v[2] = x[(m0 + g) * ms + (k0 + t + 4) * ks];
-    v[3] = x[(m0 + g + 8) * ms + (k0 + t + 4) * ks];
-}
-// The two B values of lane (g, t) for the tile at (k0, n0), element (k, n) at x[k · ks + n · ns].
-__device__ __forceinline__ void load_b(float v[2], const float* x, int ks, int ns, int k0, int n0, int g, int t) {
-    v[0] = x[(k0 + t) * ks + (n0 + g) * ns];
-    v[1] = x[(k0 + t + 4) * ks + (n0 + g) * ns];
-}
-
-// Rows of 128 values read as the k × n operand B of an mma: a pitch of 8 (mod 32) floats spreads
-// the lanes' (row t, column g) reads over all banks. For 32-column slices: 40.
-#define VPITCH 136
-#define SPITCH 40
 
 // Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, K̃ and U, and S.
 #define STATE_SMEM ((2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + GDN_DK * SPITCH) * 4)
@@ -701,21 +723,13 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
                 for (int e = 0; e < 4; ++e) acc[j][e] = U[(vm0 + g + 8 * (e / 2)) * SPITCH + vn0 + 8 * j + 2 * t + e % 2];
 #pragma unroll 4
             for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
-                float av[4];
                 u32 ahi[4], alo[4];
-                load_a(av, W, PITCH, 1, vm0, k0, g, t);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) split_tf32(-av[e], ahi[e], alo[e]);
+                load_a_split(ahi, alo, W, PITCH, 1, vm0, k0, g, t, true);
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
-                    float bv[2];
                     u32 bhi[2], blo[2];
-                    load_b(bv, S_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
-                    split_tf32(bv[0], bhi[0], blo[0]);
-                    split_tf32(bv[1], bhi[1], blo[1]);
-                    mma_tf32(acc[j], alo, bhi);
-                    mma_tf32(acc[j], ahi, blo);
-                    mma_tf32(acc[j], ahi, bhi);
+                    load_b_split(bhi, blo, S_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
+                    mma_3xtf32(acc[j], ahi, alo, bhi, blo);
                 }
             }
             // Each value goes back to the U element it started from (no other thread reads those
@@ -739,21 +753,13 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
             for (int e = 0; e < 4; ++e) s[j][e] *= decay;
 #pragma unroll 2
         for (int k0 = 0; k0 < CHUNK; k0 += 8) {
-            float av[4];
             u32 ahi[4], alo[4];
-            load_a(av, K, 1, VPITCH, d0, k0, g, t);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) split_tf32(av[e], ahi[e], alo[e]);
+            load_a_split(ahi, alo, K, 1, VPITCH, d0, k0, g, t);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                float bv[2];
                 u32 bhi[2], blo[2];
-                load_b(bv, U, SPITCH, 1, k0, 8 * j, g, t);
-                split_tf32(bv[0], bhi[0], blo[0]);
-                split_tf32(bv[1], bhi[1], blo[1]);
-                mma_tf32(s[j], alo, bhi);
-                mma_tf32(s[j], ahi, blo);
-                mma_tf32(s[j], ahi, bhi);
+                load_b_split(bhi, blo, U, SPITCH, 1, k0, 8 * j, g, t);
+                mma_3xtf32(s[j], ahi, alo, bhi, blo);
             }
         }
 #pragma unroll
@@ -775,9 +781,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
 // Dynamic shared memory of gdn_prefill_out (bytes): q, k/Vn, A, a 32-row slab of S, G.
 #define OUT_SMEM ((CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4)
 
-// Grid (chunks, 32 value heads), 256 threads. The products run on the tensor cores in plain tf32
-// (they feed only the bf16 outputs): warp w computes rows 16(w/2)..+15 of the chunk's outputs,
-// columns 64(w%2)..+63, then the outputs go through shared memory to the gated norm, a warp per row.
+// Grid (chunks, 32 value heads), 256 threads. The products run on the tensor cores in 3xTF32 (plain
+// tf32 would add noise of ~1e-3 of a head's rms to the outputs, 1/3 of a bf16 rounding; prefill then
+// agrees with decode as closely as fp32 allows): warp w computes rows 16(w/2)..+15 of the chunk's
+// outputs, columns 64(w%2)..+63; the outputs go through shared memory to the gated norm, a warp per row.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(const GdnArgs p) {
     extern __shared__ float4 smem4[];
     float* q_s = reinterpret_cast<float*>(smem4);  // [64][PITCH]: q, then q e^G, then the outputs
@@ -795,31 +802,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
     l2norm_rows(kv_s, 1.0f);
     __syncthreads();
 
-    // A[r][s] = (q_r·k_s) e^(G_r − G_s) for s ≤ r, else 0: rows m0..m0+15, columns 32(w%2)..+31;
-    // tiles wholly above the diagonal are zeros without a product.
+    // A[r][s] = (q_r·k_s) e^(G_r − G_s) for s ≤ r, else 0: rows m0..m0+15, columns 32(w%2)..+31.
     {
         const int n_base = 32 * (warp % 2);
         float acc[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
-#pragma unroll 4
-        for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
-            float av[4];
-            u32 a[4];
-            load_a(av, q_s, PITCH, 1, m0, k0, g, t);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) a[e] = tf32(av[e]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (n_base + 8 * j > m0 + 15) continue;  // the same for the whole warp
-                float bv[2];
-                load_b(bv, kv_s, 1, PITCH, k0, n_base + 8 * j, g, t);  // B = kᵀ: element (k, n) at k_s[n][k]
-                const u32 b[2] = {tf32(bv[0]), tf32(bv[1])};
-                mma_tf32(acc[j], a, b);
-            }
-        }
+        rows_dot_tile(q_s, kv_s, m0, n_base, acc);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -860,19 +847,15 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
             *reinterpret_cast<float4*>(H_s + r * VPITCH + v) = *reinterpret_cast<const float4*>(hsrc + (d0 + r) * GDN_DV + v);
         }
         __syncthreads();  // the slab (and, the first time, q e^G and Vn) are in place
-#pragma unroll
+#pragma unroll 2
         for (int k0 = 0; k0 < 32; k0 += 8) {
-            float av[4];
-            u32 a[4];
-            load_a(av, q_s, PITCH, 1, m0, d0 + k0, g, t);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) a[e] = tf32(av[e]);
+            u32 ahi[4], alo[4];
+            load_a_split(ahi, alo, q_s, PITCH, 1, m0, d0 + k0, g, t);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                float bv[2];
-                load_b(bv, H_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
-                const u32 b[2] = {tf32(bv[0]), tf32(bv[1])};
-                mma_tf32(acc[j], a, b);
+                u32 bhi[2], blo[2];
+                load_b_split(bhi, blo, H_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
+                mma_3xtf32(acc[j], ahi, alo, bhi, blo);
             }
         }
         __syncthreads();  // H_s free for the next slab
@@ -881,17 +864,13 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
     // The intra-chunk part A·Vn; A's rows m0..m0+15 are zero past column m0 + 15.
 #pragma unroll 1
     for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
-        float av[4];
-        u32 a[4];
-        load_a(av, A_s, LPITCH, 1, m0, k0, g, t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) a[e] = tf32(av[e]);
+        u32 ahi[4], alo[4];
+        load_a_split(ahi, alo, A_s, LPITCH, 1, m0, k0, g, t);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-            float bv[2];
-            load_b(bv, kv_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
-            const u32 b[2] = {tf32(bv[0]), tf32(bv[1])};
-            mma_tf32(acc[j], a, b);
+            u32 bhi[2], blo[2];
+            load_b_split(bhi, blo, kv_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
+            mma_3xtf32(acc[j], ahi, alo, bhi, blo);
         }
     }
     __syncthreads();  // every warp is done with q_s, which takes the outputs now
