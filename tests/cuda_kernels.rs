@@ -505,11 +505,13 @@ fn format_name(bits: u32) -> &'static str {
 }
 
 /// A GEMV output against the f64 reference: per element within half a bf16 ulp plus `tol`
-/// (from HostMatrices::gemv), and norm-wise within half an ulp.
+/// (from HostMatrices::gemv), and norm-wise within half an ulp. The norm-wise bound is a
+/// statement about many roundings averaging out, so it is checked only on outputs of at least
+/// 64 values (a single output near zero can have any relative rounding error).
 fn check_gemv(what: &str, got: &[bf16], want: &[f64], tol: &[f64]) {
     let norm_err = check(what, got, want, HALF_ULP, &|i| tol[i]);
     assert!(
-        norm_err < HALF_ULP,
+        got.len() < 64 || norm_err < HALF_ULP,
         "{what}: norm-wise error {norm_err:.2e}"
     );
 }

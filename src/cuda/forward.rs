@@ -35,7 +35,8 @@ pub struct CudaOptions {
     pub max_sequences: usize,
     /// Tokens per sequence (KV cache capacity).
     pub max_context: usize,
-    /// Prompt tokens per forward chunk.
+    /// Prompt tokens per forward chunk. Long chunks keep the tensor cores busy (each expert sees
+    /// ~chunk/32 rows); the workspaces grow with it (~100 KiB per token).
     pub prefill_chunk: usize,
     /// Replay decode steps from a captured CUDA graph.
     pub cuda_graphs: bool,
@@ -43,7 +44,7 @@ pub struct CudaOptions {
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { max_sequences: 4, max_context: 32768, prefill_chunk: 256, cuda_graphs: true }
+        CudaOptions { max_sequences: 4, max_context: 32768, prefill_chunk: 4096, cuda_graphs: true }
     }
 }
 
