@@ -1,5 +1,6 @@
 // Gated DeltaNet layer kernels (spec/MODEL.md §3.6): everything between the input projections
-// (qkv, z, b, a) and the output projection. Activations bf16 in and out; all arithmetic fp32.
+// (qkv, z, b, a) and the output projection. Activations bf16 in and out; all arithmetic fp32 or,
+// on the tensor cores, as accurate as fp32 (3xTF32, see mma_3xtf32).
 //
 // Shapes are those of Qwen3.6-35B-A3B, fixed at compile time (gdn.rs checks a config against them):
 // conv_dim 8192 = q 2048 ‖ k 2048 ‖ v 4096, conv kernel 4; 16 key heads and 32 value heads of 128;
