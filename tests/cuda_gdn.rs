@@ -19,8 +19,8 @@ use std::sync::Arc;
 use half::bf16;
 use lily::config::ModelConfig;
 use lily::cuda::gdn::{
-    check_config, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace, Rows, CONV_DIM, CONV_KERNEL, CONV_STATE_LEN, HEAD_DIM,
-    KEY_DIM, KEY_HEADS, PROJ_DIM, SSM_STATE_LEN, VALUE_DIM, VALUE_HEADS,
+    check_config, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace, Rows, CONV_DIM, CONV_KERNEL,
+    CONV_STATE_LEN, HEAD_DIM, KEY_DIM, KEY_HEADS, PROJ_DIM, SSM_STATE_LEN, VALUE_DIM, VALUE_HEADS,
 };
 use lily::cuda::{CudaDevice, CudaSlice, CudaStream};
 use lily::model::cpu::gdn::{causal_conv, delta_rule_chunked, delta_rule_recurrent, CHUNK};
@@ -41,7 +41,10 @@ fn device() -> CudaDevice {
 }
 
 fn rng(test: &str) -> SmallRng {
-    let seed = std::env::var("LILY_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random::<u64>);
+    let seed = std::env::var("LILY_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
     println!("{test}: seed {seed} (LILY_TEST_SEED={seed} repeats it)");
     SmallRng::seed_from_u64(seed)
 }
@@ -94,7 +97,12 @@ struct DevLayer {
 impl DevLayer {
     fn upload(stream: &Arc<CudaStream>, l: &HostLayer) -> Self {
         let up = |v: &[f32]| stream.clone_htod(v).expect("upload");
-        Self { conv_w: up(&l.conv_w), a_log: up(&l.a_log), dt_bias: up(&l.dt_bias), norm_w: up(&l.norm_w) }
+        Self {
+            conv_w: up(&l.conv_w),
+            a_log: up(&l.a_log),
+            dt_bias: up(&l.dt_bias),
+            norm_w: up(&l.norm_w),
+        }
     }
     fn weights(&self) -> GdnWeights<'_> {
         GdnWeights {
@@ -118,7 +126,12 @@ struct HostInputs {
 
 impl HostInputs {
     fn random(rng: &mut SmallRng, rows: usize) -> Self {
-        let mut gen = |n: usize, lo: f32, hi: f32| -> Vec<f32> { uniform(rng, n, lo, hi).into_iter().map(round_bf16).collect() };
+        let mut gen = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
+            uniform(rng, n, lo, hi)
+                .into_iter()
+                .map(round_bf16)
+                .collect()
+        };
         Self {
             rows,
             qkv: gen(rows * CONV_DIM, -2.0, 2.0),
@@ -144,10 +157,18 @@ impl HostInputs {
         let mut out = vec![bf16::NAN; self.rows * stride];
         for r in 0..self.rows {
             let row = &mut out[r * stride..];
-            let parts: [(&[f32], usize); 4] = [(&self.qkv, CONV_DIM), (&self.z, VALUE_DIM), (&self.b, VALUE_HEADS), (&self.a, VALUE_HEADS)];
+            let parts: [(&[f32], usize); 4] = [
+                (&self.qkv, CONV_DIM),
+                (&self.z, VALUE_DIM),
+                (&self.b, VALUE_HEADS),
+                (&self.a, VALUE_HEADS),
+            ];
             let mut at = 0;
             for (src, width) in parts {
-                for (dst, &v) in row[at..at + width].iter_mut().zip(&src[r * width..(r + 1) * width]) {
+                for (dst, &v) in row[at..at + width]
+                    .iter_mut()
+                    .zip(&src[r * width..(r + 1) * width])
+                {
                     *dst = bf16::from_f32(v);
                 }
                 at += width;
@@ -168,14 +189,31 @@ struct DevInputs {
 impl DevInputs {
     fn upload(stream: &Arc<CudaStream>, x: &HostInputs) -> Self {
         let up = |v: &[f32]| stream.clone_htod(&to_bf16(v)).expect("upload");
-        Self { qkv: up(&x.qkv), z: up(&x.z), b: up(&x.b), a: up(&x.a) }
+        Self {
+            qkv: up(&x.qkv),
+            z: up(&x.z),
+            b: up(&x.b),
+            a: up(&x.a),
+        }
     }
     fn inputs(&self) -> GdnInputs<'_> {
         GdnInputs {
-            qkv: Rows { data: self.qkv.slice(..), stride: CONV_DIM },
-            z: Rows { data: self.z.slice(..), stride: VALUE_DIM },
-            b: Rows { data: self.b.slice(..), stride: VALUE_HEADS },
-            a: Rows { data: self.a.slice(..), stride: VALUE_HEADS },
+            qkv: Rows {
+                data: self.qkv.slice(..),
+                stride: CONV_DIM,
+            },
+            z: Rows {
+                data: self.z.slice(..),
+                stride: VALUE_DIM,
+            },
+            b: Rows {
+                data: self.b.slice(..),
+                stride: VALUE_HEADS,
+            },
+            a: Rows {
+                data: self.a.slice(..),
+                stride: VALUE_HEADS,
+            },
         }
     }
 }
@@ -190,7 +228,10 @@ struct HostState {
 impl HostState {
     fn random(rng: &mut SmallRng) -> Self {
         Self {
-            conv: uniform(rng, CONV_STATE_LEN, -2.0, 2.0).into_iter().map(round_bf16).collect(),
+            conv: uniform(rng, CONV_STATE_LEN, -2.0, 2.0)
+                .into_iter()
+                .map(round_bf16)
+                .collect(),
             ssm: uniform(rng, SSM_STATE_LEN, -0.5, 0.5),
         }
     }
@@ -206,12 +247,18 @@ impl DevPools {
     fn upload(stream: &Arc<CudaStream>, states: &[HostState]) -> Self {
         let ssm: Vec<f32> = states.iter().flat_map(|s| s.ssm.iter().copied()).collect();
         let conv: Vec<f32> = states.iter().flat_map(|s| s.conv.iter().copied()).collect();
-        Self { ssm: stream.clone_htod(&ssm).expect("upload"), conv: stream.clone_htod(&to_bf16(&conv)).expect("upload") }
+        Self {
+            ssm: stream.clone_htod(&ssm).expect("upload"),
+            conv: stream.clone_htod(&to_bf16(&conv)).expect("upload"),
+        }
     }
     /// (ssm, conv) of slot `i`, as the host sees them.
     fn download(&self, stream: &Arc<CudaStream>) -> Vec<(Vec<f32>, Vec<bf16>)> {
         let (ssm, conv) = (download(stream, &self.ssm), download(stream, &self.conv));
-        ssm.chunks(SSM_STATE_LEN).zip(conv.chunks(CONV_STATE_LEN)).map(|(s, c)| (s.to_vec(), c.to_vec())).collect()
+        ssm.chunks(SSM_STATE_LEN)
+            .zip(conv.chunks(CONV_STATE_LEN))
+            .map(|(s, c)| (s.to_vec(), c.to_vec()))
+            .collect()
     }
 }
 
@@ -243,13 +290,24 @@ fn reference(l: &HostLayer, x: &HostInputs, st: &mut HostState, chunked: bool) -
         .enumerate()
         .map(|(j, s)| {
             let gather = |src: &[f32], width: usize, h: usize| -> Vec<f32> {
-                (0..t).flat_map(|r| src[r * width + h * HEAD_DIM..r * width + (h + 1) * HEAD_DIM].iter().copied()).collect()
+                (0..t)
+                    .flat_map(|r| {
+                        src[r * width + h * HEAD_DIM..r * width + (h + 1) * HEAD_DIM]
+                            .iter()
+                            .copied()
+                    })
+                    .collect()
             };
             let kh = j / (VALUE_HEADS / KEY_HEADS);
-            let (qj, kj, vj) = (gather(&q, KEY_DIM, kh), gather(&k, KEY_DIM, kh), gather(&v, VALUE_DIM, j));
+            let (qj, kj, vj) = (
+                gather(&q, KEY_DIM, kh),
+                gather(&k, KEY_DIM, kh),
+                gather(&v, VALUE_DIM, j),
+            );
             let bj: Vec<f32> = (0..t).map(|r| sigmoid(x.b[r * VALUE_HEADS + j])).collect();
-            let gj: Vec<f32> =
-                (0..t).map(|r| -l.a_log[j].exp() * softplus(x.a[r * VALUE_HEADS + j] + l.dt_bias[j])).collect();
+            let gj: Vec<f32> = (0..t)
+                .map(|r| -l.a_log[j].exp() * softplus(x.a[r * VALUE_HEADS + j] + l.dt_bias[j]))
+                .collect();
             if chunked {
                 delta_rule_chunked(&qj, &kj, &vj, &bj, &gj, HEAD_DIM, HEAD_DIM, s, CHUNK)
             } else {
@@ -263,7 +321,9 @@ fn reference(l: &HostLayer, x: &HostInputs, st: &mut HostState, chunked: bool) -
             let at = s * VALUE_DIM + j * HEAD_DIM;
             let out = &mut y[at..at + HEAD_DIM];
             rms_norm(&o[s * HEAD_DIM..(s + 1) * HEAD_DIM], &l.norm_w, EPS, out);
-            out.iter_mut().zip(&x.z[at..at + HEAD_DIM]).for_each(|(o, &z)| *o *= silu(z));
+            out.iter_mut()
+                .zip(&x.z[at..at + HEAD_DIM])
+                .for_each(|(o, &z)| *o *= silu(z));
         }
     }
     y
@@ -294,7 +354,10 @@ fn check_y(what: &str, gpu: &[bf16], want: &[f32], rel_tol: f32) -> (f32, f32) {
         }
     }
     let mean = (sum_rel / n_rel.max(1) as f64) as f32;
-    assert!(mean <= Y_MEAN_REL, "{what}: mean relative error {mean:.2e} > {Y_MEAN_REL:.0e}");
+    assert!(
+        mean <= Y_MEAN_REL,
+        "{what}: mean relative error {mean:.2e} > {Y_MEAN_REL:.0e}"
+    );
     (max_rel, mean)
 }
 
@@ -310,7 +373,11 @@ fn check_state(what: &str, ssm: &[f32], conv: &[bf16], want: &HostState) -> f32 
         }
     }
     let (err, i) = worst;
-    let (head, d, v) = (i / (HEAD_DIM * HEAD_DIM), i / HEAD_DIM % HEAD_DIM, i % HEAD_DIM);
+    let (head, d, v) = (
+        i / (HEAD_DIM * HEAD_DIM),
+        i / HEAD_DIM % HEAD_DIM,
+        i % HEAD_DIM,
+    );
     assert!(
         err <= STATE_REL * scale,
         "{what}: ssm head {head} [{d}][{v}]: gpu {}, reference {} (state scale {scale})",
@@ -318,7 +385,13 @@ fn check_state(what: &str, ssm: &[f32], conv: &[bf16], want: &HostState) -> f32 
         want.ssm[i]
     );
     for (i, (&g, &w)) in conv.iter().zip(&want.conv).enumerate() {
-        assert_eq!(g.to_f32(), w, "{what}: conv state row {} channel {}", i / CONV_DIM, i % CONV_DIM);
+        assert_eq!(
+            g.to_f32(),
+            w,
+            "{what}: conv state row {} channel {}",
+            i / CONV_DIM,
+            i % CONV_DIM
+        );
     }
     err / scale.max(f32::MIN_POSITIVE)
 }
@@ -329,7 +402,10 @@ fn config_of_the_real_model_is_supported() {
     let mut c = ModelConfig::from_json(&json).expect("config");
     check_config(&c).expect("the real shapes");
     assert_eq!(CONV_DIM, c.conv_dim());
-    assert_eq!(PROJ_DIM, c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads);
+    assert_eq!(
+        PROJ_DIM,
+        c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads
+    );
     c.linear_num_value_heads = 48;
     assert!(check_config(&c).is_err());
 }
@@ -356,27 +432,53 @@ fn decode_matches_reference() {
         let proj = stream.clone_htod(&x.fused(stride)).expect("upload");
         let proj_view = proj.slice(..);
         let inputs = GdnInputs::fused(&proj_view, stride).expect("fused inputs");
-        let mut y = stream.clone_htod(&vec![bf16::NAN; slots.len() * VALUE_DIM]).expect("upload");
+        let mut y = stream
+            .clone_htod(&vec![bf16::NAN; slots.len() * VALUE_DIM])
+            .expect("upload");
         kernels
-            .decode(&dl.weights(), &inputs, &slots_dev.slice(..), &mut pools.ssm.slice_mut(..), &mut pools.conv.slice_mut(..), &mut y.slice_mut(..))
+            .decode(
+                &dl.weights(),
+                &inputs,
+                &slots_dev.slice(..),
+                &mut pools.ssm.slice_mut(..),
+                &mut pools.conv.slice_mut(..),
+                &mut y.slice_mut(..),
+            )
             .expect("decode");
         let y = download(&stream, &y);
         for (i, &slot) in slots.iter().enumerate() {
             let row = &y[i * VALUE_DIM..(i + 1) * VALUE_DIM];
             if slot < 0 {
-                assert!(row.iter().all(|v| v.to_bits() == bf16::NAN.to_bits()), "step {step}: skipped row {i} was written");
+                assert!(
+                    row.iter().all(|v| v.to_bits() == bf16::NAN.to_bits()),
+                    "step {step}: skipped row {i} was written"
+                );
                 continue;
             }
             let want = reference(&layer, &x.rows(i, 1), &mut states[slot as usize], false);
-            max_rel = max_rel.max(check_y(&format!("decode step {step} row {i}"), row, &want, Y_REL).0);
+            max_rel =
+                max_rel.max(check_y(&format!("decode step {step} row {i}"), row, &want, Y_REL).0);
         }
     }
     for (slot, (ssm, conv)) in pools.download(&stream).iter().enumerate() {
         if slots.contains(&(slot as i32)) {
-            max_state = max_state.max(check_state(&format!("decode slot {slot}"), ssm, conv, &states[slot]));
+            max_state = max_state.max(check_state(
+                &format!("decode slot {slot}"),
+                ssm,
+                conv,
+                &states[slot],
+            ));
         } else {
-            assert!(ssm == &initial[slot].ssm, "slot {slot} is in no batch row but its ssm state changed");
-            assert!(conv.iter().zip(&initial[slot].conv).all(|(g, &w)| g.to_f32() == w), "slot {slot}: conv state changed");
+            assert!(
+                ssm == &initial[slot].ssm,
+                "slot {slot} is in no batch row but its ssm state changed"
+            );
+            assert!(
+                conv.iter()
+                    .zip(&initial[slot].conv)
+                    .all(|(g, &w)| g.to_f32() == w),
+                "slot {slot}: conv state changed"
+            );
         }
     }
     println!("decode: y max relative error {max_rel:.2e}, state max error / scale {max_state:.2e}");
@@ -398,9 +500,19 @@ fn prefill_matches_reference() {
         let mut pools = DevPools::upload(&stream, std::slice::from_ref(&st));
         // Sized above T (a whole chunk more), so chunks past the end exist and stay unused.
         let mut ws = GdnWorkspace::new(&stream, t + CHUNK).expect("workspace");
-        let mut y = stream.clone_htod(&vec![bf16::NAN; t * VALUE_DIM]).expect("upload");
+        let mut y = stream
+            .clone_htod(&vec![bf16::NAN; t * VALUE_DIM])
+            .expect("upload");
         kernels
-            .prefill(&dl.weights(), &dx.inputs(), t, &mut pools.ssm.slice_mut(..), &mut pools.conv.slice_mut(..), &mut ws, &mut y.slice_mut(..))
+            .prefill(
+                &dl.weights(),
+                &dx.inputs(),
+                t,
+                &mut pools.ssm.slice_mut(..),
+                &mut pools.conv.slice_mut(..),
+                &mut ws,
+                &mut y.slice_mut(..),
+            )
             .expect("prefill");
         let y = download(&stream, &y);
         let want = reference(&layer, &x, &mut st, true);
@@ -430,25 +542,28 @@ fn prefill_then_decode_matches_decode_only() {
     let slot0 = stream.clone_htod(&[0i32]).expect("upload");
 
     // Decode step i of both runs reads fused row i and writes row i of y.
-    let decode_steps = |pools: &mut DevPools, y: &mut CudaSlice<bf16>, rows: std::ops::Range<usize>| {
-        for i in rows {
-            let view = proj.slice(i * stride..);
-            let inputs = GdnInputs::fused(&view, stride).expect("fused inputs");
-            kernels
-                .decode(
-                    &dl.weights(),
-                    &inputs,
-                    &slot0.slice(..),
-                    &mut pools.ssm.slice_mut(..),
-                    &mut pools.conv.slice_mut(..),
-                    &mut y.slice_mut(i * VALUE_DIM..(i + 1) * VALUE_DIM),
-                )
-                .expect("decode");
-        }
-    };
+    let decode_steps =
+        |pools: &mut DevPools, y: &mut CudaSlice<bf16>, rows: std::ops::Range<usize>| {
+            for i in rows {
+                let view = proj.slice(i * stride..);
+                let inputs = GdnInputs::fused(&view, stride).expect("fused inputs");
+                kernels
+                    .decode(
+                        &dl.weights(),
+                        &inputs,
+                        &slot0.slice(..),
+                        &mut pools.ssm.slice_mut(..),
+                        &mut pools.conv.slice_mut(..),
+                        &mut y.slice_mut(i * VALUE_DIM..(i + 1) * VALUE_DIM),
+                    )
+                    .expect("decode");
+            }
+        };
 
     let mut pools_a = DevPools::upload(&stream, std::slice::from_ref(&initial));
-    let mut y_a = stream.clone_htod(&vec![bf16::NAN; n * VALUE_DIM]).expect("upload");
+    let mut y_a = stream
+        .clone_htod(&vec![bf16::NAN; n * VALUE_DIM])
+        .expect("upload");
     let mut ws = GdnWorkspace::new(&stream, t).expect("workspace");
     {
         let view = proj.slice(..);
@@ -468,7 +583,9 @@ fn prefill_then_decode_matches_decode_only() {
     decode_steps(&mut pools_a, &mut y_a, t..n);
 
     let mut pools_b = DevPools::upload(&stream, std::slice::from_ref(&initial));
-    let mut y_b = stream.clone_htod(&vec![bf16::NAN; n * VALUE_DIM]).expect("upload");
+    let mut y_b = stream
+        .clone_htod(&vec![bf16::NAN; n * VALUE_DIM])
+        .expect("upload");
     decode_steps(&mut pools_b, &mut y_b, 0..n);
 
     let mut want = initial.clone();
@@ -482,9 +599,17 @@ fn prefill_then_decode_matches_decode_only() {
     // Prefill + decode against decode-only directly: the two differ only where fp32 noise moves a
     // value across a bf16 rounding boundary, so the mean difference is far below the CPU's.
     let y_b_f32: Vec<f32> = y_b.iter().map(|v| v.to_f32()).collect();
-    let (rel_ab, mean_ab) = check_y("prefill+decode vs decode-only", &y_a, &y_b_f32, Y_REL_GPU_PAIR);
+    let (rel_ab, mean_ab) = check_y(
+        "prefill+decode vs decode-only",
+        &y_a,
+        &y_b_f32,
+        Y_REL_GPU_PAIR,
+    );
     let (ssm_a, conv_a) = &pools_a.download(&stream)[0];
-    let state_b = HostState { conv: conv_b.iter().map(|v| v.to_f32()).collect(), ssm: ssm_b.clone() };
+    let state_b = HostState {
+        conv: conv_b.iter().map(|v| v.to_f32()).collect(),
+        ssm: ssm_b.clone(),
+    };
     let err_ab = check_state("prefill+decode vs decode-only", ssm_a, conv_a, &state_b);
     println!(
         "vs CPU: y max relative error prefill+decode {rel_a:.2e}, decode-only {rel_b:.2e}, state {err_b:.2e}; \
@@ -501,17 +626,35 @@ fn zero_clears_listed_slots() {
     let states: Vec<HostState> = (0..4).map(|_| HostState::random(&mut rng)).collect();
     let mut pools = DevPools::upload(&stream, &states);
     let list = stream.clone_htod(&[2i32, 0, 7, -1]).expect("upload"); // 7 and −1: out of range, skipped
-    kernels.zero(&mut pools.ssm.slice_mut(..), &mut pools.conv.slice_mut(..), Some(&list.slice(..))).expect("zero");
+    kernels
+        .zero(
+            &mut pools.ssm.slice_mut(..),
+            &mut pools.conv.slice_mut(..),
+            Some(&list.slice(..)),
+        )
+        .expect("zero");
     for (slot, (ssm, conv)) in pools.download(&stream).iter().enumerate() {
         if slot == 0 || slot == 2 {
-            assert!(ssm.iter().all(|&v| v == 0.0) && conv.iter().all(|v| v.to_f32() == 0.0), "slot {slot} not zeroed");
+            assert!(
+                ssm.iter().all(|&v| v == 0.0) && conv.iter().all(|v| v.to_f32() == 0.0),
+                "slot {slot} not zeroed"
+            );
         } else {
             assert!(ssm == &states[slot].ssm, "slot {slot} changed");
         }
     }
-    kernels.zero(&mut pools.ssm.slice_mut(..), &mut pools.conv.slice_mut(..), None).expect("zero all");
+    kernels
+        .zero(
+            &mut pools.ssm.slice_mut(..),
+            &mut pools.conv.slice_mut(..),
+            None,
+        )
+        .expect("zero all");
     for (slot, (ssm, conv)) in pools.download(&stream).iter().enumerate() {
-        assert!(ssm.iter().all(|&v| v == 0.0) && conv.iter().all(|v| v.to_f32() == 0.0), "slot {slot} not zeroed");
+        assert!(
+            ssm.iter().all(|&v| v == 0.0) && conv.iter().all(|v| v.to_f32() == 0.0),
+            "slot {slot} not zeroed"
+        );
     }
 }
 
@@ -524,47 +667,114 @@ fn rejects_bad_arguments() {
     let dl = DevLayer::upload(&stream, &HostLayer::random(&mut rng));
     let x = HostInputs::random(&mut rng, 2);
     let dx = DevInputs::upload(&stream, &x);
-    let mut pools = DevPools::upload(&stream, &[HostState::random(&mut rng), HostState::random(&mut rng)]);
+    let mut pools = DevPools::upload(
+        &stream,
+        &[HostState::random(&mut rng), HostState::random(&mut rng)],
+    );
     let slots = stream.clone_htod(&[0i32, 1]).expect("upload");
-    let mut y = stream.clone_htod(&vec![bf16::ZERO; 2 * VALUE_DIM + 8]).expect("upload");
+    let mut y = stream
+        .clone_htod(&vec![bf16::ZERO; 2 * VALUE_DIM + 8])
+        .expect("upload");
     let mut ws = GdnWorkspace::new(&stream, 1).expect("workspace");
     let w = dl.weights();
 
     // y one value too long.
     assert!(kernels
-        .decode(&w, &dx.inputs(), &slots.slice(..), &mut pools.ssm.slice_mut(..), &mut pools.conv.slice_mut(..), &mut y.slice_mut(..2 * VALUE_DIM + 1))
+        .decode(
+            &w,
+            &dx.inputs(),
+            &slots.slice(..),
+            &mut pools.ssm.slice_mut(..),
+            &mut pools.conv.slice_mut(..),
+            &mut y.slice_mut(..2 * VALUE_DIM + 1)
+        )
         .is_err());
     // A pool that is not whole slots.
     assert!(kernels
-        .decode(&w, &dx.inputs(), &slots.slice(..), &mut pools.ssm.slice_mut(4..), &mut pools.conv.slice_mut(..), &mut y.slice_mut(..2 * VALUE_DIM))
+        .decode(
+            &w,
+            &dx.inputs(),
+            &slots.slice(..),
+            &mut pools.ssm.slice_mut(4..),
+            &mut pools.conv.slice_mut(..),
+            &mut y.slice_mut(..2 * VALUE_DIM)
+        )
         .is_err());
     // y not 16-byte aligned.
     assert!(kernels
-        .decode(&w, &dx.inputs(), &slots.slice(..1), &mut pools.ssm.slice_mut(..), &mut pools.conv.slice_mut(..), &mut y.slice_mut(1..VALUE_DIM + 1))
+        .decode(
+            &w,
+            &dx.inputs(),
+            &slots.slice(..1),
+            &mut pools.ssm.slice_mut(..),
+            &mut pools.conv.slice_mut(..),
+            &mut y.slice_mut(1..VALUE_DIM + 1)
+        )
         .is_err());
     // qkv rows too short for two sequences, and a stride that is not a multiple of 8.
     let mut short = dx.inputs();
     short.qkv.data = dx.qkv.slice(..CONV_DIM + 100);
     assert!(kernels
-        .decode(&w, &short, &slots.slice(..), &mut pools.ssm.slice_mut(..), &mut pools.conv.slice_mut(..), &mut y.slice_mut(..2 * VALUE_DIM))
+        .decode(
+            &w,
+            &short,
+            &slots.slice(..),
+            &mut pools.ssm.slice_mut(..),
+            &mut pools.conv.slice_mut(..),
+            &mut y.slice_mut(..2 * VALUE_DIM)
+        )
         .is_err());
     let mut odd = dx.inputs();
-    odd.z = Rows { data: dx.z.slice(..), stride: VALUE_DIM + 4 };
+    odd.z = Rows {
+        data: dx.z.slice(..),
+        stride: VALUE_DIM + 4,
+    };
     assert!(kernels
-        .decode(&w, &odd, &slots.slice(..1), &mut pools.ssm.slice_mut(..), &mut pools.conv.slice_mut(..), &mut y.slice_mut(..VALUE_DIM))
+        .decode(
+            &w,
+            &odd,
+            &slots.slice(..1),
+            &mut pools.ssm.slice_mut(..),
+            &mut pools.conv.slice_mut(..),
+            &mut y.slice_mut(..VALUE_DIM)
+        )
         .is_err());
     // Prefill: more tokens than the workspace holds (2 > 1), and a two-sequence state.
     assert!(kernels
-        .prefill(&w, &dx.inputs(), 2, &mut pools.ssm.slice_mut(..SSM_STATE_LEN), &mut pools.conv.slice_mut(..CONV_STATE_LEN), &mut ws, &mut y.slice_mut(..2 * VALUE_DIM))
+        .prefill(
+            &w,
+            &dx.inputs(),
+            2,
+            &mut pools.ssm.slice_mut(..SSM_STATE_LEN),
+            &mut pools.conv.slice_mut(..CONV_STATE_LEN),
+            &mut ws,
+            &mut y.slice_mut(..2 * VALUE_DIM)
+        )
         .is_err());
     assert!(kernels
-        .prefill(&w, &dx.inputs(), 1, &mut pools.ssm.slice_mut(..), &mut pools.conv.slice_mut(..), &mut ws, &mut y.slice_mut(..VALUE_DIM))
+        .prefill(
+            &w,
+            &dx.inputs(),
+            1,
+            &mut pools.ssm.slice_mut(..),
+            &mut pools.conv.slice_mut(..),
+            &mut ws,
+            &mut y.slice_mut(..VALUE_DIM)
+        )
         .is_err());
     // Wrong weight sizes.
     let mut bad = dl.weights();
     bad.norm_w = dl.norm_w.slice(..64);
     assert!(kernels
-        .prefill(&bad, &dx.inputs(), 1, &mut pools.ssm.slice_mut(..SSM_STATE_LEN), &mut pools.conv.slice_mut(..CONV_STATE_LEN), &mut ws, &mut y.slice_mut(..VALUE_DIM))
+        .prefill(
+            &bad,
+            &dx.inputs(),
+            1,
+            &mut pools.ssm.slice_mut(..SSM_STATE_LEN),
+            &mut pools.conv.slice_mut(..CONV_STATE_LEN),
+            &mut ws,
+            &mut y.slice_mut(..VALUE_DIM)
+        )
         .is_err());
     // The fused layout needs whole rows of PROJ_DIM.
     let proj = stream.clone_htod(&x.fused(PROJ_DIM)).expect("upload");
@@ -574,7 +784,10 @@ fn rejects_bad_arguments() {
 /// Median of `runs` timings (ms) of `body`, each between two events on the stream.
 fn median_ms(dev: &CudaDevice, runs: usize, mut body: impl FnMut()) -> f32 {
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let (start, end) = (dev.context().new_event(flags).expect("event"), dev.context().new_event(flags).expect("event"));
+    let (start, end) = (
+        dev.context().new_event(flags).expect("event"),
+        dev.context().new_event(flags).expect("event"),
+    );
     let mut times: Vec<f32> = (0..runs)
         .map(|_| {
             start.record(dev.stream()).expect("record");
@@ -596,24 +809,41 @@ fn timing() {
     let stream = dev.stream().clone();
     let kernels = GdnKernels::load(&dev).expect("load");
     let mut rng = rng("timing");
-    let layers: Vec<DevLayer> = (0..LAYERS).map(|_| DevLayer::upload(&stream, &HostLayer::random(&mut rng))).collect();
+    let layers: Vec<DevLayer> = (0..LAYERS)
+        .map(|_| DevLayer::upload(&stream, &HostLayer::random(&mut rng)))
+        .collect();
     for batch in [1usize, 8] {
         let states: Vec<HostState> = (0..batch).map(|_| HostState::random(&mut rng)).collect();
-        let mut pools: Vec<DevPools> = (0..LAYERS).map(|_| DevPools::upload(&stream, &states)).collect();
+        let mut pools: Vec<DevPools> = (0..LAYERS)
+            .map(|_| DevPools::upload(&stream, &states))
+            .collect();
         let x = HostInputs::random(&mut rng, batch);
         let proj = stream.clone_htod(&x.fused(PROJ_DIM)).expect("upload");
         let slots: Vec<i32> = (0..batch as i32).collect();
         let slots = stream.clone_htod(&slots).expect("upload");
-        let mut y = stream.clone_htod(&vec![bf16::ZERO; batch * VALUE_DIM]).expect("upload");
+        let mut y = stream
+            .clone_htod(&vec![bf16::ZERO; batch * VALUE_DIM])
+            .expect("upload");
         stream.synchronize().expect("sync");
 
-        stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("capture");
+        stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .expect("capture");
         {
             let view = proj.slice(..);
             let inputs = GdnInputs::fused(&view, PROJ_DIM).expect("fused inputs");
             for (l, p) in layers.iter().zip(pools.iter_mut()) {
                 kernels
-                    .decode(&l.weights(), &inputs, &slots.slice(..), &mut p.ssm.slice_mut(..), &mut p.conv.slice_mut(..), &mut y.slice_mut(..))
+                    .decode(
+                        &l.weights(),
+                        &inputs,
+                        &slots.slice(..),
+                        &mut p.ssm.slice_mut(..),
+                        &mut p.conv.slice_mut(..),
+                        &mut y.slice_mut(..),
+                    )
                     .expect("decode");
             }
         }
@@ -640,10 +870,20 @@ fn timing() {
     let dx = DevInputs::upload(&stream, &x);
     let mut pools = DevPools::upload(&stream, &[HostState::random(&mut rng)]);
     let mut ws = GdnWorkspace::new(&stream, t).expect("workspace");
-    let mut y = stream.clone_htod(&vec![bf16::ZERO; t * VALUE_DIM]).expect("upload");
+    let mut y = stream
+        .clone_htod(&vec![bf16::ZERO; t * VALUE_DIM])
+        .expect("upload");
     let mut run = || {
         kernels
-            .prefill(&dl.weights(), &dx.inputs(), t, &mut pools.ssm.slice_mut(..), &mut pools.conv.slice_mut(..), &mut ws, &mut y.slice_mut(..))
+            .prefill(
+                &dl.weights(),
+                &dx.inputs(),
+                t,
+                &mut pools.ssm.slice_mut(..),
+                &mut pools.conv.slice_mut(..),
+                &mut ws,
+                &mut y.slice_mut(..),
+            )
             .expect("prefill")
     };
     run();

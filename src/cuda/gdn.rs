@@ -20,7 +20,10 @@ use std::sync::Arc;
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
 use half::bf16;
 
-use super::{as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, Result};
+use super::{
+    as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaSlice,
+    CudaStream, CudaView, CudaViewMut, Result,
+};
 use crate::config::ModelConfig;
 
 pub const KEY_HEADS: usize = 16;
@@ -51,20 +54,32 @@ const LPITCH: usize = 68;
 const VPITCH: usize = 136;
 const SPITCH: usize = 40;
 const PREP_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4;
-const STATE_SMEM: usize = (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + HEAD_DIM * SPITCH) * 4;
+const STATE_SMEM: usize =
+    (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + HEAD_DIM * SPITCH) * 4;
 const OUT_SMEM: usize = (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4;
 
 /// Checks that a model's GDN layers have the shapes these kernels are compiled for.
 pub fn check_config(c: &ModelConfig) -> Result<()> {
     let found = [
         ("linear_num_key_heads", c.linear_num_key_heads, KEY_HEADS),
-        ("linear_num_value_heads", c.linear_num_value_heads, VALUE_HEADS),
+        (
+            "linear_num_value_heads",
+            c.linear_num_value_heads,
+            VALUE_HEADS,
+        ),
         ("linear_key_head_dim", c.linear_key_head_dim, HEAD_DIM),
         ("linear_value_head_dim", c.linear_value_head_dim, HEAD_DIM),
-        ("linear_conv_kernel_dim", c.linear_conv_kernel_dim, CONV_KERNEL),
+        (
+            "linear_conv_kernel_dim",
+            c.linear_conv_kernel_dim,
+            CONV_KERNEL,
+        ),
     ];
     for (name, have, want) in found {
-        ensure!(have == want, "gdn kernels are built for {name} = {want}, the model has {have}");
+        ensure!(
+            have == want,
+            "gdn kernels are built for {name} = {want}, the model has {have}"
+        );
     }
     Ok(())
 }
@@ -104,9 +119,19 @@ impl<'a> GdnInputs<'a> {
     /// qkv ‖ z ‖ b ‖ a (the concatenated `in_proj_qkv ‖ in_proj_z ‖ in_proj_b ‖ in_proj_a`), with
     /// `stride` ≥ `PROJ_DIM`.
     pub fn fused(proj: &CudaView<'a, bf16>, stride: usize) -> Result<Self> {
-        ensure!(stride >= PROJ_DIM, "gdn: fused projection rows of {stride} values, need at least {PROJ_DIM}");
-        ensure!(proj.len() >= PROJ_DIM, "gdn: fused projection buffer of {} values is shorter than one row", proj.len());
-        let part = |start: usize| Rows { data: proj.slice(start..), stride };
+        ensure!(
+            stride >= PROJ_DIM,
+            "gdn: fused projection rows of {stride} values, need at least {PROJ_DIM}"
+        );
+        ensure!(
+            proj.len() >= PROJ_DIM,
+            "gdn: fused projection buffer of {} values is shorter than one row",
+            proj.len()
+        );
+        let part = |start: usize| Rows {
+            data: proj.slice(start..),
+            stride,
+        };
         Ok(Self {
             qkv: part(0),
             z: part(CONV_DIM),
@@ -136,11 +161,14 @@ impl GdnWorkspace {
         let chunks = max_tokens.div_ceil(CHUNK);
         let alloc = |n: usize| -> Result<CudaSlice<f32>> {
             // SAFETY: filled right below, before any use.
-            let mut buf = unsafe { stream.alloc::<f32>(n) }.during(|| format!("allocating {n} floats of gdn workspace"))?;
+            let mut buf = unsafe { stream.alloc::<f32>(n) }
+                .during(|| format!("allocating {n} floats of gdn workspace"))?;
             let (ptr, _g) = buf.device_ptr_mut(stream);
             // SAFETY: `ptr` is the start of `buf`, which holds exactly n · 4 bytes.
-            unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xff, n * 4, stream.cu_stream()) }
-                .during(|| "filling gdn workspace".into())?;
+            unsafe {
+                cudarc::driver::result::memset_d8_async(ptr, 0xff, n * 4, stream.cu_stream())
+            }
+            .during(|| "filling gdn workspace".into())?;
             drop(_g);
             Ok(buf)
         };
@@ -214,10 +242,14 @@ impl GdnKernels {
         let max_shared = dev.max_shared_memory_per_block()?;
         // The prefill kernels keep whole 64-row tiles in shared memory: opt in above 48 KB.
         let big = |name: &str, bytes: usize| -> Result<CudaFunction> {
-            ensure!(bytes <= max_shared, "gdn: {name} needs {bytes} bytes of shared memory, the GPU allows {max_shared}");
+            ensure!(
+                bytes <= max_shared,
+                "gdn: {name} needs {bytes} bytes of shared memory, the GPU allows {max_shared}"
+            );
             let f = dev.function("gdn", name)?;
             let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            f.set_attribute(attr, bytes as i32).during(|| format!("shared memory limit of {name}"))?;
+            f.set_attribute(attr, bytes as i32)
+                .during(|| format!("shared memory limit of {name}"))?;
             Ok(f)
         };
         Ok(Self {
@@ -246,9 +278,16 @@ impl GdnKernels {
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
         let batch = slots.len();
-        ensure!(batch <= 65535, "gdn decode: {batch} sequences; one launch takes at most 65535");
+        ensure!(
+            batch <= 65535,
+            "gdn decode: {batch} sequences; one launch takes at most 65535"
+        );
         let n_slots = check_pools("gdn decode", &self.stream, ssm, conv)?;
-        ensure!(y.len() == batch * VALUE_DIM, "gdn decode: y has {} values, expected {batch}×{VALUE_DIM}", y.len());
+        ensure!(
+            y.len() == batch * VALUE_DIM,
+            "gdn decode: y has {} values, expected {batch}×{VALUE_DIM}",
+            y.len()
+        );
         ensure_aligned(y, &self.stream, "gdn y")?;
         if batch == 0 {
             return Ok(());
@@ -264,7 +303,11 @@ impl GdnKernels {
         args.conv_state = conv_ptr;
         args.y = y_ptr;
         args.n_slots = as_i32(n_slots, "gdn decode n_slots")?;
-        let cfg = LaunchConfig { grid_dim: (DEC_BLOCKS, batch as u32, 1), block_dim: (DEC_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (DEC_BLOCKS, batch as u32, 1),
+            block_dim: (DEC_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: the checks above and in common_args bound every index the kernel forms; slot ids
         // are range-checked on the device.
         unsafe { launch!(self.stream, &self.decode, cfg, &args) }
@@ -290,8 +333,16 @@ impl GdnKernels {
             ssm.len(),
             conv.len()
         );
-        ensure!(tokens <= ws.max_tokens, "gdn prefill: {tokens} tokens, the workspace holds {}", ws.max_tokens);
-        ensure!(y.len() == tokens * VALUE_DIM, "gdn prefill: y has {} values, expected {tokens}×{VALUE_DIM}", y.len());
+        ensure!(
+            tokens <= ws.max_tokens,
+            "gdn prefill: {tokens} tokens, the workspace holds {}",
+            ws.max_tokens
+        );
+        ensure!(
+            y.len() == tokens * VALUE_DIM,
+            "gdn prefill: y has {} values, expected {tokens}×{VALUE_DIM}",
+            y.len()
+        );
         ensure_aligned(ssm, &self.stream, "gdn ssm state")?;
         ensure_aligned(conv, &self.stream, "gdn conv state")?;
         ensure_aligned(y, &self.stream, "gdn y")?;
@@ -312,19 +363,28 @@ impl GdnKernels {
         args.ssm = ssm_ptr;
         args.conv_state = conv_ptr;
         args.y = y_ptr;
-        (args.ws_w, args.ws_k, args.ws_u, args.ws_h, args.ws_decay) = (ws_w, ws_k, ws_u, ws_h, ws_decay);
+        (args.ws_w, args.ws_k, args.ws_u, args.ws_h, args.ws_decay) =
+            (ws_w, ws_k, ws_u, ws_h, ws_decay);
         args.n_slots = 1;
 
         let chunks = tokens.div_ceil(CHUNK) as u32;
         let heads = VALUE_HEADS as u32;
         let block = (PF_THREADS, 1, 1);
-        let prep = LaunchConfig { grid_dim: (chunks, heads, 1), block_dim: block, shared_mem_bytes: PREP_SMEM as u32 };
+        let prep = LaunchConfig {
+            grid_dim: (chunks, heads, 1),
+            block_dim: block,
+            shared_mem_bytes: PREP_SMEM as u32,
+        };
         let state = LaunchConfig {
             grid_dim: ((HEAD_DIM / ST_COLS) as u32, heads, 1),
             block_dim: block,
             shared_mem_bytes: STATE_SMEM as u32,
         };
-        let out = LaunchConfig { grid_dim: (chunks, heads, 1), block_dim: block, shared_mem_bytes: OUT_SMEM as u32 };
+        let out = LaunchConfig {
+            grid_dim: (chunks, heads, 1),
+            block_dim: block,
+            shared_mem_bytes: OUT_SMEM as u32,
+        };
         let conv_update = LaunchConfig {
             grid_dim: ((CONV_DIM / 8) as u32 / PF_THREADS, 1, 1),
             block_dim: block,
@@ -344,23 +404,38 @@ impl GdnKernels {
     /// Zeroes states in the pools `ssm` (`[n_slots][SSM_STATE_LEN]`) and `conv`
     /// (`[n_slots][CONV_STATE_LEN]`): the slots listed in `slots` (read on the device; ids outside
     /// `0..n_slots` are skipped), or every slot when `slots` is None. A new sequence starts from zeros.
-    pub fn zero(&self, ssm: &mut CudaViewMut<f32>, conv: &mut CudaViewMut<bf16>, slots: Option<&CudaView<i32>>) -> Result<()> {
+    pub fn zero(
+        &self,
+        ssm: &mut CudaViewMut<f32>,
+        conv: &mut CudaViewMut<bf16>,
+        slots: Option<&CudaView<i32>>,
+    ) -> Result<()> {
         let n_slots = check_pools("gdn zero", &self.stream, ssm, conv)?;
         let count = slots.map_or(n_slots, |s| s.len());
-        ensure!(count <= 65535, "gdn zero: {count} slots; one launch takes at most 65535");
+        ensure!(
+            count <= 65535,
+            "gdn zero: {count} slots; one launch takes at most 65535"
+        );
         if count == 0 {
             return Ok(());
         }
         let stream = &*self.stream;
         let mut guards = Vec::new();
-        let mut args = GdnArgs { n_slots: as_i32(n_slots, "gdn zero n_slots")?, ..Default::default() };
+        let mut args = GdnArgs {
+            n_slots: as_i32(n_slots, "gdn zero n_slots")?,
+            ..Default::default()
+        };
         args.slots = slots.map_or(0, |s| addr(s, stream, &mut guards));
         let (ssm_ptr, _s) = ssm.device_ptr_mut(stream);
         let (conv_ptr, _c) = conv.device_ptr_mut(stream);
         args.ssm = ssm_ptr;
         args.conv_state = conv_ptr;
         // 64 blocks of 256 threads per slot: 8 float4 stores each for the 2 MiB state.
-        let cfg = LaunchConfig { grid_dim: (64, count as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (64, count as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: check_pools checked whole slots; slot ids are range-checked on the device.
         unsafe { launch!(self.stream, &self.zero, cfg, &args) }
     }
@@ -382,11 +457,23 @@ impl GdnKernels {
             ("b", &x.b, VALUE_HEADS, false),
             ("a", &x.a, VALUE_HEADS, false),
         ] {
-            ensure!(r.stride >= width, "gdn: {name} rows of stride {} are narrower than {width}", r.stride);
+            ensure!(
+                r.stride >= width,
+                "gdn: {name} rows of stride {} are narrower than {width}",
+                r.stride
+            );
             let need = (rows - 1) * r.stride + width;
-            ensure!(r.data.len() >= need, "gdn: {name} has {} values, {rows} rows need {need}", r.data.len());
+            ensure!(
+                r.data.len() >= need,
+                "gdn: {name} has {} values, {rows} rows need {need}",
+                r.data.len()
+            );
             if vector {
-                ensure!(r.stride % 8 == 0, "gdn: {name} stride {} must be a multiple of 8", r.stride);
+                ensure!(
+                    r.stride % 8 == 0,
+                    "gdn: {name} stride {} must be a multiple of 8",
+                    r.stride
+                );
                 ensure_aligned(&r.data, stream, name)?;
             }
         }
@@ -396,7 +483,11 @@ impl GdnKernels {
             ("dt_bias", &w.dt_bias, VALUE_HEADS),
             ("norm_w", &w.norm_w, HEAD_DIM),
         ] {
-            ensure!(v.len() == len, "gdn: {name} has {} values, expected {len}", v.len());
+            ensure!(
+                v.len() == len,
+                "gdn: {name} has {} values, expected {len}",
+                v.len()
+            );
             ensure_aligned(v, stream, name)?;
         }
         let stride = |r: &Rows| r.stride as i64;
@@ -421,7 +512,12 @@ impl GdnKernels {
 }
 
 /// Checks a pair of state pools (whole slots, the same count, aligned); returns the slot count.
-fn check_pools(op: &str, stream: &CudaStream, ssm: &CudaViewMut<f32>, conv: &CudaViewMut<bf16>) -> Result<usize> {
+fn check_pools(
+    op: &str,
+    stream: &CudaStream,
+    ssm: &CudaViewMut<f32>,
+    conv: &CudaViewMut<bf16>,
+) -> Result<usize> {
     let n_slots = ssm.len() / SSM_STATE_LEN;
     ensure!(
         n_slots > 0 && ssm.len() == n_slots * SSM_STATE_LEN && conv.len() == n_slots * CONV_STATE_LEN,
@@ -434,7 +530,11 @@ fn check_pools(op: &str, stream: &CudaStream, ssm: &CudaViewMut<f32>, conv: &Cud
     Ok(n_slots)
 }
 
-fn addr<'a, T>(v: &'a CudaView<'_, T>, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+fn addr<'a, T>(
+    v: &'a CudaView<'_, T>,
+    stream: &'a CudaStream,
+    guards: &mut Vec<SyncOnDrop<'a>>,
+) -> u64 {
     let (ptr, guard) = v.device_ptr(stream);
     guards.push(guard);
     ptr
