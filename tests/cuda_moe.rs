@@ -13,6 +13,7 @@
 //! * the MoE block vs `moe::forward`: per element |gpu − ref| ≤ 2⁻⁷·|ref| + 2e-2·rms(ref row), mean
 //!   ≤ 4e-3·rms: the GPU also rounds act, the routed outputs and the shared expert to bf16 before
 //!   the weighted sum (as the reference implementation does), each ≤ 2⁻⁹ relative.
+//!
 //! Every output is poisoned before a launch and fenced by guard values.
 //!
 //! Seeds are fresh each run and printed; set LILY_TEST_SEED to repeat one.

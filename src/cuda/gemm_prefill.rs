@@ -124,9 +124,18 @@ impl GemmKernels {
         Ok(Self {
             stream: dev.stream().clone(),
             funcs: [
-                [load("gemm_q4", Format::Q4)?, load("gemm_swiglu_q4", Format::Q4)?],
-                [load("gemm_q8", Format::Q8)?, load("gemm_swiglu_q8", Format::Q8)?],
-                [load("gemm_bf16", Format::Bf16)?, load("gemm_swiglu_bf16", Format::Bf16)?],
+                [
+                    load("gemm_q4", Format::Q4)?,
+                    load("gemm_swiglu_q4", Format::Q4)?,
+                ],
+                [
+                    load("gemm_q8", Format::Q8)?,
+                    load("gemm_swiglu_q8", Format::Q8)?,
+                ],
+                [
+                    load("gemm_bf16", Format::Bf16)?,
+                    load("gemm_swiglu_bf16", Format::Bf16)?,
+                ],
             ],
         })
     }
@@ -139,15 +148,30 @@ impl GemmKernels {
     /// `y = x · Wᵀ` for matrix 0 of `w`: x is `[t][cols]` (any t ≥ 1), y is `[t][rows]`.
     pub fn gemm(&self, w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>) -> Result<()> {
         let t = dense_rows(w, x)?;
-        let rows = Rows { positions: t, x_rows: t, y_rows: t, grouped: None };
+        let rows = Rows {
+            positions: t,
+            x_rows: t,
+            y_rows: t,
+            grouped: None,
+        };
         self.run(w, Epilogue::Store, x, &rows, y)
     }
 
     /// For a gate‖up matrix (`2I` rows: gate rows then up rows): `act[p][j] =
     /// silu(gate_j · x[p]) · (up_j · x[p])`, x `[t][cols]`, act `[t][I]`, from fp32 sums.
-    pub fn gemm_swiglu(&self, w: &Matrices, x: &CudaView<bf16>, act: &mut CudaViewMut<bf16>) -> Result<()> {
+    pub fn gemm_swiglu(
+        &self,
+        w: &Matrices,
+        x: &CudaView<bf16>,
+        act: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
         let t = dense_rows(w, x)?;
-        let rows = Rows { positions: t, x_rows: t, y_rows: t, grouped: None };
+        let rows = Rows {
+            positions: t,
+            x_rows: t,
+            y_rows: t,
+            grouped: None,
+        };
         self.run(w, Epilogue::SwiGlu, x, &rows, act)
     }
 
@@ -194,16 +218,32 @@ impl GemmKernels {
             "experts_down: act has {pairs} rows, the groups {} pairs",
             groups.pairs()
         );
-        let rows = Rows { positions: pairs, x_rows: pairs, y_rows: pairs, grouped: Some((groups, false, 1)) };
+        let rows = Rows {
+            positions: pairs,
+            x_rows: pairs,
+            y_rows: pairs,
+            grouped: Some((groups, false, 1)),
+        };
         self.run(w, Epilogue::Store, act, &rows, routed)
     }
 
-    fn run(&self, w: &Matrices, epilogue: Epilogue, x: &CudaView<bf16>, rows: &Rows, y: &mut CudaViewMut<bf16>) -> Result<()> {
+    fn run(
+        &self,
+        w: &Matrices,
+        epilogue: Epilogue,
+        x: &CudaView<bf16>,
+        rows: &Rows,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
         let format = check_matrices(w)?;
         let out_width = match epilogue {
             Epilogue::Store => w.rows,
             Epilogue::SwiGlu => {
-                ensure!(w.rows % 2 == 0, "gemm: a gate‖up matrix needs an even number of rows, not {}", w.rows);
+                ensure!(
+                    w.rows % 2 == 0,
+                    "gemm: a gate‖up matrix needs an even number of rows, not {}",
+                    w.rows
+                );
                 w.rows / 2
             }
         };
@@ -213,7 +253,13 @@ impl GemmKernels {
             y.len(),
             rows.y_rows
         );
-        ensure!(x.len() == rows.x_rows * w.cols, "gemm: x has {} values, expected {}×{}", x.len(), rows.x_rows, w.cols);
+        ensure!(
+            x.len() == rows.x_rows * w.cols,
+            "gemm: x has {} values, expected {}×{}",
+            x.len(),
+            rows.x_rows,
+            w.cols
+        );
         if rows.positions == 0 {
             return Ok(());
         }
@@ -225,21 +271,32 @@ impl GemmKernels {
         as_i32(w.rows * row_words, "words of one matrix")?;
 
         let stream = &*self.stream;
-        let group_views = rows.grouped.map(|(g, _, _)| (g.sorted_pairs(), g.tile_map(), g.tile_count()));
+        let group_views = rows
+            .grouped
+            .map(|(g, _, _)| (g.sorted_pairs(), g.tile_map(), g.tile_count()));
         // Raw device addresses for the argument struct. The guards are cudarc's stream-ordering
         // hooks (no-ops with event tracking off); they live until the launch is queued.
         let mut guards = Vec::new();
         let (wp, sp, bp) = match &w.data {
             WeightData::Bf16(v) => (addr(v, stream, &mut guards), 0, 0),
-            WeightData::Affine { packed, scales, biases, .. } => (
+            WeightData::Affine {
+                packed,
+                scales,
+                biases,
+                ..
+            } => (
                 addr(packed, stream, &mut guards),
                 addr(scales, stream, &mut guards),
                 addr(biases, stream, &mut guards),
             ),
         };
-        ensure!(wp % 16 == 0, "gemm: weights at {wp:#x} are not 16-byte aligned");
+        ensure!(
+            wp % 16 == 0,
+            "gemm: weights at {wp:#x} are not 16-byte aligned"
+        );
         let xp = addr(x, stream, &mut guards);
-        let (tiles_x, a_rows, c_rows, tiles, num_tiles, a_div) = match (rows.grouped, &group_views) {
+        let (tiles_x, a_rows, c_rows, tiles, num_tiles, a_div) = match (rows.grouped, &group_views)
+        {
             (Some((groups, gather, div)), Some((sorted, map, count))) => {
                 ensure!(
                     groups.tile_rows() == TILE_ROWS,
@@ -254,7 +311,14 @@ impl GemmKernels {
                 );
                 let sorted = addr(sorted, stream, &mut guards);
                 let (a, c) = if gather { (sorted, 0) } else { (0, sorted) };
-                (groups.max_tiles(), a, c, addr(map, stream, &mut guards), addr(count, stream, &mut guards), div)
+                (
+                    groups.max_tiles(),
+                    a,
+                    c,
+                    addr(map, stream, &mut guards),
+                    addr(count, stream, &mut guards),
+                    div,
+                )
             }
             _ => (rows.positions.div_ceil(TILE_ROWS), 0, 0, 0, 0, 1),
         };
@@ -281,7 +345,11 @@ impl GemmKernels {
             Epilogue::Store => w.rows.div_ceil(TILE_COLS),
             Epilogue::SwiGlu => out_width.div_ceil(TILE_COLS / 2),
         };
-        ensure!(col_tiles <= 65535, "gemm: {} weight rows are too many for one launch", w.rows);
+        ensure!(
+            col_tiles <= 65535,
+            "gemm: {} weight rows are too many for one launch",
+            w.rows
+        );
         let cfg = LaunchConfig {
             grid_dim: (as_i32(tiles_x, "row tiles")? as u32, col_tiles as u32, 1),
             block_dim: (THREADS, 1, 1),
@@ -305,7 +373,11 @@ fn dense_rows(w: &Matrices, x: &CudaView<bf16>) -> Result<usize> {
     Ok(x.len() / w.cols)
 }
 
-fn addr<'a, T>(v: &'a CudaView<'_, T>, stream: &'a CudaStream, guards: &mut Vec<SyncOnDrop<'a>>) -> u64 {
+fn addr<'a, T>(
+    v: &'a CudaView<'_, T>,
+    stream: &'a CudaStream,
+    guards: &mut Vec<SyncOnDrop<'a>>,
+) -> u64 {
     let (ptr, guard) = v.device_ptr(stream);
     guards.push(guard);
     ptr
@@ -319,16 +391,35 @@ fn check_matrices(w: &Matrices) -> Result<Format> {
         WeightData::Affine { bits: 4, .. } => Format::Q4,
         WeightData::Affine { bits: 8, .. } => Format::Q8,
         WeightData::Affine { bits, .. } => {
-            return Err(CudaError::Shape(format!("gemm: {bits}-bit weights are not supported (4 or 8)")))
+            return Err(CudaError::Shape(format!(
+                "gemm: {bits}-bit weights are not supported (4 or 8)"
+            )))
         }
     };
-    ensure!(w.cols % GROUP == 0, "gemm: cols = {} must be a multiple of {GROUP}", w.cols);
+    ensure!(
+        w.cols % GROUP == 0,
+        "gemm: cols = {} must be a multiple of {GROUP}",
+        w.cols
+    );
     let n = w.count * w.rows * w.cols;
     match &w.data {
-        WeightData::Bf16(v) => ensure!(v.len() == n, "gemm: bf16 weights have {} values, expected {n}", v.len()),
-        WeightData::Affine { packed, scales, biases, .. } => {
+        WeightData::Bf16(v) => ensure!(
+            v.len() == n,
+            "gemm: bf16 weights have {} values, expected {n}",
+            v.len()
+        ),
+        WeightData::Affine {
+            packed,
+            scales,
+            biases,
+            ..
+        } => {
             let words = n * format.bits() / 32;
-            ensure!(packed.len() == words, "gemm: packed weights have {} words, expected {words}", packed.len());
+            ensure!(
+                packed.len() == words,
+                "gemm: packed weights have {} words, expected {words}",
+                packed.len()
+            );
             let groups = n / GROUP;
             ensure!(
                 scales.len() == groups && biases.len() == groups,

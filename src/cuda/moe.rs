@@ -49,12 +49,25 @@ pub struct ExpertGroups {
 impl ExpertGroups {
     /// Room for up to `max_tokens` tokens routed to `top_k` of `experts` experts, for tiles of
     /// `tile_rows` rows (`gemm_prefill::TILE_ROWS` for the GEMMs).
-    pub fn new(stream: &Arc<CudaStream>, max_tokens: usize, top_k: usize, experts: usize, tile_rows: usize) -> Result<Self> {
-        ensure!(experts > 0 && experts <= MAX_EXPERTS, "expert groups: {experts} experts (1..={MAX_EXPERTS})");
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        max_tokens: usize,
+        top_k: usize,
+        experts: usize,
+        tile_rows: usize,
+    ) -> Result<Self> {
+        ensure!(
+            experts > 0 && experts <= MAX_EXPERTS,
+            "expert groups: {experts} experts (1..={MAX_EXPERTS})"
+        );
         ensure!(tile_rows > 0, "expert groups: tiles of 0 rows");
         let max_pairs = max_tokens.max(1) * top_k.max(1);
         as_i32(max_pairs, "pairs")?;
-        let alloc = |n: usize| stream.alloc_zeros::<i32>(n.max(1)).during(|| format!("allocating {n} expert-grouping values"));
+        let alloc = |n: usize| {
+            stream
+                .alloc_zeros::<i32>(n.max(1))
+                .during(|| format!("allocating {n} expert-grouping values"))
+        };
         Ok(Self {
             experts,
             tile_rows,
@@ -118,8 +131,16 @@ impl MoeKernels {
 
     /// Groups the pairs of `ids` (`[tokens][top_k]` expert ids from [`Self::router_topk`]) by
     /// expert into `groups`, for the grouped expert GEMMs. Three launches, no host round trip.
-    pub fn group_by_expert(&self, ids: &CudaView<i32>, top_k: usize, groups: &mut ExpertGroups) -> Result<()> {
-        ensure!(top_k > 0 && ids.len() % top_k == 0, "group_by_expert: ids are not whole rows of {top_k}");
+    pub fn group_by_expert(
+        &self,
+        ids: &CudaView<i32>,
+        top_k: usize,
+        groups: &mut ExpertGroups,
+    ) -> Result<()> {
+        ensure!(
+            top_k > 0 && ids.len() % top_k == 0,
+            "group_by_expert: ids are not whole rows of {top_k}"
+        );
         let pairs = ids.len();
         ensure!(pairs > 0, "group_by_expert: no tokens");
         ensure!(
@@ -131,14 +152,33 @@ impl MoeKernels {
         groups.top_k = top_k;
         let chunks = pairs.div_ceil(GROUP_CHUNK);
         let (p, e, c) = (pairs as i32, groups.experts as i32, chunks as i32);
-        let (rows, max) = (as_i32(groups.tile_rows, "tile rows")?, as_i32(groups.max_tiles(), "tiles")?);
-        let per_chunk = LaunchConfig { grid_dim: (chunks as u32, 1, 1), block_dim: (GROUP_CHUNK as u32, 1, 1), shared_mem_bytes: 0 };
-        let one_block = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (MAX_EXPERTS as u32, 1, 1), shared_mem_bytes: 0 };
+        let (rows, max) = (
+            as_i32(groups.tile_rows, "tile rows")?,
+            as_i32(groups.max_tiles(), "tiles")?,
+        );
+        let per_chunk = LaunchConfig {
+            grid_dim: (chunks as u32, 1, 1),
+            block_dim: (GROUP_CHUNK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let one_block = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (MAX_EXPERTS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut counts = groups.chunk_counts.slice_mut(..chunks * groups.experts);
         // SAFETY: every index is bounded by pairs, chunks and experts, which fit the buffers
         // (checked above and at allocation); expert ids are clamped to 0..experts in the kernels.
         unsafe {
-            launch!(self.stream, &self.group_count, per_chunk, ids, &p, &e, &mut counts)?;
+            launch!(
+                self.stream,
+                &self.group_count,
+                per_chunk,
+                ids,
+                &p,
+                &e,
+                &mut counts
+            )?;
             launch!(
                 self.stream,
                 &self.group_scan,
@@ -154,7 +194,18 @@ impl MoeKernels {
         }
         let base = counts.as_view();
         // SAFETY: as above.
-        unsafe { launch!(self.stream, &self.group_scatter, per_chunk, ids, &p, &e, &base, &mut groups.sorted) }
+        unsafe {
+            launch!(
+                self.stream,
+                &self.group_scatter,
+                per_chunk,
+                ids,
+                &p,
+                &e,
+                &base,
+                &mut groups.sorted
+            )
+        }
     }
 
     /// Softmax over each token's `experts` router logits, top `k` (ties → lower index),
