@@ -106,6 +106,8 @@ pub struct CudaBackend {
     sequences: HashMap<SeqId, Sequence>,
     free_slots: Vec<usize>,
     decode_graph: Option<DecodeGraph>,
+    /// Most device memory seen in use after a forward call since the last reset (bytes).
+    peak_memory: u64,
 }
 
 /// The captured decode step.
@@ -189,6 +191,7 @@ impl CudaBackend {
             sequences: HashMap::new(),
             free_slots: (0..slots).rev().collect(),
             decode_graph: None,
+            peak_memory: 0,
             options,
         })
     }
@@ -386,6 +389,12 @@ impl Backend for CudaBackend {
         let logits: Vec<bf16> = st.clone_dtoh(&self.s.logits).during(|| "copying logits".into())?;
         Ok(logits.iter().map(|x| x.to_f32()).collect())
     }
+    fn peak_memory(&self) -> Option<u64> {
+        Some(self.peak_memory)
+    }
+    fn reset_peak_memory(&mut self) {
+        self.peak_memory = 0;
+    }
     fn forward_greedy(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<u32> {
         self.step(seq, tokens)?;
         let st = self.dev.stream().clone();
@@ -404,6 +413,11 @@ impl CudaBackend {
         self.run(slot, position, tokens)?;
         if let Some(s) = self.sequences.get_mut(&seq) {
             s.position += tokens.len();
+        }
+        // Everything lily allocates is allocated up front, so the device's memory in use after
+        // a call is its peak for that call (other processes on the GPU would count too).
+        if let Ok((free, total)) = cudarc::driver::result::mem_get_info() {
+            self.peak_memory = self.peak_memory.max((total - free) as u64);
         }
         Ok(())
     }
