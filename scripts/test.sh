@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# All tests that run without a GPU, and the CUDA kernels' compilation (a kernel that does not
-# compile fails here). GPU tests run on the H200 through scripts/gpu-check.sh.
+# Everything that runs without a GPU: the CPU test suite, the CUDA kernels' compilation (a kernel
+# that does not compile fails here, and so does a GPU test that does not build), and the checks
+# against the real mlx / mlx-lm packages. GPU tests run on the H200 through scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,3 +10,13 @@ tools/ci-tokenizer-json.sh
 
 echo "== CPU tests"
 cargo test
+
+echo "== CUDA kernels and GPU tests build (nvcc 13.0 from pinned wheels)"
+scripts/setup-cuda.sh
+cargo build --features cuda --tests --bins
+
+echo "== lily vs mlx / mlx-lm (bit-identical quantisation, logits)"
+venv="${LILY_MLX_VENV:-target/mlx-venv}"
+[[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q -r tools/requirements-mlx.txt
+"$venv/bin/python" tools/check_mlx.py

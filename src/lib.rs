@@ -8,6 +8,8 @@ pub mod bench;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod engine;
 pub mod model;
 pub mod plot;

@@ -2,11 +2,11 @@
 
 use std::path::PathBuf;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 
 use lily::bench::{self, BenchOptions};
 use lily::checkpoint;
-use lily::model::{Backend, CpuBackend};
+use lily::model::Backend;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -23,36 +23,26 @@ pub struct BenchArgs {
     pub decode_steps: usize,
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
+    /// Weights of a synthetic model: bf16, or MLX-affine 4/8-bit (router and shared-expert gate
+    /// 8-bit). On the GPU they are generated in device memory.
+    #[arg(long, value_enum, default_value_t = Quant::Bf16)]
+    pub quant: Quant,
+    /// cpu, cuda or cuda:N (default: cuda when available).
+    #[arg(long)]
+    pub device: Option<String>,
     /// Directory for bench.csv, bench.md, prefill.png and decode.png.
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let _tmp;
-    let dir = match (&args.model, &args.synthetic) {
-        (Some(d), _) => d.clone(),
-        (None, Some(name)) => {
-            let cfg = checkpoint::synth::preset(name).ok_or_else(|| {
-                anyhow::anyhow!("unknown preset `{name}` (tiny, qwen3.6-35b-a3b)")
-            })?;
-            let tmp =
-                std::env::temp_dir().join(format!("lily-bench-{name}-{}", std::process::id()));
-            checkpoint::synth::write_checkpoint(
-                &cfg,
-                &tmp,
-                0,
-                checkpoint::tensor::DType::BF16,
-                checkpoint::synth::SHARD_BYTES,
-                true,
-            )?;
-            _tmp = TempDir(tmp.clone());
-            tmp
-        }
+    let device = super::device::resolve(args.device.as_deref());
+    let max_context = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps + 16;
+    let mut backend = match (&args.model, &args.synthetic) {
+        (Some(dir), _) => super::device::backend(&device, checkpoint::load(dir)?, max_context)?,
+        (None, Some(name)) => synthetic_backend(name, args.quant, &device, max_context)?,
         (None, None) => anyhow::bail!("give --model DIR or --synthetic PRESET"),
     };
-    let weights = checkpoint::load(&dir)?;
-    let mut backend: Box<dyn Backend> = Box::new(CpuBackend::new(weights));
     let options = BenchOptions {
         contexts: args.contexts.clone(),
         decode_steps: args.decode_steps,
@@ -83,11 +73,39 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Removes a synthetic checkpoint when the command ends.
-struct TempDir(PathBuf);
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Quant {
+    Bf16,
+    Q4,
+    Q8,
+}
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+/// A backend over random weights of a preset: generated in GPU memory on CUDA; on the CPU,
+/// written as a bf16 checkpoint to a temporary directory and loaded.
+fn synthetic_backend(name: &str, quant: Quant, device: &str, max_context: usize) -> anyhow::Result<Box<dyn Backend>> {
+    let cfg = checkpoint::synth::preset(name)
+        .ok_or_else(|| anyhow::anyhow!("unknown preset `{name}` (tiny, qwen3.6-35b-a3b)"))?;
+    if device.starts_with("cuda") {
+        #[cfg(feature = "cuda")]
+        {
+            use lily::cuda::{forward::CudaBackend, forward::CudaOptions, model::CudaModel, CudaDevice};
+            let bits = match quant {
+                Quant::Bf16 => None,
+                Quant::Q4 => Some(4),
+                Quant::Q8 => Some(8),
+            };
+            let dev = CudaDevice::open(device)?;
+            let t = std::time::Instant::now();
+            let model = CudaModel::synthetic(&dev, lily::config::ModelConfig::from_json(&cfg)?, bits, 0)?;
+            eprintln!("synthetic weights: {:.2} GB on the GPU in {:.1} s", model.bytes() as f64 / 1e9, t.elapsed().as_secs_f64());
+            let options = CudaOptions { max_context, ..CudaOptions::default() };
+            return Ok(Box::new(CudaBackend::new(dev, model, options)?));
+        }
     }
+    anyhow::ensure!(quant == Quant::Bf16, "synthetic quantised models are generated on the GPU only; on the CPU use `lily synth --quant` and --model");
+    let dir = std::env::temp_dir().join(format!("lily-bench-{name}-{}", std::process::id()));
+    checkpoint::synth::write_checkpoint(&cfg, &dir, 0, checkpoint::tensor::DType::BF16, checkpoint::synth::SHARD_BYTES, true)?;
+    let weights = checkpoint::load(&dir);
+    let _ = std::fs::remove_dir_all(&dir); // the weights stay mapped until dropped
+    super::device::backend(device, weights?, max_context)
 }

@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod device;
 mod generate;
 mod inspect;
 mod quantize;

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# All GPU tests (tests/cuda_*.rs) and a quick benchmark, built here and run on the GPU machine in
+# one call.
+#
+#   scripts/gpu-check.sh build [DIR]   on the build machine: builds the GPU test binaries and the
+#                                      lily binary with feature `cuda` and copies them, without
+#                                      debug info, into DIR (default: carry/, git-ignored), with a
+#                                      copy of this script.
+#   bash DIR/gpu-check.sh run [DIR]    on the GPU machine, from the repo root: runs every test
+#                                      binary in DIR, then `lily bench` on the full-size synthetic
+#                                      Q4 model; writes summary.txt, logs.tar and the bench files
+#                                      under $OUT (or ./gpu-out); exits non-zero if a test failed.
+#
+# Set GPU_CHECK_CONTEXTS (comma-separated) to change the benchmark's contexts, or to "none" to skip
+# it. The binaries need only libcuda and libcublas on the GPU machine; they find them in its usual
+# folders by themselves (src/cuda/mod.rs), so no LD_LIBRARY_PATH is set here.
+set -uo pipefail
+
+cmd="${1:-}"
+dir="${2:-carry}"
+
+case "$cmd" in
+build)
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    cd "$root" || exit 1
+    mkdir -p "$dir"
+    rm -f "$dir"/cuda_* "$dir"/lily
+    # The dev profile (optimised, see Cargo.toml) shares its build with `cargo test`; cargo prints
+    # one JSON line per artifact, and test binaries carry "test": true in their profile.
+    cargo test --features cuda --no-run --message-format=json-render-diagnostics \
+        | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") \
+            and m.get("executable") and m["target"]["name"].startswith("cuda"):
+        print(m["executable"])
+' > "$dir/.binaries" || exit 1
+    [[ -s "$dir/.binaries" ]] || { echo "gpu-check: no tests/cuda_*.rs binaries were built" >&2; exit 1; }
+    cargo build --features cuda || exit 1
+    echo "${CARGO_TARGET_DIR:-target}/debug/lily" >> "$dir/.binaries"
+    while read -r bin; do
+        name="$(basename "$bin")"
+        name="${name%-*}"  # drop cargo's hash suffix
+        objcopy --strip-debug "$bin" "$dir/$name" && echo "copied $name ($(du -h "$dir/$name" | cut -f1))"
+    done < "$dir/.binaries"
+    rm "$dir/.binaries"
+    cp "${BASH_SOURCE[0]}" "$dir/gpu-check.sh"
+    ;;
+run)
+    out="${OUT:-./gpu-out}"
+    logs="$(mktemp -d)"
+    mkdir -p "$out"
+    summary="$out/summary.txt"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$summary"
+    failed=0
+    for bin in "$dir"/cuda_*; do
+        [[ -f "$bin" && -x "$bin" ]] || continue
+        name="$(basename "$bin")"
+        echo "=== $name"
+        start=$SECONDS
+        timeout 300 "$bin" --test-threads=1 --nocapture > "$logs/$name.log" 2>&1
+        rc=$?
+        grep -E "^test |test result|panicked|error" "$logs/$name.log" | head -40
+        status=$([[ $rc == 0 ]] && echo PASS || echo "FAIL (exit $rc)")
+        [[ $rc == 0 ]] || failed=1
+        echo "$name: $status in $((SECONDS - start)) s" >> "$summary"
+    done
+    contexts="${GPU_CHECK_CONTEXTS:-256,1024,4096,16384,32768}"
+    if [[ "$contexts" != none && -x "$dir/lily" ]]; then
+        echo "=== bench"
+        timeout 400 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+            --contexts "$contexts" --decode-steps 64 --rounds 2 --out "$out" > "$logs/bench.log" 2>&1
+        rc=$?
+        tail -15 "$logs/bench.log"
+        echo "bench: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+    fi
+    tar cf "$out/logs.tar" -C "$logs" .
+    echo "=== summary"
+    cat "$summary"
+    exit $failed
+    ;;
+*)
+    echo "usage: scripts/gpu-check.sh build [DIR]   |   bash DIR/gpu-check.sh run [DIR]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,44 @@
+// Helpers shared by lily's kernels.
+//
+// Every .cu file must stay valid for both nvcc (build.rs) and NVRTC (spec/TOOLCHAIN.md §3.4):
+// no host headers, our own integer typedefs, only <cuda_bf16.h>, `extern "C" __global__` entry points.
+#pragma once
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+typedef __nv_bfloat16 bf16;
+typedef __nv_bfloat162 bf162;
+
+// Sum over the 32 lanes of a warp; every lane gets the result.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// 8 bf16 values travel as one 16-byte vector (uint4): the widest load a thread can issue.
+__device__ __forceinline__ void unpack8(uint4 v, float f[8]) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 p = __bfloat1622float2(*reinterpret_cast<const bf162*>(&w[i]));
+        f[2 * i] = p.x;
+        f[2 * i + 1] = p.y;
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float f[8]) {
+    u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        bf162 p = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+        w[i] = *reinterpret_cast<u32*>(&p);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }

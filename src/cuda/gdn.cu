@@ -1,0 +1,938 @@
+// Gated DeltaNet layer kernels (spec/MODEL.md §3.6): everything between the input projections
+// (qkv, z, b, a) and the output projection. Activations bf16 in and out; all arithmetic fp32 or,
+// on the tensor cores, as accurate as fp32 (3xTF32, see mma_3xtf32).
+//
+// Shapes are those of Qwen3.6-35B-A3B, fixed at compile time (gdn.rs checks a config against them):
+// conv_dim 8192 = q 2048 ‖ k 2048 ‖ v 4096, conv kernel 4; 16 key heads and 32 value heads of 128;
+// value head j reads key head j / 2 (the grouped order of the Hugging Face layout).
+//
+// State of one sequence and layer (layouts are part of the API, see gdn.rs):
+//   ssm  fp32 [32 value heads][128 dk][128 dv]   — the CPU reference's layout, S[d][v]
+//   conv bf16 [3][8192]                          — the last 3 pre-conv qkv rows, oldest first
+//                                                  (bf16 because the inputs are bf16: lossless)
+//
+// Where the reference (transformers) rounds to bf16 inside the recurrence — conv output, q/k/v,
+// β — these kernels keep fp32, like lily's CPU reference. The gated norm at the end follows the
+// reference's roundings (o, the normalised o and the weighted value are rounded to bf16), exactly
+// as norm.cu's gated_rmsnorm does, so a fused and an unfused GPU path agree.
+//
+// Kernels:
+//   gdn_decode          one token for each of B sequences (state pools addressed by slot ids)
+//   gdn_prefill_prep    prefill, per (chunk of 64, value head): conv, norms, gates, WY form
+//   gdn_prefill_state   prefill, per (value head, 32 dv columns): the state carried over chunks
+//   gdn_prefill_out     prefill, per (chunk, value head): outputs and the gated norm
+//   gdn_conv_update     prefill: the conv state after the last token
+//   gdn_zero_state      zero the states of some slots
+#include "common.cuh"
+
+#define GDN_DK 128
+#define GDN_DV 128
+#define GDN_VALUE_HEADS 32
+#define GDN_KEY_DIM 2048    // q (or k) channels: 16 key heads × 128
+#define GDN_VALUE_DIM 4096  // v channels: 32 value heads × 128
+#define GDN_CONV_DIM 8192   // q ‖ k ‖ v
+#define GDN_HIST 3          // conv kernel 4: 3 rows of history
+#define GDN_HEAD_STATE (GDN_DK * GDN_DV)
+#define GDN_SEQ_STATE (GDN_VALUE_HEADS * GDN_HEAD_STATE)
+#define GDN_CONV_STATE (GDN_HIST * GDN_CONV_DIM)
+#define L2NORM_EPS 1e-6f    // added to the sum of squares (MODEL.md §3.6.3)
+
+// Launch shapes; gdn.rs has the same numbers.
+#define DEC_THREADS 128
+#define DEC_COLS 32                     // dv columns of one value head per block
+#define DEC_SLICES (GDN_DV / DEC_COLS)  // 4 blocks per value head
+#define DEC_CLUSTER (2 * DEC_SLICES)    // 8 blocks per key head: its 2 value heads × 4 slices
+#define CHUNK 64                        // prefill chunk length (any length is exact; 64 as the reference)
+#define PF_THREADS 256
+#define ST_COLS 32                      // dv columns per block of gdn_prefill_state
+
+// Shared-memory row pitches, in floats. A row of 128 values gets 4 floats of padding so that the
+// float4 reads down a column of rows (row r, r+1, ... at one offset) fall into distinct banks.
+#define PITCH 132
+#define LPITCH 68  // 64×64 matrices
+
+// Everything a GDN kernel may need; each kernel reads the fields it documents. Field for field
+// the `GdnArgs` struct of gdn.rs.
+struct GdnArgs {
+    // Projection outputs, row r of each at r·*_stride elements: qkv [8192], z [4096], b [32], a [32].
+    const bf16* qkv;
+    const bf16* z;
+    const bf16* b;
+    const bf16* a;
+    // Layer weights: conv [8192][4] (tap 3 multiplies the current token), A_log [32], dt_bias [32],
+    // gated-norm weight [128] (plain, not 1 + w).
+    const float* conv_w;
+    const float* a_log;
+    const float* dt_bias;
+    const float* norm_w;
+    // Decode and zeroing: pools of n_slots states, sequence i uses slot slots[i].
+    // Prefill: the one sequence's state (n_slots = 1, slots unused).
+    float* ssm;
+    bf16* conv_state;
+    const int* slots;
+    // Output: the out_proj input, [rows][4096].
+    bf16* y;
+    // Prefill scratch (see gdn_prefill_prep), nc = ceil(rows / 64) chunks:
+    float* ws_w;      // [nc][32][64][128]  W  = T·(β k e^G)
+    float* ws_k;      // [nc][32][64][128]  K̃ = k e^(G_last − G)
+    float* ws_u;      // [nc][32][64][128]  U  = T·(β v), replaced by Vn = U − W·S by gdn_prefill_state
+    float* ws_h;      // [nc][32][128][128] the state at the start of each chunk
+    float* ws_decay;  // [nc][32]           e^(G_last)
+    i64 qkv_stride, z_stride, b_stride, a_stride;
+    int rows;  // decode: sequences; prefill: tokens
+    int n_slots;
+    float eps;  // gated-norm epsilon
+};
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// log(1 + e^x), switching to x above 20 as PyTorch (and the CPU reference) do.
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// The log-decay g = −exp(A_log) · softplus(a + dt_bias) of one value head (MODEL.md §3.6.4).
+__device__ __forceinline__ float gdn_decay(float a_log, float dt_bias, float a) {
+    return -expf(a_log) * softplusf_(a + dt_bias);
+}
+
+__device__ __forceinline__ float bf(bf16 v) { return __bfloat162float(v); }
+
+// ---------------------------------------------------------------------------------------------
+// Thread-block clusters (sm_90), through inline PTX so that no cooperative_groups header is needed.
+
+// Arrive on the cluster barrier without ordering anything: "this block has started".
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// A full cluster barrier: every thread's earlier writes (to any block's shared memory) are visible
+// to every thread of the cluster afterwards.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Stores v into block `rank` of this cluster, at the shared-memory address `local` has in this block.
+__device__ __forceinline__ void st_cluster(float* local, u32 rank, float v) {
+    const u32 addr = (u32)__cvta_generic_to_shared(local);
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode: one token for each of B sequences. Grid (128, B), clusters of 8 blocks along x.
+//
+// Each block owns one value head hv and 32 of its dv columns: that slice of the state (128 × 32
+// fp32 = 16 KiB) is read once into registers (8 float4 per thread, all issued at the start so their
+// DRAM latency overlaps the prologue), updated and written once. 128 blocks per sequence fill the
+// 132 SMs at B = 1. The recurrence is column-independent: with u = Sᵀk and p = Sᵀq of the old S,
+//     δ = β (v − α u),   S' = α S + k δᵀ,   o = S'ᵀ q = α p + δ (k·q)
+// so one pass over the slice gives everything.
+//
+// The 8 blocks of a cluster are the 2 value heads × 4 slices that share key head kh, which solves
+// the two cross-block problems through distributed shared memory:
+//   * q and k of kh come from a conv over 256 channels whose state must be updated exactly once:
+//     each block convolves (and updates the conv state of) its own 16 q + 16 k channels, plus its
+//     own 32 v channels, and pushes the q/k results into every block of the cluster;
+//   * the gated RMSNorm needs Σo² over all 128 columns of a head: each block pushes its partial sum
+//     to the 4 blocks of its value head.
+// Writes go to the other blocks' shared memory (push), so after the last cluster barrier no block
+// touches another's memory and all may exit.
+//
+// Thread t: column quad c = t % 8 (columns v0 + 4c .. +3), row group r = t / 8 (rows d = r + 16i).
+extern "C" __global__ void __cluster_dims__(DEC_CLUSTER, 1, 1) __launch_bounds__(DEC_THREADS)
+gdn_decode(const GdnArgs p) {
+    __shared__ float q_s[GDN_DK], k_s[GDN_DK];  // q and k of key head kh, raw conv outputs
+    __shared__ float qk_mine[32];               // this block's 16 q then 16 k conv outputs
+    __shared__ float v_s[DEC_COLS];
+    __shared__ float red[2][DEC_THREADS / 32][DEC_COLS];
+    __shared__ float sums[3][DEC_THREADS / 32];
+    __shared__ float norm_part[DEC_SLICES];
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    // Clusters tile the grid along x, so the rank in the cluster is blockIdx.x % 8.
+    const int rank = blockIdx.x % DEC_CLUSTER;
+    const int kh = blockIdx.x / DEC_CLUSTER;
+    const int hv = 2 * kh + rank / DEC_SLICES;
+    const int v0 = (rank % DEC_SLICES) * DEC_COLS;
+    const int seq = blockIdx.y;
+    const int slot = p.slots[seq];
+    // A slot out of range skips the sequence (e.g. batch padding). All 8 blocks of the cluster
+    // serve the same sequence, so they leave together, before any cluster barrier.
+    if (slot < 0 || slot >= p.n_slots) return;
+
+    cluster_arrive_relaxed();  // phase 0, waited on before the first remote store
+
+    const int c = tid % 8, r = tid / 8;
+    float* S = p.ssm + (i64)slot * GDN_SEQ_STATE + (i64)hv * GDN_HEAD_STATE + v0 + 4 * c;
+    float4 s[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = *reinterpret_cast<const float4*>(S + (r + 16 * i) * GDN_DV);
+    // The other inputs, loaded up front too (the cluster barriers below order memory, so loads
+    // are not moved across them): the gate inputs, and z and the norm weight of the 4 columns
+    // that threads 0..7 will write.
+    const float b_raw = bf(p.b[seq * p.b_stride + hv]), a_raw = bf(p.a[seq * p.a_stride + hv]);
+    const float a_log = p.a_log[hv], dt_bias = p.dt_bias[hv];
+    const int col = hv * GDN_DV + v0 + 4 * c;  // output column of this thread's first value
+    uint2 z4 = make_uint2(0u, 0u);
+    float4 w4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (tid < 8) {
+        z4 = *reinterpret_cast<const uint2*>(p.z + seq * p.z_stride + col);
+        w4 = *reinterpret_cast<const float4*>(p.norm_w + v0 + 4 * c);
+    }
+
+    // Conv + SiLU for this block's 64 channels, 8 per thread (one 16-byte vector per history row).
+    // The shifted conv state is written at the end (see below).
+    uint4* hist = nullptr;
+    uint4 h1, h2, xn;
+    if (tid < 8) {
+        int ch;
+        float* out;
+        if (tid < 2) {
+            ch = kh * GDN_DK + rank * 16 + tid * 8;
+            out = qk_mine + tid * 8;
+        } else if (tid < 4) {
+            ch = GDN_KEY_DIM + kh * GDN_DK + rank * 16 + (tid - 2) * 8;
+            out = qk_mine + 16 + (tid - 2) * 8;
+        } else {
+            ch = 2 * GDN_KEY_DIM + hv * GDN_DV + v0 + (tid - 4) * 8;
+            out = v_s + (tid - 4) * 8;
+        }
+        hist = reinterpret_cast<uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE + ch);
+        const uint4 h0 = hist[0];
+        h1 = hist[GDN_CONV_DIM / 8];
+        h2 = hist[2 * GDN_CONV_DIM / 8];
+        xn = *reinterpret_cast<const uint4*>(p.qkv + seq * p.qkv_stride + ch);
+        float4 w[8];  // all loads before the first store to shared memory, which could alias them
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = reinterpret_cast<const float4*>(p.conv_w)[ch + j];
+        float f0[8], f1[8], f2[8], f3[8], res[8];
+        unpack8(h0, f0);
+        unpack8(h1, f1);
+        unpack8(h2, f2);
+        unpack8(xn, f3);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float acc = w[j].x * f0[j];
+            acc += w[j].y * f1[j];
+            acc += w[j].z * f2[j];
+            acc += w[j].w * f3[j];
+            res[j] = silu(acc);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) out[j] = res[j];
+    }
+    __syncthreads();  // qk_mine and v_s written
+
+    // Push the 32 q/k values to all 8 blocks: q_s[rank·16 + e], k_s[rank·16 + e].
+    cluster_wait();  // every block of the cluster has started
+    {
+        const int dst = tid / 16, e = tid % 16;
+        st_cluster(&q_s[rank * 16 + e], dst, qk_mine[e]);
+        st_cluster(&k_s[rank * 16 + e], dst, qk_mine[16 + e]);
+    }
+    cluster_sync();  // phase 1: q_s and k_s are complete in every block
+
+    // l2 norms of q and k (q also scaled by 1/√dk), and k·q of the normalised vectors.
+    {
+        const float qv = q_s[tid], kv = k_s[tid];
+        const float a0 = warp_sum(qv * qv), a1 = warp_sum(kv * kv), a2 = warp_sum(qv * kv);
+        if (lane == 0) {
+            sums[0][warp] = a0;
+            sums[1][warp] = a1;
+            sums[2][warp] = a2;
+        }
+    }
+    __syncthreads();
+    float qq = 0.0f, kk = 0.0f, qk = 0.0f;
+#pragma unroll
+    for (int w = 0; w < DEC_THREADS / 32; ++w) {
+        qq += sums[0][w];
+        kk += sums[1][w];
+        qk += sums[2][w];
+    }
+    const float rq = rsqrtf(qq + L2NORM_EPS) * rsqrtf((float)GDN_DK);
+    const float rk = rsqrtf(kk + L2NORM_EPS);
+    const float kq = qk * rq * rk;
+
+    const float beta = sigmoidf_(b_raw);
+    const float alpha = expf(gdn_decay(a_log, dt_bias, a_raw));
+
+    // Partial Sᵀk and Sᵀq over this thread's 8 rows, for its 4 columns.
+    float kd[8], qd[8], sk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        kd[i] = k_s[r + 16 * i] * rk;
+        qd[i] = q_s[r + 16 * i] * rq;
+        const float sv[4] = {s[i].x, s[i].y, s[i].z, s[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            sk[j] += sv[j] * kd[i];
+            sq[j] += sv[j] * qd[i];
+        }
+    }
+    // Over the 4 row groups of the warp (lane bits 3, 4), then the 4 warps through shared memory.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int off = 8; off < 32; off *= 2) {
+            sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], off);
+            sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], off);
+        }
+    }
+    if (lane < 8) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            red[0][warp][4 * c + j] = sk[j];
+            red[1][warp][4 * c + j] = sq[j];
+        }
+    }
+    __syncthreads();
+
+    float delta[4], o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float u = 0.0f, pq = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DEC_THREADS / 32; ++w) {
+            u += red[0][w][4 * c + j];
+            pq += red[1][w][4 * c + j];
+        }
+        delta[j] = beta * (v_s[4 * c + j] - alpha * u);
+        o[j] = alpha * pq + delta[j] * kq;
+    }
+
+    // Gated RMSNorm of the head: Σo² of the bf16-rounded o over this block's 32 columns (lane bits
+    // 0..2 are the column quads), pushed to the 4 blocks of the value head.
+    float ob[4], ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        ob[j] = bf16_round(o[j]);
+        ss += ob[j] * ob[j];
+    }
+#pragma unroll
+    for (int off = 1; off < 8; off *= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (tid < DEC_SLICES) st_cluster(&norm_part[rank % DEC_SLICES], (rank / DEC_SLICES) * DEC_SLICES + tid, ss);
+    cluster_sync();  // phase 2: norm_part complete; no remote access after this
+
+    // Global stores only now: a cluster barrier's release fence waits for every earlier store of
+    // the thread, and none of these is needed before the end.
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float4 n;
+        n.x = alpha * s[i].x + kd[i] * delta[0];
+        n.y = alpha * s[i].y + kd[i] * delta[1];
+        n.z = alpha * s[i].z + kd[i] * delta[2];
+        n.w = alpha * s[i].w + kd[i] * delta[3];
+        *reinterpret_cast<float4*>(S + (r + 16 * i) * GDN_DV) = n;
+    }
+    if (tid < 8) {  // the conv state shifted by one row
+        hist[0] = h1;
+        hist[GDN_CONV_DIM / 8] = h2;
+        hist[2 * GDN_CONV_DIM / 8] = xn;
+    }
+    const float rinv = rsqrtf((norm_part[0] + norm_part[1] + norm_part[2] + norm_part[3]) / GDN_DV + p.eps);
+    if (tid < 8) {  // row group 0: one thread per column quad
+        const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.x));
+        const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.y));
+        const float zf[4] = {z01.x, z01.y, z23.x, z23.y};
+        const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+        float yv[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) yv[j] = bf16_round(wv[j] * bf16_round(ob[j] * rinv)) * silu(zf[j]);
+        const bf162 y01 = __floats2bfloat162_rn(yv[0], yv[1]), y23 = __floats2bfloat162_rn(yv[2], yv[3]);
+        uint2 out;
+        out.x = *reinterpret_cast<const u32*>(&y01);
+        out.y = *reinterpret_cast<const u32*>(&y23);
+        *reinterpret_cast<uint2*>(p.y + (i64)seq * GDN_VALUE_DIM + col) = out;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Zeroing: grid (x, rows); entry i of blockIdx.y zeroes slot slots[i] (or slot i when slots is
+// null) of the pools; slots out of range are skipped.
+extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
+    const int slot = p.slots ? p.slots[blockIdx.y] : (int)blockIdx.y;
+    if (slot < 0 || slot >= p.n_slots) return;
+    const int stride = gridDim.x * blockDim.x;
+    float4* s = reinterpret_cast<float4*>(p.ssm + (i64)slot * GDN_SEQ_STATE);
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < GDN_SEQ_STATE / 4; e += stride)
+        s[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    uint4* cs = reinterpret_cast<uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE);
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < GDN_CONV_STATE / 8; e += stride)
+        cs[e] = make_uint4(0u, 0u, 0u, 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill of T = p.rows tokens of one sequence, in chunks of 64 (MODEL.md §3.6.6). Per value head,
+// with G the in-chunk cumulative log-decay and rows padded with zeros to a whole chunk:
+//   gdn_prefill_prep   (chunk, head) in parallel:  L = strictly_lower(β k kᵀ ⊙ e^(G_r − G_s)),
+//                      solve (I + L)·[U | W] = [β v | β k e^G]; K̃ = k e^(G_last − G)
+//   gdn_prefill_state  (head, 32 columns) sequential over chunks, the state S in registers:
+//                      Vn = U − W·S;  S ← e^(G_last) S + K̃ᵀ Vn   (writes each chunk's starting S)
+//   gdn_prefill_out    (chunk, head) in parallel:  O = (q e^G)·S_chunk + (q kᵀ ⊙ e^(G_r − G_s))_(s≤r)·Vn,
+//                      then the gated RMSNorm
+//   gdn_conv_update    the conv state after the last token (last: the others read the old one)
+// Only gdn_prefill_state is sequential; it splits the dv columns, which evolve independently.
+// Precision: the state must match the recurrent form to ~1e-5 over thousands of tokens and the
+// outputs must agree with decode, so everything is fp32-accurate: gdn_prefill_prep on the CUDA
+// cores, the products of gdn_prefill_state and gdn_prefill_out on the tensor cores in 3xTF32.
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most one group of this thread's copies is still in flight.
+__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor cores: mma.m16n8k8 with tf32 operands and fp32 accumulators. Fragments, lane = 4g + t:
+//   A (16×8, row-major)  a = {A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]}
+//   B (8×8, k × n)       b = {B[t][g], B[t+4][g]}
+//   C, D (16×8)          d = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}
+// A tf32 operand keeps 10 of fp32's 23 mantissa bits, too few here, so every product splits its
+// operands as x = hi + lo (both tf32) and sums hi·hi + hi·lo + lo·hi ("3xTF32"): as accurate as
+// fp32, at three tensor-core products for one, still several times the fp32 CUDA-core rate.
+
+__device__ __forceinline__ u32 tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// d += a·b.
+__device__ __forceinline__ void mma_tf32(float d[4], const u32 a[4], const u32 b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The four A values of lane (g, t) for the tile at (m0, k0) of a matrix with element (m, k) at
+// x[m · ms + k · ks] (row-major: ms = pitch, ks = 1; transposed storage: ms = 1, ks = pitch).
+__device__ __forceinline__ void load_a(float v[4], const float* x, int ms, int ks, int m0, int k0, int g, int t) {
+    v[0] = x[(m0 + g) * ms + (k0 + t) * ks];
+    v[1] = x[(m0 + g + 8) * ms + (k0 + t) * ks];
+    v[2] = x[(m0 + g) * ms + (k0 + t + 4) * ks];
+    v[3] = x[(m0 + g + 8) * ms + (k0 + t + 4) * ks];
+}
+// The two B values of lane (g, t) for the tile at (k0, n0), element (k, n) at x[k · ks + n · ns].
+__device__ __forceinline__ void load_b(float v[2], const float* x, int ks, int ns, int k0, int n0, int g, int t) {
+    v[0] = x[(k0 + t) * ks + (n0 + g) * ns];
+    v[1] = x[(k0 + t + 4) * ks + (n0 + g) * ns];
+}
+
+// x = hi + lo with hi, lo tf32.
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+    hi = tf32(x);
+    lo = tf32(x - __uint_as_float(hi));
+}
+
+// d += a·b to fp32 accuracy from split operands (the small products first).
+__device__ __forceinline__ void mma_3xtf32(float d[4], const u32 ahi[4], const u32 alo[4], const u32 bhi[2], const u32 blo[2]) {
+    mma_tf32(d, alo, bhi);
+    mma_tf32(d, ahi, blo);
+    mma_tf32(d, ahi, bhi);
+}
+
+// The split A fragment of the tile at (m0, k0) (see load_a), negated when `neg`.
+__device__ __forceinline__ void load_a_split(u32 hi[4], u32 lo[4], const float* x, int ms, int ks, int m0, int k0, int g, int t,
+                                             bool neg = false) {
+    float v[4];
+    load_a(v, x, ms, ks, m0, k0, g, t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split_tf32(neg ? -v[e] : v[e], hi[e], lo[e]);
+}
+// The split B fragment of the tile at (k0, n0) (see load_b).
+__device__ __forceinline__ void load_b_split(u32 hi[2], u32 lo[2], const float* x, int ks, int ns, int k0, int n0, int g, int t) {
+    float v[2];
+    load_b(v, x, ks, ns, k0, n0, g, t);
+    split_tf32(v[0], hi[0], lo[0]);
+    split_tf32(v[1], hi[1], lo[1]);
+}
+
+// Rows of 128 values read as the k × n operand B of an mma: a pitch of 8 (mod 32) floats spreads
+// the lanes' (row t, column g) reads over all banks. For 32-column slices: 40.
+#define VPITCH 136
+#define SPITCH 40
+
+// Conv + SiLU of the chunk starting at token t0, for two heads of 128 channels starting at channels
+// ch0 and ch1, into dst0 and dst1 ([64][PITCH] floats in shared memory). Rows past T are zeros.
+// Lane l of each warp takes 8 channels (lanes 0..15 head 0, 16..31 head 1: each half a coalesced
+// 256-byte row segment); warp w takes rows 8w .. 8w+7, sliding a window of the 4 taps down them.
+__device__ void chunk_conv(const GdnArgs& p, int t0, int ch0, int ch1, float* dst0, float* dst1) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, T = p.rows;
+    const int ch = (lane < 16 ? ch0 : ch1) + (lane % 16) * 8;
+    float* dst = (lane < 16 ? dst0 : dst1) + (lane % 16) * 8;
+    float w[4][8];  // [tap][channel]
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float4 wj = reinterpret_cast<const float4*>(p.conv_w)[ch + j];
+        w[0][j] = wj.x;
+        w[1][j] = wj.y;
+        w[2][j] = wj.z;
+        w[3][j] = wj.w;
+    }
+    // Input row `src` (token index; −3..−1 are the conv state's rows 0..2), zeros past T.
+    auto row = [&](int src, float f[8]) {
+        if (src >= T) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f[j] = 0.0f;
+            return;
+        }
+        const bf16* x = src >= 0 ? p.qkv + src * p.qkv_stride : p.conv_state + (src + GDN_HIST) * GDN_CONV_DIM;
+        unpack8(*reinterpret_cast<const uint4*>(x + ch), f);
+    };
+    const int r0 = warp * (CHUNK / (PF_THREADS / 32));
+    float x0[8], x1[8], x2[8], x3[8];  // rows t−3, t−2, t−1, t
+    row(t0 + r0 - 3, x0);
+    row(t0 + r0 - 2, x1);
+    row(t0 + r0 - 1, x2);
+#pragma unroll 1
+    for (int r = r0; r < r0 + CHUNK / (PF_THREADS / 32); ++r) {
+        row(t0 + r, x3);
+        float out[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float acc = w[0][j] * x0[j];
+            acc += w[1][j] * x1[j];
+            acc += w[2][j] * x2[j];
+            acc += w[3][j] * x3[j];
+            out[j] = t0 + r < T ? silu(acc) : 0.0f;
+        }
+        float4* d = reinterpret_cast<float4*>(dst + r * PITCH);
+        d[0] = make_float4(out[0], out[1], out[2], out[3]);
+        d[1] = make_float4(out[4], out[5], out[6], out[7]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            x0[j] = x1[j];
+            x1[j] = x2[j];
+            x2[j] = x3[j];
+        }
+    }
+}
+
+// β (when beta_s is not null) and the in-chunk cumulative decay G of value head hv for the 64 rows
+// of the chunk at t0; padded rows get β = 0 and g = 0 (so they change nothing). Ends with a barrier.
+__device__ void chunk_gates(const GdnArgs& p, int t0, int hv, float* beta_s, float* G_s) {
+    const int tid = threadIdx.x, t = t0 + tid;
+    if (tid < CHUNK) {
+        const bool valid = t < p.rows;
+        if (beta_s) beta_s[tid] = valid ? sigmoidf_(bf(p.b[t * p.b_stride + hv])) : 0.0f;
+        G_s[tid] = valid ? gdn_decay(p.a_log[hv], p.dt_bias[hv], bf(p.a[t * p.a_stride + hv])) : 0.0f;
+    }
+    __syncthreads();
+    if (tid == 0) {  // sequential, as the reference sums (64 adds)
+        float acc = 0.0f;
+        for (int i = 0; i < CHUNK; ++i) {
+            acc += G_s[i];
+            G_s[i] = acc;
+        }
+    }
+    __syncthreads();
+}
+
+// l2-normalises the 64 rows of 128 values in x (shared, pitch PITCH), times `scale`; a warp per row.
+__device__ void l2norm_rows(float* x, float scale) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int r = warp; r < CHUNK; r += PF_THREADS / 32) {
+        float4* row = reinterpret_cast<float4*>(x + r * PITCH);
+        float4 v = row[lane];
+        const float f = rsqrtf(warp_sum(v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w) + L2NORM_EPS) * scale;
+        v.x *= f;
+        v.y *= f;
+        v.z *= f;
+        v.w *= f;
+        row[lane] = v;
+    }
+}
+
+// acc[j] = the 16 × 8 tiles at rows m0.., columns n_base + 8j (j < 4) of x·yᵀ, for x and y 64 rows of
+// 128 values (shared, pitch PITCH), in 3xTF32. Tiles wholly above the diagonal (first column past
+// m0 + 15) are not computed and stay zero: the callers keep only s ≤ r.
+__device__ __forceinline__ void rows_dot_tile(const float* x, const float* y, int m0, int n_base, float acc[4][4]) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
+        u32 ahi[4], alo[4];
+        load_a_split(ahi, alo, x, PITCH, 1, m0, k0, g, t);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (n_base + 8 * j > m0 + 15) continue;  // the same for the whole warp
+            u32 bhi[2], blo[2];
+            load_b_split(bhi, blo, y, 1, PITCH, k0, n_base + 8 * j, g, t);  // B = yᵀ: (k, n) at y[n][k]
+            mma_3xtf32(acc[j], ahi, alo, bhi, blo);
+        }
+    }
+}
+
+// Dynamic shared memory of gdn_prefill_prep (bytes); gdn.rs has the same formula.
+#define PREP_SMEM ((2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4)
+
+// Grid (chunks, 32 value heads), 256 threads. Writes W, U, K̃ and e^(G_last) of its (chunk, head).
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(const GdnArgs p) {
+    extern __shared__ float4 smem4[];
+    float* k_s = reinterpret_cast<float*>(smem4);  // k, then W
+    float* v_s = k_s + CHUNK * PITCH;               // v, then U
+    float* L_s = v_s + CHUNK * PITCH;
+    float* beta_s = L_s + CHUNK * LPITCH;
+    float* G_s = beta_s + CHUNK;
+    const int chunk = blockIdx.x, hv = blockIdx.y, kh = hv / 2, t0 = chunk * CHUNK, tid = threadIdx.x;
+
+    chunk_conv(p, t0, GDN_KEY_DIM + kh * GDN_DK, 2 * GDN_KEY_DIM + hv * GDN_DV, k_s, v_s);
+    chunk_gates(p, t0, hv, beta_s, G_s);  // its barriers also cover the conv's writes
+    l2norm_rows(k_s, 1.0f);
+    __syncthreads();
+
+    // L[r][s] = β_r (k_r·k_s) e^(G_r − G_s) for s < r (the reference's order of factors), else 0.
+    // Warp w: rows 16(w/2)..+15, columns 32(w%2)..+31 (C-fragment layout, see mma_tf32).
+    {
+        const int m0 = 16 * (tid / 64), n_base = 32 * (tid / 32 % 2), g = tid % 32 / 4, t = tid % 4;
+        float acc[4][4];
+        rows_dot_tile(k_s, k_s, m0, n_base, acc);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = m0 + g + 8 * (e / 2), s = n_base + 8 * j + 2 * t + e % 2;
+                L_s[r * LPITCH + s] = s < r ? beta_s[r] * acc[j][e] * expf(G_s[r] - G_s[s]) : 0.0f;
+            }
+    }
+    const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;  // this (chunk, head) in ws_*
+    // K̃ = k e^(G_last − G) and e^(G_last) for gdn_prefill_state. Padded rows have g = 0, so
+    // G_last = G[63] is the last real row's G.
+    {
+        const float g_last = G_s[CHUNK - 1];
+        for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
+            const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
+            float4 kv = *reinterpret_cast<const float4*>(k_s + r * PITCH + d);
+            const float f = expf(g_last - G_s[r]);
+            kv.x *= f;
+            kv.y *= f;
+            kv.z *= f;
+            kv.w *= f;
+            reinterpret_cast<float4*>(p.ws_k + tile)[e] = kv;
+        }
+        if (tid == 0) p.ws_decay[chunk * GDN_VALUE_HEADS + hv] = expf(g_last);
+    }
+    __syncthreads();  // L complete; k_s no longer read by other threads
+
+    // Forward substitution, one column per thread: threads 0..127 the columns of W (right-hand
+    // side β k e^G), 128..255 those of U (β v). Row r: X_r = B_r − Σ_(s<r) L[r][s] X_s. The column
+    // lives in registers (both loops unrolled, so every index is a constant) and L is read four
+    // values at a time, a broadcast to the warp: ~600 shared loads per thread instead of 4000.
+    {
+        const bool is_w = tid < GDN_DK;
+        float* X = (is_w ? k_s : v_s) + tid % GDN_DK;
+        float x[CHUNK];
+#pragma unroll
+        for (int r = 0; r < CHUNK; ++r) {
+            float acc = beta_s[r] * X[r * PITCH];
+            if (is_w) acc *= expf(G_s[r]);
+            const float* Lr = L_s + r * LPITCH;
+#pragma unroll
+            for (int s = 0; s < r; s += 4) {
+                const float4 l = *reinterpret_cast<const float4*>(Lr + s);
+                acc -= l.x * x[s];
+                if (s + 1 < r) acc -= l.y * x[s + 1];
+                if (s + 2 < r) acc -= l.z * x[s + 2];
+                if (s + 3 < r) acc -= l.w * x[s + 3];
+            }
+            x[r] = acc;
+        }
+#pragma unroll
+        for (int r = 0; r < CHUNK; ++r) X[r * PITCH] = x[r];
+    }
+    __syncthreads();
+    for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
+        const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
+        reinterpret_cast<float4*>(p.ws_w + tile)[e] = *reinterpret_cast<const float4*>(k_s + r * PITCH + d);
+        reinterpret_cast<float4*>(p.ws_u + tile)[e] = *reinterpret_cast<const float4*>(v_s + r * PITCH + d);
+    }
+}
+
+// Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, K̃ and U, and S.
+#define STATE_SMEM ((2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + GDN_DK * SPITCH) * 4)
+
+// Grid (4 column slices, 32 value heads), 256 threads; sequential over the chunks. The block's
+// state slice S[128 d][32 v] stays in the accumulators of the tensor-core products: warp w holds rows
+// 16w..16w+15 as 4 tiles of 16 × 8 (C-fragment layout), and a copy in shared memory feeds W·S.
+// The next chunk's W, K̃ and U are prefetched with cp.async while the current one is computed.
+// Both products use 3xTF32 (fp32 accuracy): the state is carried over thousands of tokens.
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(const GdnArgs p) {
+    extern __shared__ float4 smem4[];
+    float* W_s = reinterpret_cast<float*>(smem4);  // [2][64][PITCH]
+    float* K_s = W_s + 2 * CHUNK * PITCH;            // [2][64][VPITCH]
+    float* U_s = K_s + 2 * CHUNK * VPITCH;           // [2][64][SPITCH], U then Vn
+    float* S_s = U_s + 2 * CHUNK * SPITCH;           // [128][SPITCH]
+    const int hv = blockIdx.y, v0 = blockIdx.x * ST_COLS, tid = threadIdx.x;
+    const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
+    const int nc = (p.rows + CHUNK - 1) / CHUNK;
+
+    // Copies chunk c's W, K̃ (whole) and U (this slice) into buffer `buf`: 8 + 8 + 2 vectors per thread.
+    auto prefetch = [&](int c, int buf) {
+        const i64 tile = ((i64)c * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
+        for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
+            const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
+            cp_async16(W_s + (buf * CHUNK + r) * PITCH + d, p.ws_w + tile + r * GDN_DK + d);
+            cp_async16(K_s + (buf * CHUNK + r) * VPITCH + d, p.ws_k + tile + r * GDN_DK + d);
+        }
+        for (int e = tid; e < CHUNK * ST_COLS / 4; e += PF_THREADS) {
+            const int r = e / (ST_COLS / 4), v = (e % (ST_COLS / 4)) * 4;
+            cp_async16(U_s + (buf * CHUNK + r) * SPITCH + v, p.ws_u + tile + r * GDN_DV + v0 + v);
+        }
+    };
+    prefetch(0, 0);
+    cp_async_commit();
+
+    // S[d][v] for d = 16·warp + g (+8), v = 8j + 2t (+1): s[j] = {S[d][v], S[d][v+1], S[d+8][v], S[d+8][v+1]}.
+    const int d0 = 16 * warp;
+    float* state = p.ssm + (i64)hv * GDN_HEAD_STATE + v0;
+    float s[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int d = d0 + g + 8 * h, v = 8 * j + 2 * t;
+            const float2 x = *reinterpret_cast<const float2*>(state + d * GDN_DV + v);
+            s[j][2 * h] = x.x;
+            s[j][2 * h + 1] = x.y;
+            *reinterpret_cast<float2*>(S_s + d * SPITCH + v) = x;
+        }
+
+    // Vn tiles of warp w: rows 16(w/2).., columns 16(w%2) + 8j, j < 2.
+    const int vm0 = 16 * (warp / 2), vn0 = 16 * (warp % 2);
+#pragma unroll 1
+    for (int c = 0; c < nc; ++c) {
+        const int buf = c % 2;
+        if (c + 1 < nc) prefetch(c + 1, buf ^ 1);
+        cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning chunk c
+        cp_async_wait_1();
+        __syncthreads();  // chunk c's buffers (everyone's copies) and S_s are ready
+        const float* W = W_s + buf * CHUNK * PITCH;
+        const float* K = K_s + buf * CHUNK * VPITCH;
+        float* U = U_s + buf * CHUNK * SPITCH;
+        const i64 tile = ((i64)c * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
+        const float decay = p.ws_decay[c * GDN_VALUE_HEADS + hv];
+
+        // The state at the start of chunk c, for gdn_prefill_out.
+        float* h = p.ws_h + ((i64)c * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE + v0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                *reinterpret_cast<float2*>(h + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
+                    make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
+
+        // Vn = U − W·S, accumulated onto U with −W as the A operand.
+        {
+            float acc[2][4];
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] = U[(vm0 + g + 8 * (e / 2)) * SPITCH + vn0 + 8 * j + 2 * t + e % 2];
+#pragma unroll 4
+            for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
+                u32 ahi[4], alo[4];
+                load_a_split(ahi, alo, W, PITCH, 1, vm0, k0, g, t, true);
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    u32 bhi[2], blo[2];
+                    load_b_split(bhi, blo, S_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
+                    mma_3xtf32(acc[j], ahi, alo, bhi, blo);
+                }
+            }
+            // Each value goes back to the U element it started from (no other thread reads those
+            // before the barrier) and to the workspace for gdn_prefill_out.
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = vm0 + g + 8 * hh, v = vn0 + 8 * j + 2 * t;
+                    const float2 x = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+                    *reinterpret_cast<float2*>(U + r * SPITCH + v) = x;
+                    *reinterpret_cast<float2*>(p.ws_u + tile + r * GDN_DV + v0 + v) = x;
+                }
+        }
+        __syncthreads();  // Vn complete; S_s reads done
+
+        // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) at K[r][d]), B = Vn.
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] *= decay;
+#pragma unroll 2
+        for (int k0 = 0; k0 < CHUNK; k0 += 8) {
+            u32 ahi[4], alo[4];
+            load_a_split(ahi, alo, K, 1, VPITCH, d0, k0, g, t);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32 bhi[2], blo[2];
+                load_b_split(bhi, blo, U, SPITCH, 1, k0, 8 * j, g, t);
+                mma_3xtf32(s[j], ahi, alo, bhi, blo);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                *reinterpret_cast<float2*>(S_s + (d0 + g + 8 * hh) * SPITCH + 8 * j + 2 * t) =
+                    make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
+        __syncthreads();  // S_s updated; this chunk's buffers free for the prefetch of chunk c + 2
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            *reinterpret_cast<float2*>(state + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
+                make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
+}
+
+// Dynamic shared memory of gdn_prefill_out (bytes): q, k/Vn, A, a 32-row slab of S, G.
+#define OUT_SMEM ((CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4)
+
+// Grid (chunks, 32 value heads), 256 threads. The products run on the tensor cores in 3xTF32 (plain
+// tf32 would add noise of ~1e-3 of a head's rms to the outputs, 1/3 of a bf16 rounding; prefill then
+// agrees with decode as closely as fp32 allows): warp w computes rows 16(w/2)..+15 of the chunk's
+// outputs, columns 64(w%2)..+63; the outputs go through shared memory to the gated norm, a warp per row.
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(const GdnArgs p) {
+    extern __shared__ float4 smem4[];
+    float* q_s = reinterpret_cast<float*>(smem4);  // [64][PITCH]: q, then q e^G, then the outputs
+    float* kv_s = q_s + CHUNK * PITCH;              // [64][PITCH] k, then [64][VPITCH] Vn
+    float* A_s = kv_s + CHUNK * VPITCH;             // [64][LPITCH]
+    float* H_s = A_s + CHUNK * LPITCH;              // [32][VPITCH]: 32 rows of the chunk's starting state
+    float* G_s = H_s + 32 * VPITCH;
+    const int chunk = blockIdx.x, hv = blockIdx.y, kh = hv / 2, t0 = chunk * CHUNK, tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+    const int m0 = 16 * (warp / 2);
+
+    chunk_conv(p, t0, kh * GDN_DK, GDN_KEY_DIM + kh * GDN_DK, q_s, kv_s);
+    chunk_gates(p, t0, hv, nullptr, G_s);
+    l2norm_rows(q_s, rsqrtf((float)GDN_DK));
+    l2norm_rows(kv_s, 1.0f);
+    __syncthreads();
+
+    // A[r][s] = (q_r·k_s) e^(G_r − G_s) for s ≤ r, else 0: rows m0..m0+15, columns 32(w%2)..+31.
+    {
+        const int n_base = 32 * (warp % 2);
+        float acc[4][4];
+        rows_dot_tile(q_s, kv_s, m0, n_base, acc);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = m0 + g + 8 * (e / 2), s = n_base + 8 * j + 2 * t + e % 2;
+                A_s[r * LPITCH + s] = s <= r ? acc[j][e] * expf(G_s[r] - G_s[s]) : 0.0f;
+            }
+    }
+    __syncthreads();  // q and k no longer read as they are
+
+    const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
+    for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
+        const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
+        float4* qr = reinterpret_cast<float4*>(q_s + r * PITCH + d);
+        const float f = expf(G_s[r]);
+        float4 q = *qr;
+        q.x *= f;
+        q.y *= f;
+        q.z *= f;
+        q.w *= f;
+        *qr = q;
+        *reinterpret_cast<float4*>(kv_s + r * VPITCH + d) = reinterpret_cast<const float4*>(p.ws_u + tile)[e];
+    }
+
+    const int n_base = 64 * (warp % 2);
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+
+    // The inter-chunk part (q e^G)·S_chunk, S streamed through shared memory 32 rows at a time.
+    const float* hsrc = p.ws_h + ((i64)chunk * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE;
+#pragma unroll 1
+    for (int d0 = 0; d0 < GDN_DK; d0 += 32) {
+        for (int e = tid; e < 32 * GDN_DV / 4; e += PF_THREADS) {
+            const int r = e / (GDN_DV / 4), v = (e % (GDN_DV / 4)) * 4;
+            *reinterpret_cast<float4*>(H_s + r * VPITCH + v) = *reinterpret_cast<const float4*>(hsrc + (d0 + r) * GDN_DV + v);
+        }
+        __syncthreads();  // the slab (and, the first time, q e^G and Vn) are in place
+#pragma unroll 2
+        for (int k0 = 0; k0 < 32; k0 += 8) {
+            u32 ahi[4], alo[4];
+            load_a_split(ahi, alo, q_s, PITCH, 1, m0, d0 + k0, g, t);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                u32 bhi[2], blo[2];
+                load_b_split(bhi, blo, H_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
+                mma_3xtf32(acc[j], ahi, alo, bhi, blo);
+            }
+        }
+        __syncthreads();  // H_s free for the next slab
+    }
+
+    // The intra-chunk part A·Vn; A's rows m0..m0+15 are zero past column m0 + 15.
+#pragma unroll 1
+    for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
+        u32 ahi[4], alo[4];
+        load_a_split(ahi, alo, A_s, LPITCH, 1, m0, k0, g, t);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            u32 bhi[2], blo[2];
+            load_b_split(bhi, blo, kv_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
+            mma_3xtf32(acc[j], ahi, alo, bhi, blo);
+        }
+    }
+    __syncthreads();  // every warp is done with q_s, which takes the outputs now
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            *reinterpret_cast<float2*>(q_s + (m0 + g + 8 * hh) * PITCH + n_base + 8 * j + 2 * t) =
+                make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+    __syncthreads();
+
+    // Gated RMSNorm per row (as in gdn_decode), a warp per row, lane l on columns 4l..4l+3;
+    // written for the real rows only.
+    const float4 w4 = *reinterpret_cast<const float4*>(p.norm_w + 4 * lane);
+    const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+    for (int r = warp; r < CHUNK; r += PF_THREADS / 32) {
+        const float4 o4 = *reinterpret_cast<const float4*>(q_s + r * PITCH + 4 * lane);
+        const float ob[4] = {bf16_round(o4.x), bf16_round(o4.y), bf16_round(o4.z), bf16_round(o4.w)};
+        const float rinv = rsqrtf(warp_sum(ob[0] * ob[0] + ob[1] * ob[1] + ob[2] * ob[2] + ob[3] * ob[3]) / GDN_DV + p.eps);
+        const int tok = t0 + r;
+        if (tok >= p.rows) continue;
+        const int col = hv * GDN_DV + 4 * lane;
+        const uint2 zw = *reinterpret_cast<const uint2*>(p.z + tok * p.z_stride + col);
+        const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&zw.x));
+        const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&zw.y));
+        const float zf[4] = {z01.x, z01.y, z23.x, z23.y};
+        float yv[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) yv[j] = bf16_round(wv[j] * bf16_round(ob[j] * rinv)) * silu(zf[j]);
+        const bf162 y01 = __floats2bfloat162_rn(yv[0], yv[1]), y23 = __floats2bfloat162_rn(yv[2], yv[3]);
+        uint2 out;
+        out.x = *reinterpret_cast<const u32*>(&y01);
+        out.y = *reinterpret_cast<const u32*>(&y23);
+        *reinterpret_cast<uint2*>(p.y + (i64)tok * GDN_VALUE_DIM + col) = out;
+    }
+}
+
+// The conv state after T = p.rows tokens: the last 3 rows of (old state ‖ inputs). One thread per
+// 8 channels; it reads all three old rows before writing, so T < 3 (which keeps some old rows)
+// works in place.
+extern "C" __global__ void gdn_conv_update(const GdnArgs p) {
+    const int v = blockIdx.x * blockDim.x + threadIdx.x;
+    if (v >= GDN_CONV_DIM / 8) return;
+    uint4* hist = reinterpret_cast<uint4*>(p.conv_state) + v;
+    const uint4 old0 = hist[0], old1 = hist[GDN_CONV_DIM / 8], old2 = hist[2 * GDN_CONV_DIM / 8];
+#pragma unroll
+    for (int i = 0; i < GDN_HIST; ++i) {
+        const int src = p.rows - GDN_HIST + i;  // token index; negative: old row src + 3
+        const uint4 keep = src == -3 ? old0 : src == -2 ? old1 : old2;
+        hist[i * (GDN_CONV_DIM / 8)] = src < 0 ? keep : *reinterpret_cast<const uint4*>(p.qkv + src * p.qkv_stride + v * 8);
+    }
+}

@@ -1,0 +1,541 @@
+//! Gated DeltaNet layer kernels (gdn.cu, spec/MODEL.md §3.6): from the outputs of the input
+//! projections (qkv, z, b, a) to the input of `out_proj`, for one GDN layer:
+//! causal conv + SiLU, l2-normalised q/k, gates β and g, the gated delta rule on the fp32 state,
+//! and the gated RMSNorm. Decode runs one token for each of a batch of sequences; prefill runs a
+//! chunk of tokens of one sequence in the chunked (WY) form, which agrees with decode token by
+//! token.
+//!
+//! The kernels are specialised to Qwen3.6-35B-A3B's shapes (`check_config`). Per sequence and layer
+//! the state is
+//! * `ssm`: fp32 `[32 value heads][128 dk][128 dv]` (`SSM_STATE_LEN` values), `S[d][v]` as in the
+//!   CPU reference's `DeltaNetState::ssm`;
+//! * `conv`: bf16 `[3][8192]` (`CONV_STATE_LEN` values), the last three pre-conv qkv rows, oldest
+//!   first, as `DeltaNetState::conv` (bf16 holds the bf16 inputs exactly).
+//!
+//! Decode addresses states in pools (`[n_slots][...]`, one pool per layer) through device-side
+//! slot ids, so a batch's decode step can be captured in a CUDA graph once and replayed.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
+use half::bf16;
+
+use super::{
+    as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaSlice,
+    CudaStream, CudaView, CudaViewMut, Result,
+};
+use crate::config::ModelConfig;
+
+pub const KEY_HEADS: usize = 16;
+pub const VALUE_HEADS: usize = 32;
+/// dk = dv = 128.
+pub const HEAD_DIM: usize = 128;
+pub const KEY_DIM: usize = KEY_HEADS * HEAD_DIM;
+pub const VALUE_DIM: usize = VALUE_HEADS * HEAD_DIM;
+/// q ‖ k ‖ v channels of the conv.
+pub const CONV_DIM: usize = 2 * KEY_DIM + VALUE_DIM;
+pub const CONV_KERNEL: usize = 4;
+/// Width of the fused projection output qkv ‖ z ‖ b ‖ a (see `GdnInputs::fused`).
+pub const PROJ_DIM: usize = CONV_DIM + VALUE_DIM + 2 * VALUE_HEADS;
+/// fp32 values of one sequence's recurrent state in one layer.
+pub const SSM_STATE_LEN: usize = VALUE_HEADS * HEAD_DIM * HEAD_DIM;
+/// bf16 values of one sequence's conv state in one layer.
+pub const CONV_STATE_LEN: usize = (CONV_KERNEL - 1) * CONV_DIM;
+/// Prefill chunk length (CHUNK in gdn.cu).
+pub const CHUNK: usize = 64;
+
+// Launch shapes, as in gdn.cu.
+const DEC_THREADS: u32 = 128;
+const DEC_BLOCKS: u32 = (VALUE_HEADS * HEAD_DIM / 32) as u32; // one per (value head, 32 dv columns)
+const PF_THREADS: u32 = 256;
+const ST_COLS: usize = 32;
+const PITCH: usize = 132;
+const LPITCH: usize = 68;
+const VPITCH: usize = 136;
+const SPITCH: usize = 40;
+const PREP_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4;
+const STATE_SMEM: usize =
+    (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + HEAD_DIM * SPITCH) * 4;
+const OUT_SMEM: usize = (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4;
+
+/// Checks that a model's GDN layers have the shapes these kernels are compiled for.
+pub fn check_config(c: &ModelConfig) -> Result<()> {
+    let found = [
+        ("linear_num_key_heads", c.linear_num_key_heads, KEY_HEADS),
+        (
+            "linear_num_value_heads",
+            c.linear_num_value_heads,
+            VALUE_HEADS,
+        ),
+        ("linear_key_head_dim", c.linear_key_head_dim, HEAD_DIM),
+        ("linear_value_head_dim", c.linear_value_head_dim, HEAD_DIM),
+        (
+            "linear_conv_kernel_dim",
+            c.linear_conv_kernel_dim,
+            CONV_KERNEL,
+        ),
+    ];
+    for (name, have, want) in found {
+        ensure!(
+            have == want,
+            "gdn kernels are built for {name} = {want}, the model has {have}"
+        );
+    }
+    Ok(())
+}
+
+/// One GDN layer's small weights, as the kernels take them (fp32, converted once at load time).
+pub struct GdnWeights<'a> {
+    /// `[8192][4]` depthwise conv taps (the checkpoint's `conv1d.weight` `[8192, 1, 4]`); tap 3
+    /// multiplies the current token.
+    pub conv_w: CudaView<'a, f32>,
+    /// `[32]`, as stored (the kernels compute −exp(A_log)).
+    pub a_log: CudaView<'a, f32>,
+    /// `[32]`.
+    pub dt_bias: CudaView<'a, f32>,
+    /// `[128]` gated-norm weight, plain (this norm is not zero-centred).
+    pub norm_w: CudaView<'a, f32>,
+    /// The gated norm's epsilon (`rms_norm_eps`).
+    pub eps: f32,
+}
+
+/// `rows` rows of a bf16 matrix inside a buffer: row r starts at element `r · stride`.
+pub struct Rows<'a> {
+    pub data: CudaView<'a, bf16>,
+    pub stride: usize,
+}
+
+/// The input projections' outputs for a number of rows (tokens or sequences):
+/// qkv `[8192]`, z `[4096]`, b `[32]`, a `[32]` per row.
+pub struct GdnInputs<'a> {
+    pub qkv: Rows<'a>,
+    pub z: Rows<'a>,
+    pub b: Rows<'a>,
+    pub a: Rows<'a>,
+}
+
+impl<'a> GdnInputs<'a> {
+    /// The four inputs inside one fused projection output `[rows][stride]`, each row laid out
+    /// qkv ‖ z ‖ b ‖ a (the concatenated `in_proj_qkv ‖ in_proj_z ‖ in_proj_b ‖ in_proj_a`), with
+    /// `stride` ≥ `PROJ_DIM`.
+    pub fn fused(proj: &CudaView<'a, bf16>, stride: usize) -> Result<Self> {
+        ensure!(
+            stride >= PROJ_DIM,
+            "gdn: fused projection rows of {stride} values, need at least {PROJ_DIM}"
+        );
+        ensure!(
+            proj.len() >= PROJ_DIM,
+            "gdn: fused projection buffer of {} values is shorter than one row",
+            proj.len()
+        );
+        let part = |start: usize| Rows {
+            data: proj.slice(start..),
+            stride,
+        };
+        Ok(Self {
+            qkv: part(0),
+            z: part(CONV_DIM),
+            b: part(CONV_DIM + VALUE_DIM),
+            a: part(CONV_DIM + VALUE_DIM + VALUE_HEADS),
+        })
+    }
+}
+
+/// Scratch of the chunked prefill, sized for chunks of up to `max_tokens` tokens:
+/// W, K̃ and U/Vn (`[chunks][32][64][128]` fp32 each), the state at each chunk start
+/// (`[chunks][32][128][128]` fp32) and the chunk decays — about 80 KiB per token
+/// (320 MiB for 4096 tokens). Allocate once; it is filled with NaNs so that a read of anything not
+/// written first would show in the outputs.
+pub struct GdnWorkspace {
+    w: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    u: CudaSlice<f32>,
+    h: CudaSlice<f32>,
+    decay: CudaSlice<f32>,
+    max_tokens: usize,
+}
+
+impl GdnWorkspace {
+    pub fn new(stream: &Arc<CudaStream>, max_tokens: usize) -> Result<Self> {
+        ensure!(max_tokens > 0, "gdn workspace: max_tokens must be positive");
+        let chunks = max_tokens.div_ceil(CHUNK);
+        let alloc = |n: usize| -> Result<CudaSlice<f32>> {
+            // SAFETY: filled right below, before any use.
+            let mut buf = unsafe { stream.alloc::<f32>(n) }
+                .during(|| format!("allocating {n} floats of gdn workspace"))?;
+            let (ptr, _g) = buf.device_ptr_mut(stream);
+            // SAFETY: `ptr` is the start of `buf`, which holds exactly n · 4 bytes.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(ptr, 0xff, n * 4, stream.cu_stream())
+            }
+            .during(|| "filling gdn workspace".into())?;
+            drop(_g);
+            Ok(buf)
+        };
+        let tile = chunks * VALUE_HEADS * CHUNK * HEAD_DIM;
+        Ok(Self {
+            w: alloc(tile)?,
+            k: alloc(tile)?,
+            u: alloc(tile)?,
+            h: alloc(chunks * SSM_STATE_LEN)?,
+            decay: alloc(chunks * VALUE_HEADS)?,
+            max_tokens,
+        })
+    }
+
+    /// Device bytes a workspace for `max_tokens` tokens takes.
+    pub fn bytes(max_tokens: usize) -> usize {
+        let chunks = max_tokens.div_ceil(CHUNK);
+        4 * chunks * (3 * VALUE_HEADS * CHUNK * HEAD_DIM + SSM_STATE_LEN + VALUE_HEADS)
+    }
+
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+}
+
+/// Kernel arguments, field for field the `GdnArgs` struct of gdn.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct GdnArgs {
+    qkv: u64,
+    z: u64,
+    b: u64,
+    a: u64,
+    conv_w: u64,
+    a_log: u64,
+    dt_bias: u64,
+    norm_w: u64,
+    ssm: u64,
+    conv_state: u64,
+    slots: u64,
+    y: u64,
+    ws_w: u64,
+    ws_k: u64,
+    ws_u: u64,
+    ws_h: u64,
+    ws_decay: u64,
+    qkv_stride: i64,
+    z_stride: i64,
+    b_stride: i64,
+    a_stride: i64,
+    rows: i32,
+    n_slots: i32,
+    eps: f32,
+}
+
+// SAFETY: plain integers and floats, laid out as the C struct the kernels take by value.
+unsafe impl DeviceRepr for GdnArgs {}
+
+pub struct GdnKernels {
+    stream: Arc<CudaStream>,
+    decode: CudaFunction,
+    zero: CudaFunction,
+    prep: CudaFunction,
+    state: CudaFunction,
+    out: CudaFunction,
+    conv_update: CudaFunction,
+}
+
+impl GdnKernels {
+    pub fn load(dev: &CudaDevice) -> Result<Self> {
+        let max_shared = dev.max_shared_memory_per_block()?;
+        // The prefill kernels keep whole 64-row tiles in shared memory: opt in above 48 KB.
+        let big = |name: &str, bytes: usize| -> Result<CudaFunction> {
+            ensure!(
+                bytes <= max_shared,
+                "gdn: {name} needs {bytes} bytes of shared memory, the GPU allows {max_shared}"
+            );
+            let f = dev.function("gdn", name)?;
+            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, bytes as i32)
+                .during(|| format!("shared memory limit of {name}"))?;
+            Ok(f)
+        };
+        Ok(Self {
+            stream: dev.stream().clone(),
+            decode: dev.function("gdn", "gdn_decode")?,
+            zero: dev.function("gdn", "gdn_zero_state")?,
+            prep: big("gdn_prefill_prep", PREP_SMEM)?,
+            state: big("gdn_prefill_state", STATE_SMEM)?,
+            out: big("gdn_prefill_out", OUT_SMEM)?,
+            conv_update: dev.function("gdn", "gdn_conv_update")?,
+        })
+    }
+
+    /// One decode step of one GDN layer for `slots.len()` sequences: sequence i takes row i of
+    /// `x`, updates state slot `slots[i]` of the pools `ssm` (`[n_slots][SSM_STATE_LEN]`) and
+    /// `conv` (`[n_slots][CONV_STATE_LEN]`), and writes row i of `y` (`[slots.len()][4096]`, the
+    /// input of out_proj). A slot id outside `0..n_slots` (read on the device) skips its sequence,
+    /// leaving its row of `y` untouched. Two sequences of one launch must not share a slot.
+    pub fn decode(
+        &self,
+        w: &GdnWeights,
+        x: &GdnInputs,
+        slots: &CudaView<i32>,
+        ssm: &mut CudaViewMut<f32>,
+        conv: &mut CudaViewMut<bf16>,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let batch = slots.len();
+        ensure!(
+            batch <= 65535,
+            "gdn decode: {batch} sequences; one launch takes at most 65535"
+        );
+        let n_slots = check_pools("gdn decode", &self.stream, ssm, conv)?;
+        ensure!(
+            y.len() == batch * VALUE_DIM,
+            "gdn decode: y has {} values, expected {batch}×{VALUE_DIM}",
+            y.len()
+        );
+        ensure_aligned(y, &self.stream, "gdn y")?;
+        if batch == 0 {
+            return Ok(());
+        }
+        let stream = &*self.stream;
+        let mut guards = Vec::new();
+        let mut args = self.common_args(w, x, batch, &mut guards)?;
+        args.slots = addr(slots, stream, &mut guards);
+        let (ssm_ptr, _s) = ssm.device_ptr_mut(stream);
+        let (conv_ptr, _c) = conv.device_ptr_mut(stream);
+        let (y_ptr, _y) = y.device_ptr_mut(stream);
+        args.ssm = ssm_ptr;
+        args.conv_state = conv_ptr;
+        args.y = y_ptr;
+        args.n_slots = as_i32(n_slots, "gdn decode n_slots")?;
+        let cfg = LaunchConfig {
+            grid_dim: (DEC_BLOCKS, batch as u32, 1),
+            block_dim: (DEC_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the checks above and in common_args bound every index the kernel forms; slot ids
+        // are range-checked on the device.
+        unsafe { launch!(self.stream, &self.decode, cfg, &args) }
+    }
+
+    /// Prefill of `tokens` tokens of one sequence through one GDN layer: rows 0..tokens of `x`,
+    /// the sequence's state `ssm` (`SSM_STATE_LEN`) and `conv` (`CONV_STATE_LEN`) updated in place,
+    /// `y` (`[tokens][4096]`) the input of out_proj. Four launches, all on the stream.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prefill(
+        &self,
+        w: &GdnWeights,
+        x: &GdnInputs,
+        tokens: usize,
+        ssm: &mut CudaViewMut<f32>,
+        conv: &mut CudaViewMut<bf16>,
+        ws: &mut GdnWorkspace,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        ensure!(
+            ssm.len() == SSM_STATE_LEN && conv.len() == CONV_STATE_LEN,
+            "gdn prefill: the state of one sequence is {SSM_STATE_LEN} + {CONV_STATE_LEN} values, got {} + {}",
+            ssm.len(),
+            conv.len()
+        );
+        ensure!(
+            tokens <= ws.max_tokens,
+            "gdn prefill: {tokens} tokens, the workspace holds {}",
+            ws.max_tokens
+        );
+        ensure!(
+            y.len() == tokens * VALUE_DIM,
+            "gdn prefill: y has {} values, expected {tokens}×{VALUE_DIM}",
+            y.len()
+        );
+        ensure_aligned(ssm, &self.stream, "gdn ssm state")?;
+        ensure_aligned(conv, &self.stream, "gdn conv state")?;
+        ensure_aligned(y, &self.stream, "gdn y")?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let stream = &*self.stream;
+        let mut guards = Vec::new();
+        let mut args = self.common_args(w, x, tokens, &mut guards)?;
+        let (ssm_ptr, _s) = ssm.device_ptr_mut(stream);
+        let (conv_ptr, _c) = conv.device_ptr_mut(stream);
+        let (y_ptr, _y) = y.device_ptr_mut(stream);
+        let (ws_w, _w) = ws.w.device_ptr_mut(stream);
+        let (ws_k, _k) = ws.k.device_ptr_mut(stream);
+        let (ws_u, _u) = ws.u.device_ptr_mut(stream);
+        let (ws_h, _h) = ws.h.device_ptr_mut(stream);
+        let (ws_decay, _d) = ws.decay.device_ptr_mut(stream);
+        args.ssm = ssm_ptr;
+        args.conv_state = conv_ptr;
+        args.y = y_ptr;
+        (args.ws_w, args.ws_k, args.ws_u, args.ws_h, args.ws_decay) =
+            (ws_w, ws_k, ws_u, ws_h, ws_decay);
+        args.n_slots = 1;
+
+        let chunks = tokens.div_ceil(CHUNK) as u32;
+        let heads = VALUE_HEADS as u32;
+        let block = (PF_THREADS, 1, 1);
+        let prep = LaunchConfig {
+            grid_dim: (chunks, heads, 1),
+            block_dim: block,
+            shared_mem_bytes: PREP_SMEM as u32,
+        };
+        let state = LaunchConfig {
+            grid_dim: ((HEAD_DIM / ST_COLS) as u32, heads, 1),
+            block_dim: block,
+            shared_mem_bytes: STATE_SMEM as u32,
+        };
+        let out = LaunchConfig {
+            grid_dim: (chunks, heads, 1),
+            block_dim: block,
+            shared_mem_bytes: OUT_SMEM as u32,
+        };
+        let conv_update = LaunchConfig {
+            grid_dim: ((CONV_DIM / 8) as u32 / PF_THREADS, 1, 1),
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: common_args checked the inputs for `tokens` rows, the state views have exactly
+        // one sequence's state, and the workspace holds ceil(tokens / 64) chunks.
+        unsafe {
+            launch!(self.stream, &self.prep, prep, &args)?;
+            launch!(self.stream, &self.state, state, &args)?;
+            launch!(self.stream, &self.out, out, &args)?;
+            // Last: the kernels above read the old conv state.
+            launch!(self.stream, &self.conv_update, conv_update, &args)
+        }
+    }
+
+    /// Zeroes states in the pools `ssm` (`[n_slots][SSM_STATE_LEN]`) and `conv`
+    /// (`[n_slots][CONV_STATE_LEN]`): the slots listed in `slots` (read on the device; ids outside
+    /// `0..n_slots` are skipped), or every slot when `slots` is None. A new sequence starts from zeros.
+    pub fn zero(
+        &self,
+        ssm: &mut CudaViewMut<f32>,
+        conv: &mut CudaViewMut<bf16>,
+        slots: Option<&CudaView<i32>>,
+    ) -> Result<()> {
+        let n_slots = check_pools("gdn zero", &self.stream, ssm, conv)?;
+        let count = slots.map_or(n_slots, |s| s.len());
+        ensure!(
+            count <= 65535,
+            "gdn zero: {count} slots; one launch takes at most 65535"
+        );
+        if count == 0 {
+            return Ok(());
+        }
+        let stream = &*self.stream;
+        let mut guards = Vec::new();
+        let mut args = GdnArgs {
+            n_slots: as_i32(n_slots, "gdn zero n_slots")?,
+            ..Default::default()
+        };
+        args.slots = slots.map_or(0, |s| addr(s, stream, &mut guards));
+        let (ssm_ptr, _s) = ssm.device_ptr_mut(stream);
+        let (conv_ptr, _c) = conv.device_ptr_mut(stream);
+        args.ssm = ssm_ptr;
+        args.conv_state = conv_ptr;
+        // 64 blocks of 256 threads per slot: 8 float4 stores each for the 2 MiB state.
+        let cfg = LaunchConfig {
+            grid_dim: (64, count as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: check_pools checked whole slots; slot ids are range-checked on the device.
+        unsafe { launch!(self.stream, &self.zero, cfg, &args) }
+    }
+
+    /// The argument fields shared by decode and prefill: inputs for `rows` rows and the weights,
+    /// after checking their sizes and alignment.
+    fn common_args<'s>(
+        &'s self,
+        w: &'s GdnWeights,
+        x: &'s GdnInputs,
+        rows: usize,
+        guards: &mut Vec<SyncOnDrop<'s>>,
+    ) -> Result<GdnArgs> {
+        let stream = &*self.stream;
+        // (input, width, needs 16-byte rows): qkv and z are read as vectors, b and a as scalars.
+        for (name, r, width, vector) in [
+            ("qkv", &x.qkv, CONV_DIM, true),
+            ("z", &x.z, VALUE_DIM, true),
+            ("b", &x.b, VALUE_HEADS, false),
+            ("a", &x.a, VALUE_HEADS, false),
+        ] {
+            ensure!(
+                r.stride >= width,
+                "gdn: {name} rows of stride {} are narrower than {width}",
+                r.stride
+            );
+            let need = (rows - 1) * r.stride + width;
+            ensure!(
+                r.data.len() >= need,
+                "gdn: {name} has {} values, {rows} rows need {need}",
+                r.data.len()
+            );
+            if vector {
+                ensure!(
+                    r.stride % 8 == 0,
+                    "gdn: {name} stride {} must be a multiple of 8",
+                    r.stride
+                );
+                ensure_aligned(&r.data, stream, name)?;
+            }
+        }
+        for (name, v, len) in [
+            ("conv_w", &w.conv_w, CONV_DIM * CONV_KERNEL),
+            ("a_log", &w.a_log, VALUE_HEADS),
+            ("dt_bias", &w.dt_bias, VALUE_HEADS),
+            ("norm_w", &w.norm_w, HEAD_DIM),
+        ] {
+            ensure!(
+                v.len() == len,
+                "gdn: {name} has {} values, expected {len}",
+                v.len()
+            );
+            ensure_aligned(v, stream, name)?;
+        }
+        let stride = |r: &Rows| r.stride as i64;
+        Ok(GdnArgs {
+            qkv: addr(&x.qkv.data, stream, guards),
+            z: addr(&x.z.data, stream, guards),
+            b: addr(&x.b.data, stream, guards),
+            a: addr(&x.a.data, stream, guards),
+            conv_w: addr(&w.conv_w, stream, guards),
+            a_log: addr(&w.a_log, stream, guards),
+            dt_bias: addr(&w.dt_bias, stream, guards),
+            norm_w: addr(&w.norm_w, stream, guards),
+            qkv_stride: stride(&x.qkv),
+            z_stride: stride(&x.z),
+            b_stride: stride(&x.b),
+            a_stride: stride(&x.a),
+            rows: as_i32(rows, "gdn rows")?,
+            eps: w.eps,
+            ..Default::default()
+        })
+    }
+}
+
+/// Checks a pair of state pools (whole slots, the same count, aligned); returns the slot count.
+fn check_pools(
+    op: &str,
+    stream: &CudaStream,
+    ssm: &CudaViewMut<f32>,
+    conv: &CudaViewMut<bf16>,
+) -> Result<usize> {
+    let n_slots = ssm.len() / SSM_STATE_LEN;
+    ensure!(
+        n_slots > 0 && ssm.len() == n_slots * SSM_STATE_LEN && conv.len() == n_slots * CONV_STATE_LEN,
+        "{op}: state pools of {} + {} values are not whole slots of {SSM_STATE_LEN} + {CONV_STATE_LEN}",
+        ssm.len(),
+        conv.len()
+    );
+    ensure_aligned(ssm, stream, "gdn ssm state")?;
+    ensure_aligned(conv, stream, "gdn conv state")?;
+    Ok(n_slots)
+}
+
+fn addr<'a, T>(
+    v: &'a CudaView<'_, T>,
+    stream: &'a CudaStream,
+    guards: &mut Vec<SyncOnDrop<'a>>,
+) -> u64 {
+    let (ptr, guard) = v.device_ptr(stream);
+    guards.push(guard);
+    ptr
+}

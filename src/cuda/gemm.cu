@@ -1,0 +1,381 @@
+// Decode matrix-vector products: y[n][r] = Σ_c W[r][c] · x[n][c] for up to 8 tokens n at once,
+// with W in bf16 or in MLX affine 4/8-bit form (spec/MODEL.md §5.1), dequantised inside the product.
+//
+// How it works (one warp = one tile of 16 rows × a slice of K; fp32 accumulation throughout):
+//
+// * The products run on the tensor cores (mma.m16n8k16, bf16 in, fp32 out): A = 16 weight rows,
+//   B = up to 8 token vectors (batch-1 decode uses one column of 8). This costs far fewer
+//   instructions than scalar FMAs, which matters because a 4-bit GEMV must turn ~25 weights per SM
+//   per clock into products to keep up with HBM.
+// * A 4-bit value q becomes a bf16 with one AND/OR: (q | 0x4300) is the bf16 number 128 + q, exactly.
+//   Two nibbles land in one 32-bit register (one per half), ready as an mma operand. The extra
+//   128·x per product is removed afterwards from the fp32 sum, using Σx of the group.
+// * The scale and bias are applied per group of 64 columns, to the fp32 sum of that group:
+//       Σ_c (s·q_c + b)·x_c = s · (Σ_c (128 + q_c)·x_c − 128·Σ_c x_c) + b · Σ_c x_c
+//   so every mma's 16 k-values must come from one group: in a tile iteration the 4 lanes of an mma
+//   quad share one group, each lane taking a quarter of it (Q4: 8 bytes per row, Q8 and bf16: 16).
+// * That split would make lanes load 8 or 16 scattered bytes per row, which costs the load unit
+//   4-8x more requests per byte than a coalesced stream and held an earlier version to ~60% of
+//   HBM bandwidth. So weights (and scales, biases) travel through shared memory instead: each warp
+//   copies its next batches of 16 rows × 4 iterations there with cp.async, 16 contiguous bytes per
+//   lane and whole 128-byte lines per request, STAGES batches ahead, and the mma lanes read their
+//   pieces from there. Rows are padded in shared memory so those reads hit distinct banks.
+// * 8-bit values are split into two nibbles; the high nibble's mma column holds 16·x (exact in
+//   bf16), so Q8 needs no other instructions than Q4. Its magic sum is 128·(1 + 16) per column.
+// * x is staged once per block in shared memory, already permuted into the order the mma operands
+//   need, with the per-group sums Σx. The first batches' copies are issued before that staging,
+//   so their DRAM latency overlaps it.
+// * Blocks are persistent (about one wave of them): each loops over rounds of tiles, and each
+//   warp's copy pipeline runs on across round boundaries.
+// * Short matrices need more warps than they have tiles: then several warps split K for one tile
+//   and reduce through shared memory. The host picks that split and the tiles per block (gemm.rs).
+// * Batches: blockIdx.y is a slot; slot s multiplies matrix ids[s] (or s) of a stack (e.g. the
+//   experts of a layer) with the x of slot s (or one shared x), writing its own output.
+//
+// mma.m16n8k16 operand layout (PTX ISA), lane = 4·g + t:
+//   A regs: {row g, k 2t..2t+1}, {row g+8, k 2t..2t+1}, {row g, k 2t+8..9}, {row g+8, k 2t+8..9}
+//   B regs: {k 2t..2t+1, col g}, {k 2t+8..9, col g};   C: {row g, col 2t..2t+1}, {row g+8, ...}
+// Which weight column sits in which k-slot is free, as long as A and B agree: lane t's k-slots
+// always hold lane t's own columns, and x is staged in the matching order.
+#include "common.cuh"
+
+namespace {
+
+enum Format { Q4 = 0, Q8 = 1, BF16 = 2 };
+
+constexpr int TILE_ROWS = 16;
+constexpr int MAX_TOKENS = 8;  // mma N
+constexpr int BATCH = 4;       // iterations whose loads are issued together
+
+constexpr int STAGES = 4;      // batches a warp has in flight (copied ahead into shared memory)
+
+// WORDS: 32-bit words a lane takes per row per iteration. COLS: columns one iteration covers
+// (4 lanes × WORDS words). STAGE: bytes of staged x per weight word. ROW_STRIDE: bytes of one
+// row's batch in shared memory, padded so that the 8 rows read at once land on different banks.
+// MAGIC: Σ of the bf16 magic offsets per unit of x (see above), for the quantised formats.
+template <int F> struct Fmt;
+template <> struct Fmt<Q4> {
+    static constexpr int WORDS = 2, COLS = 64, STAGE = 16, ROW_STRIDE = 128 + 32;
+    static constexpr float MAGIC = 128.0f;
+};
+template <> struct Fmt<Q8> {
+    static constexpr int WORDS = 4, COLS = 64, STAGE = 16, ROW_STRIDE = 256 + 64;
+    static constexpr float MAGIC = 128.0f * 17.0f;
+};
+template <> struct Fmt<BF16> {  // no MAGIC: bf16 weights need no offset
+    static constexpr int WORDS = 4, COLS = 32, STAGE = 4, ROW_STRIDE = 256 + 64;
+};
+
+// One batch in shared memory: 16 rows of BATCH iterations (ROW_BYTES each, at ROW_STRIDE), then
+// for the quantised formats the batch's scales and biases: [2][16 rows][4 groups] bf16.
+template <int F> struct Slot {
+    static constexpr bool QUANT = F != BF16;
+    static constexpr int ROW_BYTES = BATCH * 4 * Fmt<F>::WORDS * 4;
+    static constexpr int SCALES = TILE_ROWS * Fmt<F>::ROW_STRIDE;  // offset of the scales
+    static constexpr int BYTES = SCALES + (QUANT ? 2 * TILE_ROWS * 8 : 0);
+};
+
+}  // namespace
+
+// Kernel arguments, mirrored by `GemvArgs` in gemm.rs (same order, same sizes).
+struct GemvArgs {
+    const u32* w;        // matrix m starts at w + m * w_mat_words; rows are K·bits/32 words
+    const bf16* scales;  // [count][rows][K/64] (unused for bf16)
+    const bf16* biases;  // [count][rows][K/64] (unused for bf16)
+    const bf16* x;       // slot s reads x + s·x_slot_stride, laid out [ntok][K]
+    bf16* y;             // slot s writes y + s·ntok·rows, laid out [ntok][rows]
+    const int* ids;      // matrix of each slot, clamped to [0, count); null: slot s uses matrix s
+    i64 w_mat_words;
+    i64 x_slot_stride;
+    int rows, cols, ntok, tiles_per_block, warps_per_tile, count;
+};
+
+namespace {
+
+// (w & 0x000F000F) | 0x43004300: two nibbles as two bf16 numbers 128 + q (0x4300 = 128.0).
+// Written as one lop3 because the compiler otherwise emits two (LOP3 takes only one immediate).
+__device__ __forceinline__ u32 nibble_pair(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;\n" : "=r"(r) : "r"(w));  // 0xEA: (a & b) | c
+    return r;
+}
+
+// Four bf16 pairs (128 + nibble) from one word: nibbles {0,4}, {1,5}, {2,6}, {3,7}, the lower
+// nibble in the lower half. For Q8 that is {lo0,lo2}, {hi0,hi2}, {lo1,lo3}, {hi1,hi3} (bytes 0..3).
+// bf16 has 7 mantissa bits, so a nibble must sit in bits 0..3 of its half: hence the shifts.
+__device__ __forceinline__ void expand_nibbles(u32 w, u32 out[4]) {
+    out[0] = nibble_pair(w);
+    out[1] = nibble_pair(w >> 4);
+    out[2] = nibble_pair(w >> 8);
+    out[3] = nibble_pair(w >> 12);
+}
+
+__device__ __forceinline__ void mma(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 perm(u32 a, u32 b, u32 sel) { return __byte_perm(a, b, sel); }
+
+__device__ __forceinline__ u32 times16(u32 pair) {
+    bf162 p = __hmul2(*reinterpret_cast<bf162*>(&pair), __floats2bfloat162_rn(16.0f, 16.0f));
+    return *reinterpret_cast<u32*>(&p);
+}
+
+// cp.async takes shared-memory addresses as 32-bit offsets into the shared window.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));  // .cg: via L2 only
+}
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// bf16 number k (0..3) of four packed in a uint2, as fp32.
+__device__ __forceinline__ float bf16_at(uint2 v, int k) {
+    const u32 w = k < 2 ? v.x : v.y;
+    return __uint_as_float(k % 2 ? w & 0xFFFF0000u : w << 16);
+}
+
+// Where a warp is: which round (a group of tiles_per_block tiles) and which of its batches.
+struct Job {
+    int round, batch;
+};
+
+template <int F>
+__device__ void gemv(const GemvArgs& a) {
+    using T = Fmt<F>;
+    using S = Slot<F>;
+    constexpr bool QUANT = S::QUANT;
+    const int K = a.cols, ntok = a.ntok;
+    const int iters = K / T::COLS, ngroups = K / 64;
+    const int words_per_row = iters * 4 * T::WORDS;
+    const int kw = a.warps_per_tile, tb = a.tiles_per_block;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int tile_in_round = warp / kw, kwarp = warp % kw;
+    const int slot_id = blockIdx.y;
+    const int mat = a.ids ? min(max(a.ids[slot_id], 0), a.count - 1) : slot_id;
+    const u32* wmat = a.w + mat * a.w_mat_words;
+    const bf16* smat = a.scales + (i64)mat * a.rows * ngroups;
+    const bf16* bmat = a.biases + (i64)mat * a.rows * ngroups;
+
+    // The block is persistent: it takes rounds blockIdx.x, blockIdx.x + gridDim.x, ... Each warp
+    // runs the same number of rounds and, within a round, its slice of K (iters / kw iterations:
+    // whole batches, as the host guarantees) batch by batch. A job = (round, batch).
+    const int rounds = (a.rows + TILE_ROWS * tb - 1) / (TILE_ROWS * tb);
+    const int my_rounds = (rounds - blockIdx.x + gridDim.x - 1) / gridDim.x;
+    const int batches = iters / kw / BATCH;
+    const int it_begin = kwarp * batches * BATCH;
+    const int jobs = my_rounds * batches;
+    auto row0_of = [&](int round) { return (round * tb + tile_in_round) * TILE_ROWS; };
+    // Advances a job (round, batch) to the next one of this block.
+    auto advance = [&](Job& job) {
+        if (++job.batch == batches) job.batch = 0, job.round += gridDim.x;
+    };
+
+    // Shared memory, in this order (sizes must match shared_bytes in gemm.rs):
+    //   staged x  [ntok][words_per_row · STAGE + 16]  (+16: consecutive tokens on other banks)
+    //   xsum      [ngroups][MAX_TOKENS] fp32          (quantised formats)
+    //   red       [2][warps][MAX_TOKENS · 16] fp32    (only when kw > 1; two, alternating by round)
+    //   ring      [warps][STAGES] Slot<F>             (each warp's batches in flight)
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warps = blockDim.x / 32;
+    const int stage_tok = words_per_row * T::STAGE + 16;
+    unsigned char* xstage = smem;
+    float* xsum = reinterpret_cast<float*>(smem + ntok * stage_tok);
+    float* red = xsum + (QUANT ? ngroups * MAX_TOKENS : 0);
+    unsigned char* ring = reinterpret_cast<unsigned char*>(red + (kw > 1 ? 2 * warps * MAX_TOKENS * TILE_ROWS : 0));
+    ring += warp * STAGES * S::BYTES;
+
+    // Copies job j (the one at `next_copy`) into its ring slot: 16 rows × BATCH iterations, each
+    // lane 16 contiguous bytes per instruction (so each instruction moves whole lines): piece p of
+    // rows r, r + ROW_STEP, ... Rows past the end are clamped (copied, never stored). For the
+    // quantised formats one more 8-byte copy per lane: 4 groups' scales (lanes 0..15) or biases
+    // (16..31) of row lane % 16. The host guarantees the alignment of every piece. One commit
+    // group per job, empty past the end: cp.async.wait_group counts groups.
+    constexpr int PIECES = S::ROW_BYTES / 16, ROW_STEP = 32 / PIECES;
+    const int my_r = lane / PIECES, my_p = lane % PIECES;
+    const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
+    const u32 dst0 = ring_s + my_r * T::ROW_STRIDE + my_p * 16;
+    const bf16* sb_src = lane < 16 ? smat : bmat;
+    Job next_copy{(int)blockIdx.x, 0};
+    auto issue = [&](int j) {
+        if (j < jobs) {
+            const u32 slot = (j % STAGES) * S::BYTES;
+            const int row0 = row0_of(next_copy.round), it0 = it_begin + next_copy.batch * BATCH;
+            const u32 col = it0 * 4 * T::WORDS + my_p * 4;  // in words
+#pragma unroll
+            for (int i = 0; i < TILE_ROWS / ROW_STEP; ++i) {
+                const u32 row = min(row0 + my_r + i * ROW_STEP, a.rows - 1);
+                cp_async16(dst0 + slot + i * ROW_STEP * T::ROW_STRIDE, wmat + row * words_per_row + col);
+            }
+            if constexpr (QUANT) {
+                const u32 row = min(row0 + lane % 16, a.rows - 1);
+                cp_async8(ring_s + slot + S::SCALES + lane * 8, sb_src + row * ngroups + it0);
+            }
+            advance(next_copy);
+        }
+        cp_async_commit();
+    };
+    // The first batches' copies go out before x is staged, so their DRAM latency overlaps it.
+    for (int j = 0; j < STAGES - 1; ++j) issue(j);
+
+    // Stage x: each thread takes 8 columns (one uint4) per step. 8 consecutive threads cover one
+    // group of 64, so Σx of a group is a shuffle over 8 lanes; all lanes run the same number of
+    // steps so the shuffle never sees an inactive lane.
+    {
+        const bf16* x = a.x + slot_id * a.x_slot_stride;
+        const int vec_per_tok = K / 8, total = ntok * vec_per_tok;
+        const int steps = (total + blockDim.x - 1) / blockDim.x;
+        for (int s = 0; s < steps; ++s) {
+            const int i = s * blockDim.x + threadIdx.x;
+            const bool ok = i < total;
+            const int tok = ok ? i / vec_per_tok : 0, v = ok ? i % vec_per_tok : 0;
+            const uint4 xv = ok ? __ldg(reinterpret_cast<const uint4*>(x + (i64)tok * K) + v) : make_uint4(0, 0, 0, 0);
+            uint4* dst = reinterpret_cast<uint4*>(xstage + tok * stage_tok);
+            if (ok) {
+                if constexpr (F == Q4) {
+                    // One word covers columns 8v..8v+7; pairs {0,4}, {1,5}, {2,6}, {3,7}.
+                    dst[v] = make_uint4(perm(xv.x, xv.z, 0x5410), perm(xv.x, xv.z, 0x7632),
+                                        perm(xv.y, xv.w, 0x5410), perm(xv.y, xv.w, 0x7632));
+                } else if constexpr (F == Q8) {
+                    // Two words (columns 8v..8v+3, 8v+4..8v+7); per word {x0,x2}, 16·{x0,x2}, {x1,x3}, 16·{x1,x3}.
+                    const u32 p02 = perm(xv.x, xv.y, 0x5410), p13 = perm(xv.x, xv.y, 0x7632);
+                    const u32 p46 = perm(xv.z, xv.w, 0x5410), p57 = perm(xv.z, xv.w, 0x7632);
+                    dst[2 * v] = make_uint4(p02, times16(p02), p13, times16(p13));
+                    dst[2 * v + 1] = make_uint4(p46, times16(p46), p57, times16(p57));
+                } else {
+                    dst[v] = xv;  // bf16 pairs are already in column order
+                }
+            }
+            if constexpr (QUANT) {
+                float f[8];
+                unpack8(xv, f);
+                float sum = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+                if (ok && v % 8 == 0) xsum[(v / 8) * MAX_TOKENS + tok] = sum;
+            }
+        }
+        if constexpr (QUANT) {
+            for (int i = threadIdx.x; i < ngroups * MAX_TOKENS; i += blockDim.x)
+                if (i % MAX_TOKENS >= ntok) xsum[i] = 0.0f;
+        }
+    }
+    __syncthreads();
+
+    // acc: the C fragment, {row g, tokens 2t, 2t+1}, {row g+8, tokens 2t, 2t+1}.
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const unsigned char* my_x = xstage + g * stage_tok;  // this lane's B column is token g
+    bf16* y = a.y + (i64)slot_id * ntok * a.rows;
+    Job job{(int)blockIdx.x, 0};
+    for (int j = 0; j < jobs; ++j, advance(job)) {
+        // Job j's copies are done once at most STAGES - 2 newer groups are pending; the warp
+        // barrier makes every lane's copies visible to all. Then the slot read in the previous
+        // job is free, and the copy of job j + STAGES - 1 can go into it.
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();
+        issue(j + STAGES - 1);
+        const unsigned char* cur = ring + (j % STAGES) * S::BYTES;
+        const int it0 = it_begin + job.batch * BATCH;
+        uint2 sc0, sc8, bi0, bi8;  // 4 groups' scales and biases of rows g, g+8
+        if constexpr (QUANT) {
+            const uint2* sb = reinterpret_cast<const uint2*>(cur + S::SCALES);
+            sc0 = sb[g], sc8 = sb[g + 8], bi0 = sb[16 + g], bi8 = sb[16 + g + 8];
+        }
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const int it = it0 + k;
+            // A operands: this lane's WORDS words of rows g and g+8.
+            u32 w0[T::WORDS], w8[T::WORDS];
+            const unsigned char* piece = cur + k * 4 * T::WORDS * 4 + t * T::WORDS * 4;
+            if constexpr (T::WORDS == 2) {
+                const uint2 p0 = *reinterpret_cast<const uint2*>(piece + g * T::ROW_STRIDE);
+                const uint2 p8 = *reinterpret_cast<const uint2*>(piece + (g + 8) * T::ROW_STRIDE);
+                w0[0] = p0.x, w0[1] = p0.y, w8[0] = p8.x, w8[1] = p8.y;
+            } else {
+                const uint4 p0 = *reinterpret_cast<const uint4*>(piece + g * T::ROW_STRIDE);
+                const uint4 p8 = *reinterpret_cast<const uint4*>(piece + (g + 8) * T::ROW_STRIDE);
+                w0[0] = p0.x, w0[1] = p0.y, w0[2] = p0.z, w0[3] = p0.w;
+                w8[0] = p8.x, w8[1] = p8.y, w8[2] = p8.z, w8[3] = p8.w;
+            }
+            // B operands: this lane's staged x for its WORDS words (zeros for absent tokens).
+            constexpr int NB = T::WORDS * T::STAGE / 4;
+            u32 bx[NB];
+            const uint4* src = reinterpret_cast<const uint4*>(my_x + (it * 4 * T::WORDS + t * T::WORDS) * T::STAGE);
+#pragma unroll
+            for (int q = 0; q < NB / 4; ++q) {
+                const uint4 v = g < ntok ? src[q] : make_uint4(0, 0, 0, 0);
+                bx[4 * q] = v.x, bx[4 * q + 1] = v.y, bx[4 * q + 2] = v.z, bx[4 * q + 3] = v.w;
+            }
+            if constexpr (QUANT) {
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int q = 0; q < T::WORDS; ++q) {
+                    u32 n0[4], n8[4];
+                    expand_nibbles(w0[q], n0);
+                    expand_nibbles(w8[q], n8);
+                    mma(d, n0[0], n8[0], n0[1], n8[1], bx[4 * q], bx[4 * q + 1]);
+                    mma(d, n0[2], n8[2], n0[3], n8[3], bx[4 * q + 2], bx[4 * q + 3]);
+                }
+                // Group `it`: acc += s · (d − MAGIC·Σx) + b · Σx, as three FMAs per value.
+                const float s0 = bf16_at(sc0, k), s8 = bf16_at(sc8, k);
+                const float b0 = bf16_at(bi0, k), b8 = bf16_at(bi8, k);
+                const float2 xs = *reinterpret_cast<const float2*>(xsum + it * MAX_TOKENS + 2 * t);
+                acc[0] = fmaf(s0, fmaf(-T::MAGIC, xs.x, d[0]), fmaf(b0, xs.x, acc[0]));
+                acc[1] = fmaf(s0, fmaf(-T::MAGIC, xs.y, d[1]), fmaf(b0, xs.y, acc[1]));
+                acc[2] = fmaf(s8, fmaf(-T::MAGIC, xs.x, d[2]), fmaf(b8, xs.x, acc[2]));
+                acc[3] = fmaf(s8, fmaf(-T::MAGIC, xs.y, d[3]), fmaf(b8, xs.y, acc[3]));
+            } else {
+                mma(acc, w0[0], w8[0], w0[1], w8[1], bx[0], bx[1]);
+                mma(acc, w0[2], w8[2], w0[3], w8[3], bx[2], bx[3]);
+            }
+        }
+        if (job.batch + 1 < batches) continue;
+
+        // End of a round: this tile's outputs.
+        const int row0 = row0_of(job.round);
+        if (kw == 1) {
+            // The warp has the whole sum: store straight from the C fragment.
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int n = 2 * t + i % 2, row = row0 + g + 8 * (i / 2);
+                if (n < ntok && row < a.rows) y[(i64)n * a.rows + row] = __float2bfloat16_rn(acc[i]);
+            }
+        } else {
+            // Sum the K-slices through shared memory: red[parity][warp][token][row], then one
+            // thread per (tile, token, row). Alternating two buffers by round needs one barrier.
+            float* buf = red + (job.round / gridDim.x % 2) * warps * MAX_TOKENS * TILE_ROWS;
+            float* mine = buf + warp * MAX_TOKENS * TILE_ROWS;
+            mine[(2 * t) * TILE_ROWS + g] = acc[0];
+            mine[(2 * t + 1) * TILE_ROWS + g] = acc[1];
+            mine[(2 * t) * TILE_ROWS + g + 8] = acc[2];
+            mine[(2 * t + 1) * TILE_ROWS + g + 8] = acc[3];
+            __syncthreads();
+            const int round_row0 = job.round * tb * TILE_ROWS;
+            for (int i = threadIdx.x; i < tb * MAX_TOKENS * TILE_ROWS; i += blockDim.x) {
+                const int tl = i / (MAX_TOKENS * TILE_ROWS), e = i % (MAX_TOKENS * TILE_ROWS);
+                const int n = e / TILE_ROWS, row = round_row0 + tl * TILE_ROWS + e % TILE_ROWS;
+                if (n >= ntok || row >= a.rows) continue;
+                float sum = 0.0f;
+                for (int w = 0; w < kw; ++w) sum += buf[(tl * kw + w) * MAX_TOKENS * TILE_ROWS + e];
+                y[(i64)n * a.rows + row] = __float2bfloat16_rn(sum);
+            }
+        }
+        acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+    }
+    cp_async_wait<0>();  // no copy may still be writing when the block's shared memory is reused
+}
+
+}  // namespace
+
+// Blocks have at most 256 threads (gemm.rs); saying so lets ptxas give each thread the registers it
+// needs (without it, ptxas plans for 1024 threads and spills).
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4(const GemvArgs a) { gemv<Q4>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8(const GemvArgs a) { gemv<Q8>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16(const GemvArgs a) { gemv<BF16>(a); }

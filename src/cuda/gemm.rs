@@ -1,0 +1,440 @@
+//! Decode matrix-vector products (gemm.cu): `y[n][r] = Σ_c W[r][c] · x[n][c]` for 1..=8 tokens,
+//! with W in bf16 or MLX affine 4/8-bit, group 64 (spec/MODEL.md §5.1), dequantised on the fly.
+//! The kernel and the reasons for its shape are described at the top of gemm.cu.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
+use half::bf16;
+
+use super::{
+    as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaStream,
+    CudaView, CudaViewMut, Result,
+};
+
+/// Tokens one launch can take: the mma's N.
+pub const MAX_TOKENS: usize = 8;
+/// The quantisation group size: one scale and one bias per 64 columns of a row.
+pub const GROUP: usize = 64;
+const TILE_ROWS: usize = 16;
+/// Iterations a warp copies into shared memory at once (BATCH in gemm.cu) ...
+const BATCH: usize = 4;
+/// ... and how many such batches each warp has in flight (STAGES in gemm.cu).
+const STAGES: usize = 4;
+
+/// The weights of a stack of `count` matrices `[rows][cols]` (one matrix: `count` = 1; the experts
+/// of a layer: `count` = 256), row-major, matrix after matrix.
+pub enum WeightData<'a> {
+    Bf16(CudaView<'a, bf16>),
+    /// MLX affine quantisation: `W[r][c] = scales[r][c/64] · q + biases[r][c/64]`. `packed` is
+    /// `[count][rows][cols·bits/32]` uint32, element `c` of a word in bits `bits·c ..` (lowest first);
+    /// scales and biases are `[count][rows][cols/64]`.
+    Affine {
+        bits: u32,
+        packed: CudaView<'a, u32>,
+        scales: CudaView<'a, bf16>,
+        biases: CudaView<'a, bf16>,
+    },
+}
+
+/// A stack of matrices as the kernels take it: weights plus their shape.
+pub struct Matrices<'a> {
+    pub data: WeightData<'a>,
+    pub count: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Kernel arguments, field for field the `GemvArgs` struct of gemm.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemvArgs {
+    w: u64,
+    scales: u64,
+    biases: u64,
+    x: u64,
+    y: u64,
+    ids: u64,
+    w_mat_words: i64,
+    x_slot_stride: i64,
+    rows: i32,
+    cols: i32,
+    ntok: i32,
+    tiles_per_block: i32,
+    warps_per_tile: i32,
+    count: i32,
+}
+
+// SAFETY: plain integers, laid out as the C struct the kernel takes by value.
+unsafe impl DeviceRepr for GemvArgs {}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Format {
+    Q4,
+    Q8,
+    Bf16,
+}
+
+impl Format {
+    /// Columns one kernel iteration covers (COLS in gemm.cu).
+    fn cols_per_iter(self) -> usize {
+        match self {
+            Format::Q4 | Format::Q8 => 64,
+            Format::Bf16 => 32,
+        }
+    }
+    fn bits(self) -> usize {
+        match self {
+            Format::Q4 => 4,
+            Format::Q8 => 8,
+            Format::Bf16 => 16,
+        }
+    }
+    /// Bytes of staged x per 32-bit weight word (STAGE in gemm.cu).
+    fn stage_bytes_per_word(self) -> usize {
+        match self {
+            Format::Q4 | Format::Q8 => 16,
+            Format::Bf16 => 4,
+        }
+    }
+    /// Bytes of one batch of 16 rows in shared memory (Slot<F>::BYTES in gemm.cu): padded rows,
+    /// then the scales and biases of the quantised formats.
+    fn slot_bytes(self) -> usize {
+        match self {
+            Format::Q4 => TILE_ROWS * (128 + 32) + 2 * TILE_ROWS * 8,
+            Format::Q8 => TILE_ROWS * (256 + 64) + 2 * TILE_ROWS * 8,
+            Format::Bf16 => TILE_ROWS * (256 + 64),
+        }
+    }
+}
+
+/// How a launch cuts the work: warps sharing one 16-row tile along K, and tiles per block.
+/// `GemvKernels::shape` picks one; benchmarks may try others.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemvShape {
+    pub warps_per_tile: usize,
+    pub tiles_per_block: usize,
+}
+
+pub struct GemvKernels {
+    stream: Arc<CudaStream>,
+    q4: CudaFunction,
+    q8: CudaFunction,
+    bf16: CudaFunction,
+    max_shared: usize,
+    sm_count: usize,
+}
+
+impl GemvKernels {
+    pub fn load(dev: &CudaDevice) -> Result<Self> {
+        let max_shared = dev.max_shared_memory_per_block()?;
+        let sm_attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        let sm_count = dev
+            .context()
+            .attribute(sm_attr)
+            .during(|| "multiprocessor count".into())? as usize;
+        let load = |name: &str| -> Result<CudaFunction> {
+            let f = dev.function("gemm", name)?;
+            // Opt in to more than the default 48 KB of dynamic shared memory: the warps' copy
+            // rings take 90-170 KB. The limit only caps what a launch may ask for.
+            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, max_shared as i32)
+                .during(|| format!("shared memory limit of {name}"))?;
+            Ok(f)
+        };
+        Ok(Self {
+            stream: dev.stream().clone(),
+            q4: load("gemv_q4")?,
+            q8: load("gemv_q8")?,
+            bf16: load("gemv_bf16")?,
+            max_shared,
+            sm_count,
+        })
+    }
+
+    /// `y = W · x` for matrix 0 of `w` and `ntok = x.len() / cols` tokens (1..=8): x is
+    /// `[ntok][cols]`, y is `[ntok][rows]`.
+    pub fn gemv(&self, w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>) -> Result<()> {
+        ensure!(
+            w.cols > 0 && x.len() % w.cols == 0,
+            "gemv: x has {} values, not whole rows of {}",
+            x.len(),
+            w.cols
+        );
+        self.gemv_slots(w, None, 1, x, false, x.len() / w.cols, y)
+    }
+
+    /// A batch of `slots` products in one launch. Slot `s` multiplies matrix `ids[s]` of the stack
+    /// (ids are read on the device and clamped to `0..count`; without ids, matrix `s`) with its
+    /// x: `x[s]` when `x_per_slot` (x is `[slots][ntok][cols]`), else the one x `[ntok][cols]`.
+    /// y is `[slots][ntok][rows]`. E.g. the 8 routed experts of one token: gate_up with a shared x,
+    /// then down with one x per slot.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_slots(
+        &self,
+        w: &Matrices,
+        ids: Option<&CudaView<i32>>,
+        slots: usize,
+        x: &CudaView<bf16>,
+        x_per_slot: bool,
+        ntok: usize,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let shape = self.shape(w, slots);
+        self.gemv_slots_shaped(w, ids, slots, x, x_per_slot, ntok, y, shape)
+    }
+
+    /// The most tokens (≤ `MAX_TOKENS`) one launch over `w` can take: the staged x grows with
+    /// the tokens and must fit in shared memory (8 tokens of a 4096-wide bf16 row do not).
+    pub fn max_tokens(&self, w: &Matrices) -> usize {
+        let format = format_of(w);
+        let shape = self.shape(w, 1);
+        (1..=MAX_TOKENS).rev().find(|&n| shared_bytes(format, w.cols, n, shape) <= self.max_shared).unwrap_or(1)
+    }
+
+    /// `gemv_slots` with a given launch shape (for tuning).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_slots_shaped(
+        &self,
+        w: &Matrices,
+        ids: Option<&CudaView<i32>>,
+        slots: usize,
+        x: &CudaView<bf16>,
+        x_per_slot: bool,
+        ntok: usize,
+        y: &mut CudaViewMut<bf16>,
+        shape: GemvShape,
+    ) -> Result<()> {
+        let format = check_matrices(w)?;
+        let GemvShape {
+            warps_per_tile,
+            tiles_per_block,
+        } = shape;
+        ensure!(
+            warps_per_tile >= 1
+                && tiles_per_block >= 1
+                && warps_per_tile * tiles_per_block <= MAX_WARPS,
+            "gemv: launch shape {shape:?} needs 1..={MAX_WARPS} warps per block"
+        );
+        ensure!(
+            splits_evenly(format, w.cols, warps_per_tile),
+            "gemv: {warps_per_tile} warps cannot split cols = {} evenly",
+            w.cols
+        );
+        ensure!(
+            (1..=MAX_TOKENS).contains(&ntok),
+            "gemv: {ntok} tokens; one launch takes 1..={MAX_TOKENS}"
+        );
+        ensure!(slots > 0, "gemv: no slots");
+        let x_slots = if x_per_slot { slots } else { 1 };
+        ensure!(
+            x.len() == x_slots * ntok * w.cols,
+            "gemv: x has {} values, expected {x_slots}×{ntok}×{}",
+            x.len(),
+            w.cols
+        );
+        ensure!(
+            y.len() == slots * ntok * w.rows,
+            "gemv: y has {} values, expected {slots}×{ntok}×{}",
+            y.len(),
+            w.rows
+        );
+        match ids {
+            Some(ids) => ensure!(
+                ids.len() >= slots,
+                "gemv: {} ids for {slots} slots",
+                ids.len()
+            ),
+            None => ensure!(
+                slots <= w.count,
+                "gemv: {slots} slots but only {} matrices",
+                w.count
+            ),
+        }
+        ensure_aligned(x, &self.stream, "gemv x")?;
+        ensure_aligned(y, &self.stream, "gemv y")?;
+        let shared_bytes = shared_bytes(format, w.cols, ntok, shape);
+        ensure!(
+            shared_bytes <= self.max_shared,
+            "gemv: {shared_bytes} bytes of shared memory needed (cols {}, {ntok} tokens), the GPU allows {}",
+            w.cols, self.max_shared
+        );
+
+        let stream = &*self.stream;
+        // Raw device addresses for the argument struct. The guards are cudarc's stream-ordering
+        // hooks (no-ops with event tracking off); they live until the launch is queued.
+        let mut guards = Vec::new();
+        let (wp, sp, bp) = match &w.data {
+            WeightData::Bf16(v) => (addr(v, stream, &mut guards), 0, 0),
+            WeightData::Affine {
+                packed,
+                scales,
+                biases,
+                ..
+            } => (
+                addr(packed, stream, &mut guards),
+                addr(scales, stream, &mut guards),
+                addr(biases, stream, &mut guards),
+            ),
+        };
+        // The kernel copies weights in 16-byte and scales in 8-byte pieces.
+        ensure!(
+            wp % 16 == 0 && sp % 8 == 0 && bp % 8 == 0,
+            "gemv: weights must be 16-byte, scales and biases 8-byte aligned"
+        );
+        let xp = addr(x, stream, &mut guards);
+        let idp = ids.map_or(0, |ids| addr(ids, stream, &mut guards));
+        let (yp, _y) = y.device_ptr_mut(stream);
+        let args = GemvArgs {
+            w: wp,
+            scales: sp,
+            biases: bp,
+            x: xp,
+            y: yp,
+            ids: idp,
+            w_mat_words: (w.rows * w.cols * format.bits() / 32) as i64,
+            x_slot_stride: if x_per_slot {
+                (ntok * w.cols) as i64
+            } else {
+                0
+            },
+            rows: as_i32(w.rows, "rows")?,
+            cols: as_i32(w.cols, "cols")?,
+            ntok: ntok as i32,
+            tiles_per_block: tiles_per_block as i32,
+            warps_per_tile: warps_per_tile as i32,
+            count: as_i32(w.count, "count")?,
+        };
+        let func = match format {
+            Format::Q4 => &self.q4,
+            Format::Q8 => &self.q8,
+            Format::Bf16 => &self.bf16,
+        };
+        // Persistent blocks: about as many as fit on the GPU at once, each taking the same number
+        // of rounds (a round: tiles_per_block tiles), so that none is left with an extra one.
+        let threads = 32 * (warps_per_tile * tiles_per_block) as u32;
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes, None)
+            .during(|| "gemv occupancy".into())? as usize;
+        let rounds = w.rows.div_ceil(TILE_ROWS * tiles_per_block);
+        let resident_per_slot = (per_sm.max(1) * self.sm_count / slots).max(1);
+        let blocks = rounds.div_ceil(rounds.div_ceil(resident_per_slot));
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, slots as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: shared_bytes as u32,
+        };
+        // SAFETY: check_matrices and the checks above bound every index the kernel forms.
+        unsafe { launch!(self.stream, func, cfg, &args) }
+    }
+
+    /// The default launch shape: the fewest warps along K (each then streams longer) that still
+    /// give about two blocks' worth of warps per SM, then tiles per block to make 8-warp blocks.
+    pub fn shape(&self, w: &Matrices, slots: usize) -> GemvShape {
+        let format = format_of(w);
+        let tiles = w.rows.div_ceil(TILE_ROWS) * slots;
+        let mut warps_per_tile = 1;
+        while tiles * warps_per_tile < 16 * self.sm_count
+            && warps_per_tile < MAX_WARPS
+            && splits_evenly(format, w.cols, 2 * warps_per_tile)
+        {
+            warps_per_tile *= 2;
+        }
+        GemvShape {
+            warps_per_tile,
+            tiles_per_block: MAX_WARPS / warps_per_tile,
+        }
+    }
+}
+
+/// Warps per block, at most (the Q4 kernel's launch bounds assume it).
+const MAX_WARPS: usize = 8;
+
+/// Whether `warps` warps can split the iterations of a row evenly, in whole batches.
+fn splits_evenly(format: Format, cols: usize, warps: usize) -> bool {
+    let iters = cols / format.cols_per_iter();
+    iters % (warps * BATCH) == 0
+}
+
+/// Dynamic shared memory of one block; the layout is described in gemm.cu.
+fn shared_bytes(format: Format, cols: usize, ntok: usize, shape: GemvShape) -> usize {
+    let words_per_row = cols * format.bits() / 32;
+    let staged_x = ntok * (words_per_row * format.stage_bytes_per_word() + 16);
+    let xsum = if format == Format::Bf16 {
+        0
+    } else {
+        cols / GROUP * MAX_TOKENS * 4
+    };
+    let warps = shape.warps_per_tile * shape.tiles_per_block;
+    let reduction = if shape.warps_per_tile > 1 {
+        2 * warps * MAX_TOKENS * TILE_ROWS * 4
+    } else {
+        0
+    };
+    let ring = warps * STAGES * format.slot_bytes();
+    staged_x + xsum + reduction + ring
+}
+
+fn format_of(w: &Matrices) -> Format {
+    match &w.data {
+        WeightData::Bf16(_) => Format::Bf16,
+        WeightData::Affine { bits: 8, .. } => Format::Q8,
+        WeightData::Affine { .. } => Format::Q4,
+    }
+}
+
+fn addr<'a, T>(
+    v: &'a CudaView<'_, T>,
+    stream: &'a CudaStream,
+    guards: &mut Vec<SyncOnDrop<'a>>,
+) -> u64 {
+    let (ptr, guard) = v.device_ptr(stream);
+    guards.push(guard);
+    ptr
+}
+
+/// Checks a stack of matrices against the kernel's layout rules; returns its format.
+fn check_matrices(w: &Matrices) -> Result<Format> {
+    ensure!(w.count > 0 && w.rows > 0, "gemv: empty matrix stack");
+    if let WeightData::Affine { bits, .. } = &w.data {
+        ensure!(
+            *bits == 4 || *bits == 8,
+            "gemv: {bits}-bit weights are not supported (4 or 8)"
+        );
+    }
+    let format = format_of(w);
+    // Whole batches of iterations (see splits_evenly): 256 columns for Q4/Q8, 128 for bf16.
+    let step = BATCH * format.cols_per_iter();
+    ensure!(
+        w.cols % step == 0,
+        "gemv: cols = {} must be a multiple of {step}",
+        w.cols
+    );
+    let n = w.count * w.rows * w.cols;
+    let words = n * format.bits() / 32;
+    match &w.data {
+        WeightData::Bf16(v) => ensure!(
+            v.len() == n,
+            "gemv: bf16 weights have {} values, expected {n}",
+            v.len()
+        ),
+        WeightData::Affine {
+            packed,
+            scales,
+            biases,
+            ..
+        } => {
+            ensure!(
+                packed.len() == words,
+                "gemv: packed weights have {} words, expected {words}",
+                packed.len()
+            );
+            let groups = n / GROUP;
+            ensure!(
+                scales.len() == groups && biases.len() == groups,
+                "gemv: scales/biases need {groups} values each"
+            );
+        }
+    }
+    Ok(format)
+}

@@ -1,0 +1,431 @@
+//! Prefill matrix products (gemm_prefill.cu): `Y[p][n] = Σ_k X[p][k] · W[n][k]` for many rows at
+//! once on the tensor cores, W in bf16 or MLX affine 4/8-bit (group 64) dequantised on the fly.
+//! Dense projections of a prompt chunk, and the grouped expert products of a MoE layer whose rows
+//! were sorted by expert on the device ([`super::moe::ExpertGroups`]). The decode path (≤ 8
+//! tokens) uses the GEMV of gemm.rs instead.
+//!
+//! The kernel and the reasons for its shape are described at the top of gemm_prefill.cu.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
+use half::bf16;
+
+use super::gemm::{Matrices, WeightData, GROUP};
+use super::moe::ExpertGroups;
+use super::{
+    as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaError, CudaFunction,
+    CudaStream, CudaView, CudaViewMut, Result,
+};
+
+/// Rows (tokens, or an expert's rows) per block tile: the tile map of [`ExpertGroups`] must be
+/// built for this height.
+pub const TILE_ROWS: usize = 64;
+/// Weight rows per block tile (BN in gemm_prefill.cu).
+const TILE_COLS: usize = 256;
+const THREADS: u32 = 128;
+
+/// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemmArgs {
+    w: u64,
+    scales: u64,
+    biases: u64,
+    x: u64,
+    y: u64,
+    a_rows: u64,
+    c_rows: u64,
+    tiles: u64,
+    num_tiles: u64,
+    w_mat_words: i64,
+    x_rows: i32,
+    y_rows: i32,
+    n: i32,
+    k: i32,
+    a_div: i32,
+    count: i32,
+}
+
+// SAFETY: plain integers, laid out as the C struct the kernel takes by value.
+unsafe impl DeviceRepr for GemmArgs {}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Format {
+    Q4,
+    Q8,
+    Bf16,
+}
+
+impl Format {
+    fn bits(self) -> usize {
+        match self {
+            Format::Q4 => 4,
+            Format::Q8 => 8,
+            Format::Bf16 => 16,
+        }
+    }
+    /// Dynamic shared memory of one block (Layout<F>::SMEM_BYTES in gemm_prefill.cu):
+    /// stages × (X tile + weight tile + {scale, bias} per weight row).
+    fn shared_bytes(self) -> usize {
+        let a = TILE_ROWS * 128;
+        let (row_bytes, stages, sb) = match self {
+            Format::Q4 => (32, 4, 4),
+            Format::Q8 => (64, 4, 4),
+            Format::Bf16 => (128, 2, 0),
+        };
+        stages * (a + TILE_COLS * (row_bytes + sb))
+    }
+}
+
+/// What the kernel writes.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Epilogue {
+    /// `y[p][n]`, bf16.
+    Store,
+    /// For a gate‖up stack of `2I` rows: `act[p][j] = silu(gate_j) · up_j`, `[p][I]`.
+    SwiGlu,
+}
+
+/// How the rows of one launch are found.
+struct Rows<'a> {
+    /// Positions (dense) or pairs (grouped).
+    positions: usize,
+    /// Rows of x and of y (bounds the kernel clamps to).
+    x_rows: usize,
+    y_rows: usize,
+    /// Grouped: the tile map and the sorted pairs, gathered into X (`gather`, divided by
+    /// `a_div`: pair → token) or scattered into Y (`!gather`).
+    grouped: Option<(&'a ExpertGroups, bool, usize)>,
+}
+
+pub struct GemmKernels {
+    stream: Arc<CudaStream>,
+    /// [format][epilogue]
+    funcs: [[CudaFunction; 2]; 3],
+}
+
+impl GemmKernels {
+    pub fn load(dev: &CudaDevice) -> Result<Self> {
+        let max_shared = dev.max_shared_memory_per_block()?;
+        let load = |name: &str, format: Format| -> Result<CudaFunction> {
+            let f = dev.function("gemm_prefill", name)?;
+            let need = format.shared_bytes();
+            ensure!(
+                need <= max_shared,
+                "{name} needs {need} bytes of shared memory, the GPU allows {max_shared}"
+            );
+            // Opt in to more than the default 48 KB of dynamic shared memory.
+            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(attr, need as i32)
+                .during(|| format!("shared memory limit of {name}"))?;
+            Ok(f)
+        };
+        Ok(Self {
+            stream: dev.stream().clone(),
+            funcs: [
+                [
+                    load("gemm_q4", Format::Q4)?,
+                    load("gemm_swiglu_q4", Format::Q4)?,
+                ],
+                [
+                    load("gemm_q8", Format::Q8)?,
+                    load("gemm_swiglu_q8", Format::Q8)?,
+                ],
+                [
+                    load("gemm_bf16", Format::Bf16)?,
+                    load("gemm_swiglu_bf16", Format::Bf16)?,
+                ],
+            ],
+        })
+    }
+
+    /// Whether these weights fit the kernel: 4/8-bit or bf16, `cols` a multiple of 64.
+    pub fn supports(w: &Matrices) -> bool {
+        check_matrices(w).is_ok()
+    }
+
+    /// `y = x · Wᵀ` for matrix 0 of `w`: x is `[t][cols]` (any t ≥ 1), y is `[t][rows]`.
+    pub fn gemm(&self, w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>) -> Result<()> {
+        let t = dense_rows(w, x)?;
+        let rows = Rows {
+            positions: t,
+            x_rows: t,
+            y_rows: t,
+            grouped: None,
+        };
+        self.run(w, Epilogue::Store, x, &rows, y)
+    }
+
+    /// For a gate‖up matrix (`2I` rows: gate rows then up rows): `act[p][j] =
+    /// silu(gate_j · x[p]) · (up_j · x[p])`, x `[t][cols]`, act `[t][I]`, from fp32 sums.
+    pub fn gemm_swiglu(
+        &self,
+        w: &Matrices,
+        x: &CudaView<bf16>,
+        act: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let t = dense_rows(w, x)?;
+        let rows = Rows {
+            positions: t,
+            x_rows: t,
+            y_rows: t,
+            grouped: None,
+        };
+        self.run(w, Epilogue::SwiGlu, x, &rows, act)
+    }
+
+    /// The experts' gate‖up products and SwiGLU for every (token, slot) pair of `groups`: row `p`
+    /// of `act` (`[pairs][I]`, in the expert-sorted order of `groups`) is
+    /// `swiglu(gate_up[e] · x[token])` for the p-th sorted pair (token, slot) routed to expert e.
+    /// `x` is `[tokens][cols]`; `w` the stack of `gate‖up` matrices (`2I` rows each).
+    pub fn experts_gate_up(
+        &self,
+        w: &Matrices,
+        x: &CudaView<bf16>,
+        groups: &ExpertGroups,
+        act: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let tokens = dense_rows(w, x)?;
+        let pairs = groups.pairs();
+        ensure!(
+            pairs == tokens * groups.top_k(),
+            "experts_gate_up: the groups hold {pairs} pairs, x has {tokens} tokens × top-{}",
+            groups.top_k()
+        );
+        let rows = Rows {
+            positions: pairs,
+            x_rows: tokens,
+            y_rows: pairs,
+            grouped: Some((groups, true, groups.top_k())),
+        };
+        self.run(w, Epilogue::SwiGlu, x, &rows, act)
+    }
+
+    /// The experts' down products: row `p` of `act` (expert-sorted, from
+    /// [`Self::experts_gate_up`]) times `down[e]` is written to `routed[pair]`, where pair =
+    /// token·top_k + slot: `routed` is `[tokens][top_k][rows]`, ready for `MoeKernels::combine`.
+    pub fn experts_down(
+        &self,
+        w: &Matrices,
+        act: &CudaView<bf16>,
+        groups: &ExpertGroups,
+        routed: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let pairs = dense_rows(w, act)?;
+        ensure!(
+            pairs == groups.pairs(),
+            "experts_down: act has {pairs} rows, the groups {} pairs",
+            groups.pairs()
+        );
+        let rows = Rows {
+            positions: pairs,
+            x_rows: pairs,
+            y_rows: pairs,
+            grouped: Some((groups, false, 1)),
+        };
+        self.run(w, Epilogue::Store, act, &rows, routed)
+    }
+
+    fn run(
+        &self,
+        w: &Matrices,
+        epilogue: Epilogue,
+        x: &CudaView<bf16>,
+        rows: &Rows,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let format = check_matrices(w)?;
+        let out_width = match epilogue {
+            Epilogue::Store => w.rows,
+            Epilogue::SwiGlu => {
+                ensure!(
+                    w.rows % 2 == 0,
+                    "gemm: a gate‖up matrix needs an even number of rows, not {}",
+                    w.rows
+                );
+                w.rows / 2
+            }
+        };
+        ensure!(
+            y.len() == rows.y_rows * out_width,
+            "gemm: y has {} values, expected {}×{out_width}",
+            y.len(),
+            rows.y_rows
+        );
+        ensure!(
+            x.len() == rows.x_rows * w.cols,
+            "gemm: x has {} values, expected {}×{}",
+            x.len(),
+            rows.x_rows,
+            w.cols
+        );
+        if rows.positions == 0 {
+            return Ok(());
+        }
+        // cp.async reads 16-byte pieces of x; y is written in bf16 pairs.
+        ensure_aligned(x, &self.stream, "gemm x")?;
+        ensure_aligned(y, &self.stream, "gemm y")?;
+        let row_words = w.cols * format.bits() / 32;
+        // The kernel keeps a row's word offset within its matrix in an int.
+        as_i32(w.rows * row_words, "words of one matrix")?;
+
+        let stream = &*self.stream;
+        let group_views = rows
+            .grouped
+            .map(|(g, _, _)| (g.sorted_pairs(), g.tile_map(), g.tile_count()));
+        // Raw device addresses for the argument struct. The guards are cudarc's stream-ordering
+        // hooks (no-ops with event tracking off); they live until the launch is queued.
+        let mut guards = Vec::new();
+        let (wp, sp, bp) = match &w.data {
+            WeightData::Bf16(v) => (addr(v, stream, &mut guards), 0, 0),
+            WeightData::Affine {
+                packed,
+                scales,
+                biases,
+                ..
+            } => (
+                addr(packed, stream, &mut guards),
+                addr(scales, stream, &mut guards),
+                addr(biases, stream, &mut guards),
+            ),
+        };
+        ensure!(
+            wp % 16 == 0,
+            "gemm: weights at {wp:#x} are not 16-byte aligned"
+        );
+        let xp = addr(x, stream, &mut guards);
+        let (tiles_x, a_rows, c_rows, tiles, num_tiles, a_div) = match (rows.grouped, &group_views)
+        {
+            (Some((groups, gather, div)), Some((sorted, map, count))) => {
+                ensure!(
+                    groups.tile_rows() == TILE_ROWS,
+                    "gemm: expert groups built for tiles of {} rows, the kernel takes {TILE_ROWS}",
+                    groups.tile_rows()
+                );
+                ensure!(
+                    groups.experts() <= w.count,
+                    "gemm: {} experts routed but the stack has {} matrices",
+                    groups.experts(),
+                    w.count
+                );
+                let sorted = addr(sorted, stream, &mut guards);
+                let (a, c) = if gather { (sorted, 0) } else { (0, sorted) };
+                (
+                    groups.max_tiles(),
+                    a,
+                    c,
+                    addr(map, stream, &mut guards),
+                    addr(count, stream, &mut guards),
+                    div,
+                )
+            }
+            _ => (rows.positions.div_ceil(TILE_ROWS), 0, 0, 0, 0, 1),
+        };
+        let (yp, _y) = y.device_ptr_mut(stream);
+        let args = GemmArgs {
+            w: wp,
+            scales: sp,
+            biases: bp,
+            x: xp,
+            y: yp,
+            a_rows,
+            c_rows,
+            tiles,
+            num_tiles,
+            w_mat_words: (w.rows * row_words) as i64,
+            x_rows: as_i32(rows.x_rows, "x rows")?,
+            y_rows: as_i32(rows.y_rows, "y rows")?,
+            n: as_i32(w.rows, "rows")?,
+            k: as_i32(w.cols, "cols")?,
+            a_div: as_i32(a_div, "top_k")?,
+            count: as_i32(w.count, "count")?,
+        };
+        let col_tiles = match epilogue {
+            Epilogue::Store => w.rows.div_ceil(TILE_COLS),
+            Epilogue::SwiGlu => out_width.div_ceil(TILE_COLS / 2),
+        };
+        ensure!(
+            col_tiles <= 65535,
+            "gemm: {} weight rows are too many for one launch",
+            w.rows
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (as_i32(tiles_x, "row tiles")? as u32, col_tiles as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: format.shared_bytes() as u32,
+        };
+        let func = &self.funcs[format as usize][epilogue as usize];
+        // SAFETY: check_matrices and the checks above bound every index the kernel forms; grouped
+        // launches read positions < pairs and pair ids that the grouping kernels wrote.
+        unsafe { launch!(self.stream, func, cfg, &args) }
+    }
+}
+
+/// Rows of `x` for matrix `w` (x is `[rows][w.cols]`).
+fn dense_rows(w: &Matrices, x: &CudaView<bf16>) -> Result<usize> {
+    ensure!(
+        w.cols > 0 && x.len() % w.cols == 0,
+        "gemm: x has {} values, not whole rows of {}",
+        x.len(),
+        w.cols
+    );
+    Ok(x.len() / w.cols)
+}
+
+fn addr<'a, T>(
+    v: &'a CudaView<'_, T>,
+    stream: &'a CudaStream,
+    guards: &mut Vec<SyncOnDrop<'a>>,
+) -> u64 {
+    let (ptr, guard) = v.device_ptr(stream);
+    guards.push(guard);
+    ptr
+}
+
+/// Checks a stack of matrices against the kernel's layout rules; returns its format.
+fn check_matrices(w: &Matrices) -> Result<Format> {
+    ensure!(w.count > 0 && w.rows > 0, "gemm: empty matrix stack");
+    let format = match &w.data {
+        WeightData::Bf16(_) => Format::Bf16,
+        WeightData::Affine { bits: 4, .. } => Format::Q4,
+        WeightData::Affine { bits: 8, .. } => Format::Q8,
+        WeightData::Affine { bits, .. } => {
+            return Err(CudaError::Shape(format!(
+                "gemm: {bits}-bit weights are not supported (4 or 8)"
+            )))
+        }
+    };
+    ensure!(
+        w.cols % GROUP == 0,
+        "gemm: cols = {} must be a multiple of {GROUP}",
+        w.cols
+    );
+    let n = w.count * w.rows * w.cols;
+    match &w.data {
+        WeightData::Bf16(v) => ensure!(
+            v.len() == n,
+            "gemm: bf16 weights have {} values, expected {n}",
+            v.len()
+        ),
+        WeightData::Affine {
+            packed,
+            scales,
+            biases,
+            ..
+        } => {
+            let words = n * format.bits() / 32;
+            ensure!(
+                packed.len() == words,
+                "gemm: packed weights have {} words, expected {words}",
+                packed.len()
+            );
+            let groups = n / GROUP;
+            ensure!(
+                scales.len() == groups && biases.len() == groups,
+                "gemm: scales/biases need {groups} values each"
+            );
+        }
+    }
+    Ok(format)
+}

@@ -1,0 +1,199 @@
+// MoE routing and combine on the device (spec/MODEL.md §3.7), so decode never waits on the host.
+#include "common.cuh"
+
+#define NEG_INF __int_as_float(0xff800000)
+#define MAX_EXPERTS_PER_LANE 8  // 256 experts / 32 lanes
+#define MAX_TOP_K 16
+
+// One warp per token: softmax (fp32) over `experts` router logits, the top `k` probabilities
+// (lowest index on ties), renormalised to sum to 1. ids [T][k] i32, weights [T][k] f32.
+extern "C" __global__ void router_topk(const bf16* __restrict__ logits, int tokens, int experts, int k,
+                                       int* __restrict__ ids, float* __restrict__ weights) {
+    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (t >= tokens) return;
+    const bf16* row = logits + (u64)t * experts;
+    float p[MAX_EXPERTS_PER_LANE];
+    float mx = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
+        const int e = lane + 32 * j;
+        p[j] = e < experts ? __bfloat162float(row[e]) : NEG_INF;
+        mx = fmaxf(mx, p[j]);
+    }
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
+        p[j] = (lane + 32 * j) < experts ? expf(p[j] - mx) : 0.0f;
+        sum += p[j];
+    }
+    sum = warp_sum(sum);
+    // k rounds of a warp-wide argmax; the winner is removed from its lane's list.
+    float chosen_p = 0.0f, chosen_sum = 0.0f;
+    int chosen_e = 0;
+    for (int r = 0; r < k; ++r) {
+        float v = -1.0f;
+        int e = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
+            const int ej = lane + 32 * j;
+            if (ej < experts && (p[j] > v || (p[j] == v && ej < e))) { v = p[j]; e = ej; }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            const float v2 = __shfl_xor_sync(0xffffffffu, v, off);
+            const int e2 = __shfl_xor_sync(0xffffffffu, e, off);
+            if (v2 > v || (v2 == v && e2 < e)) { v = v2; e = e2; }
+        }
+#pragma unroll
+        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
+            if (lane + 32 * j == e) p[j] = -1.0f;  // taken
+        }
+        if (lane == r) { chosen_p = v / sum; chosen_e = e; }
+        chosen_sum += v / sum;
+    }
+    if (lane < k) {
+        ids[(u64)t * k + lane] = chosen_e;
+        weights[(u64)t * k + lane] = chosen_p / chosen_sum;
+    }
+}
+
+// out[t] = bf16( Σ_j w[t][j] · routed[t][j] + sigmoid(gate[t]) · shared[t] ), fp32 inside.
+// routed [T][k][n], shared [T][n], gate [T] (the shared-expert gate's logit), out [T][n].
+extern "C" __global__ void moe_combine(const bf16* __restrict__ routed, const float* __restrict__ weights,
+                                       const bf16* __restrict__ shared, const bf16* __restrict__ gate,
+                                       bf16* __restrict__ out, int tokens, int k, int n) {
+    const int nvec = n / 8;
+    const u64 total = (u64)tokens * nvec;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const int t = i / nvec, v = i % nvec;
+        float acc[8], f[8];
+        const float g = 1.0f / (1.0f + expf(-__bfloat162float(gate[t])));
+        unpack8(reinterpret_cast<const uint4*>(shared + (u64)t * n)[v], f);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = g * f[q];
+        for (int j = 0; j < k; ++j) {
+            const float w = weights[(u64)t * k + j];
+            unpack8(reinterpret_cast<const uint4*>(routed + ((u64)t * k + j) * n)[v], f);
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[q] += w * f[q];
+        }
+        reinterpret_cast<uint4*>(out + (u64)t * n)[v] = pack8(acc);
+    }
+}
+
+// ---- Grouping (token, slot) pairs by expert for the grouped expert GEMMs (gemm_prefill.cu) ----
+//
+// A prefill chunk of T tokens routes P = T·k pairs p = token·k + slot (ids [T][k] from
+// router_topk). The expert GEMMs want each expert's pairs contiguous, in token order (so the result
+// does not depend on scheduling), and a map of row tiles {expert, first position, rows}. Three
+// small launches, no host round trip:
+//   1. moe_group_count:   per chunk of GROUP_CHUNK pairs, how many go to each expert;
+//   2. moe_group_scan:    one block: per expert, the exclusive sums over chunks; over experts, the
+//                         first position of each expert and of its tiles; writes the tile map;
+//   3. moe_group_scatter: per chunk, each pair's rank among the same expert's pairs before it
+//                         (within its warp by __match_any_sync, across warps by per-warp counts),
+//                         giving its position; sorted[position] = p.
+// Positions: expert e's pairs occupy [offset_e, offset_e + count_e), ordered by p, hence by token.
+#define GROUP_CHUNK 1024     // pairs per block of passes 1 and 3 (one per thread)
+#define GROUP_MAX_EXPERTS 256
+#define GROUP_WARPS (GROUP_CHUNK / 32)
+
+__device__ __forceinline__ int expert_of(const int* ids, int p, int experts) {
+    return min(max(ids[p], 0), experts - 1);
+}
+
+// counts[c][e] = pairs of chunk c routed to expert e. Grid: chunks; block: GROUP_CHUNK threads.
+extern "C" __global__ void moe_group_count(const int* __restrict__ ids, int pairs, int experts,
+                                           int* __restrict__ counts) {
+    __shared__ int hist[GROUP_MAX_EXPERTS];
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
+    __syncthreads();
+    const int p = blockIdx.x * GROUP_CHUNK + threadIdx.x;
+    if (p < pairs) atomicAdd(&hist[expert_of(ids, p, experts)], 1);
+    __syncthreads();
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[blockIdx.x * experts + e] = hist[e];
+}
+
+// Exclusive sum over the block (one value per thread, blockDim.x = GROUP_MAX_EXPERTS); `total`
+// gets the sum of all. `scratch` holds one int per warp; the caller's barriers separate uses.
+__device__ int block_exclusive_sum(int v, int* scratch, int* total) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    int x = v;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, off);
+        if (lane >= off) x += y;
+    }
+    if (lane == 31) scratch[warp] = x;
+    __syncthreads();
+    int before = 0, all = 0;
+    for (int w = 0; w < warps; ++w) {
+        const int s = scratch[w];
+        if (w < warp) before += s;
+        all += s;
+    }
+    __syncthreads();  // scratch may be reused right after
+    *total = all;
+    return before + x - v;
+}
+
+// One block of GROUP_MAX_EXPERTS threads (thread e = expert e). In place, counts[c][e] becomes the
+// position of chunk c's first pair for expert e. tiles[i] = {expert, first position, rows, 0} for
+// every tile of tile_rows rows, experts in order; *num_tiles = how many.
+extern "C" __global__ void moe_group_scan(int* __restrict__ counts, int chunks, int experts, int tile_rows,
+                                          int max_tiles, int4* __restrict__ tiles, int* __restrict__ num_tiles) {
+    __shared__ int scratch[GROUP_MAX_EXPERTS / 32];
+    const int e = threadIdx.x;
+    const bool real = e < experts;
+    // Exclusive sums over chunks, four loads in flight at a time.
+    int count = 0;
+    if (real) {
+        int c = 0;
+        for (; c + 4 <= chunks; c += 4) {
+            int v[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[i] = counts[(c + i) * experts + e];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                counts[(c + i) * experts + e] = count;
+                count += v[i];
+            }
+        }
+        for (; c < chunks; ++c) {
+            const int v = counts[c * experts + e];
+            counts[c * experts + e] = count;
+            count += v;
+        }
+    }
+    const int ntiles = (count + tile_rows - 1) / tile_rows;
+    int total_pairs, total_tiles;
+    const int offset = block_exclusive_sum(count, scratch, &total_pairs);
+    const int first_tile = block_exclusive_sum(ntiles, scratch, &total_tiles);
+    if (real) {
+        for (int c = 0; c < chunks; ++c) counts[c * experts + e] += offset;
+        for (int i = 0; i < ntiles && first_tile + i < max_tiles; ++i)
+            tiles[first_tile + i] = make_int4(e, offset + i * tile_rows, min(tile_rows, count - i * tile_rows), 0);
+    }
+    if (e == 0) *num_tiles = min(total_tiles, max_tiles);
+}
+
+// sorted[position of pair p] = p. Grid: chunks; block: GROUP_CHUNK threads. `base` from moe_group_scan.
+extern "C" __global__ void moe_group_scatter(const int* __restrict__ ids, int pairs, int experts,
+                                             const int* __restrict__ base, int* __restrict__ sorted) {
+    __shared__ int warp_counts[GROUP_WARPS][GROUP_MAX_EXPERTS];  // pairs of each warp per expert
+    for (int i = threadIdx.x; i < GROUP_WARPS * GROUP_MAX_EXPERTS; i += blockDim.x) (&warp_counts[0][0])[i] = 0;
+    __syncthreads();
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int p = blockIdx.x * GROUP_CHUNK + threadIdx.x;
+    const bool valid = p < pairs;
+    const int e = valid ? expert_of(ids, p, experts) : -1;  // -1: a group of its own, never stored
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    const int rank = __popc(peers & ((1u << lane) - 1u));  // same-expert lanes below this one
+    if (valid && rank == 0) warp_counts[warp][e] = __popc(peers);
+    __syncthreads();
+    if (valid) {
+        int before = 0;
+        for (int w = 0; w < warp; ++w) before += warp_counts[w][e];
+        sorted[base[blockIdx.x * experts + e] + before + rank] = p;
+    }
+}

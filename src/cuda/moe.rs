@@ -1,0 +1,315 @@
+//! MoE routing, grouping by expert and combine (moe.cu), on the device.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, LaunchConfig};
+use half::bf16;
+
+use super::{
+    as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaStream,
+    CudaView, CudaViewMut, Result,
+};
+
+/// Experts the router kernel handles (8 per lane of a warp).
+pub const MAX_EXPERTS: usize = 256;
+pub const MAX_TOP_K: usize = 16;
+/// Pairs per block of the grouping kernels (GROUP_CHUNK in moe.cu).
+const GROUP_CHUNK: usize = 1024;
+
+pub struct MoeKernels {
+    stream: Arc<CudaStream>,
+    router_topk: CudaFunction,
+    combine: CudaFunction,
+    group_count: CudaFunction,
+    group_scan: CudaFunction,
+    group_scatter: CudaFunction,
+}
+
+/// The (token, slot) pairs of a prefill chunk grouped by expert, on the device: what the grouped
+/// expert GEMMs (gemm_prefill.rs) read. Allocated once for the largest chunk; filled by
+/// [`MoeKernels::group_by_expert`].
+///
+/// Pair `p = token·top_k + slot`. `sorted` lists the pairs expert after expert, each expert's in
+/// increasing p (so in token order); `tiles` cuts each expert's run into tiles of `tile_rows`:
+/// `{expert, first position in sorted, rows, 0}`, and `num_tiles` says how many are valid.
+pub struct ExpertGroups {
+    experts: usize,
+    tile_rows: usize,
+    max_pairs: usize,
+    /// `[chunks][experts]`: counts, then first positions (moe_group_scan works in place).
+    chunk_counts: CudaSlice<i32>,
+    sorted: CudaSlice<i32>,
+    tiles: CudaSlice<i32>,
+    num_tiles: CudaSlice<i32>,
+    /// Set by the last grouping.
+    pairs: usize,
+    top_k: usize,
+}
+
+impl ExpertGroups {
+    /// Room for up to `max_tokens` tokens routed to `top_k` of `experts` experts, for tiles of
+    /// `tile_rows` rows (`gemm_prefill::TILE_ROWS` for the GEMMs).
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        max_tokens: usize,
+        top_k: usize,
+        experts: usize,
+        tile_rows: usize,
+    ) -> Result<Self> {
+        ensure!(
+            experts > 0 && experts <= MAX_EXPERTS,
+            "expert groups: {experts} experts (1..={MAX_EXPERTS})"
+        );
+        ensure!(tile_rows > 0, "expert groups: tiles of 0 rows");
+        let max_pairs = max_tokens.max(1) * top_k.max(1);
+        as_i32(max_pairs, "pairs")?;
+        let alloc = |n: usize| {
+            stream
+                .alloc_zeros::<i32>(n.max(1))
+                .during(|| format!("allocating {n} expert-grouping values"))
+        };
+        Ok(Self {
+            experts,
+            tile_rows,
+            max_pairs,
+            chunk_counts: alloc(max_pairs.div_ceil(GROUP_CHUNK) * experts)?,
+            sorted: alloc(max_pairs)?,
+            tiles: alloc(4 * max_tiles(max_pairs, experts, tile_rows))?,
+            num_tiles: alloc(1)?,
+            pairs: 0,
+            top_k: 0,
+        })
+    }
+
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+    pub fn tile_rows(&self) -> usize {
+        self.tile_rows
+    }
+    /// Pairs of the last grouping.
+    pub fn pairs(&self) -> usize {
+        self.pairs
+    }
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+    /// The most tiles the last grouping can have: the grid size of a grouped GEMM.
+    pub fn max_tiles(&self) -> usize {
+        max_tiles(self.pairs, self.experts, self.tile_rows)
+    }
+    /// `[pairs]`: pair ids, expert after expert.
+    pub fn sorted_pairs(&self) -> CudaView<'_, i32> {
+        self.sorted.slice(..self.pairs.max(1))
+    }
+    /// `[max_tiles][4]`: {expert, first position, rows, 0}; the first `tile_count` are valid.
+    pub fn tile_map(&self) -> CudaView<'_, i32> {
+        self.tiles.slice(..4 * self.max_tiles().max(1))
+    }
+    /// `[1]`: how many tiles the last grouping made.
+    pub fn tile_count(&self) -> CudaView<'_, i32> {
+        self.num_tiles.as_view()
+    }
+}
+
+/// Σ_e ceil(count_e / rows) ≤ pairs / rows + (experts with any pair).
+fn max_tiles(pairs: usize, experts: usize, rows: usize) -> usize {
+    pairs.div_ceil(rows) + experts.min(pairs)
+}
+
+impl MoeKernels {
+    pub fn load(dev: &CudaDevice) -> Result<Self> {
+        Ok(Self {
+            stream: dev.stream().clone(),
+            router_topk: dev.function("moe", "router_topk")?,
+            combine: dev.function("moe", "moe_combine")?,
+            group_count: dev.function("moe", "moe_group_count")?,
+            group_scan: dev.function("moe", "moe_group_scan")?,
+            group_scatter: dev.function("moe", "moe_group_scatter")?,
+        })
+    }
+
+    /// Groups the pairs of `ids` (`[tokens][top_k]` expert ids from [`Self::router_topk`]) by
+    /// expert into `groups`, for the grouped expert GEMMs. Three launches, no host round trip.
+    pub fn group_by_expert(
+        &self,
+        ids: &CudaView<i32>,
+        top_k: usize,
+        groups: &mut ExpertGroups,
+    ) -> Result<()> {
+        ensure!(
+            top_k > 0 && ids.len() % top_k == 0,
+            "group_by_expert: ids are not whole rows of {top_k}"
+        );
+        let pairs = ids.len();
+        ensure!(pairs > 0, "group_by_expert: no tokens");
+        ensure!(
+            pairs <= groups.max_pairs,
+            "group_by_expert: {pairs} pairs, the groups were allocated for {}",
+            groups.max_pairs
+        );
+        groups.pairs = pairs;
+        groups.top_k = top_k;
+        let chunks = pairs.div_ceil(GROUP_CHUNK);
+        let (p, e, c) = (pairs as i32, groups.experts as i32, chunks as i32);
+        let (rows, max) = (
+            as_i32(groups.tile_rows, "tile rows")?,
+            as_i32(groups.max_tiles(), "tiles")?,
+        );
+        let per_chunk = LaunchConfig {
+            grid_dim: (chunks as u32, 1, 1),
+            block_dim: (GROUP_CHUNK as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let one_block = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (MAX_EXPERTS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut counts = groups.chunk_counts.slice_mut(..chunks * groups.experts);
+        // SAFETY: every index is bounded by pairs, chunks and experts, which fit the buffers
+        // (checked above and at allocation); expert ids are clamped to 0..experts in the kernels.
+        unsafe {
+            launch!(
+                self.stream,
+                &self.group_count,
+                per_chunk,
+                ids,
+                &p,
+                &e,
+                &mut counts
+            )?;
+            launch!(
+                self.stream,
+                &self.group_scan,
+                one_block,
+                &mut counts,
+                &c,
+                &e,
+                &rows,
+                &max,
+                &mut groups.tiles,
+                &mut groups.num_tiles
+            )?;
+        }
+        let base = counts.as_view();
+        // SAFETY: as above.
+        unsafe {
+            launch!(
+                self.stream,
+                &self.group_scatter,
+                per_chunk,
+                ids,
+                &p,
+                &e,
+                &base,
+                &mut groups.sorted
+            )
+        }
+    }
+
+    /// Softmax over each token's `experts` router logits, top `k` (ties → lower index),
+    /// renormalised: `ids` and `weights` are `[tokens][k]`.
+    pub fn router_topk(
+        &self,
+        logits: &CudaView<bf16>,
+        experts: usize,
+        k: usize,
+        ids: &mut CudaViewMut<i32>,
+        weights: &mut CudaViewMut<f32>,
+    ) -> Result<()> {
+        ensure!(
+            experts > 0 && experts <= MAX_EXPERTS,
+            "router: {experts} experts (1..={MAX_EXPERTS} supported)"
+        );
+        ensure!(
+            k > 0 && k <= experts.min(MAX_TOP_K),
+            "router: top-{k} of {experts}"
+        );
+        ensure!(
+            logits.len() % experts == 0,
+            "router: logits are not whole rows of {experts}"
+        );
+        let tokens = logits.len() / experts;
+        ensure!(
+            ids.len() == tokens * k && weights.len() == tokens * k,
+            "router: ids/weights must be [{tokens}][{k}]"
+        );
+        if tokens == 0 {
+            return Ok(());
+        }
+        let warps_per_block = 4u32;
+        let cfg = LaunchConfig {
+            grid_dim: ((tokens as u32).div_ceil(warps_per_block), 1, 1),
+            block_dim: (32 * warps_per_block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (t, e, k) = (as_i32(tokens, "tokens")?, experts as i32, k as i32);
+        unsafe {
+            launch!(
+                self.stream,
+                &self.router_topk,
+                cfg,
+                logits,
+                &t,
+                &e,
+                &k,
+                ids,
+                weights
+            )
+        }
+    }
+
+    /// `out[t] = Σ_j weights[t][j] · routed[t][j] + sigmoid(gate[t]) · shared[t]` with routed
+    /// `[tokens][k][n]`, shared `[tokens][n]`, gate `[tokens]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn combine(
+        &self,
+        routed: &CudaView<bf16>,
+        weights: &CudaView<f32>,
+        shared: &CudaView<bf16>,
+        gate: &CudaView<bf16>,
+        k: usize,
+        out: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let tokens = gate.len();
+        ensure!(
+            tokens > 0 && out.len() % tokens == 0,
+            "combine: out is not [tokens][n]"
+        );
+        let n = out.len() / tokens;
+        ensure!(n % 8 == 0, "combine: n = {n} must be a multiple of 8");
+        ensure!(
+            routed.len() == tokens * k * n
+                && weights.len() == tokens * k
+                && shared.len() == tokens * n,
+            "combine: shapes"
+        );
+        for (v, what) in [(routed, "routed"), (shared, "shared")] {
+            ensure_aligned(v, &self.stream, what)?;
+        }
+        ensure_aligned(out, &self.stream, "combine out")?;
+        let vectors = (tokens * n / 8) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (vectors.div_ceil(256).min(132 * 8), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (t, k, n) = (as_i32(tokens, "tokens")?, k as i32, as_i32(n, "n")?);
+        unsafe {
+            launch!(
+                self.stream,
+                &self.combine,
+                cfg,
+                routed,
+                weights,
+                shared,
+                gate,
+                out,
+                &t,
+                &k,
+                &n
+            )
+        }
+    }
+}

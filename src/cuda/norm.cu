@@ -1,0 +1,123 @@
+// Normalisation and gating kernels (spec/MODEL.md §3.2, §3.6.7, §3.7). bf16 in and out, fp32 inside.
+//
+// The norms run one warp per row: rows are short (128..2048 values), a warp reduces with shuffles
+// alone, and each lane reads its share as 16-byte vectors. A row is read twice (sum of squares,
+// then scale); the second read hits L1. The host checks n % 8 == 0 and 16-byte alignment.
+#include "common.cuh"
+
+#define NORM_ROWS_PER_BLOCK 4  // warps per block; must match ROWS_PER_BLOCK in norm.rs
+
+__device__ __forceinline__ int norm_row() { return blockIdx.x * NORM_ROWS_PER_BLOCK + threadIdx.x / 32; }
+
+__device__ __forceinline__ float sum_squares(const uint4* x, int nvec, int lane) {
+    float ss = 0.0f;
+    for (int v = lane; v < nvec; v += 32) {
+        float f[8];
+        unpack8(x[v], f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss += f[i] * f[i];
+    }
+    return warp_sum(ss);
+}
+
+// y = x * rsqrt(mean(x²) + eps) * w, rows of n values. `w` is the effective fp32 multiplier:
+// (1 + stored weight) for the zero-centred norms of this model, computed once at load time.
+extern "C" __global__ void rmsnorm(const bf16* __restrict__ x, const float* __restrict__ w,
+                                   bf16* __restrict__ y, int rows, int n, float eps) {
+    const int row = norm_row(), lane = threadIdx.x % 32, nvec = n / 8;
+    if (row >= rows) return;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)row * n);
+    uint4* yr = reinterpret_cast<uint4*>(y + (u64)row * n);
+    const float r = rsqrtf(sum_squares(xr, nvec, lane) / n + eps);
+    for (int v = lane; v < nvec; v += 32) {
+        float f[8];
+        unpack8(xr[v], f);
+        const float4 w0 = reinterpret_cast<const float4*>(w)[2 * v];
+        const float4 w1 = reinterpret_cast<const float4*>(w)[2 * v + 1];
+        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+        // (x * r) * w, in the reference's order.
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] = f[i] * r * wv[i];
+        yr[v] = pack8(f);
+    }
+}
+
+// The residual add fused with the next norm: h = bf16(h + res) (written back), y = rmsnorm(h).
+// The norm reads the rounded h, as the unfused reference does.
+extern "C" __global__ void add_rmsnorm(bf16* __restrict__ h, const bf16* __restrict__ res,
+                                       const float* __restrict__ w, bf16* __restrict__ y, int rows,
+                                       int n, float eps) {
+    const int row = norm_row(), lane = threadIdx.x % 32, nvec = n / 8;
+    if (row >= rows) return;
+    uint4* hr = reinterpret_cast<uint4*>(h + (u64)row * n);
+    const uint4* rr = reinterpret_cast<const uint4*>(res + (u64)row * n);
+    uint4* yr = reinterpret_cast<uint4*>(y + (u64)row * n);
+    float ss = 0.0f;
+    for (int v = lane; v < nvec; v += 32) {
+        float a[8], b[8];
+        unpack8(hr[v], a);
+        unpack8(rr[v], b);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[i] = a[i] + b[i];
+        const uint4 sum = pack8(a);
+        hr[v] = sum;
+        unpack8(sum, a);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss += a[i] * a[i];
+    }
+    const float r = rsqrtf(warp_sum(ss) / n + eps);
+    // Each lane re-reads only the vectors it wrote itself, so no barrier is needed.
+    for (int v = lane; v < nvec; v += 32) {
+        float f[8];
+        unpack8(hr[v], f);
+        const float4 w0 = reinterpret_cast<const float4*>(w)[2 * v];
+        const float4 w1 = reinterpret_cast<const float4*>(w)[2 * v + 1];
+        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] = f[i] * r * wv[i];
+        yr[v] = pack8(f);
+    }
+}
+
+// The GDN output norm (MODEL.md §3.6.7), per value head (row of n = 128 values):
+//   t = bf16(o * rsqrt(mean(o²) + eps));  u = bf16(w * t);  y = bf16(u * silu(z))
+// `w` is the plain stored weight (this norm is not zero-centred), as fp32. The two intermediate
+// roundings to bf16 are the reference's; keeping them makes the result match it more closely.
+extern "C" __global__ void gated_rmsnorm(const bf16* __restrict__ o, const bf16* __restrict__ z,
+                                         const float* __restrict__ w, bf16* __restrict__ y, int rows,
+                                         int n, float eps) {
+    const int row = norm_row(), lane = threadIdx.x % 32, nvec = n / 8;
+    if (row >= rows) return;
+    const uint4* orow = reinterpret_cast<const uint4*>(o + (u64)row * n);
+    const uint4* zrow = reinterpret_cast<const uint4*>(z + (u64)row * n);
+    uint4* yr = reinterpret_cast<uint4*>(y + (u64)row * n);
+    const float r = rsqrtf(sum_squares(orow, nvec, lane) / n + eps);
+    for (int v = lane; v < nvec; v += 32) {
+        float f[8], g[8];
+        unpack8(orow[v], f);
+        unpack8(zrow[v], g);
+        const float4 w0 = reinterpret_cast<const float4*>(w)[2 * v];
+        const float4 w1 = reinterpret_cast<const float4*>(w)[2 * v + 1];
+        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] = bf16_round(wv[i] * bf16_round(f[i] * r)) * silu(g[i]);
+        yr[v] = pack8(f);
+    }
+}
+
+// SwiGLU: out[r][i] = silu(gu[r][i]) * gu[r][n + i], for rows laid out gate‖up (the fused
+// gate_up projection's output). fp32 inside, one rounding at the end.
+extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ out, int rows, int n) {
+    const int nvec = n / 8;
+    const i64 total = (i64)rows * nvec;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 row = i / nvec, v = i % nvec;
+        const uint4* gr = reinterpret_cast<const uint4*>(gu + row * 2 * n);
+        float g[8], u[8];
+        unpack8(gr[v], g);
+        unpack8(gr[nvec + v], u);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) g[k] = silu(g[k]) * u[k];
+        reinterpret_cast<uint4*>(out + row * n)[v] = pack8(g);
+    }
+}

@@ -1,0 +1,231 @@
+//! The prefill GEMM (src/cuda/gemm_prefill.rs) against the CPU reference `model::cpu::ops::matmul`
+//! on the same `Matrix` (MLX affine Q4/Q8 group 64, or bf16), at Qwen3.6-35B-A3B's shapes plus odd
+//! ones, and timing printouts at 4096 tokens. Needs an sm_90 GPU: without one every test fails.
+//!
+//! Tolerance. The reference dequantises in f32 and sums in f32; the GPU rounds each dequantised
+//! weight to bf16 (relative ≤ 2⁻⁹, as MLX's own kernels do), sums in fp32 and rounds the output to
+//! bf16 (≤ 2⁻⁹). With scale(t, n) = ‖x_t‖·‖W_n‖/√K (the size of a typical |x_t·W_n|), every
+//! element must satisfy |gpu − ref| ≤ 2⁻⁸·|ref| + 1e-2·scale, and the mean of |gpu − ref|/scale
+//! must be ≤ 2e-3 (the expected weight-rounding error is ~1e-3·scale; one wrong weight of 2048
+//! is ~2e-2·scale, a wrong group ~0.1·scale). SwiGLU outputs propagate the same bound through
+//! silu(g)·u. Every output is poisoned before a launch and fenced by guard values: an element never
+//! written, or written outside its place, fails.
+//!
+//! Seeds are fresh each run and printed; set LILY_TEST_SEED to repeat one.
+#![cfg(feature = "cuda")]
+
+mod cuda_prefill_common;
+
+use cuda_prefill_common::*;
+use half::bf16;
+use lily::cuda::gemm_prefill::GemmKernels;
+use lily::cuda::weights::DeviceMatrices;
+use lily::model::cpu::ops::{matmul, silu};
+use lily::model::weights::Matrix;
+use rand::rngs::SmallRng;
+use rand::RngExt;
+
+const REL: f32 = 1.0 / 256.0;
+const ABS: f32 = 1e-2;
+const MEAN_ABS: f32 = 2e-3;
+/// Above this many tokens only a sample of rows is compared with the (slow) CPU reference; every
+/// row is still checked for being written.
+const FULL_CHECK_ROWS: usize = 300;
+
+/// Which token rows to compare: all, or a sample with both ends and the tile edges.
+fn rows_to_check(rng: &mut SmallRng, t: usize) -> Vec<usize> {
+    if t <= FULL_CHECK_ROWS {
+        return (0..t).collect();
+    }
+    let mut rows: Vec<usize> = [0, 1, 63, 64, 65, t / 2, t - 65, t - 64, t - 1].into_iter().filter(|&r| r < t).collect();
+    rows.extend((0..88).map(|_| rng.random_range(0..t)));
+    rows.sort_unstable();
+    rows.dedup();
+    rows
+}
+
+fn gather(x: &[f32], rows: &[usize], k: usize) -> Vec<f32> {
+    rows.iter().flat_map(|&r| x[r * k..(r + 1) * k].iter().copied()).collect()
+}
+
+fn pick(y: &[bf16], rows: &[usize], n: usize) -> Vec<bf16> {
+    rows.iter().flat_map(|&r| y[r * n..(r + 1) * n].iter().copied()).collect()
+}
+
+/// One dense product `y = x · Wᵀ` of `t` tokens checked against the CPU.
+fn dense_case(g: &GemmKernels, dev: &lily::cuda::CudaDevice, rng: &mut SmallRng, m: &Matrix, w_sq: &[f32], t: usize, label: &str) {
+    let s = dev.stream();
+    let (n, k) = (m.rows, m.cols);
+    let (xb, xf) = activations(rng, t * k, 1.0);
+    let dm = DeviceMatrices::concat(s, &[m]).expect("upload weights");
+    let dx = upload(s, &xb);
+    let mut y = Output::new(s, t * n);
+    g.gemm(&dm.view(), &dx.as_view(), &mut y.view()).expect("gemm");
+    let what = format!("{label} [{n}×{k}] × {t} tokens");
+    let got = y.get(s, &what);
+    let rows = rows_to_check(rng, t);
+    let want = matmul(m, &gather(&xf, &rows, k), rows.len());
+    let x_sq: Vec<f32> = rows.iter().map(|&r| xf[r * k..(r + 1) * k].iter().map(|v| v * v).sum()).collect();
+    let scale = |i: usize| (x_sq[i / n] * w_sq[i % n] / k as f32).sqrt();
+    check(&what, &pick(&got, &rows, n), &want, &scale, REL, ABS, MEAN_ABS);
+}
+
+#[test]
+fn q4_matches_cpu_at_model_shapes() {
+    let dev = device();
+    let g = GemmKernels::load(&dev).expect("kernels");
+    let mut rng = rng("q4 gemm");
+    // GDN in_proj (qkv‖z‖b‖a), attention q‖k‖v, shared expert gate‖up, MoE hidden, output width.
+    for n in [12352, 9216, 1024, 512, 2048] {
+        let m = matrix(&mut rng, Kind::Q4, n, 2048, 0.05);
+        let w_sq = row_sq(&m);
+        for t in [16, 17, 100, 256, 4096] {
+            dense_case(&g, &dev, &mut rng, &m, &w_sq, t, "q4");
+        }
+    }
+    // out_proj / o_proj (K = 4096), shared down (K = 512), the test model's down (K = 128).
+    for (n, k, ts) in [(2048, 4096, &[33usize, 300][..]), (2048, 512, &[16, 129]), (512, 128, &[9, 64]), (300, 2048, &[1, 65])] {
+        let m = matrix(&mut rng, Kind::Q4, n, k, 0.05);
+        let w_sq = row_sq(&m);
+        for &t in ts {
+            dense_case(&g, &dev, &mut rng, &m, &w_sq, t, "q4");
+        }
+    }
+}
+
+#[test]
+fn q8_and_bf16_match_cpu() {
+    let dev = device();
+    let g = GemmKernels::load(&dev).expect("kernels");
+    let mut rng = rng("q8/bf16 gemm");
+    // Q8: the router (256 experts), the shared-expert gate (one row), odd widths.
+    for (n, k, t) in [(256, 2048, 300), (1, 2048, 100), (257, 2048, 17), (16, 512, 64), (512, 128, 40)] {
+        let m = matrix(&mut rng, Kind::Q8, n, k, 0.05);
+        dense_case(&g, &dev, &mut rng, &m, &row_sq(&m), t, "q8");
+    }
+    for (n, k, t) in [(2048, 2048, 100), (9216, 512, 64), (300, 128, 300), (1, 512, 17), (33, 4096, 16)] {
+        let m = matrix(&mut rng, Kind::Bf16, n, k, 0.05);
+        dense_case(&g, &dev, &mut rng, &m, &row_sq(&m), t, "bf16");
+    }
+}
+
+/// `act = silu(x·gateᵀ) ⊙ (x·upᵀ)` from one gate‖up matrix, against the CPU.
+#[test]
+fn swiglu_matches_cpu() {
+    let dev = device();
+    let s = dev.stream();
+    let g = GemmKernels::load(&dev).expect("kernels");
+    let mut rng = rng("swiglu gemm");
+    // The shared expert (I = 512), the test model's (I = 128), a partial last tile, an odd I.
+    let cases = [(Kind::Q4, 512, 2048, 100), (Kind::Q4, 512, 2048, 4096), (Kind::Q4, 128, 512, 300), (Kind::Q8, 192, 2048, 17), (Kind::Bf16, 96, 512, 64), (Kind::Bf16, 33, 128, 20)];
+    for (kind, inter, k, t) in cases {
+        let gate = matrix(&mut rng, kind, inter, k, 0.05);
+        let up = matrix(&mut rng, kind, inter, k, 0.05);
+        let (g_sq, u_sq) = (row_sq(&gate), row_sq(&up));
+        let dm = DeviceMatrices::concat(s, &[&gate, &up]).expect("upload weights");
+        let (xb, xf) = activations(&mut rng, t * k, 1.0);
+        let dx = upload(s, &xb);
+        let mut act = Output::new(s, t * inter);
+        g.gemm_swiglu(&dm.view(), &dx.as_view(), &mut act.view()).expect("gemm_swiglu");
+        let what = format!("swiglu {kind:?} I={inter} K={k} × {t} tokens");
+        let got = act.get(s, &what);
+        let rows = rows_to_check(&mut rng, t);
+        let xs = gather(&xf, &rows, k);
+        let (gv, uv) = (matmul(&gate, &xs, rows.len()), matmul(&up, &xs, rows.len()));
+        let want: Vec<f32> = gv.iter().zip(&uv).map(|(&g, &u)| silu(g) * u).collect();
+        let x_sq: Vec<f32> = rows.iter().map(|&r| xf[r * k..(r + 1) * k].iter().map(|v| v * v).sum()).collect();
+        // The sums' own bounds (ABS·scale each) carried through silu(g)·u (|silu'| ≤ 1.1).
+        let scale = |i: usize| {
+            let (r, j) = (i / inter, i % inter);
+            let sg = (x_sq[r] * g_sq[j] / k as f32).sqrt();
+            let su = (x_sq[r] * u_sq[j] / k as f32).sqrt();
+            1.1 * sg * (uv[i].abs() + ABS * su) + silu(gv[i]).abs() * su
+        };
+        check(&what, &pick(&got, &rows, inter), &want, &scale, REL, ABS, MEAN_ABS);
+    }
+}
+
+#[test]
+fn rejects_bad_shapes() {
+    let dev = device();
+    let s = dev.stream();
+    let g = GemmKernels::load(&dev).expect("kernels");
+    let mut rng = rng("gemm shapes");
+    let m = matrix(&mut rng, Kind::Q4, 64, 256, 0.05);
+    let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
+    let x = upload(s, &vec![bf16::ONE; 16 * 256]);
+    let mut y = Output::new(s, 16 * 64);
+    assert!(g.gemm(&dm.view(), &x.slice(..16 * 256 - 8), &mut y.view()).is_err(), "x not whole rows");
+    assert!(g.gemm(&dm.view(), &x.slice(..15 * 256), &mut y.view()).is_err(), "y of the wrong size");
+    let mut y15 = Output::new(s, 15 * 64);
+    assert!(g.gemm(&dm.view(), &x.slice(4..4 + 15 * 256), &mut y15.view()).is_err(), "misaligned x");
+    // Columns must be whole quantisation groups.
+    let odd = matrix(&mut rng, Kind::Bf16, 64, 96, 0.05);
+    let dodd = DeviceMatrices::concat(s, &[&odd]).expect("upload");
+    assert!(!GemmKernels::supports(&dodd.view()));
+    let x96 = upload(s, &vec![bf16::ONE; 16 * 96]);
+    assert!(g.gemm(&dodd.view(), &x96.as_view(), &mut y.view()).is_err());
+    // SwiGLU needs gate‖up: an even number of rows.
+    let m3 = matrix(&mut rng, Kind::Q4, 3, 256, 0.05);
+    let dm3 = DeviceMatrices::concat(s, &[&m3]).expect("upload");
+    let mut act = Output::new(s, 16);
+    assert!(g.gemm_swiglu(&dm3.view(), &x.as_view(), &mut act.view()).is_err());
+}
+
+/// Times the dense products of one prefill chunk of 4096 tokens at Qwen3.6-35B-A3B's shapes
+/// (MLX Q4 g64, router and shared gate Q8). Prints; asserts nothing about speed.
+#[test]
+fn timing_at_4096_tokens() {
+    let dev = device();
+    let s = dev.stream();
+    let g = GemmKernels::load(&dev).expect("kernels");
+    let mut rng = rng("gemm timing");
+    const T: usize = 4096;
+    // (what, kind, rows, cols, swiglu, layers using it)
+    let shapes = [
+        ("GDN in_proj qkv‖z‖b‖a", Kind::Q4, 12352, 2048, false, 30),
+        ("GDN out_proj", Kind::Q4, 2048, 4096, false, 30),
+        ("attn q‖k‖v", Kind::Q4, 9216, 2048, false, 10),
+        ("attn o_proj", Kind::Q4, 2048, 4096, false, 10),
+        ("shared gate‖up + SwiGLU", Kind::Q4, 1024, 2048, true, 40),
+        ("shared down", Kind::Q4, 2048, 512, false, 40),
+        ("router (Q8)", Kind::Q8, 256, 2048, false, 40),
+        ("shared gate (Q8, 1 row)", Kind::Q8, 1, 2048, false, 40),
+    ];
+    let (xb, _) = activations(&mut rng, T * 4096, 1.0);
+    let dx = upload(s, &xb);
+    let mut y = upload(s, &vec![bf16::ZERO; T * 12352]);
+    // The mixer projections add up here; the MoE-side products are part of the MoE block timed
+    // in tests/cuda_moe.rs.
+    let mut mixer_ms = 0.0;
+    println!("| product | rows × cols | ms @4096 | TFLOP/s | layers | ms per 4K prefill |");
+    for (what, kind, n, k, swiglu, layers) in shapes {
+        let m = random_weights(&mut rng, kind, n, k);
+        let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
+        let out = if swiglu { n / 2 } else { n };
+        let x = dx.slice(..T * k);
+        let mut yv = y.slice_mut(..T * out);
+        let ms = median_ms(&dev, 10, || {
+            if swiglu {
+                g.gemm_swiglu(&dm.view(), &x, &mut yv).expect("gemm_swiglu");
+            } else {
+                g.gemm(&dm.view(), &x, &mut yv).expect("gemm");
+            }
+        });
+        let tflops = 2.0 * (T * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
+        if what.starts_with("GDN") || what.starts_with("attn") {
+            mixer_ms += ms as f64 * layers as f64;
+        }
+        println!("| {what} | {n} × {k} | {ms:.3} | {tflops:.0} | {layers} | {:.2} |", ms as f64 * layers as f64);
+    }
+    println!("GDN and attention projections of a 4096-token prefill: {mixer_ms:.1} ms (the MoE block: tests/cuda_moe.rs)");
+}
+
+/// Random weights of the given kind without running the quantiser (timing only).
+fn random_weights(rng: &mut SmallRng, kind: Kind, n: usize, k: usize) -> Matrix {
+    match kind {
+        Kind::Q4 => random_codes(rng, 4, n, k),
+        Kind::Q8 => random_codes(rng, 8, n, k),
+        Kind::Bf16 => matrix(rng, kind, n, k, 0.05),
+    }
+}

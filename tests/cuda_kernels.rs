@@ -1,0 +1,855 @@
+//! GPU kernel tests: each kernel against a plain CPU reference on fresh random inputs at the
+//! model's real shapes, and GEMV bandwidth timings (printed, never asserted).
+//!
+//! They need an H200 (or another sm_90a GPU) and FAIL without one: a passing run means the kernels
+//! ran. CI builds them but does not run them; scripts/gpu-check.sh runs them on the GPU machine.
+//! Run with `--test-threads=1 --nocapture` to keep the timings readable.
+//!
+//! The CPU references here are local, written plainly from spec/MODEL.md (§3.2, §3.6.7, §3.7,
+//! §5.1) in f64. They are to be replaced by the reference ops of src/model once those exist.
+//!
+//! Inputs are random with a fresh seed per run (printed; set LILY_TEST_SEED to repeat a run).
+//! Outputs are poisoned with NaN before each launch, so an element the kernel skips fails.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaSlice, CudaStream};
+use half::bf16;
+use lily::cuda::gemm::{GemvKernels, GemvShape, Matrices, WeightData, GROUP};
+use lily::cuda::norm::NormKernels;
+use lily::cuda::{CudaDevice, CudaError};
+use rayon::prelude::*;
+
+const EPS: f32 = 1e-6;
+const HIDDEN: usize = 2048;
+
+// ---------------------------------------------------------------------------------------------
+// Test plumbing
+
+fn device() -> CudaDevice {
+    CudaDevice::open("cuda").unwrap_or_else(|e| panic!("these tests need a GPU: {e}"))
+}
+
+/// splitmix64: fast, good enough for test data, and reproducible from one printed seed.
+struct Rng(u64);
+
+impl Rng {
+    fn new(test: &str) -> Self {
+        let seed = std::env::var("LILY_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
+        println!("{test}: seed {seed}");
+        Rng(seed)
+    }
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    fn bf16s(&mut self, n: usize, scale: f32) -> Vec<bf16> {
+        (0..n)
+            .map(|_| bf16::from_f32(self.unit() * scale))
+            .collect()
+    }
+    fn words(&mut self, n: usize) -> Vec<u32> {
+        (0..n).map(|_| self.next_u64() as u32).collect()
+    }
+}
+
+fn upload<T: cudarc::driver::DeviceRepr>(stream: &Arc<CudaStream>, v: &[T]) -> CudaSlice<T> {
+    stream.clone_htod(v).expect("host to device copy")
+}
+
+fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+    stream: &Arc<CudaStream>,
+    v: &CudaSlice<T>,
+) -> Vec<T> {
+    stream.clone_dtoh(v).expect("device to host copy")
+}
+
+/// A bf16 output buffer filled with NaN, so unwritten elements show.
+fn poisoned(stream: &Arc<CudaStream>, n: usize) -> CudaSlice<bf16> {
+    upload(stream, &vec![bf16::NAN; n])
+}
+
+fn f(v: bf16) -> f64 {
+    v.to_f64()
+}
+
+fn round_bf16(v: f64) -> f64 {
+    bf16::from_f64(v).to_f64()
+}
+
+/// Compares a bf16 result with an f64 reference element by element:
+/// |got − want| ≤ rel·|want| + abs[i]. Also returns the norm-wise error ‖got − want‖ / ‖want‖.
+fn check(what: &str, got: &[bf16], want: &[f64], rel: f64, abs: &dyn Fn(usize) -> f64) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let (mut worst, mut worst_at, mut diff2, mut ref2) = (0.0f64, 0usize, 0.0f64, 0.0f64);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let g = f(g);
+        assert!(
+            g.is_finite(),
+            "{what}: element {i} is {g} (not written, or overflow); want {w}"
+        );
+        let err = (g - w).abs();
+        let allowed = rel * w.abs() + abs(i);
+        if err / allowed > worst {
+            (worst, worst_at) = (err / allowed, i);
+        }
+        diff2 += err * err;
+        ref2 += w * w;
+    }
+    let norm_err = (diff2 / ref2.max(f64::MIN_POSITIVE)).sqrt();
+    println!("{what}: worst error {worst:.3} of allowed (at {worst_at}), norm-wise {norm_err:.2e}");
+    assert!(
+        worst <= 1.0,
+        "{what}: element {worst_at}: got {}, want {}, error {:.3e} > allowed {:.3e}",
+        f(got[worst_at]),
+        want[worst_at],
+        (f(got[worst_at]) - want[worst_at]).abs(),
+        rel * want[worst_at].abs() + abs(worst_at)
+    );
+    norm_err
+}
+
+/// Half a bf16 ulp, relative: what rounding a correct fp32 value to bf16 may cost.
+const HALF_ULP: f64 = 1.0 / 256.0;
+/// Room for fp32 (instead of f64) arithmetic before that rounding.
+const FP32_SLACK: f64 = 1e-5;
+
+// ---------------------------------------------------------------------------------------------
+// Device
+
+#[test]
+fn device_opens_and_rejects_bad_specs() {
+    let dev = device();
+    println!("device: {}", dev.name());
+    assert!(matches!(
+        CudaDevice::open("gpu0"),
+        Err(CudaError::BadDeviceSpec(_))
+    ));
+    assert!(matches!(
+        CudaDevice::open("cuda:x"),
+        Err(CudaError::BadDeviceSpec(_))
+    ));
+    assert!(matches!(
+        CudaDevice::open("cuda:999"),
+        Err(CudaError::NoSuchDevice { index: 999, .. })
+    ));
+    assert!(matches!(
+        dev.function("nope", "f"),
+        Err(CudaError::MissingModule(_))
+    ));
+    // Which libcuda/libcublas were loaded, from where (the loader path or our preload).
+    if let Ok(maps) = std::fs::read_to_string("/proc/self/maps") {
+        let mut libs: Vec<&str> = maps
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(5))
+            .filter(|p| p.contains("libcuda.so") || p.contains("libcublas"))
+            .collect();
+        libs.dedup();
+        println!("libraries: {libs:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Norms (MODEL.md §3.2, §3.6.7, §3.7)
+
+/// rsqrt(mean(x²) + eps) of one row, f64.
+fn inv_rms(x: &[f64]) -> f64 {
+    1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + EPS as f64).sqrt()
+}
+
+#[test]
+fn rmsnorm_matches_reference() {
+    let dev = device();
+    let k = NormKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("rmsnorm");
+    // Hidden-state norms for 7 tokens, and q_norm over 16 heads × 3 tokens of 256.
+    for (rows, n, scale) in [(7, HIDDEN, 4.0), (48, 256, 0.5)] {
+        let x = rng.bf16s(rows * n, scale);
+        let w: Vec<f32> = (0..n).map(|_| 1.0 + 0.5 * rng.unit()).collect(); // effective 1 + w
+        let (dx, dw, mut dy) = (upload(s, &x), upload(s, &w), poisoned(s, rows * n));
+        k.rmsnorm(&dx.as_view(), &dw.as_view(), &mut dy.as_view_mut(), EPS)
+            .unwrap();
+        let y = download(s, &dy);
+        let mut want = Vec::with_capacity(rows * n);
+        for row in x.chunks(n) {
+            let xf: Vec<f64> = row.iter().map(|&v| f(v)).collect();
+            let r = inv_rms(&xf);
+            want.extend(xf.iter().zip(&w).map(|(v, &wi)| v * r * wi as f64));
+        }
+        // Tolerance: half a bf16 ulp of the output, plus fp32 arithmetic.
+        check(
+            &format!("rmsnorm [{rows}×{n}]"),
+            &y,
+            &want,
+            HALF_ULP + FP32_SLACK,
+            &|_| 1e-30,
+        );
+    }
+}
+
+#[test]
+fn add_rmsnorm_matches_reference() {
+    let dev = device();
+    let k = NormKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("add_rmsnorm");
+    let (rows, n) = (5, HIDDEN);
+    let h = rng.bf16s(rows * n, 8.0);
+    let r = rng.bf16s(rows * n, 2.0);
+    let w: Vec<f32> = (0..n).map(|_| 1.0 + 0.5 * rng.unit()).collect();
+    let (mut dh, dr, dw, mut dy) = (
+        upload(s, &h),
+        upload(s, &r),
+        upload(s, &w),
+        poisoned(s, rows * n),
+    );
+    k.add_rmsnorm(
+        &mut dh.as_view_mut(),
+        &dr.as_view(),
+        &dw.as_view(),
+        &mut dy.as_view_mut(),
+        EPS,
+    )
+    .unwrap();
+    let (h_gpu, y) = (download(s, &dh), download(s, &dy));
+    // h = bf16(h + r), then the norm of the rounded h.
+    let h_sum: Vec<f64> = h.iter().zip(&r).map(|(&a, &b)| f(a) + f(b)).collect();
+    check(
+        "add_rmsnorm h",
+        &h_gpu,
+        &h_sum,
+        HALF_ULP + FP32_SLACK,
+        &|_| 1e-30,
+    );
+    let h_new: Vec<f64> = h_sum.iter().map(|&v| round_bf16(v)).collect();
+    let mut want = Vec::with_capacity(rows * n);
+    for row in h_new.chunks(n) {
+        let inv = inv_rms(row);
+        want.extend(row.iter().zip(&w).map(|(v, &wi)| v * inv * wi as f64));
+    }
+    check("add_rmsnorm y", &y, &want, HALF_ULP + FP32_SLACK, &|_| {
+        1e-30
+    });
+}
+
+fn silu(v: f64) -> f64 {
+    v / (1.0 + (-v).exp())
+}
+
+#[test]
+fn gated_rmsnorm_matches_reference() {
+    let dev = device();
+    let k = NormKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("gated_rmsnorm");
+    // 32 value heads of 128, for 3 tokens.
+    let (rows, n) = (96, 128);
+    let o = rng.bf16s(rows * n, 1.0);
+    let z = rng.bf16s(rows * n, 4.0);
+    let w: Vec<f32> = (0..n)
+        .map(|_| bf16::from_f32(1.0 + 0.3 * rng.unit()).to_f32())
+        .collect();
+    let (d_o, dz, dw, mut dy) = (
+        upload(s, &o),
+        upload(s, &z),
+        upload(s, &w),
+        poisoned(s, rows * n),
+    );
+    k.gated_rmsnorm(
+        &d_o.as_view(),
+        &dz.as_view(),
+        &dw.as_view(),
+        &mut dy.as_view_mut(),
+        EPS,
+    )
+    .unwrap();
+    let y = download(s, &dy);
+    let mut want = Vec::with_capacity(rows * n);
+    for (orow, zrow) in o.chunks(n).zip(z.chunks(n)) {
+        let of: Vec<f64> = orow.iter().map(|&v| f(v)).collect();
+        let r = inv_rms(&of);
+        for i in 0..n {
+            let t = round_bf16(of[i] * r);
+            let u = round_bf16(w[i] as f64 * t);
+            want.push(u * silu(f(zrow[i])));
+        }
+    }
+    // Tolerance: the two intermediate bf16 roundings can land one ulp (2^-7) apart when the fp32
+    // value sits near a rounding boundary, so allow 2^-5 per element; the norm-wise error must
+    // still be that of plain output rounding.
+    let norm_err = check("gated_rmsnorm", &y, &want, 1.0 / 32.0, &|_| 1e-30);
+    assert!(
+        norm_err < HALF_ULP,
+        "gated_rmsnorm: norm-wise error {norm_err:.2e}"
+    );
+}
+
+#[test]
+fn silu_mul_matches_reference() {
+    let dev = device();
+    let k = NormKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("silu_mul");
+    // 8 experts' gate‖up outputs [8][2·512], and the shared expert's.
+    for (rows, n) in [(8, 512), (1, 512)] {
+        let gu = rng.bf16s(rows * 2 * n, 6.0);
+        let (dgu, mut dout) = (upload(s, &gu), poisoned(s, rows * n));
+        k.silu_mul(&dgu.as_view(), &mut dout.as_view_mut(), n)
+            .unwrap();
+        let out = download(s, &dout);
+        let want: Vec<f64> = gu
+            .chunks(2 * n)
+            .flat_map(|r| (0..n).map(move |i| silu(f(r[i])) * f(r[n + i])))
+            .collect();
+        check(
+            &format!("silu_mul [{rows}×{n}]"),
+            &out,
+            &want,
+            HALF_ULP + FP32_SLACK,
+            &|_| 1e-30,
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMV (MODEL.md §5.1)
+
+/// A stack of matrices on the host, in the kernel's input format.
+struct HostMatrices {
+    bits: u32, // 4, 8 or 16 (bf16)
+    count: usize,
+    rows: usize,
+    cols: usize,
+    packed: Vec<u32>, // affine formats
+    scales: Vec<bf16>,
+    biases: Vec<bf16>,
+    dense: Vec<bf16>, // bf16 format
+}
+
+impl HostMatrices {
+    /// Random weights: any bits are valid packed values; scales around 0.01 and biases around
+    /// −7.5·scale, as MLX's quantiser makes them for zero-centred weights.
+    fn random(rng: &mut Rng, bits: u32, count: usize, rows: usize, cols: usize) -> Self {
+        let n = count * rows * cols;
+        if bits == 16 {
+            let dense = rng.bf16s(n, 0.08);
+            return Self {
+                bits,
+                count,
+                rows,
+                cols,
+                packed: vec![],
+                scales: vec![],
+                biases: vec![],
+                dense,
+            };
+        }
+        let levels = ((1u32 << bits) - 1) as f32;
+        let packed = rng.words(n * bits as usize / 32);
+        let (mut scales, mut biases) =
+            (Vec::with_capacity(n / GROUP), Vec::with_capacity(n / GROUP));
+        for _ in 0..n / GROUP {
+            let s = 0.15 / levels * (1.0 + 0.5 * rng.unit());
+            scales.push(bf16::from_f32(s));
+            biases.push(bf16::from_f32(-s * levels / 2.0 * (1.0 + 0.2 * rng.unit())));
+        }
+        Self {
+            bits,
+            count,
+            rows,
+            cols,
+            packed,
+            scales,
+            biases,
+            dense: vec![],
+        }
+    }
+
+    /// W[m][r][c] as f64, and the bf16 offset the quantised kernel adds to q before its fp32 sums
+    /// and removes after them (128, or 128·17 for Q8), times |scale|: the magnitude those sums
+    /// carry, which bounds their rounding error.
+    fn weight(&self, m: usize, r: usize, c: usize) -> (f64, f64) {
+        let row = m * self.rows + r;
+        if self.bits == 16 {
+            return (f(self.dense[row * self.cols + c]), 0.0);
+        }
+        let per_word = 32 / self.bits as usize;
+        let word = self.packed[(row * self.cols + c) / per_word];
+        let q = (word >> (self.bits as usize * (c % per_word))) & ((1 << self.bits) - 1);
+        let g = row * (self.cols / GROUP) + c / GROUP;
+        let (s, b) = (f(self.scales[g]), f(self.biases[g]));
+        let offset = if self.bits == 4 { 128.0 } else { 128.0 * 17.0 };
+        (s * q as f64 + b, offset * s.abs())
+    }
+
+    /// y[n][r] = Σ_c W[m][r][c]·x[n][c] in f64, and the error each output may have (see check_gemv).
+    fn gemv(&self, m: usize, x: &[bf16], ntok: usize) -> (Vec<f64>, Vec<f64>) {
+        let per_row: Vec<Vec<(f64, f64)>> = (0..self.rows)
+            .into_par_iter()
+            .map(|r| {
+                (0..ntok)
+                    .map(|n| {
+                        let xn = &x[n * self.cols..(n + 1) * self.cols];
+                        let (mut y, mut mag_w, mut mag_offset) = (0.0, 0.0, 0.0);
+                        for (c, &xc) in xn.iter().enumerate() {
+                            let (w, offset) = self.weight(m, r, c);
+                            y += w * f(xc);
+                            mag_w += (w * f(xc)).abs();
+                            mag_offset += offset * f(xc).abs();
+                        }
+                        (y, GEMV_ABS_TOL * mag_w + GEMV_OFFSET_TOL * mag_offset)
+                    })
+                    .collect()
+            })
+            .collect();
+        let (mut y, mut tol) = (vec![0.0; ntok * self.rows], vec![0.0; ntok * self.rows]);
+        for (r, outs) in per_row.iter().enumerate() {
+            for (n, &(v, t)) in outs.iter().enumerate() {
+                y[n * self.rows + r] = v;
+                tol[n * self.rows + r] = t;
+            }
+        }
+        (y, tol)
+    }
+}
+
+/// GEMV tolerance, besides half a bf16 ulp of each output: fp32 accumulation of up to 4096
+/// products costs at most ~5e-6 of Σ|W·x| (one missing product is ~1/K of it, far more) ...
+const GEMV_ABS_TOL: f64 = 3e-5;
+/// ... and removing the quantised kernel's bf16 offset from its per-group fp32 sums costs a few
+/// fp32 ulps of Σ offset·|s|·|x|.
+const GEMV_OFFSET_TOL: f64 = 1.0 / (1 << 18) as f64;
+
+/// Device copies of a HostMatrices.
+struct DeviceMatrices {
+    bits: u32,
+    count: usize,
+    rows: usize,
+    cols: usize,
+    packed: Option<CudaSlice<u32>>,
+    scales: Option<CudaSlice<bf16>>,
+    biases: Option<CudaSlice<bf16>>,
+    dense: Option<CudaSlice<bf16>>,
+}
+
+impl DeviceMatrices {
+    fn upload(s: &Arc<CudaStream>, h: &HostMatrices) -> Self {
+        let opt = |v: &[bf16]| (!v.is_empty()).then(|| upload(s, v));
+        Self {
+            bits: h.bits,
+            count: h.count,
+            rows: h.rows,
+            cols: h.cols,
+            packed: (!h.packed.is_empty()).then(|| upload(s, &h.packed)),
+            scales: opt(&h.scales),
+            biases: opt(&h.biases),
+            dense: opt(&h.dense),
+        }
+    }
+
+    fn view(&self) -> Matrices<'_> {
+        let data = match &self.dense {
+            Some(d) => WeightData::Bf16(d.as_view()),
+            None => WeightData::Affine {
+                bits: self.bits,
+                packed: self.packed.as_ref().unwrap().as_view(),
+                scales: self.scales.as_ref().unwrap().as_view(),
+                biases: self.biases.as_ref().unwrap().as_view(),
+            },
+        };
+        Matrices {
+            data,
+            count: self.count,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+
+    /// Bytes of weights (and scales, biases) one matrix of the stack occupies.
+    fn matrix_bytes(&self) -> usize {
+        let quant = if self.bits == 16 {
+            0
+        } else {
+            4 * self.rows * self.cols / GROUP
+        };
+        self.rows * self.cols * self.bits as usize / 8 + quant
+    }
+}
+
+fn format_name(bits: u32) -> &'static str {
+    match bits {
+        4 => "Q4",
+        8 => "Q8",
+        _ => "bf16",
+    }
+}
+
+/// A GEMV output against the f64 reference: per element within half a bf16 ulp plus `tol`
+/// (from HostMatrices::gemv), and norm-wise within half an ulp. The norm-wise bound is a
+/// statement about many roundings averaging out, so it is checked only on outputs of at least
+/// 64 values (a single output near zero can have any relative rounding error).
+fn check_gemv(what: &str, got: &[bf16], want: &[f64], tol: &[f64]) {
+    let norm_err = check(what, got, want, HALF_ULP, &|i| tol[i]);
+    assert!(
+        got.len() < 64 || norm_err < HALF_ULP,
+        "{what}: norm-wise error {norm_err:.2e}"
+    );
+}
+
+#[test]
+fn gemv_matches_reference() {
+    let dev = device();
+    let k = GemvKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("gemv");
+    // (bits, rows, cols, tokens): the model's decode shapes. 4-bit: GDN in_proj_qkv / attention
+    // q_proj [8192, 2048], in_proj_a/b [32, 2048], out_proj / o_proj [2048, 4096], lm_head
+    // [248320, 2048]; 8-bit: router [256, 2048], shared_expert_gate [1, 2048]; bf16 for
+    // unquantised checkpoints. Odd token counts and a row count that is no multiple of 16 too.
+    let cases: &[(u32, usize, usize, usize)] = &[
+        (4, 8192, 2048, 1),
+        (4, 32, 2048, 1),
+        (4, 2048, 4096, 1),
+        (4, 2048, 4096, 8),
+        (4, 8192, 2048, 3),
+        (4, 40, 512, 5),
+        (4, 248_320, 2048, 1),
+        (8, 256, 2048, 1),
+        (8, 256, 2048, 6),
+        (8, 1, 2048, 1),
+        (16, 8192, 2048, 1),
+        (16, 2048, 4096, 4),
+        (16, 8192, 2048, 8),
+    ];
+    for &(bits, rows, cols, ntok) in cases {
+        let what = format!("gemv {} [{rows}×{cols}] ×{ntok}", format_name(bits));
+        let h = HostMatrices::random(&mut rng, bits, 1, rows, cols);
+        let m = DeviceMatrices::upload(s, &h);
+        let x = rng.bf16s(ntok * cols, 1.0);
+        let (dx, mut dy) = (upload(s, &x), poisoned(s, ntok * rows));
+        k.gemv(&m.view(), &dx.as_view(), &mut dy.as_view_mut())
+            .unwrap();
+        let y = download(s, &dy);
+        let (want, tol) = h.gemv(0, &x, ntok);
+        check_gemv(&what, &y, &want, &tol);
+    }
+}
+
+#[test]
+fn gemv_expert_slots_match_reference() {
+    let dev = device();
+    let k = GemvKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("gemv experts");
+    // One token's routed experts: gate_up [1024, 2048] of 8 experts chosen by id (one chosen
+    // twice) with the shared x, then down [2048, 512] with one x per slot. A stack of 16 experts
+    // stands in for the layer's 256 (same layout, less host work).
+    let (experts, slots) = (16, 8);
+    let ids: Vec<i32> = {
+        let mut ids: Vec<i32> = (0..slots).map(|_| rng.below(experts) as i32).collect();
+        ids[slots - 1] = ids[0];
+        ids
+    };
+    println!("expert ids {ids:?}");
+    let dids = upload(s, &ids);
+    for (rows, cols, x_per_slot) in [(1024, 2048, false), (2048, 512, true)] {
+        let what =
+            format!("gemv Q4 experts [{rows}×{cols}] ×{slots} slots, x per slot: {x_per_slot}");
+        let h = HostMatrices::random(&mut rng, 4, experts, rows, cols);
+        let m = DeviceMatrices::upload(s, &h);
+        let x = rng.bf16s(if x_per_slot { slots } else { 1 } * cols, 1.0);
+        let (dx, mut dy) = (upload(s, &x), poisoned(s, slots * rows));
+        k.gemv_slots(
+            &m.view(),
+            Some(&dids.as_view()),
+            slots,
+            &dx.as_view(),
+            x_per_slot,
+            1,
+            &mut dy.as_view_mut(),
+        )
+        .unwrap();
+        let y = download(s, &dy);
+        let (mut want, mut tol) = (Vec::new(), Vec::new());
+        for (slot, &id) in ids.iter().enumerate() {
+            let xs = if x_per_slot {
+                &x[slot * cols..(slot + 1) * cols]
+            } else {
+                &x[..]
+            };
+            let (w, t) = h.gemv(id as usize, xs, 1);
+            want.extend(w);
+            tol.extend(t);
+        }
+        check_gemv(&what, &y, &want, &tol);
+    }
+}
+
+#[test]
+fn gemv_rejects_bad_shapes() {
+    let dev = device();
+    let k = GemvKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("gemv shapes");
+    let h = HostMatrices::random(&mut rng, 4, 1, 64, 2048);
+    let m = DeviceMatrices::upload(s, &h);
+    let x = upload(s, &rng.bf16s(9 * 2048, 1.0));
+    let mut y = poisoned(s, 9 * 64);
+    // 9 tokens: more than one launch takes.
+    assert!(matches!(
+        k.gemv(&m.view(), &x.as_view(), &mut y.as_view_mut()),
+        Err(CudaError::Shape(_))
+    ));
+    // x not a whole number of rows.
+    assert!(matches!(
+        k.gemv(&m.view(), &x.slice(..2047), &mut y.as_view_mut()),
+        Err(CudaError::Shape(_))
+    ));
+    // A misaligned view.
+    let mut y1 = poisoned(s, 64);
+    assert!(matches!(
+        k.gemv(&m.view(), &x.slice(1..2049), &mut y1.as_view_mut()),
+        Err(CudaError::Shape(_))
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// GEMV timing: printed, not asserted.
+
+/// Median milliseconds per launch of `launch`, run `reps` times between two events, 5 samples.
+fn time_ms(dev: &CudaDevice, reps: usize, launch: &mut dyn FnMut(usize)) -> f64 {
+    let s = dev.stream();
+    let ev = || {
+        dev.context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap()
+    };
+    let (start, end) = (ev(), ev());
+    for i in 0..reps {
+        launch(i); // warm-up
+    }
+    let mut samples: Vec<f64> = (0..5)
+        .map(|_| {
+            start.record(s).unwrap();
+            for i in 0..reps {
+                launch(i);
+            }
+            end.record(s).unwrap();
+            start.elapsed_ms(&end).unwrap() as f64 / reps as f64
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    samples[2]
+}
+
+/// The same launches captured once into a CUDA graph and replayed (how decode will run them):
+/// median milliseconds per launch.
+fn time_graph_ms(dev: &CudaDevice, reps: usize, launch: &mut dyn FnMut(usize)) -> f64 {
+    let s = dev.stream();
+    s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    for i in 0..reps {
+        launch(i);
+    }
+    let graph = s
+        .end_capture(sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("captured graph");
+    time_ms(dev, 1, &mut |_| graph.launch().unwrap()) / reps as f64
+}
+
+#[test]
+fn gemv_bandwidth() {
+    let dev = device();
+    let k = GemvKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("gemv bandwidth");
+    // The ceiling: a 1 GiB device-to-device copy (bytes read + written).
+    {
+        let n = 1 << 29;
+        let src = s.alloc_zeros::<u16>(n).unwrap();
+        let mut dst = s.alloc_zeros::<u16>(n).unwrap();
+        let ms = time_ms(&dev, 4, &mut |_| s.memcpy_dtod(&src, &mut dst).unwrap());
+        println!(
+            "device-to-device copy: {:.0} GB/s (read + written)",
+            4.0 * n as f64 / (ms * 1e-3) / 1e9
+        );
+    }
+    // Each case cycles through enough different weights (≥ 300 MB, most ≥ 500 MB, against a
+    // 60 MB L2) that launches read their weights from HBM. (bits, matrices in the stack, rows,
+    // cols, slots, tokens).
+    let cases: &[(&str, u32, usize, usize, usize, usize, usize)] = &[
+        ("Q4 in_proj_qkv / q_proj", 4, 56, 8192, 2048, 1, 1),
+        ("Q4 out_proj / o_proj", 4, 112, 2048, 4096, 1, 1),
+        ("Q4 8 experts gate_up", 4, 256, 1024, 2048, 8, 1),
+        ("Q4 8 experts down", 4, 512, 2048, 512, 8, 1),
+        ("Q4 lm_head", 4, 2, 248_320, 2048, 1, 1),
+        ("Q4 lm_head, 8 tokens", 4, 2, 248_320, 2048, 1, 8),
+        ("Q8 router", 8, 512, 256, 2048, 1, 1),
+        ("bf16 [8192×2048]", 16, 16, 8192, 2048, 1, 1),
+    ];
+    println!(
+        "\n{:<24} {:>9} {:>11} {:>10} {:>7} {:>10} {:>7}   best other shape (graph)",
+        "GEMV", "MB/launch", "shape", "µs stream", "GB/s", "µs graph", "GB/s"
+    );
+    for &(name, bits, count, rows, cols, slots, ntok) in cases {
+        // One random matrix, copied to fill the stack (the copies sit at different addresses,
+        // which is all the timing needs).
+        let one = HostMatrices::random(&mut rng, bits, 1, rows, cols);
+        let stack = HostMatrices {
+            count,
+            packed: one.packed.repeat(count),
+            scales: one.scales.repeat(count),
+            biases: one.biases.repeat(count),
+            dense: one.dense.repeat(count),
+            ..one
+        };
+        let m = DeviceMatrices::upload(s, &stack);
+        drop(stack);
+        let x_per_slot = name.contains("down");
+        let xs = upload(
+            s,
+            &rng.bf16s(if x_per_slot { slots } else { 1 } * ntok * cols, 1.0),
+        );
+        let mut y = poisoned(s, slots * ntok * rows);
+        // Launch i uses matrices (i·slots .. i·slots + slots) mod count: distinct until the stack wraps.
+        let ids = upload(
+            s,
+            &(0..count * slots)
+                .map(|i| (i % count) as i32)
+                .collect::<Vec<_>>(),
+        );
+        let sets = count.div_ceil(slots);
+        let reps = sets.max(32);
+        let bytes = (slots * m.matrix_bytes() + 2 * slots * ntok * (cols + rows)) as f64;
+        let gbs = |ms: f64| bytes / (ms * 1e-3) / 1e9;
+        let view = m.view();
+        // Times one launch shape (stream, graph); None if the kernel does not take it.
+        let mut time = |shape: GemvShape| -> Option<(f64, f64)> {
+            let mut launch = |i: usize| {
+                let set = (i % sets) * slots;
+                if slots == 1 {
+                    k.gemv_slots_shaped(
+                        &sub_matrix(&m, set),
+                        None,
+                        1,
+                        &xs.as_view(),
+                        false,
+                        ntok,
+                        &mut y.as_view_mut(),
+                        shape,
+                    )
+                } else {
+                    let id = ids.slice(set..set + slots);
+                    k.gemv_slots_shaped(
+                        &view,
+                        Some(&id),
+                        slots,
+                        &xs.as_view(),
+                        x_per_slot,
+                        ntok,
+                        &mut y.as_view_mut(),
+                        shape,
+                    )
+                }
+            };
+            launch(0).ok()?;
+            let mut launch = |i: usize| launch(i).unwrap();
+            Some((
+                time_ms(&dev, reps, &mut launch),
+                time_graph_ms(&dev, reps, &mut launch),
+            ))
+        };
+        let default = k.shape(&view, slots);
+        let (t_stream, t_graph) = time(default).expect("the default shape launches");
+        // Other launch shapes, to tune the default by: K-split halved or doubled, 1..8 tiles a block.
+        let mut best: Option<(GemvShape, f64)> = None;
+        for kw in [
+            default.warps_per_tile / 2,
+            default.warps_per_tile,
+            default.warps_per_tile * 2,
+        ] {
+            for tb in [1, 2, 4, 8] {
+                let shape = GemvShape {
+                    warps_per_tile: kw,
+                    tiles_per_block: tb,
+                };
+                if kw == 0 || shape == default {
+                    continue;
+                }
+                if let Some((_, t)) = time(shape) {
+                    if best.is_none_or(|(_, b)| t < b) {
+                        best = Some((shape, t));
+                    }
+                }
+            }
+        }
+        let shape_str = |s: GemvShape| format!("{}k×{}t", s.warps_per_tile, s.tiles_per_block);
+        let other = best.map_or(String::new(), |(sh, t)| {
+            format!("{} {:.2} µs {:.0} GB/s", shape_str(sh), t * 1e3, gbs(t))
+        });
+        println!(
+            "{name:<24} {:>9.2} {:>11} {:>10.2} {:>7.0} {:>10.2} {:>7.0}   {other}",
+            bytes / 1e6,
+            shape_str(default),
+            t_stream * 1e3,
+            gbs(t_stream),
+            t_graph * 1e3,
+            gbs(t_graph)
+        );
+    }
+    println!("(MB/launch: weights, scales and biases read, plus x and y. shape: warps per tile along K × tiles per block.)\n");
+}
+
+/// Matrix `i` of a device stack, as a stack of one.
+fn sub_matrix(m: &DeviceMatrices, i: usize) -> Matrices<'_> {
+    let (rows, cols) = (m.rows, m.cols);
+    let n = rows * cols;
+    let data = match &m.dense {
+        Some(d) => WeightData::Bf16(d.slice(i * n..(i + 1) * n)),
+        None => {
+            let words = n * m.bits as usize / 32;
+            let groups = n / GROUP;
+            WeightData::Affine {
+                bits: m.bits,
+                packed: m.packed.as_ref().unwrap().slice(i * words..(i + 1) * words),
+                scales: m
+                    .scales
+                    .as_ref()
+                    .unwrap()
+                    .slice(i * groups..(i + 1) * groups),
+                biases: m
+                    .biases
+                    .as_ref()
+                    .unwrap()
+                    .slice(i * groups..(i + 1) * groups),
+            }
+        }
+    };
+    Matrices {
+        data,
+        count: 1,
+        rows,
+        cols,
+    }
+}
