@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
-use lily::server::{self, Device, ModelSource, ServeOptions, DEMO_MODEL_NAME};
+use lily::server::{self, cpu_backend, ModelSource, ServeOptions, DEMO_MODEL_NAME};
 use lily::tokenizer::Tokenizer;
 
 // ---------------------------------------------------------------------------------------------
@@ -37,7 +37,7 @@ fn options() -> ServeOptions {
         port: 0,
         api_key: None,
         max_model_len: None,
-        device: Device::Cpu,
+        backend: cpu_backend(),
         max_body_bytes: 1 << 20,
         max_in_flight: 256,
         scripted: None,

@@ -17,7 +17,7 @@ use lily::checkpoint;
 use lily::engine::generate::{Output, TextModel};
 use lily::engine::{Engine, EngineOptions};
 use lily::model::cpu::{forward, Logits};
-use lily::model::{argmax, CpuBackend, SequenceState, Weights};
+use lily::model::{argmax, SequenceState, Weights};
 use lily::server::request::{prepare_chat, prepare_completion};
 use lily::server::{load_model, openai, ModelSource};
 
@@ -64,6 +64,10 @@ pub struct GenerateArgs {
     /// A stop string (repeat for several).
     #[arg(long)]
     pub stop: Vec<String>,
+    /// With --prompt: cpu, cuda or cuda:N (default: the GPU when this build has CUDA and one is
+    /// present). --prompt-ids always runs the CPU reference.
+    #[arg(long)]
+    pub device: Option<String>,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
@@ -120,7 +124,12 @@ fn generate_text(
             .remove(0)
     };
     let prompt_tokens = plan.prompt.len();
-    let engine = Engine::start(Box::new(CpuBackend::new(weights)), EngineOptions::default());
+    let device = super::device::resolve(args.device.as_deref());
+    let engine = Engine::start(
+        // The backend holds only as much context as this one generation needs.
+        super::device::backend(&device, weights, prompt_tokens + plan.params.max_tokens.unwrap_or(0))?,
+        EngineOptions::default(),
+    );
     let mut generation = text.start(&engine, plan);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -3,9 +3,11 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 
-use lily::server::{self, Device, ModelSource, ServeOptions, DEMO_MODEL_NAME};
+use std::sync::Arc;
+
+use lily::server::{self, ModelSource, ServeOptions, DEMO_MODEL_NAME};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -27,8 +29,9 @@ pub struct ServeArgs {
     /// Longest prompt + completion, in tokens (default: the model's context length).
     #[arg(long)]
     pub max_model_len: Option<usize>,
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
-    pub device: DeviceArg,
+    /// cpu, cuda or cuda:N (default: the GPU when this build has CUDA and one is present).
+    #[arg(long)]
+    pub device: Option<String>,
     /// Larger request bodies are refused (413).
     #[arg(long, default_value_t = 16 << 20)]
     pub max_body_bytes: usize,
@@ -41,12 +44,6 @@ pub struct ServeArgs {
     /// Test only: reply from this script instead of running a model.
     #[arg(long, hide = true)]
     pub scripted_tokens: Option<PathBuf>,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-pub enum DeviceArg {
-    Cpu,
-    Cuda,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -69,6 +66,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.shutdown_grace.is_finite() && args.shutdown_grace >= 0.0,
         "--shutdown-grace must be a number of seconds"
     );
+    let device = super::device::resolve(args.device.as_deref());
     server::run(ServeOptions {
         source,
         served_model_name: args.served_model_name.unwrap_or(default_name),
@@ -77,10 +75,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         port: args.port,
         api_key: args.api_key.filter(|k| !k.is_empty()),
         max_model_len: args.max_model_len,
-        device: match args.device {
-            DeviceArg::Cpu => Device::Cpu,
-            DeviceArg::Cuda => Device::Cuda,
-        },
+        backend: Arc::new(move |weights, max_context| {
+            super::device::backend(&device, weights, max_context)
+        }),
         max_body_bytes: args.max_body_bytes,
         max_in_flight: args.max_in_flight,
         scripted: args.scripted_tokens,

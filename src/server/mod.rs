@@ -57,14 +57,18 @@ impl ModelSource {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Device {
-    Cpu,
-    Cuda,
+/// Makes the backend that runs the weights, given the longest context it must hold. The
+/// command line picks the device (`--device cpu|cuda|cuda:N`); tests use [`cpu_backend`].
+pub type BackendFactory =
+    Arc<dyn Fn(Weights, usize) -> anyhow::Result<Box<dyn Backend>> + Send + Sync>;
+
+/// The CPU reference backend.
+pub fn cpu_backend() -> BackendFactory {
+    Arc::new(|weights, _max_context| Ok(Box::new(CpuBackend::new(weights))))
 }
 
 /// Everything `lily serve` was asked for.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServeOptions {
     pub source: ModelSource,
     /// The name clients use in `model`; defaults to the repo id, directory name or `lily-demo`.
@@ -75,7 +79,7 @@ pub struct ServeOptions {
     pub port: u16,
     pub api_key: Option<String>,
     pub max_model_len: Option<usize>,
-    pub device: Device,
+    pub backend: BackendFactory,
     /// Request bodies above this are refused with 413.
     pub max_body_bytes: usize,
     /// Requests in flight (queued or generating) above this are refused with 503.
@@ -269,11 +273,6 @@ async fn shutdown_signal() {
 
 /// Loads the model (on a blocking thread) and starts its engine.
 pub fn load(options: &ServeOptions) -> anyhow::Result<ServedModel> {
-    if options.device == Device::Cuda {
-        anyhow::bail!(
-            "--device cuda: this build of lily has no CUDA backend yet; use --device cpu"
-        );
-    }
     let (text, backend, description, source): (TextModel, Box<dyn Backend>, String, String) =
         match (&options.scripted, &options.source) {
             (Some(script), source) => {
@@ -292,44 +291,37 @@ pub fn load(options: &ServeOptions) -> anyhow::Result<ServedModel> {
                     "TEST MODE: replies come from the script {}, not from a model",
                     script.display()
                 );
+                let description = "scripted test replies (no model)".to_string();
                 (
                     text,
                     Box::new(backend),
-                    "scripted test replies (no model)".into(),
+                    description,
                     script.display().to_string(),
                 )
             }
             (None, source) => {
                 let (text, weights) = load_model(source)?;
-                let description = match source {
-                    ModelSource::Demo => {
+                let context = max_model_len(
+                    options.max_model_len,
+                    weights.config.max_position_embeddings,
+                )?;
+                let backend = (options.backend)(weights, context)?;
+                let (description, source) = match source {
+                    ModelSource::Demo => (
                         "built-in demo model: tiny, random weights, byte-level demo tokenizer"
-                            .into()
-                    }
-                    ModelSource::Dir(dir) => format!("{} on cpu", dir.display()),
+                            .into(),
+                        "built-in".into(),
+                    ),
+                    ModelSource::Dir(dir) => (dir.display().to_string(), dir.display().to_string()),
                 };
-                let source = match source {
-                    ModelSource::Demo => "built-in".into(),
-                    ModelSource::Dir(dir) => dir.display().to_string(),
-                };
-                (
-                    text,
-                    Box::new(CpuBackend::new(weights)),
-                    description,
-                    source,
-                )
+                (text, backend, description, source)
             }
         };
     text.prepare_grammars().map_err(|e| anyhow::anyhow!(e))?;
-    let context = backend.config().max_position_embeddings;
-    let max_model_len = match options.max_model_len {
-        Some(n) if n > context => anyhow::bail!(
-            "--max-model-len {n} is more than the model's context of {context} tokens"
-        ),
-        Some(0) => anyhow::bail!("--max-model-len must be at least 1"),
-        Some(n) => n,
-        None => context,
-    };
+    let max_model_len = max_model_len(
+        options.max_model_len,
+        backend.config().max_position_embeddings,
+    )?;
     let engine = Engine::start(backend, EngineOptions::default());
     let meta = json!({
         "description": description,
@@ -353,6 +345,20 @@ pub fn load(options: &ServeOptions) -> anyhow::Result<ServedModel> {
             .map_or(0, |d| d.as_secs()),
         meta,
     })
+}
+
+/// `--max-model-len`, checked against the model's context; the model's context without it.
+fn max_model_len(requested: Option<usize>, context: usize) -> anyhow::Result<usize> {
+    match requested {
+        Some(n) if n > context => {
+            anyhow::bail!(
+                "--max-model-len {n} is more than the model's context of {context} tokens"
+            )
+        }
+        Some(0) => anyhow::bail!("--max-model-len must be at least 1"),
+        Some(n) => Ok(n),
+        None => Ok(context),
+    }
 }
 
 /// The text side and the weights of a model: what `lily serve` and `lily generate` run.

@@ -532,7 +532,7 @@ async fn detokenize(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::{Device, ModelSource, ServeOptions};
+    use crate::server::{cpu_backend, ModelSource, ServeOptions};
 
     fn loading_state() -> Shared {
         Arc::new(AppState::new(&ServeOptions {
@@ -543,7 +543,7 @@ mod tests {
             port: 0,
             api_key: None,
             max_model_len: None,
-            device: Device::Cpu,
+            backend: cpu_backend(),
             max_body_bytes: 1024,
             max_in_flight: 1,
             scripted: None,
