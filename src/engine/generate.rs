@@ -27,7 +27,8 @@ use super::{Engine, Event, FinishReason as EngineFinish, GenerateRequest, Sample
 use crate::chat::template::ChatTemplate;
 use crate::chat::tools::{OutputEvent, OutputParser, ToolSchemas};
 use crate::sampling::{
-    GenerationDefaults, Sampler, SamplingParams, StopChecker, ThinkTokens, ThinkingBudget,
+    FinishReason, GenerationDefaults, Sampler, SamplingParams, StopChecker, ThinkTokens,
+    ThinkingBudget,
 };
 use crate::tokenizer::{IncrementalDecoder, Tokenizer, ADDED_TOKENS};
 
@@ -36,8 +37,6 @@ use crate::tokenizer::{IncrementalDecoder, Tokenizer, ADDED_TOKENS};
 pub struct SpecialTokens {
     /// `<|im_end|>`: ends an assistant turn; the grammar's end-of-sequence token.
     pub im_end: u32,
-    /// Tokens that end every generation (the model's EOS ids, `<|im_end|>`, `<|endoftext|>`).
-    pub eos: Vec<u32>,
     /// `<think>`, `</think>`, `<tool_call>`, `</tool_call>`, when the vocabulary has them.
     pub think: Option<ThinkTokens>,
     /// Control tokens (`<|...|>`: `<|im_start|>`, `<|vision_pad|>`, ...). Their text is never
@@ -98,8 +97,9 @@ impl TextModel {
         let id = |t: &str| tokenizer.token_id(t);
         let im_end = id("<|im_end|>")
             .ok_or_else(|| anyhow::anyhow!("the tokenizer has no <|im_end|> token"))?;
-        // Chat turns end with <|im_end|> whatever generation_config.json lists; <|endoftext|>
-        // ends raw completions.
+        // Every generation stops at these (they become stop tokens of each request): chat turns
+        // end with <|im_end|> whatever generation_config.json lists; <|endoftext|> ends raw
+        // completions.
         defaults.eos_token_ids.push(im_end);
         defaults.eos_token_ids.extend(id("<|endoftext|>"));
         defaults.eos_token_ids.sort_unstable();
@@ -127,7 +127,6 @@ impl TextModel {
             .collect();
         let special = SpecialTokens {
             im_end,
-            eos: defaults.eos_token_ids.clone(),
             think,
             control: Arc::new(control),
         };
@@ -412,7 +411,9 @@ impl TokenPicker {
         }
         match grammar.compute_mask() {
             Ok(allowed) => {
-                for (id, l) in logits.iter_mut().enumerate() {
+                // Ids past the tokenizer's vocabulary are already masked (see `pick`) and
+                // outside the grammar's token set.
+                for (id, l) in logits.iter_mut().enumerate().take(self.vocab) {
                     if !allowed.is_allowed(id as u32) {
                         *l = f32::NEG_INFINITY;
                     }
@@ -449,24 +450,6 @@ impl TokenPicker {
 // The HTTP-side half: from tokens to an answer
 // ---------------------------------------------------------------------------------------------
 
-/// Why a choice ended, in OpenAI's words.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
-    Stop,
-    Length,
-    ToolCalls,
-}
-
-impl Finish {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Finish::Stop => "stop",
-            Finish::Length => "length",
-            Finish::ToolCalls => "tool_calls",
-        }
-    }
-}
-
 /// Token counts for `usage`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
@@ -493,7 +476,10 @@ pub enum Output {
         logprobs: Vec<TokenInfo>,
     },
     /// The last item.
-    Done { finish: Finish, counts: Counts },
+    Done {
+        finish: FinishReason,
+        counts: Counts,
+    },
 }
 
 /// A generation failed on the engine side (a backend error, a panic while serving it).
@@ -548,8 +534,8 @@ impl Generation {
                 } => {
                     self.prompt_tokens = prompt_tokens;
                     let finish = match reason {
-                        EngineFinish::Length => Finish::Length,
-                        EngineFinish::Stop | EngineFinish::Cancelled => Finish::Stop,
+                        EngineFinish::Length => FinishReason::Length,
+                        EngineFinish::Stop | EngineFinish::Cancelled => FinishReason::Stop,
                     };
                     self.finish(finish, cached_tokens, true);
                 }
@@ -591,7 +577,7 @@ impl Generation {
         };
         self.ready.push_back(Output::Delta { events, logprobs });
         if stopped {
-            self.finish(Finish::Stop, 0, false);
+            self.finish(FinishReason::Stop, 0, false);
         }
     }
 
@@ -647,10 +633,10 @@ impl Generation {
     /// runs). With `flush`, text still held by the decoder, parsers and stop checker is released
     /// first; without (a stop string or the single tool call ended it), everything after that
     /// point is dropped.
-    fn finish(&mut self, reason: Finish, cached_tokens: usize, flush: bool) {
+    fn finish(&mut self, reason: FinishReason, cached_tokens: usize, flush: bool) {
         self.events = None;
         // A call cut off by max_tokens is still closed by the parser, but it is truncated.
-        let truncated_call = reason == Finish::Length && self.open_calls > 0;
+        let truncated_call = reason == FinishReason::Length && self.open_calls > 0;
         if flush {
             let tail = self.decoder.finish();
             let mut parsed = self.parse(&tail);
@@ -672,7 +658,7 @@ impl Generation {
             }
         }
         let finish = if self.calls > 0 && !truncated_call {
-            Finish::ToolCalls
+            FinishReason::ToolCalls
         } else {
             reason
         };

@@ -192,7 +192,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if self.status.is_server_error() {
+        if self.status == StatusCode::INTERNAL_SERVER_ERROR {
             tracing::error!(status = %self.status, "{}", self.message);
         } else {
             tracing::debug!(status = %self.status, "{}", self.message);
