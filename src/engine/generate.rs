@@ -674,3 +674,84 @@ impl Generation {
         self.ready.push_back(Output::Done { finish, counts });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn picker(model: &TextModel, grammar: Option<Matcher>) -> TokenPicker {
+        TokenPicker {
+            sampler: Sampler::new(
+                &SamplingParams {
+                    seed: Some(1),
+                    ..SamplingParams::default()
+                },
+                &[],
+            ),
+            budget: None,
+            grammar,
+            answer_started: true,
+            think_end: None,
+            vocab: model.tokenizer.vocab_size(),
+            banned: Vec::new(),
+            stop_tokens: Vec::new(),
+            im_end: model.special.im_end,
+        }
+    }
+
+    #[test]
+    fn logits_past_the_tokenizer_are_never_chosen() {
+        // Qwen3.6's embedding has 248,320 rows for 248,077 tokens: the extra logits must be
+        // ignored, with and without a grammar.
+        let model = TextModel::demo().expect("demo text model");
+        let vocab = model.tokenizer.vocab_size();
+        let schema = serde_json::json!({"type": "object"});
+        let grammar = model
+            .compile(&Grammar::JsonSchema {
+                schema,
+                after_thinking: false,
+            })
+            .expect("compiles");
+        for grammar in [None, Some(grammar)] {
+            let mut picker = picker(&model, grammar);
+            for _ in 0..20 {
+                let mut logits = vec![0.0f32; vocab + 200];
+                logits[vocab + 7] = 100.0;
+                let token = picker.pick(&mut logits);
+                assert!((token.id as usize) < vocab);
+            }
+        }
+    }
+
+    #[test]
+    fn a_grammar_holds_back_the_end_of_turn_until_the_answer() {
+        let model = TextModel::demo().expect("demo text model");
+        let ids = model.special.think.expect("thinking tokens");
+        let schema = serde_json::json!({"type": "object"});
+        let grammar = model
+            .compile(&Grammar::JsonSchema {
+                schema,
+                after_thinking: true,
+            })
+            .expect("compiles");
+        let mut picker = TokenPicker {
+            answer_started: false,
+            think_end: Some(ids.think_end),
+            stop_tokens: vec![model.special.im_end],
+            ..picker(&model, Some(grammar))
+        };
+        // The model wants to end the turn inside its reasoning: not allowed yet.
+        let mut logits = vec![0.0f32; model.tokenizer.vocab_size()];
+        logits[model.special.im_end as usize] = 100.0;
+        assert_ne!(picker.pick(&mut logits).id, model.special.im_end);
+        // After </think>, the answer must open the JSON object.
+        let mut logits = vec![0.0f32; model.tokenizer.vocab_size()];
+        logits[ids.think_end as usize] = 100.0;
+        assert_eq!(picker.pick(&mut logits).id, ids.think_end);
+        let mut logits = vec![0.0f32; model.tokenizer.vocab_size()];
+        logits[model.special.im_end as usize] = 100.0;
+        let next = picker.pick(&mut logits).id;
+        let text = model.tokenizer.decode_lossy(&[next]).expect("decodes");
+        assert!(text.starts_with('{') || text.starts_with('\n'), "{text:?}");
+    }
+}
