@@ -1232,6 +1232,66 @@ async fn thinking_switches_and_budget() {
     server.stop().await;
 }
 
+/// A backend that holds at most `capacity` sequences, as a GPU with fixed state slots does.
+struct Limited {
+    inner: Box<dyn lily::model::Backend>,
+    capacity: usize,
+    live: usize,
+}
+
+impl lily::model::Backend for Limited {
+    fn config(&self) -> &lily::config::ModelConfig {
+        self.inner.config()
+    }
+    fn device_name(&self) -> String {
+        format!("{} with {} slots", self.inner.device_name(), self.capacity)
+    }
+    fn create_sequence(&mut self, seq: u64) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.live < self.capacity,
+            "all {} slots are in use",
+            self.capacity
+        );
+        self.live += 1;
+        self.inner.create_sequence(seq)
+    }
+    fn free_sequence(&mut self, seq: u64) {
+        self.live -= 1;
+        self.inner.free_sequence(seq)
+    }
+    fn forward(&mut self, seq: u64, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.inner.forward(seq, tokens)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_wait_for_a_full_backend() {
+    let mut opts = options();
+    opts.backend = std::sync::Arc::new(|weights, _| {
+        let inner = Box::new(lily::model::CpuBackend::new(weights));
+        Ok(Box::new(Limited {
+            inner,
+            capacity: 2,
+            live: 0,
+        }) as Box<dyn lily::model::Backend>)
+    });
+    let server = TestServer::start(opts, None).await;
+    let addr = server.addr;
+    let tasks: Vec<_> = (0..6)
+        .map(|i| {
+            tokio::spawn(async move {
+                let body = json!({"messages": user(&format!("hi {i}")), "max_tokens": 30, "temperature": 0});
+                http(addr, "POST", "/v1/chat/completions", &[], body.to_string().as_bytes()).await
+            })
+        })
+        .collect();
+    for task in tasks {
+        let response = task.await.expect("client");
+        assert_eq!(response.status, 200, "{}", response.text());
+    }
+    server.stop().await;
+}
+
 /// The prompt the server builds for a chat request, through /tokenize and /detokenize.
 async fn rendered_prompt(addr: SocketAddr, body: &Value) -> String {
     let post = |path: &'static str, body: String| async move {

@@ -236,6 +236,13 @@ impl EngineLoop {
                 continue;
             }
             if let Err(e) = self.backend.create_sequence(seq) {
+                if !self.active.is_empty() {
+                    // The backend is full (a GPU has a fixed number of state slots): wait at
+                    // the head of the queue until a running sequence frees its state.
+                    tracing::debug!("the backend cannot take another sequence yet: {e:#}");
+                    self.waiting.push_front((request, events));
+                    break;
+                }
                 let _ = events.send(Event::Error(format!("cannot start the sequence: {e:#}")));
                 continue;
             }
