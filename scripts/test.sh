@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that runs without a GPU: the CPU test suite, the CUDA kernels' compilation (a kernel
 # that does not compile fails here, and so does a GPU test that does not build), and the checks
-# against the real mlx / mlx-lm packages. GPU tests run on the H200 through scripts/gpu-check.sh.
+# against the real mlx / mlx-lm packages, and the server against real clients. GPU tests run on the H200 through scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,3 +20,9 @@ venv="${LILY_MLX_VENV:-target/mlx-venv}"
 [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q -r tools/requirements-mlx.txt
 "$venv/bin/python" tools/check_mlx.py
+
+echo "== lily serve against the pinned openai client and raw HTTP"
+venv="${LILY_CLIENT_VENV:-target/client-venv}"
+[[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q -r tests/python/requirements.txt
+PATH="$PWD/$venv/bin:$PATH" scripts/test-server.sh
