@@ -69,6 +69,31 @@ run)
         [[ $rc == 0 ]] || failed=1
         echo "$name: $status in $((SECONDS - start)) s" >> "$summary"
     done
+    if [[ -x "$dir/lily" ]]; then
+        # The command line end to end on the GPU: a 4-layer model with the real head shapes,
+        # greedy `lily generate` on the GPU against the same on the CPU.
+        echo "=== generate (cuda vs cpu)"
+        model="$(mktemp -d)"
+        python3 - "$model/config.json" <<'PY'
+import json, sys
+layers = ["linear_attention"] * 3 + ["full_attention"]
+text = dict(model_type="qwen3_5_moe_text", hidden_size=512, num_hidden_layers=4, layer_types=layers,
+            vocab_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=8,
+            moe_intermediate_size=256, shared_expert_intermediate_size=256, rms_norm_eps=1e-6,
+            max_position_embeddings=4096, eos_token_id=0,
+            rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
+json.dump(dict(model_type="qwen3_5_moe", text_config=text), open(sys.argv[1], "w"))
+PY
+        "$dir/lily" synth --config "$model/config.json" --out "$model" > "$logs/generate.log" 2>&1
+        ids=$(seq -s, 1 97 | tr -d '\n')
+        gpu=$("$dir/lily" generate --model "$model" --prompt-ids "$ids" --max-tokens 24 --device cuda 2>>"$logs/generate.log")
+        cpu=$("$dir/lily" generate --model "$model" --prompt-ids "$ids" --max-tokens 24 --device cpu 2>>"$logs/generate.log")
+        echo "cuda: $gpu"; echo "cpu:  $cpu"
+        echo "generate cuda vs cpu: $([[ -n "$gpu" && "$gpu" == "$cpu" ]] && echo "identical" || echo "differ (see logs; near-ties possible)")" >> "$summary"
+        rm -rf "$model"
+    fi
     contexts="${GPU_CHECK_CONTEXTS:-256,1024,4096,16384,32768}"
     if [[ "$contexts" != none && -x "$dir/lily" ]]; then
         echo "=== bench"

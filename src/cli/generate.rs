@@ -16,8 +16,7 @@ use lily::chat::tools::OutputEvent;
 use lily::checkpoint;
 use lily::engine::generate::{Output, TextModel};
 use lily::engine::{Engine, EngineOptions};
-use lily::model::cpu::{forward, Logits};
-use lily::model::{argmax, SequenceState, Weights};
+use lily::model::Weights;
 use lily::server::request::{prepare_chat, prepare_completion};
 use lily::server::{load_model, openai, ModelSource};
 
@@ -64,8 +63,8 @@ pub struct GenerateArgs {
     /// A stop string (repeat for several).
     #[arg(long)]
     pub stop: Vec<String>,
-    /// With --prompt: cpu, cuda or cuda:N (default: the GPU when this build has CUDA and one is
-    /// present). --prompt-ids always runs the CPU reference.
+    /// cpu, cuda or cuda:N (default: the GPU when this build has CUDA and one is
+    /// present).
     #[arg(long)]
     pub device: Option<String>,
 }
@@ -78,8 +77,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             generate_text(&args, prompt, text, weights)
         }
         // Token ids need no tokenizer: test checkpoints without one work too.
-        (None, ModelSource::Dir(dir)) => generate_ids(&args, &checkpoint::load(&dir)?),
-        (None, ModelSource::Demo) => generate_ids(&args, &load_model(&ModelSource::Demo)?.1),
+        (None, ModelSource::Dir(dir)) => generate_ids(&args, checkpoint::load(&dir)?),
+        (None, ModelSource::Demo) => generate_ids(&args, load_model(&ModelSource::Demo)?.1),
     }
 }
 
@@ -176,7 +175,7 @@ fn generate_text(
     Ok(())
 }
 
-fn generate_ids(args: &GenerateArgs, weights: &Weights) -> anyhow::Result<()> {
+fn generate_ids(args: &GenerateArgs, weights: Weights) -> anyhow::Result<()> {
     let vocab = weights.config.vocab_size;
     anyhow::ensure!(
         !args.prompt_ids.is_empty(),
@@ -185,17 +184,19 @@ fn generate_ids(args: &GenerateArgs, weights: &Weights) -> anyhow::Result<()> {
     if let Some(bad) = args.prompt_ids.iter().find(|&&id| id as usize >= vocab) {
         anyhow::bail!("token id {bad} is out of range: the model's vocabulary has {vocab} entries");
     }
-    let mut state = SequenceState::new(&weights.config);
+    let device = super::device::resolve(args.device.as_deref());
+    let context = args.prompt_ids.len() + args.max_tokens + 1;
+    let mut backend = super::device::backend(&device, weights, context)?;
+    backend.create_sequence(0)?;
     let t0 = Instant::now();
-    let mut logits = forward(weights, &args.prompt_ids, &mut state, Logits::Last);
+    let mut next = backend.forward_greedy(0, &args.prompt_ids)?;
     let prefill = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut out = Vec::with_capacity(args.max_tokens);
     for i in 0..args.max_tokens {
-        let next = argmax(&logits);
         out.push(next);
         if i + 1 < args.max_tokens {
-            logits = forward(weights, &[next], &mut state, Logits::Last);
+            next = backend.forward_greedy(0, &[next])?;
         }
     }
     let decode = t1.elapsed().as_secs_f64();
@@ -204,11 +205,12 @@ fn generate_ids(args: &GenerateArgs, weights: &Weights) -> anyhow::Result<()> {
         out.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
     );
     eprintln!(
-        "prefill {} tokens: {:.1} tok/s; decode {} tokens: {:.1} tok/s (cpu, greedy)",
+        "prefill {} tokens: {:.1} tok/s; decode {} tokens: {:.1} tok/s ({}, greedy)",
         args.prompt_ids.len(),
         args.prompt_ids.len() as f64 / prefill,
         out.len(),
-        out.len() as f64 / decode.max(1e-9)
+        out.len() as f64 / decode.max(1e-9),
+        backend.device_name()
     );
     Ok(())
 }
