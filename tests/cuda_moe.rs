@@ -421,12 +421,14 @@ fn moe_block_matches_cpu_forward() {
         }
         println!("{what}: {flipped} of {tokens} tokens routed differently at a near-tie");
         // The uniform-routing inputs make router probabilities nearly equal on purpose (first H200
-        // run: 26 of 300 tokens flipped, every one within the near-tie margin).
-        assert!(flipped * 5 <= tokens, "{what}: {flipped} near-tie flips of {tokens} tokens is too many");
+        // runs: 9–30 of 256–300 tokens flipped, every one within the near-tie margin).
+        assert!(flipped <= 2 + tokens / 5, "{what}: {flipped} near-tie flips of {tokens} tokens is too many");
         let rms: Vec<f32> = (0..tokens).map(|t| (want[t * h..(t + 1) * h].iter().map(|v| v * v).sum::<f32>() / h as f32).sqrt()).collect();
-        // 4e-2 of the row's rms per element: besides the bf16 outputs, the GPU's router logits are bf16,
-        // which moves the renormalised expert weights by up to ~1 % (first H200 run: 2.2e-2).
-        check(&what, &got, &want, &|i| rms[i / h], 1.0 / 128.0, 4e-2, 4e-3);
+        // 8e-2 of the row's rms per element (the whole-model bound), 1e-2 on average: besides the
+        // bf16 outputs, the GPU's router logits are bf16, which moves the renormalised expert
+        // weights of near-uniform routing (H200 runs: largest element error 2.2e-2 to 6.1e-2
+        // among 614K elements, mean 5.0–5.2e-3; the experts alone, with exact routing: 1.7e-3).
+        check(&what, &got, &want, &|i| rms[i / h], 1.0 / 128.0, 8e-2, 1e-2);
     }
 }
 
