@@ -28,7 +28,15 @@ fn config() -> serde_json::Value {
     let t = c["text_config"].as_object_mut().unwrap();
     t.insert("hidden_size".into(), json!(512));
     t.insert("num_hidden_layers".into(), json!(4));
-    t.insert("layer_types".into(), json!(["linear_attention", "linear_attention", "linear_attention", "full_attention"]));
+    t.insert(
+        "layer_types".into(),
+        json!([
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention"
+        ]),
+    );
     t.insert("num_experts".into(), json!(16));
     t.insert("moe_intermediate_size".into(), json!(256));
     t.insert("shared_expert_intermediate_size".into(), json!(256));
@@ -44,14 +52,22 @@ fn rel(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn prompt(n: usize, seed: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % 2000).collect()
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % 2000)
+        .collect()
 }
 
 fn compare(weights: Weights, label: &str, tolerance: f32) {
     let mut cpu = CpuBackend::new(weights.clone());
-    let dev = CudaDevice::new(0).expect("a CUDA GPU (these tests run on the H200 through scripts/gpu-check.sh)");
+    let dev = CudaDevice::new(0)
+        .expect("a CUDA GPU (these tests run on the H200 through scripts/gpu-check.sh)");
     let model = CudaModel::upload(&dev, &weights).unwrap();
-    let options = CudaOptions { max_sequences: 2, max_context: 4096, prefill_chunk: 256, cuda_graphs: true };
+    let options = CudaOptions {
+        max_sequences: 2,
+        max_context: 4096,
+        prefill_chunk: 256,
+        cuda_graphs: true,
+    };
     let mut gpu = CudaBackend::new(dev, model, options).unwrap();
 
     for (i, n) in [1usize, 7, 64, 300].into_iter().enumerate() {
@@ -63,7 +79,10 @@ fn compare(weights: Weights, label: &str, tolerance: f32) {
         let mut g = gpu.forward(seq, &p).unwrap();
         let err = rel(&g, &c);
         println!("{label}: prompt {n}: logits rel. error {err:.2e}");
-        assert!(err <= tolerance, "{label}: prompt of {n}: logits differ by {err:.2e} > {tolerance:e}");
+        assert!(
+            err <= tolerance,
+            "{label}: prompt of {n}: logits differ by {err:.2e} > {tolerance:e}"
+        );
         // Greedy continuation, both fed the CPU's choice so the sequences stay comparable.
         let mut agree = 0;
         for step in 0..24 {
@@ -71,14 +90,23 @@ fn compare(weights: Weights, label: &str, tolerance: f32) {
             if tc == tg {
                 agree += 1;
             } else {
-                let gap = (c[tc as usize] - c[tg as usize]) / c.iter().fold(0f32, |m, v| m.max(v.abs()));
-                println!("{label}: prompt {n}: step {step}: cpu {tc} vs gpu {tg}, cpu gap {gap:.2e}");
-                assert!(gap <= tolerance, "{label}: greedy divergence at step {step} is not a near-tie (gap {gap:.2e})");
+                let gap =
+                    (c[tc as usize] - c[tg as usize]) / c.iter().fold(0f32, |m, v| m.max(v.abs()));
+                println!(
+                    "{label}: prompt {n}: step {step}: cpu {tc} vs gpu {tg}, cpu gap {gap:.2e}"
+                );
+                assert!(
+                    gap <= tolerance,
+                    "{label}: greedy divergence at step {step} is not a near-tie (gap {gap:.2e})"
+                );
             }
             c = cpu.forward(seq, &[tc]).unwrap();
             g = gpu.forward(seq, &[tc]).unwrap();
             let err = rel(&g, &c);
-            assert!(err <= tolerance, "{label}: prompt {n}, decode step {step}: logits differ by {err:.2e}");
+            assert!(
+                err <= tolerance,
+                "{label}: prompt {n}, decode step {step}: logits differ by {err:.2e}"
+            );
         }
         println!("{label}: prompt {n}: greedy agreement {agree}/24");
         // The device-side argmax agrees with the logits it returns.
@@ -90,7 +118,15 @@ fn compare(weights: Weights, label: &str, tolerance: f32) {
 #[test]
 fn bf16_model_matches_cpu() {
     let dir = tempfile::tempdir().unwrap();
-    synth::write_checkpoint(&config(), dir.path(), 3, DType::BF16, synth::SHARD_BYTES, false).unwrap();
+    synth::write_checkpoint(
+        &config(),
+        dir.path(),
+        3,
+        DType::BF16,
+        synth::SHARD_BYTES,
+        false,
+    )
+    .unwrap();
     compare(checkpoint::load(dir.path()).unwrap(), "bf16", TOLERANCE);
 }
 
@@ -98,8 +134,25 @@ fn bf16_model_matches_cpu() {
 fn q4_model_matches_cpu() {
     let bf16 = tempfile::tempdir().unwrap();
     let q4 = tempfile::tempdir().unwrap();
-    synth::write_checkpoint(&config(), bf16.path(), 4, DType::BF16, synth::SHARD_BYTES, false).unwrap();
-    lily::checkpoint::mlx_write::quantize_dir(bf16.path(), q4.path(), lily::quant::Affine { bits: 4, group_size: 64 }, false).unwrap();
+    synth::write_checkpoint(
+        &config(),
+        bf16.path(),
+        4,
+        DType::BF16,
+        synth::SHARD_BYTES,
+        false,
+    )
+    .unwrap();
+    lily::checkpoint::mlx_write::quantize_dir(
+        bf16.path(),
+        q4.path(),
+        lily::quant::Affine {
+            bits: 4,
+            group_size: 64,
+        },
+        false,
+    )
+    .unwrap();
     compare(checkpoint::load(q4.path()).unwrap(), "q4", TOLERANCE);
 }
 
@@ -107,14 +160,42 @@ fn q4_model_matches_cpu() {
 #[test]
 fn greedy_on_device_equals_argmax_of_logits() {
     let dir = tempfile::tempdir().unwrap();
-    synth::write_checkpoint(&config(), dir.path(), 5, DType::BF16, synth::SHARD_BYTES, false).unwrap();
+    synth::write_checkpoint(
+        &config(),
+        dir.path(),
+        5,
+        DType::BF16,
+        synth::SHARD_BYTES,
+        false,
+    )
+    .unwrap();
     let weights = checkpoint::load(dir.path()).unwrap();
     let dev = CudaDevice::new(0).expect("a CUDA GPU");
     let model = CudaModel::upload(&dev, &weights).unwrap();
-    let mut a = CudaBackend::new(dev, model, CudaOptions { max_sequences: 1, max_context: 512, prefill_chunk: 256, cuda_graphs: true }).unwrap();
+    let mut a = CudaBackend::new(
+        dev,
+        model,
+        CudaOptions {
+            max_sequences: 1,
+            max_context: 512,
+            prefill_chunk: 256,
+            cuda_graphs: true,
+        },
+    )
+    .unwrap();
     let dev = CudaDevice::new(0).unwrap();
     let model = CudaModel::upload(&dev, &weights).unwrap();
-    let mut b = CudaBackend::new(dev, model, CudaOptions { max_sequences: 1, max_context: 512, prefill_chunk: 256, cuda_graphs: false }).unwrap();
+    let mut b = CudaBackend::new(
+        dev,
+        model,
+        CudaOptions {
+            max_sequences: 1,
+            max_context: 512,
+            prefill_chunk: 256,
+            cuda_graphs: false,
+        },
+    )
+    .unwrap();
     a.create_sequence(0).unwrap();
     b.create_sequence(0).unwrap();
     let mut tok = a.forward_greedy(0, &prompt(33, 9)).unwrap();

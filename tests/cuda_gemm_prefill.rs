@@ -37,7 +37,10 @@ fn rows_to_check(rng: &mut SmallRng, t: usize) -> Vec<usize> {
     if t <= FULL_CHECK_ROWS {
         return (0..t).collect();
     }
-    let mut rows: Vec<usize> = [0, 1, 63, 64, 65, t / 2, t - 65, t - 64, t - 1].into_iter().filter(|&r| r < t).collect();
+    let mut rows: Vec<usize> = [0, 1, 63, 64, 65, t / 2, t - 65, t - 64, t - 1]
+        .into_iter()
+        .filter(|&r| r < t)
+        .collect();
     rows.extend((0..88).map(|_| rng.random_range(0..t)));
     rows.sort_unstable();
     rows.dedup();
@@ -45,29 +48,53 @@ fn rows_to_check(rng: &mut SmallRng, t: usize) -> Vec<usize> {
 }
 
 fn gather(x: &[f32], rows: &[usize], k: usize) -> Vec<f32> {
-    rows.iter().flat_map(|&r| x[r * k..(r + 1) * k].iter().copied()).collect()
+    rows.iter()
+        .flat_map(|&r| x[r * k..(r + 1) * k].iter().copied())
+        .collect()
 }
 
 fn pick(y: &[bf16], rows: &[usize], n: usize) -> Vec<bf16> {
-    rows.iter().flat_map(|&r| y[r * n..(r + 1) * n].iter().copied()).collect()
+    rows.iter()
+        .flat_map(|&r| y[r * n..(r + 1) * n].iter().copied())
+        .collect()
 }
 
 /// One dense product `y = x · Wᵀ` of `t` tokens checked against the CPU.
-fn dense_case(g: &GemmKernels, dev: &lily::cuda::CudaDevice, rng: &mut SmallRng, m: &Matrix, w_sq: &[f32], t: usize, label: &str) {
+fn dense_case(
+    g: &GemmKernels,
+    dev: &lily::cuda::CudaDevice,
+    rng: &mut SmallRng,
+    m: &Matrix,
+    w_sq: &[f32],
+    t: usize,
+    label: &str,
+) {
     let s = dev.stream();
     let (n, k) = (m.rows, m.cols);
     let (xb, xf) = activations(rng, t * k, 1.0);
     let dm = DeviceMatrices::concat(s, &[m]).expect("upload weights");
     let dx = upload(s, &xb);
     let mut y = Output::new(s, t * n);
-    g.gemm(&dm.view(), &dx.as_view(), &mut y.view()).expect("gemm");
+    g.gemm(&dm.view(), &dx.as_view(), &mut y.view())
+        .expect("gemm");
     let what = format!("{label} [{n}×{k}] × {t} tokens");
     let got = y.get(s, &what);
     let rows = rows_to_check(rng, t);
     let want = matmul(m, &gather(&xf, &rows, k), rows.len());
-    let x_sq: Vec<f32> = rows.iter().map(|&r| xf[r * k..(r + 1) * k].iter().map(|v| v * v).sum()).collect();
+    let x_sq: Vec<f32> = rows
+        .iter()
+        .map(|&r| xf[r * k..(r + 1) * k].iter().map(|v| v * v).sum())
+        .collect();
     let scale = |i: usize| (x_sq[i / n] * w_sq[i % n] / k as f32).sqrt();
-    check(&what, &pick(&got, &rows, n), &want, &scale, REL, ABS, MEAN_ABS);
+    check(
+        &what,
+        &pick(&got, &rows, n),
+        &want,
+        &scale,
+        REL,
+        ABS,
+        MEAN_ABS,
+    );
 }
 
 #[test]
@@ -84,7 +111,12 @@ fn q4_matches_cpu_at_model_shapes() {
         }
     }
     // out_proj / o_proj (K = 4096), shared down (K = 512), the test model's down (K = 128).
-    for (n, k, ts) in [(2048, 4096, &[33usize, 300][..]), (2048, 512, &[16, 129]), (512, 128, &[9, 64]), (300, 2048, &[1, 65])] {
+    for (n, k, ts) in [
+        (2048, 4096, &[33usize, 300][..]),
+        (2048, 512, &[16, 129]),
+        (512, 128, &[9, 64]),
+        (300, 2048, &[1, 65]),
+    ] {
         let m = matrix(&mut rng, Kind::Q4, n, k, 0.05);
         let w_sq = row_sq(&m);
         for &t in ts {
@@ -99,11 +131,23 @@ fn q8_and_bf16_match_cpu() {
     let g = GemmKernels::load(&dev).expect("kernels");
     let mut rng = rng("q8/bf16 gemm");
     // Q8: the router (256 experts), the shared-expert gate (one row), odd widths.
-    for (n, k, t) in [(256, 2048, 300), (1, 2048, 100), (257, 2048, 17), (16, 512, 64), (512, 128, 40)] {
+    for (n, k, t) in [
+        (256, 2048, 300),
+        (1, 2048, 100),
+        (257, 2048, 17),
+        (16, 512, 64),
+        (512, 128, 40),
+    ] {
         let m = matrix(&mut rng, Kind::Q8, n, k, 0.05);
         dense_case(&g, &dev, &mut rng, &m, &row_sq(&m), t, "q8");
     }
-    for (n, k, t) in [(2048, 2048, 100), (9216, 512, 64), (300, 128, 300), (1, 512, 17), (33, 4096, 16)] {
+    for (n, k, t) in [
+        (2048, 2048, 100),
+        (9216, 512, 64),
+        (300, 128, 300),
+        (1, 512, 17),
+        (33, 4096, 16),
+    ] {
         let m = matrix(&mut rng, Kind::Bf16, n, k, 0.05);
         dense_case(&g, &dev, &mut rng, &m, &row_sq(&m), t, "bf16");
     }
@@ -117,7 +161,14 @@ fn swiglu_matches_cpu() {
     let g = GemmKernels::load(&dev).expect("kernels");
     let mut rng = rng("swiglu gemm");
     // The shared expert (I = 512), the test model's (I = 128), a partial last tile, an odd I.
-    let cases = [(Kind::Q4, 512, 2048, 100), (Kind::Q4, 512, 2048, 4096), (Kind::Q4, 128, 512, 300), (Kind::Q8, 192, 2048, 17), (Kind::Bf16, 96, 512, 64), (Kind::Bf16, 33, 128, 20)];
+    let cases = [
+        (Kind::Q4, 512, 2048, 100),
+        (Kind::Q4, 512, 2048, 4096),
+        (Kind::Q4, 128, 512, 300),
+        (Kind::Q8, 192, 2048, 17),
+        (Kind::Bf16, 96, 512, 64),
+        (Kind::Bf16, 33, 128, 20),
+    ];
     for (kind, inter, k, t) in cases {
         let gate = matrix(&mut rng, kind, inter, k, 0.05);
         let up = matrix(&mut rng, kind, inter, k, 0.05);
@@ -126,14 +177,18 @@ fn swiglu_matches_cpu() {
         let (xb, xf) = activations(&mut rng, t * k, 1.0);
         let dx = upload(s, &xb);
         let mut act = Output::new(s, t * inter);
-        g.gemm_swiglu(&dm.view(), &dx.as_view(), &mut act.view()).expect("gemm_swiglu");
+        g.gemm_swiglu(&dm.view(), &dx.as_view(), &mut act.view())
+            .expect("gemm_swiglu");
         let what = format!("swiglu {kind:?} I={inter} K={k} × {t} tokens");
         let got = act.get(s, &what);
         let rows = rows_to_check(&mut rng, t);
         let xs = gather(&xf, &rows, k);
         let (gv, uv) = (matmul(&gate, &xs, rows.len()), matmul(&up, &xs, rows.len()));
         let want: Vec<f32> = gv.iter().zip(&uv).map(|(&g, &u)| silu(g) * u).collect();
-        let x_sq: Vec<f32> = rows.iter().map(|&r| xf[r * k..(r + 1) * k].iter().map(|v| v * v).sum()).collect();
+        let x_sq: Vec<f32> = rows
+            .iter()
+            .map(|&r| xf[r * k..(r + 1) * k].iter().map(|v| v * v).sum())
+            .collect();
         // The sums' own bounds (ABS·scale each) carried through silu(g)·u (|silu'| ≤ 1.1).
         let scale = |i: usize| {
             let (r, j) = (i / inter, i % inter);
@@ -141,7 +196,15 @@ fn swiglu_matches_cpu() {
             let su = (x_sq[r] * u_sq[j] / k as f32).sqrt();
             1.1 * sg * (uv[i].abs() + ABS * su) + silu(gv[i]).abs() * su
         };
-        check(&what, &pick(&got, &rows, inter), &want, &scale, REL, ABS, MEAN_ABS);
+        check(
+            &what,
+            &pick(&got, &rows, inter),
+            &want,
+            &scale,
+            REL,
+            ABS,
+            MEAN_ABS,
+        );
     }
 }
 
@@ -155,10 +218,22 @@ fn rejects_bad_shapes() {
     let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
     let x = upload(s, &vec![bf16::ONE; 16 * 256]);
     let mut y = Output::new(s, 16 * 64);
-    assert!(g.gemm(&dm.view(), &x.slice(..16 * 256 - 8), &mut y.view()).is_err(), "x not whole rows");
-    assert!(g.gemm(&dm.view(), &x.slice(..15 * 256), &mut y.view()).is_err(), "y of the wrong size");
+    assert!(
+        g.gemm(&dm.view(), &x.slice(..16 * 256 - 8), &mut y.view())
+            .is_err(),
+        "x not whole rows"
+    );
+    assert!(
+        g.gemm(&dm.view(), &x.slice(..15 * 256), &mut y.view())
+            .is_err(),
+        "y of the wrong size"
+    );
     let mut y15 = Output::new(s, 15 * 64);
-    assert!(g.gemm(&dm.view(), &x.slice(4..4 + 15 * 256), &mut y15.view()).is_err(), "misaligned x");
+    assert!(
+        g.gemm(&dm.view(), &x.slice(4..4 + 15 * 256), &mut y15.view())
+            .is_err(),
+        "misaligned x"
+    );
     // Columns must be whole quantisation groups.
     let odd = matrix(&mut rng, Kind::Bf16, 64, 96, 0.05);
     let dodd = DeviceMatrices::concat(s, &[&odd]).expect("upload");
@@ -169,7 +244,9 @@ fn rejects_bad_shapes() {
     let m3 = matrix(&mut rng, Kind::Q4, 3, 256, 0.05);
     let dm3 = DeviceMatrices::concat(s, &[&m3]).expect("upload");
     let mut act = Output::new(s, 16);
-    assert!(g.gemm_swiglu(&dm3.view(), &x.as_view(), &mut act.view()).is_err());
+    assert!(g
+        .gemm_swiglu(&dm3.view(), &x.as_view(), &mut act.view())
+        .is_err());
 }
 
 /// Times the dense products of one prefill chunk of 4096 tokens at Qwen3.6-35B-A3B's shapes
@@ -216,7 +293,10 @@ fn timing_at_4096_tokens() {
         if what.starts_with("GDN") || what.starts_with("attn") {
             mixer_ms += ms as f64 * layers as f64;
         }
-        println!("| {what} | {n} × {k} | {ms:.3} | {tflops:.0} | {layers} | {:.2} |", ms as f64 * layers as f64);
+        println!(
+            "| {what} | {n} × {k} | {ms:.3} | {tflops:.0} | {layers} | {:.2} |",
+            ms as f64 * layers as f64
+        );
     }
     println!("GDN and attention projections of a 4096-token prefill: {mixer_ms:.1} ms (the MoE block: tests/cuda_moe.rs)");
 }

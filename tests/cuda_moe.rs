@@ -105,21 +105,40 @@ fn group_on_gpu(s: &Arc<CudaStream>, k: &MoeKernels, ids: &[i32], experts: usize
     let tokens = ids.len() / TOP_K;
     let mut groups = ExpertGroups::new(s, tokens, TOP_K, experts, TILE_ROWS).expect("groups");
     let dids = upload(s, ids);
-    k.group_by_expert(&dids.as_view(), TOP_K, &mut groups).expect("group_by_expert");
+    k.group_by_expert(&dids.as_view(), TOP_K, &mut groups)
+        .expect("group_by_expert");
     groups
 }
 
 /// Checks the GPU grouping of `ids` against the CPU's, exactly.
-fn check_grouping(s: &Arc<CudaStream>, groups: &ExpertGroups, ids: &[i32], experts: usize, what: &str) {
+fn check_grouping(
+    s: &Arc<CudaStream>,
+    groups: &ExpertGroups,
+    ids: &[i32],
+    experts: usize,
+    what: &str,
+) {
     let (sorted, tiles, _) = cpu_groups(ids, experts);
     assert_eq!(groups.pairs(), ids.len(), "{what}: pairs");
-    assert_eq!(download(s, &groups.sorted_pairs()), sorted, "{what}: sorted pairs");
+    assert_eq!(
+        download(s, &groups.sorted_pairs()),
+        sorted,
+        "{what}: sorted pairs"
+    );
     let count = download(s, &groups.tile_count())[0] as usize;
     assert_eq!(count, tiles.len() / 4, "{what}: number of tiles");
-    assert!(count <= groups.max_tiles(), "{what}: {count} tiles > the bound {}", groups.max_tiles());
+    assert!(
+        count <= groups.max_tiles(),
+        "{what}: {count} tiles > the bound {}",
+        groups.max_tiles()
+    );
     let map = download(s, &groups.tile_map());
     assert_eq!(&map[..tiles.len()], &tiles[..], "{what}: tile map");
-    println!("{what}: {} pairs, {count} tiles (bound {}) agree", ids.len(), groups.max_tiles());
+    println!(
+        "{what}: {} pairs, {count} tiles (bound {}) agree",
+        ids.len(),
+        groups.max_tiles()
+    );
 }
 
 #[test]
@@ -139,17 +158,34 @@ fn grouping_sorts_pairs_by_expert() {
     ] {
         let ids = route(&mut rng, routing, tokens, experts);
         let groups = group_on_gpu(s, &k, &ids, experts);
-        check_grouping(s, &groups, &ids, experts, &format!("{routing:?} {tokens} tokens, {experts} experts"));
+        check_grouping(
+            s,
+            &groups,
+            &ids,
+            experts,
+            &format!("{routing:?} {tokens} tokens, {experts} experts"),
+        );
     }
     // The same buffers serve a smaller chunk after a larger one (nothing stale is read).
     let mut groups = ExpertGroups::new(s, 4096, TOP_K, 256, TILE_ROWS).expect("groups");
     for tokens in [4096, 17, 1000] {
         let ids = route(&mut rng, Routing::Uniform, tokens, 256);
-        k.group_by_expert(&upload(s, &ids).as_view(), TOP_K, &mut groups).expect("group_by_expert");
-        check_grouping(s, &groups, &ids, 256, &format!("reused groups, {tokens} tokens"));
+        k.group_by_expert(&upload(s, &ids).as_view(), TOP_K, &mut groups)
+            .expect("group_by_expert");
+        check_grouping(
+            s,
+            &groups,
+            &ids,
+            256,
+            &format!("reused groups, {tokens} tokens"),
+        );
     }
     let ids = upload(s, &vec![0i32; 4097 * TOP_K]);
-    assert!(k.group_by_expert(&ids.as_view(), TOP_K, &mut groups).is_err(), "more pairs than allocated");
+    assert!(
+        k.group_by_expert(&ids.as_view(), TOP_K, &mut groups)
+            .is_err(),
+        "more pairs than allocated"
+    );
 }
 
 /// A layer's experts (gate, up, down) and their device stacks.
@@ -160,24 +196,60 @@ struct Experts {
 }
 
 impl Experts {
-    fn random(s: &Arc<CudaStream>, rng: &mut SmallRng, kind: Kind, experts: usize, hidden: usize, inter: usize) -> Self {
+    fn random(
+        s: &Arc<CudaStream>,
+        rng: &mut SmallRng,
+        kind: Kind,
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+    ) -> Self {
         let mut make = |rows, cols| match kind {
             Kind::Q4 => random_codes(rng, 4, rows, cols),
             Kind::Q8 => random_codes(rng, 8, rows, cols),
             Kind::Bf16 => matrix(rng, Kind::Bf16, rows, cols, 0.03),
         };
-        let host: Vec<FeedForward> =
-            (0..experts).map(|_| FeedForward { gate: make(inter, hidden), up: make(inter, hidden), down: make(hidden, inter) }).collect();
-        let gate_up = DeviceMatrices::stack_of_concats(s, &host.iter().map(|f| vec![&f.gate, &f.up]).collect::<Vec<_>>()).expect("upload");
-        let down = DeviceMatrices::stack_of_concats(s, &host.iter().map(|f| vec![&f.down]).collect::<Vec<_>>()).expect("upload");
-        Experts { host, gate_up, down }
+        let host: Vec<FeedForward> = (0..experts)
+            .map(|_| FeedForward {
+                gate: make(inter, hidden),
+                up: make(inter, hidden),
+                down: make(hidden, inter),
+            })
+            .collect();
+        let gate_up = DeviceMatrices::stack_of_concats(
+            s,
+            &host
+                .iter()
+                .map(|f| vec![&f.gate, &f.up])
+                .collect::<Vec<_>>(),
+        )
+        .expect("upload");
+        let down = DeviceMatrices::stack_of_concats(
+            s,
+            &host.iter().map(|f| vec![&f.down]).collect::<Vec<_>>(),
+        )
+        .expect("upload");
+        Experts {
+            host,
+            gate_up,
+            down,
+        }
     }
 }
 
 /// The grouped gate‖up (SwiGLU) and down products for `ids`, element by element against the CPU.
-fn grouped_case(dev: &CudaDevice, rng: &mut SmallRng, ex: &Experts, routing: Routing, tokens: usize) {
+fn grouped_case(
+    dev: &CudaDevice,
+    rng: &mut SmallRng,
+    ex: &Experts,
+    routing: Routing,
+    tokens: usize,
+) {
     let s = dev.stream();
-    let (mk, g) = (MoeKernels::load(dev).expect("kernels"), GemmKernels::load(dev).expect("kernels"));
+    let (mk, g) = (
+        MoeKernels::load(dev).expect("kernels"),
+        GemmKernels::load(dev).expect("kernels"),
+    );
     let experts = ex.host.len();
     let (hidden, inter) = (ex.host[0].gate.cols, ex.host[0].gate.rows);
     let pairs = tokens * TOP_K;
@@ -185,18 +257,23 @@ fn grouped_case(dev: &CudaDevice, rng: &mut SmallRng, ex: &Experts, routing: Rou
     let (xb, xf) = activations(rng, tokens * hidden, 1.0);
     let dx = upload(s, &xb);
     let groups = group_on_gpu(s, &mk, &ids, experts);
-    let what = format!("{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}]");
+    let what =
+        format!("{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}]");
     check_grouping(s, &groups, &ids, experts, &what);
     let mut act = Output::new(s, pairs * inter);
     let mut routed = Output::new(s, pairs * hidden);
-    g.experts_gate_up(&ex.gate_up.view(), &dx.as_view(), &groups, &mut act.view()).expect("experts_gate_up");
-    g.experts_down(&ex.down.view(), &act.as_view(), &groups, &mut routed.view()).expect("experts_down");
+    g.experts_gate_up(&ex.gate_up.view(), &dx.as_view(), &groups, &mut act.view())
+        .expect("experts_gate_up");
+    g.experts_down(&ex.down.view(), &act.as_view(), &groups, &mut routed.view())
+        .expect("experts_down");
     let act_gpu = act.get(s, &format!("{what}: act"));
     let routed_gpu = routed.get(s, &format!("{what}: routed"));
 
     // Per expert, on the CPU: its rows in sorted order, as the GPU holds them.
     let (sorted, _, offsets) = cpu_groups(&ids, experts);
-    let x_sq: Vec<f32> = (0..tokens).map(|t| xf[t * hidden..(t + 1) * hidden].iter().map(|v| v * v).sum()).collect();
+    let x_sq: Vec<f32> = (0..tokens)
+        .map(|t| xf[t * hidden..(t + 1) * hidden].iter().map(|v| v * v).sum())
+        .collect();
     let (mut act_got, mut act_want, mut act_scale) = (Vec::new(), Vec::new(), Vec::new());
     let (mut out_got, mut out_want, mut out_scale) = (Vec::new(), Vec::new(), Vec::new());
     for e in 0..experts {
@@ -206,8 +283,14 @@ fn grouped_case(dev: &CudaDevice, rng: &mut SmallRng, ex: &Experts, routing: Rou
         }
         let f = &ex.host[e];
         let n = range.len();
-        let toks: Vec<usize> = sorted[range.clone()].iter().map(|&p| p as usize / TOP_K).collect();
-        let xs: Vec<f32> = toks.iter().flat_map(|&t| xf[t * hidden..(t + 1) * hidden].iter().copied()).collect();
+        let toks: Vec<usize> = sorted[range.clone()]
+            .iter()
+            .map(|&p| p as usize / TOP_K)
+            .collect();
+        let xs: Vec<f32> = toks
+            .iter()
+            .flat_map(|&t| xf[t * hidden..(t + 1) * hidden].iter().copied())
+            .collect();
         let (gv, uv) = (matmul(&f.gate, &xs, n), matmul(&f.up, &xs, n));
         let (g_sq, u_sq, d_sq) = (row_sq(&f.gate), row_sq(&f.up), row_sq(&f.down));
         for (i, &t) in toks.iter().enumerate() {
@@ -221,7 +304,10 @@ fn grouped_case(dev: &CudaDevice, rng: &mut SmallRng, ex: &Experts, routing: Rou
             }
         }
         // down · (the GPU's act), written to routed[pair].
-        let a: Vec<f32> = act_gpu[range.start * inter..range.end * inter].iter().map(|v| v.to_f32()).collect();
+        let a: Vec<f32> = act_gpu[range.start * inter..range.end * inter]
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
         let dv = matmul(&f.down, &a, n);
         for (i, &p) in sorted[range.clone()].iter().enumerate() {
             let a_sq: f32 = a[i * inter..(i + 1) * inter].iter().map(|v| v * v).sum();
@@ -232,8 +318,24 @@ fn grouped_case(dev: &CudaDevice, rng: &mut SmallRng, ex: &Experts, routing: Rou
             }
         }
     }
-    check(&format!("{what}: act"), &act_got, &act_want, &|i| act_scale[i], REL, ABS, MEAN_ABS);
-    check(&format!("{what}: routed"), &out_got, &out_want, &|i| out_scale[i], REL, ABS, MEAN_ABS);
+    check(
+        &format!("{what}: act"),
+        &act_got,
+        &act_want,
+        &|i| act_scale[i],
+        REL,
+        ABS,
+        MEAN_ABS,
+    );
+    check(
+        &format!("{what}: routed"),
+        &out_got,
+        &out_want,
+        &|i| out_scale[i],
+        REL,
+        ABS,
+        MEAN_ABS,
+    );
 }
 
 #[test]
@@ -265,7 +367,11 @@ fn real_config() -> ModelConfig {
 /// a grid of 1/64, so logits are 1/16 apart, far beyond bf16 rounding, and the GPU's top-8 is the
 /// CPU's.
 fn moe_weights(s: &Arc<CudaStream>, rng: &mut SmallRng, c: &ModelConfig) -> (MoeWeights, Experts) {
-    let (h, e, si) = (c.hidden_size, c.num_experts, c.shared_expert_intermediate_size);
+    let (h, e, si) = (
+        c.hidden_size,
+        c.num_experts,
+        c.shared_expert_intermediate_size,
+    );
     let mut router = vec![0f32; e * h];
     for i in 0..e {
         router[i * h + i] = 4.0;
@@ -274,7 +380,11 @@ fn moe_weights(s: &Arc<CudaStream>, rng: &mut SmallRng, c: &ModelConfig) -> (Moe
     let w = MoeWeights {
         router: from_values(Kind::Q8, e, h, &router),
         experts: ex.host.clone(),
-        shared_expert: FeedForward { gate: random_codes(rng, 4, si, h), up: random_codes(rng, 4, si, h), down: random_codes(rng, 4, h, si) },
+        shared_expert: FeedForward {
+            gate: random_codes(rng, 4, si, h),
+            up: random_codes(rng, 4, si, h),
+            down: random_codes(rng, 4, h, si),
+        },
         shared_expert_gate: matrix(rng, Kind::Q8, 1, h, 0.05),
     };
     (w, ex)
@@ -282,7 +392,12 @@ fn moe_weights(s: &Arc<CudaStream>, rng: &mut SmallRng, c: &ModelConfig) -> (Moe
 
 /// Token inputs: x[t][0..E] a random permutation of a grid of E values in [−2, 2) (for Skewed,
 /// expert 0 highest and experts 1..16 next), the rest uniform in ±1.
-fn moe_inputs(rng: &mut SmallRng, routing: Routing, tokens: usize, c: &ModelConfig) -> (Vec<bf16>, Vec<f32>) {
+fn moe_inputs(
+    rng: &mut SmallRng,
+    routing: Routing,
+    tokens: usize,
+    c: &ModelConfig,
+) -> (Vec<bf16>, Vec<f32>) {
     let (h, e) = (c.hidden_size, c.num_experts);
     let (mut xb, _) = activations(rng, tokens * h, 1.0);
     for t in 0..tokens {
@@ -345,7 +460,12 @@ struct BlockBuffers {
 
 impl BlockBuffers {
     fn new(s: &Arc<CudaStream>, c: &ModelConfig, tokens: usize) -> Self {
-        let (h, e, i, si) = (c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+        let (h, e, i, si) = (
+            c.hidden_size,
+            c.num_experts,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        );
         let z = |n: usize| s.alloc_zeros::<bf16>(n).expect("alloc");
         BlockBuffers {
             logits: z(tokens * e),
@@ -362,36 +482,99 @@ impl BlockBuffers {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_block(c: &ModelConfig, g: &GemmKernels, mk: &MoeKernels, blk: &Block, ex: &Experts, b: &mut BlockBuffers, x: &lily::cuda::CudaView<bf16>, out: &mut lily::cuda::CudaViewMut<bf16>) {
+fn run_block(
+    c: &ModelConfig,
+    g: &GemmKernels,
+    mk: &MoeKernels,
+    blk: &Block,
+    ex: &Experts,
+    b: &mut BlockBuffers,
+    x: &lily::cuda::CudaView<bf16>,
+    out: &mut lily::cuda::CudaViewMut<bf16>,
+) {
     let e = c.num_experts;
-    g.gemm(&blk.router.view(), x, &mut b.logits.as_view_mut()).expect("router");
-    mk.router_topk(&b.logits.as_view(), e, TOP_K, &mut b.ids.as_view_mut(), &mut b.weights.as_view_mut()).expect("router_topk");
-    mk.group_by_expert(&b.ids.as_view(), TOP_K, &mut b.groups).expect("group_by_expert");
-    g.experts_gate_up(&ex.gate_up.view(), x, &b.groups, &mut b.act.as_view_mut()).expect("experts_gate_up");
-    g.experts_down(&ex.down.view(), &b.act.as_view(), &b.groups, &mut b.routed.as_view_mut()).expect("experts_down");
-    g.gemm_swiglu(&blk.shared_gate_up.view(), x, &mut b.shared_act.as_view_mut()).expect("shared gate_up");
-    g.gemm(&blk.shared_down.view(), &b.shared_act.as_view(), &mut b.shared.as_view_mut()).expect("shared down");
-    g.gemm(&blk.shared_gate.view(), x, &mut b.gate.as_view_mut()).expect("shared gate");
-    mk.combine(&b.routed.as_view(), &b.weights.as_view(), &b.shared.as_view(), &b.gate.as_view(), TOP_K, out).expect("combine");
+    g.gemm(&blk.router.view(), x, &mut b.logits.as_view_mut())
+        .expect("router");
+    mk.router_topk(
+        &b.logits.as_view(),
+        e,
+        TOP_K,
+        &mut b.ids.as_view_mut(),
+        &mut b.weights.as_view_mut(),
+    )
+    .expect("router_topk");
+    mk.group_by_expert(&b.ids.as_view(), TOP_K, &mut b.groups)
+        .expect("group_by_expert");
+    g.experts_gate_up(&ex.gate_up.view(), x, &b.groups, &mut b.act.as_view_mut())
+        .expect("experts_gate_up");
+    g.experts_down(
+        &ex.down.view(),
+        &b.act.as_view(),
+        &b.groups,
+        &mut b.routed.as_view_mut(),
+    )
+    .expect("experts_down");
+    g.gemm_swiglu(
+        &blk.shared_gate_up.view(),
+        x,
+        &mut b.shared_act.as_view_mut(),
+    )
+    .expect("shared gate_up");
+    g.gemm(
+        &blk.shared_down.view(),
+        &b.shared_act.as_view(),
+        &mut b.shared.as_view_mut(),
+    )
+    .expect("shared down");
+    g.gemm(&blk.shared_gate.view(), x, &mut b.gate.as_view_mut())
+        .expect("shared gate");
+    mk.combine(
+        &b.routed.as_view(),
+        &b.weights.as_view(),
+        &b.shared.as_view(),
+        &b.gate.as_view(),
+        TOP_K,
+        out,
+    )
+    .expect("combine");
 }
 
 #[test]
 fn moe_block_matches_cpu_forward() {
     let dev = device();
     let s = dev.stream();
-    let (g, mk) = (GemmKernels::load(&dev).expect("kernels"), MoeKernels::load(&dev).expect("kernels"));
+    let (g, mk) = (
+        GemmKernels::load(&dev).expect("kernels"),
+        MoeKernels::load(&dev).expect("kernels"),
+    );
     let mut rng = rng("moe block");
     let c = real_config();
-    assert_eq!((c.hidden_size, c.num_experts, c.num_experts_per_tok), (2048, 256, TOP_K));
+    assert_eq!(
+        (c.hidden_size, c.num_experts, c.num_experts_per_tok),
+        (2048, 256, TOP_K)
+    );
     let (w, ex) = moe_weights(s, &mut rng, &c);
     let blk = Block::new(s, &w);
-    for (routing, tokens) in [(Routing::Uniform, 300), (Routing::Skewed, 256), (Routing::Uniform, 17)] {
+    for (routing, tokens) in [
+        (Routing::Uniform, 300),
+        (Routing::Skewed, 256),
+        (Routing::Uniform, 17),
+    ] {
         let what = format!("MoE block, {routing:?} routing, {tokens} tokens");
         let (xb, xf) = moe_inputs(&mut rng, routing, tokens, &c);
         let dx = upload(s, &xb);
         let mut b = BlockBuffers::new(s, &c, tokens);
         let mut out = Output::new(s, tokens * c.hidden_size);
-        run_block(&c, &g, &mk, &blk, &ex, &mut b, &dx.as_view(), &mut out.view());
+        run_block(
+            &c,
+            &g,
+            &mk,
+            &blk,
+            &ex,
+            &mut b,
+            &dx.as_view(),
+            &mut out.view(),
+        );
         let mut got = out.get(s, &what);
         let want = moe::forward(&c, &w, &xf, tokens);
         let h = c.hidden_size;
@@ -404,7 +587,10 @@ fn moe_block_matches_cpu_forward() {
         for t in 0..tokens {
             let row = &logits[t * c.num_experts..(t + 1) * c.num_experts];
             let mut want_ids = top_k(row, TOP_K);
-            let mut have: Vec<usize> = ids[t * TOP_K..(t + 1) * TOP_K].iter().map(|&i| i as usize).collect();
+            let mut have: Vec<usize> = ids[t * TOP_K..(t + 1) * TOP_K]
+                .iter()
+                .map(|&i| i as usize)
+                .collect();
             want_ids.sort_unstable();
             have.sort_unstable();
             if have == want_ids {
@@ -412,18 +598,32 @@ fn moe_block_matches_cpu_forward() {
             }
             let kth = row[*top_k(row, TOP_K).last().unwrap()];
             let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-            for e in have.iter().filter(|e| !want_ids.contains(e)).chain(want_ids.iter().filter(|e| !have.contains(e))) {
+            for e in have
+                .iter()
+                .filter(|e| !want_ids.contains(e))
+                .chain(want_ids.iter().filter(|e| !have.contains(e)))
+            {
                 let gap = (row[*e] - kth).abs() / scale;
                 assert!(gap <= 2e-2, "{what}: token {t} routed to/away from expert {e}, {gap:.2e} of the logit scale from the cut: not a near-tie");
             }
             flipped += 1;
-            got[t * h..(t + 1) * h].iter_mut().zip(&want[t * h..(t + 1) * h]).for_each(|(g, w)| *g = bf16::from_f32(*w));
+            got[t * h..(t + 1) * h]
+                .iter_mut()
+                .zip(&want[t * h..(t + 1) * h])
+                .for_each(|(g, w)| *g = bf16::from_f32(*w));
         }
         println!("{what}: {flipped} of {tokens} tokens routed differently at a near-tie");
         // The uniform-routing inputs make router probabilities nearly equal on purpose (first H200
         // runs: 9–30 of 256–300 tokens flipped, every one within the near-tie margin).
-        assert!(flipped <= 2 + tokens / 5, "{what}: {flipped} near-tie flips of {tokens} tokens is too many");
-        let rms: Vec<f32> = (0..tokens).map(|t| (want[t * h..(t + 1) * h].iter().map(|v| v * v).sum::<f32>() / h as f32).sqrt()).collect();
+        assert!(
+            flipped <= 2 + tokens / 5,
+            "{what}: {flipped} near-tie flips of {tokens} tokens is too many"
+        );
+        let rms: Vec<f32> = (0..tokens)
+            .map(|t| {
+                (want[t * h..(t + 1) * h].iter().map(|v| v * v).sum::<f32>() / h as f32).sqrt()
+            })
+            .collect();
         // 8e-2 of the row's rms per element (the whole-model bound), 1e-2 on average: besides the
         // bf16 outputs, the GPU's router logits are bf16, which moves the renormalised expert
         // weights of near-uniform routing (H200 runs: largest element error 2.2e-2 to 6.1e-2
@@ -438,7 +638,10 @@ fn moe_block_matches_cpu_forward() {
 fn timing_grouped_moe_at_4096_tokens() {
     let dev = device();
     let s = dev.stream();
-    let (g, mk) = (GemmKernels::load(&dev).expect("kernels"), MoeKernels::load(&dev).expect("kernels"));
+    let (g, mk) = (
+        GemmKernels::load(&dev).expect("kernels"),
+        MoeKernels::load(&dev).expect("kernels"),
+    );
     let mut rng = rng("moe timing");
     let c = real_config();
     const T: usize = 4096;
@@ -453,12 +656,27 @@ fn timing_grouped_moe_at_4096_tokens() {
     for routing in [Routing::Uniform, Routing::Skewed] {
         let ids = route(&mut rng, routing, T, e);
         s.memcpy_htod(&ids, &mut b.ids).expect("ids");
-        let group_ms = median_ms(&dev, 20, || mk.group_by_expert(&b.ids.as_view(), TOP_K, &mut b.groups).expect("group"));
+        let group_ms = median_ms(&dev, 20, || {
+            mk.group_by_expert(&b.ids.as_view(), TOP_K, &mut b.groups)
+                .expect("group")
+        });
         let gu_ms = median_ms(&dev, 10, || {
-            g.experts_gate_up(&ex.gate_up.view(), &dx.as_view(), &b.groups, &mut b.act.as_view_mut()).expect("gate_up")
+            g.experts_gate_up(
+                &ex.gate_up.view(),
+                &dx.as_view(),
+                &b.groups,
+                &mut b.act.as_view_mut(),
+            )
+            .expect("gate_up")
         });
         let down_ms = median_ms(&dev, 10, || {
-            g.experts_down(&ex.down.view(), &b.act.as_view(), &b.groups, &mut b.routed.as_view_mut()).expect("down")
+            g.experts_down(
+                &ex.down.view(),
+                &b.act.as_view(),
+                &b.groups,
+                &mut b.routed.as_view_mut(),
+            )
+            .expect("down")
         });
         let tf = |flop: f64, ms: f32| flop / (ms as f64 * 1e-3) / 1e12;
         println!(
@@ -469,8 +687,22 @@ fn timing_grouped_moe_at_4096_tokens() {
     }
     // The whole block (router, top-k, grouping, routed and shared experts, combine), with the
     // routing its own router makes on these inputs.
-    let block_ms = median_ms(&dev, 10, || run_block(&c, &g, &mk, &blk, &ex, &mut b, &dx.as_view(), &mut out.as_view_mut()));
-    let flop = 2.0 * T as f64 * (((2 + 1) * inter * h * TOP_K) + 3 * c.shared_expert_intermediate_size * h + (e + 1) * h) as f64;
+    let block_ms = median_ms(&dev, 10, || {
+        run_block(
+            &c,
+            &g,
+            &mk,
+            &blk,
+            &ex,
+            &mut b,
+            &dx.as_view(),
+            &mut out.as_view_mut(),
+        )
+    });
+    let flop = 2.0
+        * T as f64
+        * (((2 + 1) * inter * h * TOP_K) + 3 * c.shared_expert_intermediate_size * h + (e + 1) * h)
+            as f64;
     println!(
         "MoE block, {T} tokens: {block_ms:.3} ms ({:.0} TFLOP/s); × {} layers = {:.1} ms per 4K prefill",
         flop / (block_ms as f64 * 1e-3) / 1e12,

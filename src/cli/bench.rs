@@ -82,13 +82,20 @@ pub enum Quant {
 
 /// A backend over random weights of a preset: generated in GPU memory on CUDA; on the CPU,
 /// written as a bf16 checkpoint to a temporary directory and loaded.
-fn synthetic_backend(name: &str, quant: Quant, device: &str, max_context: usize) -> anyhow::Result<Box<dyn Backend>> {
+fn synthetic_backend(
+    name: &str,
+    quant: Quant,
+    device: &str,
+    max_context: usize,
+) -> anyhow::Result<Box<dyn Backend>> {
     let cfg = checkpoint::synth::preset(name)
         .ok_or_else(|| anyhow::anyhow!("unknown preset `{name}` (tiny, qwen3.6-35b-a3b)"))?;
     if device.starts_with("cuda") {
         #[cfg(feature = "cuda")]
         {
-            use lily::cuda::{forward::CudaBackend, forward::CudaOptions, model::CudaModel, CudaDevice};
+            use lily::cuda::{
+                forward::CudaBackend, forward::CudaOptions, model::CudaModel, CudaDevice,
+            };
             let bits = match quant {
                 Quant::Bf16 => None,
                 Quant::Q4 => Some(4),
@@ -96,15 +103,30 @@ fn synthetic_backend(name: &str, quant: Quant, device: &str, max_context: usize)
             };
             let dev = CudaDevice::open(device)?;
             let t = std::time::Instant::now();
-            let model = CudaModel::synthetic(&dev, lily::config::ModelConfig::from_json(&cfg)?, bits, 0)?;
-            eprintln!("synthetic weights: {:.2} GB on the GPU in {:.1} s", model.bytes() as f64 / 1e9, t.elapsed().as_secs_f64());
-            let options = CudaOptions { max_context, ..CudaOptions::default() };
+            let model =
+                CudaModel::synthetic(&dev, lily::config::ModelConfig::from_json(&cfg)?, bits, 0)?;
+            eprintln!(
+                "synthetic weights: {:.2} GB on the GPU in {:.1} s",
+                model.bytes() as f64 / 1e9,
+                t.elapsed().as_secs_f64()
+            );
+            let options = CudaOptions {
+                max_context,
+                ..CudaOptions::default()
+            };
             return Ok(Box::new(CudaBackend::new(dev, model, options)?));
         }
     }
     anyhow::ensure!(quant == Quant::Bf16, "synthetic quantised models are generated on the GPU only; on the CPU use `lily synth --quant` and --model");
     let dir = std::env::temp_dir().join(format!("lily-bench-{name}-{}", std::process::id()));
-    checkpoint::synth::write_checkpoint(&cfg, &dir, 0, checkpoint::tensor::DType::BF16, checkpoint::synth::SHARD_BYTES, true)?;
+    checkpoint::synth::write_checkpoint(
+        &cfg,
+        &dir,
+        0,
+        checkpoint::tensor::DType::BF16,
+        checkpoint::synth::SHARD_BYTES,
+        true,
+    )?;
     let weights = checkpoint::load(&dir);
     let _ = std::fs::remove_dir_all(&dir); // the weights stay mapped until dropped
     super::device::backend(device, weights?, max_context)

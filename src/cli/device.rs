@@ -24,7 +24,11 @@ fn gpu_present() -> bool {
 }
 
 /// A backend for `weights` on `device`.
-pub fn backend(device: &str, weights: Weights, max_context: usize) -> anyhow::Result<Box<dyn Backend>> {
+pub fn backend(
+    device: &str,
+    weights: Weights,
+    max_context: usize,
+) -> anyhow::Result<Box<dyn Backend>> {
     if device == "cpu" {
         return Ok(Box::new(CpuBackend::new(weights)));
     }
@@ -33,16 +37,23 @@ pub fn backend(device: &str, weights: Weights, max_context: usize) -> anyhow::Re
     }
     #[cfg(feature = "cuda")]
     {
-        use lily::cuda::{forward::CudaBackend, forward::CudaOptions, model::CudaModel, CudaDevice};
+        use lily::cuda::{
+            forward::CudaBackend, forward::CudaOptions, model::CudaModel, CudaDevice,
+        };
         let dev = CudaDevice::open(device)?;
         let model = CudaModel::upload(&dev, &weights)?;
         drop(weights);
-        let options = CudaOptions { max_context, ..CudaOptions::default() };
+        let options = CudaOptions {
+            max_context,
+            ..CudaOptions::default()
+        };
         Ok(Box::new(CudaBackend::new(dev, model, options)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = max_context;
-        anyhow::bail!("this build of lily has no CUDA support: rebuild with `--features cuda` (see README)")
+        anyhow::bail!(
+            "this build of lily has no CUDA support: rebuild with `--features cuda` (see README)"
+        )
     }
 }

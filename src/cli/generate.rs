@@ -126,7 +126,11 @@ fn generate_text(
     let device = super::device::resolve(args.device.as_deref());
     let engine = Engine::start(
         // The backend holds only as much context as this one generation needs.
-        super::device::backend(&device, weights, prompt_tokens + plan.params.max_tokens.unwrap_or(0))?,
+        super::device::backend(
+            &device,
+            weights,
+            prompt_tokens + plan.params.max_tokens.unwrap_or(0),
+        )?,
         EngineOptions::default(),
     );
     let mut generation = text.start(&engine, plan);

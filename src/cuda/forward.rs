@@ -44,7 +44,12 @@ pub struct CudaOptions {
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { max_sequences: 4, max_context: 32768, prefill_chunk: 4096, cuda_graphs: true }
+        CudaOptions {
+            max_sequences: 4,
+            max_context: 32768,
+            prefill_chunk: 4096,
+            cuda_graphs: true,
+        }
     }
 }
 
@@ -117,15 +122,23 @@ struct DecodeGraph(CudaGraph);
 // `CudaGraph::launch` does; the backend (and with it the graph) is used by one thread at a time.
 unsafe impl Send for DecodeGraph {}
 
-fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(s: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
-    s.alloc_zeros::<T>(n.max(1)).during(|| format!("allocating {n} activation values"))
+fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    s: &Arc<CudaStream>,
+    n: usize,
+) -> Result<CudaSlice<T>> {
+    s.alloc_zeros::<T>(n.max(1))
+        .during(|| format!("allocating {n} activation values"))
 }
 
 impl CudaBackend {
     pub fn new(dev: CudaDevice, model: CudaModel, options: CudaOptions) -> Result<Self> {
         let c = model.config.clone();
         gdn::check_config(&c)?;
-        ensure!(c.num_experts_per_tok <= super::moe::MAX_TOP_K, "top-{} routing is not supported", c.num_experts_per_tok);
+        ensure!(
+            c.num_experts_per_tok <= super::moe::MAX_TOP_K,
+            "top-{} routing is not supported",
+            c.num_experts_per_tok
+        );
         let st = dev.stream().clone();
         let k = Kernels {
             norm: NormKernels::load(&dev)?,
@@ -139,8 +152,14 @@ impl CudaBackend {
         };
         let rows = options.prefill_chunk.max(1);
         let h = c.hidden_size;
-        let (e, topk, inter, si) = (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size);
-        let proj_width = (c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads).max(QKV_WIDTH);
+        let (e, topk, inter, si) = (
+            c.num_experts,
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        );
+        let proj_width =
+            (c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads).max(QKV_WIDTH);
         let mixed_width = c.linear_value_dim().max(c.num_attention_heads * c.head_dim);
         let s = Scratch {
             rows,
@@ -166,7 +185,11 @@ impl CudaBackend {
             slot: alloc(&st, 1)?,
             position: alloc(&st, 1)?,
         };
-        let n_gdn = c.layer_types.iter().filter(|k| **k == LayerKind::LinearAttention).count();
+        let n_gdn = c
+            .layer_types
+            .iter()
+            .filter(|k| **k == LayerKind::LinearAttention)
+            .count();
         let n_attn = c.num_hidden_layers - n_gdn;
         let slots = options.max_sequences.max(1);
         let mut ssm = Vec::with_capacity(n_gdn);
@@ -205,9 +228,16 @@ impl CudaBackend {
     fn run(&mut self, slot: usize, position: usize, tokens: &[u32]) -> Result<()> {
         let vocab = self.model.config.vocab_size;
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(CudaError::Shape(format!("token id {bad} is outside the vocabulary ({vocab})")));
+            return Err(CudaError::Shape(format!(
+                "token id {bad} is outside the vocabulary ({vocab})"
+            )));
         }
-        ensure!(position + tokens.len() <= self.options.max_context, "{} tokens exceed the context of {}", position + tokens.len(), self.options.max_context);
+        ensure!(
+            position + tokens.len() <= self.options.max_context,
+            "{} tokens exceed the context of {}",
+            position + tokens.len(),
+            self.options.max_context
+        );
         let chunk = self.s.rows;
         let mut pos = position;
         for part in tokens.chunks(chunk) {
@@ -221,9 +251,12 @@ impl CudaBackend {
         let t = tokens.len();
         let st = self.dev.stream().clone();
         let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
-        st.memcpy_htod(&ids, &mut self.s.ids.slice_mut(..t)).during(|| "copying token ids".into())?;
-        st.memcpy_htod(&[slot as i32], &mut self.s.slot).during(|| "copying the slot".into())?;
-        st.memcpy_htod(&[start as i32], &mut self.s.position).during(|| "copying the position".into())?;
+        st.memcpy_htod(&ids, &mut self.s.ids.slice_mut(..t))
+            .during(|| "copying token ids".into())?;
+        st.memcpy_htod(&[slot as i32], &mut self.s.slot)
+            .during(|| "copying the slot".into())?;
+        st.memcpy_htod(&[start as i32], &mut self.s.position)
+            .during(|| "copying the position".into())?;
         if t > 1 || !self.options.cuda_graphs {
             return self.body(slot, start, t);
         }
@@ -233,12 +266,20 @@ impl CudaBackend {
             st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .during(|| "starting the decode graph capture".into())?;
             let captured = self.body(slot, start, 1);
-            let graph = st.end_capture(sys::CUgraphInstantiate_flags(0)).during(|| "capturing the decode graph".into());
+            let graph = st
+                .end_capture(sys::CUgraphInstantiate_flags(0))
+                .during(|| "capturing the decode graph".into());
             captured?;
-            self.decode_graph = Some(DecodeGraph(graph?.ok_or_else(|| CudaError::Shape("the decode graph capture was empty".into()))?));
+            self.decode_graph =
+                Some(DecodeGraph(graph?.ok_or_else(|| {
+                    CudaError::Shape("the decode graph capture was empty".into())
+                })?));
         }
         let graph = self.decode_graph.as_ref().expect("captured above");
-        graph.0.launch().during(|| "replaying the decode graph".into())
+        graph
+            .0
+            .launch()
+            .during(|| "replaying the decode graph".into())
     }
 
     /// Every launch of one forward chunk of `t` tokens whose ids, slot and position are already
@@ -250,87 +291,272 @@ impl CudaBackend {
         let m = &self.model;
         let k = &mut self.k;
         let s = &mut self.s;
-        k.embed.gather(&m.embed.view(), &s.ids.slice(..t), &mut s.h.slice_mut(..t * hd))?;
-        k.norm.rmsnorm(&s.h.slice(..t * hd), &m.layers[0].input_norm.as_view(), &mut s.xn.slice_mut(..t * hd), c.rms_norm_eps)?;
+        k.embed.gather(
+            &m.embed.view(),
+            &s.ids.slice(..t),
+            &mut s.h.slice_mut(..t * hd),
+        )?;
+        k.norm.rmsnorm(
+            &s.h.slice(..t * hd),
+            &m.layers[0].input_norm.as_view(),
+            &mut s.xn.slice_mut(..t * hd),
+            c.rms_norm_eps,
+        )?;
         let (mut gdn_i, mut attn_i) = (0, 0);
         for (li, layer) in m.layers.iter().enumerate() {
             match &layer.mixer {
-                DeviceMixer::DeltaNet { in_proj, out_proj, conv_w, a_log, dt_bias, norm } => {
+                DeviceMixer::DeltaNet {
+                    in_proj,
+                    out_proj,
+                    conv_w,
+                    a_log,
+                    dt_bias,
+                    norm,
+                } => {
                     let width = in_proj.rows;
-                    gemv_rows(k, in_proj, &s.xn.slice(..t * hd), &mut s.proj.slice_mut(..t * width), t)?;
+                    gemv_rows(
+                        k,
+                        in_proj,
+                        &s.xn.slice(..t * hd),
+                        &mut s.proj.slice_mut(..t * width),
+                        t,
+                    )?;
                     let proj = s.proj.slice(..t * width);
                     let inputs = GdnInputs::fused(&proj, width)?;
-                    let w = GdnWeights { conv_w: conv_w.as_view(), a_log: a_log.as_view(), dt_bias: dt_bias.as_view(), norm_w: norm.as_view(), eps: c.rms_norm_eps };
+                    let w = GdnWeights {
+                        conv_w: conv_w.as_view(),
+                        a_log: a_log.as_view(),
+                        dt_bias: dt_bias.as_view(),
+                        norm_w: norm.as_view(),
+                        eps: c.rms_norm_eps,
+                    };
                     let vd = c.linear_value_dim();
                     let mut y = s.mixed.slice_mut(..t * vd);
                     if t == 1 {
-                        k.gdn.decode(&w, &inputs, &s.slot.as_view(), &mut self.ssm[gdn_i].as_view_mut(), &mut self.conv[gdn_i].as_view_mut(), &mut y)?;
+                        k.gdn.decode(
+                            &w,
+                            &inputs,
+                            &s.slot.as_view(),
+                            &mut self.ssm[gdn_i].as_view_mut(),
+                            &mut self.conv[gdn_i].as_view_mut(),
+                            &mut y,
+                        )?;
                     } else {
-                        let mut ssm = self.ssm[gdn_i].slice_mut(slot * gdn::SSM_STATE_LEN..(slot + 1) * gdn::SSM_STATE_LEN);
-                        let mut conv = self.conv[gdn_i].slice_mut(slot * gdn::CONV_STATE_LEN..(slot + 1) * gdn::CONV_STATE_LEN);
-                        k.gdn.prefill(&w, &inputs, t, &mut ssm, &mut conv, &mut self.gdn_ws, &mut y)?;
+                        let mut ssm = self.ssm[gdn_i]
+                            .slice_mut(slot * gdn::SSM_STATE_LEN..(slot + 1) * gdn::SSM_STATE_LEN);
+                        let mut conv = self.conv[gdn_i].slice_mut(
+                            slot * gdn::CONV_STATE_LEN..(slot + 1) * gdn::CONV_STATE_LEN,
+                        );
+                        k.gdn.prefill(
+                            &w,
+                            &inputs,
+                            t,
+                            &mut ssm,
+                            &mut conv,
+                            &mut self.gdn_ws,
+                            &mut y,
+                        )?;
                     }
-                    gemv_rows(k, out_proj, &s.mixed.slice(..t * vd), &mut s.r.slice_mut(..t * hd), t)?;
+                    gemv_rows(
+                        k,
+                        out_proj,
+                        &s.mixed.slice(..t * vd),
+                        &mut s.r.slice_mut(..t * hd),
+                        t,
+                    )?;
                     gdn_i += 1;
                 }
-                DeviceMixer::Attention { qkv, o_proj, q_norm, k_norm } => {
-                    gemv_rows(k, qkv, &s.xn.slice(..t * hd), &mut s.proj.slice_mut(..t * QKV_WIDTH), t)?;
+                DeviceMixer::Attention {
+                    qkv,
+                    o_proj,
+                    q_norm,
+                    k_norm,
+                } => {
+                    gemv_rows(
+                        k,
+                        qkv,
+                        &s.xn.slice(..t * hd),
+                        &mut s.proj.slice_mut(..t * QKV_WIDTH),
+                        t,
+                    )?;
                     let od = c.num_attention_heads * c.head_dim;
                     let proj = s.proj.slice(..t * QKV_WIDTH);
                     let mut out = s.mixed.slice_mut(..t * od);
                     if t == 1 {
-                        k.attn.decode(&proj, &q_norm.as_view(), &k_norm.as_view(), &mut self.kv, attn_i, &s.slot.as_view(), &s.position.as_view(), &mut self.attn_ws, &mut out)?;
+                        k.attn.decode(
+                            &proj,
+                            &q_norm.as_view(),
+                            &k_norm.as_view(),
+                            &mut self.kv,
+                            attn_i,
+                            &s.slot.as_view(),
+                            &s.position.as_view(),
+                            &mut self.attn_ws,
+                            &mut out,
+                        )?;
                     } else {
-                        k.attn.prefill(&proj, &q_norm.as_view(), &k_norm.as_view(), &mut self.kv, attn_i, slot, start, &mut self.attn_ws, &mut out)?;
+                        k.attn.prefill(
+                            &proj,
+                            &q_norm.as_view(),
+                            &k_norm.as_view(),
+                            &mut self.kv,
+                            attn_i,
+                            slot,
+                            start,
+                            &mut self.attn_ws,
+                            &mut out,
+                        )?;
                     }
-                    gemv_rows(k, o_proj, &s.mixed.slice(..t * od), &mut s.r.slice_mut(..t * hd), t)?;
+                    gemv_rows(
+                        k,
+                        o_proj,
+                        &s.mixed.slice(..t * od),
+                        &mut s.r.slice_mut(..t * hd),
+                        t,
+                    )?;
                     attn_i += 1;
                 }
             }
             // h += mixer output; m = norm(h).
-            k.norm.add_rmsnorm(&mut s.h.slice_mut(..t * hd), &s.r.slice(..t * hd), &layer.post_norm.as_view(), &mut s.xn.slice_mut(..t * hd), c.rms_norm_eps)?;
+            k.norm.add_rmsnorm(
+                &mut s.h.slice_mut(..t * hd),
+                &s.r.slice(..t * hd),
+                &layer.post_norm.as_view(),
+                &mut s.xn.slice_mut(..t * hd),
+                c.rms_norm_eps,
+            )?;
             moe(&c, k, &layer.moe, s, t)?;
             // h += MoE output; the next layer's input norm (or the final norm).
-            let next_norm = m.layers.get(li + 1).map_or(&m.final_norm, |l| &l.input_norm);
-            k.norm.add_rmsnorm(&mut s.h.slice_mut(..t * hd), &s.r.slice(..t * hd), &next_norm.as_view(), &mut s.xn.slice_mut(..t * hd), c.rms_norm_eps)?;
+            let next_norm = m
+                .layers
+                .get(li + 1)
+                .map_or(&m.final_norm, |l| &l.input_norm);
+            k.norm.add_rmsnorm(
+                &mut s.h.slice_mut(..t * hd),
+                &s.r.slice(..t * hd),
+                &next_norm.as_view(),
+                &mut s.xn.slice_mut(..t * hd),
+                c.rms_norm_eps,
+            )?;
         }
         // Logits of the last token only.
         let last = s.xn.slice((t - 1) * hd..t * hd);
         gemv_rows(k, &m.lm_head, &last, &mut s.logits.as_view_mut(), 1)?;
-        k.sample.argmax(&s.logits.as_view(), c.vocab_size, &mut s.next.as_view_mut())
+        k.sample
+            .argmax(&s.logits.as_view(), c.vocab_size, &mut s.next.as_view_mut())
     }
 }
 
 /// The MoE block for `t` rows of `s.xn`, written to `s.r`.
-fn moe(c: &ModelConfig, k: &mut Kernels, w: &super::model::DeviceMoe, s: &mut Scratch, t: usize) -> Result<()> {
-    let (hd, e, topk, inter, si) = (c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size);
-    gemv_rows(k, &w.router, &s.xn.slice(..t * hd), &mut s.router.slice_mut(..t * e), t)?;
-    k.moe.router_topk(&s.router.slice(..t * e), e, topk, &mut s.expert_ids.slice_mut(..t * topk), &mut s.expert_weights.slice_mut(..t * topk))?;
-    let prefill = t > MAX_TOKENS && GemmKernels::supports(&w.gate_up.view()) && GemmKernels::supports(&w.down.view());
+fn moe(
+    c: &ModelConfig,
+    k: &mut Kernels,
+    w: &super::model::DeviceMoe,
+    s: &mut Scratch,
+    t: usize,
+) -> Result<()> {
+    let (hd, e, topk, inter, si) = (
+        c.hidden_size,
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.moe_intermediate_size,
+        c.shared_expert_intermediate_size,
+    );
+    gemv_rows(
+        k,
+        &w.router,
+        &s.xn.slice(..t * hd),
+        &mut s.router.slice_mut(..t * e),
+        t,
+    )?;
+    k.moe.router_topk(
+        &s.router.slice(..t * e),
+        e,
+        topk,
+        &mut s.expert_ids.slice_mut(..t * topk),
+        &mut s.expert_weights.slice_mut(..t * topk),
+    )?;
+    let prefill = t > MAX_TOKENS
+        && GemmKernels::supports(&w.gate_up.view())
+        && GemmKernels::supports(&w.down.view());
     if prefill {
         // Pairs sorted by expert, then one grouped GEMM per projection; routed[token][slot] as below.
-        k.moe.group_by_expert(&s.expert_ids.slice(..t * topk), topk, &mut s.groups)?;
+        k.moe
+            .group_by_expert(&s.expert_ids.slice(..t * topk), topk, &mut s.groups)?;
         let mut act = s.act.slice_mut(..t * topk * inter);
-        k.gemm.experts_gate_up(&w.gate_up.view(), &s.xn.slice(..t * hd), &s.groups, &mut act)?;
-        k.gemm.experts_down(&w.down.view(), &s.act.slice(..t * topk * inter), &s.groups, &mut s.routed.slice_mut(..t * topk * hd))?;
+        k.gemm.experts_gate_up(
+            &w.gate_up.view(),
+            &s.xn.slice(..t * hd),
+            &s.groups,
+            &mut act,
+        )?;
+        k.gemm.experts_down(
+            &w.down.view(),
+            &s.act.slice(..t * topk * inter),
+            &s.groups,
+            &mut s.routed.slice_mut(..t * topk * hd),
+        )?;
     } else {
         for row in 0..t {
             let ids = s.expert_ids.slice(row * topk..(row + 1) * topk);
             let x = s.xn.slice(row * hd..(row + 1) * hd);
-            k.gemv.gemv_slots(&w.gate_up.view(), Some(&ids), topk, &x, false, 1, &mut s.gu.as_view_mut())?;
-            k.norm.silu_mul(&s.gu.as_view(), &mut s.act.slice_mut(..topk * inter), inter)?;
+            k.gemv.gemv_slots(
+                &w.gate_up.view(),
+                Some(&ids),
+                topk,
+                &x,
+                false,
+                1,
+                &mut s.gu.as_view_mut(),
+            )?;
+            k.norm
+                .silu_mul(&s.gu.as_view(), &mut s.act.slice_mut(..topk * inter), inter)?;
             let mut out = s.routed.slice_mut(row * topk * hd..(row + 1) * topk * hd);
-            k.gemv.gemv_slots(&w.down.view(), Some(&ids), topk, &s.act.slice(..topk * inter), true, 1, &mut out)?;
+            k.gemv.gemv_slots(
+                &w.down.view(),
+                Some(&ids),
+                topk,
+                &s.act.slice(..topk * inter),
+                true,
+                1,
+                &mut out,
+            )?;
         }
     }
     if t > MAX_TOKENS && GemmKernels::supports(&w.shared_gate_up.view()) {
-        k.gemm.gemm_swiglu(&w.shared_gate_up.view(), &s.xn.slice(..t * hd), &mut s.shared_act.slice_mut(..t * si))?;
+        k.gemm.gemm_swiglu(
+            &w.shared_gate_up.view(),
+            &s.xn.slice(..t * hd),
+            &mut s.shared_act.slice_mut(..t * si),
+        )?;
     } else {
-        gemv_rows(k, &w.shared_gate_up, &s.xn.slice(..t * hd), &mut s.shared_gu.slice_mut(..t * 2 * si), t)?;
-        k.norm.silu_mul(&s.shared_gu.slice(..t * 2 * si), &mut s.shared_act.slice_mut(..t * si), si)?;
+        gemv_rows(
+            k,
+            &w.shared_gate_up,
+            &s.xn.slice(..t * hd),
+            &mut s.shared_gu.slice_mut(..t * 2 * si),
+            t,
+        )?;
+        k.norm.silu_mul(
+            &s.shared_gu.slice(..t * 2 * si),
+            &mut s.shared_act.slice_mut(..t * si),
+            si,
+        )?;
     }
-    gemv_rows(k, &w.shared_down, &s.shared_act.slice(..t * si), &mut s.shared.slice_mut(..t * hd), t)?;
-    gemv_rows(k, &w.shared_gate, &s.xn.slice(..t * hd), &mut s.shared_gate.slice_mut(..t), t)?;
+    gemv_rows(
+        k,
+        &w.shared_down,
+        &s.shared_act.slice(..t * si),
+        &mut s.shared.slice_mut(..t * hd),
+        t,
+    )?;
+    gemv_rows(
+        k,
+        &w.shared_gate,
+        &s.xn.slice(..t * hd),
+        &mut s.shared_gate.slice_mut(..t),
+        t,
+    )?;
     k.moe.combine(
         &s.routed.slice(..t * topk * hd),
         &s.expert_weights.slice(..t * topk),
@@ -343,11 +569,19 @@ fn moe(c: &ModelConfig, k: &mut Kernels, w: &super::model::DeviceMoe, s: &mut Sc
 
 /// `y = W · x` for `t` rows: the tensor-core GEMM for more than 8 rows, else (or for weights it
 /// does not take) GEMVs of as many tokens per launch as fit in shared memory (≤ 8).
-fn gemv_rows(k: &Kernels, w: &DeviceMatrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>, t: usize) -> Result<()> {
+fn gemv_rows(
+    k: &Kernels,
+    w: &DeviceMatrices,
+    x: &CudaView<bf16>,
+    y: &mut CudaViewMut<bf16>,
+    t: usize,
+) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     let view = w.view();
     if t > MAX_TOKENS && GemmKernels::supports(&view) {
-        return k.gemm.gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
+        return k
+            .gemm
+            .gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
     }
     let per_launch = k.gemv.max_tokens(&view);
     let mut done = 0;
@@ -369,11 +603,21 @@ impl Backend for CudaBackend {
         format!("cuda ({})", self.dev.name())
     }
     fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
-        let slot = self.free_slots.pop().ok_or_else(|| anyhow::anyhow!("all {} GPU sequence slots are in use", self.options.max_sequences))?;
+        let slot = self.free_slots.pop().ok_or_else(|| {
+            anyhow::anyhow!(
+                "all {} GPU sequence slots are in use",
+                self.options.max_sequences
+            )
+        })?;
         let st = self.dev.stream().clone();
-        st.memcpy_htod(&[slot as i32], &mut self.s.slot).during(|| "copying the slot".into())?;
+        st.memcpy_htod(&[slot as i32], &mut self.s.slot)
+            .during(|| "copying the slot".into())?;
         for (ssm, conv) in self.ssm.iter_mut().zip(self.conv.iter_mut()) {
-            self.k.gdn.zero(&mut ssm.as_view_mut(), &mut conv.as_view_mut(), Some(&self.s.slot.as_view()))?;
+            self.k.gdn.zero(
+                &mut ssm.as_view_mut(),
+                &mut conv.as_view_mut(),
+                Some(&self.s.slot.as_view()),
+            )?;
         }
         self.sequences.insert(seq, Sequence { slot, position: 0 });
         Ok(())
@@ -386,7 +630,9 @@ impl Backend for CudaBackend {
     fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
         self.step(seq, tokens)?;
         let st = self.dev.stream().clone();
-        let logits: Vec<bf16> = st.clone_dtoh(&self.s.logits).during(|| "copying logits".into())?;
+        let logits: Vec<bf16> = st
+            .clone_dtoh(&self.s.logits)
+            .during(|| "copying logits".into())?;
         Ok(logits.iter().map(|x| x.to_f32()).collect())
     }
     fn peak_memory(&self) -> Option<u64> {
@@ -398,7 +644,9 @@ impl Backend for CudaBackend {
     fn forward_greedy(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<u32> {
         self.step(seq, tokens)?;
         let st = self.dev.stream().clone();
-        let next: Vec<i32> = st.clone_dtoh(&self.s.next).during(|| "copying the next token".into())?;
+        let next: Vec<i32> = st
+            .clone_dtoh(&self.s.next)
+            .during(|| "copying the next token".into())?;
         Ok(next[0] as u32)
     }
 }
@@ -407,7 +655,10 @@ impl CudaBackend {
     fn step(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<()> {
         anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
         let (slot, position) = {
-            let s = self.sequences.get(&seq).ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
+            let s = self
+                .sequences
+                .get(&seq)
+                .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
             (s.slot, s.position)
         };
         self.run(slot, position, tokens)?;

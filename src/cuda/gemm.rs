@@ -189,7 +189,10 @@ impl GemvKernels {
     pub fn max_tokens(&self, w: &Matrices) -> usize {
         let format = format_of(w);
         let shape = self.shape(w, 1);
-        (1..=MAX_TOKENS).rev().find(|&n| shared_bytes(format, w.cols, n, shape) <= self.max_shared).unwrap_or(1)
+        (1..=MAX_TOKENS)
+            .rev()
+            .find(|&n| shared_bytes(format, w.cols, n, shape) <= self.max_shared)
+            .unwrap_or(1)
     }
 
     /// `gemv_slots` with a given launch shape (for tuning).

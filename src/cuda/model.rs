@@ -64,7 +64,10 @@ impl CudaModel {
         for l in &w.layers {
             let mixer = match &l.mixer {
                 Mixer::DeltaNet(d) => DeviceMixer::DeltaNet {
-                    in_proj: DeviceMatrices::concat(s, &[&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a])?,
+                    in_proj: DeviceMatrices::concat(
+                        s,
+                        &[&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a],
+                    )?,
                     out_proj: DeviceMatrices::concat(s, &[&d.out_proj])?,
                     conv_w: htod(s, &d.conv1d)?,
                     a_log: htod(s, &d.a_log)?,
@@ -85,11 +88,19 @@ impl CudaModel {
                 router: DeviceMatrices::concat(s, &[&m.router])?,
                 gate_up: DeviceMatrices::stack_of_concats(s, &experts)?,
                 down: DeviceMatrices::stack_of_concats(s, &downs)?,
-                shared_gate_up: DeviceMatrices::concat(s, &[&m.shared_expert.gate, &m.shared_expert.up])?,
+                shared_gate_up: DeviceMatrices::concat(
+                    s,
+                    &[&m.shared_expert.gate, &m.shared_expert.up],
+                )?,
                 shared_down: DeviceMatrices::concat(s, &[&m.shared_expert.down])?,
                 shared_gate: DeviceMatrices::concat(s, &[&m.shared_expert_gate])?,
             };
-            layers.push(DeviceLayer { input_norm: htod(s, &l.input_norm)?, post_norm: htod(s, &l.post_attention_norm)?, mixer, moe });
+            layers.push(DeviceLayer {
+                input_norm: htod(s, &l.input_norm)?,
+                post_norm: htod(s, &l.post_attention_norm)?,
+                mixer,
+                moe,
+            });
         }
         Ok(CudaModel {
             config: w.config.clone(),
@@ -103,7 +114,12 @@ impl CudaModel {
     /// Random weights generated on the device: matrices bf16 (`bits` None) or affine `bits`-bit
     /// (router and shared-expert gate 8-bit, as MLX quantises them); norms 1, A_log = ln 4,
     /// dt_bias 1, conv taps 0.25.
-    pub fn synthetic(dev: &CudaDevice, config: ModelConfig, bits: Option<u32>, seed: u64) -> Result<Self> {
+    pub fn synthetic(
+        dev: &CudaDevice,
+        config: ModelConfig,
+        bits: Option<u32>,
+        seed: u64,
+    ) -> Result<Self> {
         let k = SynthKernels::load(dev)?;
         let s = dev.stream();
         let c = &config;
@@ -130,10 +146,17 @@ impl CudaModel {
                     }
                 }
                 LayerKind::FullAttention => {
-                    let rows = 2 * c.num_attention_heads * c.head_dim + 2 * c.num_key_value_heads * c.head_dim;
+                    let rows = 2 * c.num_attention_heads * c.head_dim
+                        + 2 * c.num_key_value_heads * c.head_dim;
                     DeviceMixer::Attention {
                         qkv: k.matrices(bits, 1, rows, h, next())?,
-                        o_proj: k.matrices(bits, 1, h, c.num_attention_heads * c.head_dim, next())?,
+                        o_proj: k.matrices(
+                            bits,
+                            1,
+                            h,
+                            c.num_attention_heads * c.head_dim,
+                            next(),
+                        )?,
                         q_norm: ones(c.head_dim)?,
                         k_norm: ones(c.head_dim)?,
                     }
@@ -148,9 +171,17 @@ impl CudaModel {
                 shared_down: k.matrices(bits, 1, h, si, next())?,
                 shared_gate: k.matrices(small_bits, 1, 1, h, next())?,
             };
-            layers.push(DeviceLayer { input_norm: ones(h)?, post_norm: ones(h)?, mixer, moe });
+            layers.push(DeviceLayer {
+                input_norm: ones(h)?,
+                post_norm: ones(h)?,
+                mixer,
+                moe,
+            });
         }
-        ensure!(!c.tie_word_embeddings, "synthetic models have an untied LM head");
+        ensure!(
+            !c.tie_word_embeddings,
+            "synthetic models have an untied LM head"
+        );
         Ok(CudaModel {
             embed: k.matrices(bits, 1, c.vocab_size, h, next())?,
             lm_head: k.matrices(bits, 1, c.vocab_size, h, next())?,
@@ -164,13 +195,20 @@ impl CudaModel {
     pub fn bytes(&self) -> usize {
         let mats = self.layers.iter().map(|l| {
             let mixer = match &l.mixer {
-                DeviceMixer::DeltaNet { in_proj, out_proj, .. } => in_proj.bytes() + out_proj.bytes(),
+                DeviceMixer::DeltaNet {
+                    in_proj, out_proj, ..
+                } => in_proj.bytes() + out_proj.bytes(),
                 DeviceMixer::Attention { qkv, o_proj, .. } => qkv.bytes() + o_proj.bytes(),
             };
             let m = &l.moe;
-            mixer + m.router.bytes() + m.gate_up.bytes() + m.down.bytes() + m.shared_gate_up.bytes() + m.shared_down.bytes() + m.shared_gate.bytes()
+            mixer
+                + m.router.bytes()
+                + m.gate_up.bytes()
+                + m.down.bytes()
+                + m.shared_gate_up.bytes()
+                + m.shared_down.bytes()
+                + m.shared_gate.bytes()
         });
         self.embed.bytes() + self.lm_head.bytes() + mats.sum::<usize>()
     }
 }
-

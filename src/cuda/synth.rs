@@ -21,7 +21,11 @@ pub struct SynthKernels {
 }
 
 fn grid(n: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: ((n as u64).div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: ((n as u64).div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 impl SynthKernels {
@@ -35,7 +39,14 @@ impl SynthKernels {
     }
 
     /// `count` random `[rows][cols]` matrices, bf16 (`bits` = None) or affine 4/8-bit, group 64.
-    pub fn matrices(&self, bits: Option<u32>, count: usize, rows: usize, cols: usize, seed: u64) -> Result<DeviceMatrices> {
+    pub fn matrices(
+        &self,
+        bits: Option<u32>,
+        count: usize,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+    ) -> Result<DeviceMatrices> {
         let n = count * rows * cols;
         let data = match bits {
             None => {
@@ -43,29 +54,71 @@ impl SynthKernels {
                 // Uniform with the same standard deviation: a = std·√3.
                 let a = STD * 3f32.sqrt();
                 let n64 = n as u64;
-                unsafe { launch!(self.stream, &self.fill_bf16, grid(n), &mut w, &n64, &seed, &a)? };
+                unsafe {
+                    launch!(
+                        self.stream,
+                        &self.fill_bf16,
+                        grid(n),
+                        &mut w,
+                        &n64,
+                        &seed,
+                        &a
+                    )?
+                };
                 DeviceData::Bf16(w)
             }
             Some(bits) => {
-                ensure!((bits == 4 || bits == 8) && cols % 64 == 0, "synthetic {bits}-bit weights need 4 or 8 bits and cols % 64 == 0");
+                ensure!(
+                    (bits == 4 || bits == 8) && cols % 64 == 0,
+                    "synthetic {bits}-bit weights need 4 or 8 bits and cols % 64 == 0"
+                );
                 let words = n * bits as usize / 32;
                 let groups = n / 64;
                 let mut packed = self.alloc::<u32>(words)?;
                 let mut scales = self.alloc::<bf16>(groups)?;
                 let mut biases = self.alloc::<bf16>(groups)?;
-                let (bits_i, words64, groups64, group_seed) = (bits as i32, words as u64, groups as u64, seed ^ 0x5EED);
+                let (bits_i, words64, groups64, group_seed) =
+                    (bits as i32, words as u64, groups as u64, seed ^ 0x5EED);
                 unsafe {
-                    launch!(self.stream, &self.fill_u32, grid(words), &mut packed, &words64, &seed)?;
-                    launch!(self.stream, &self.fill_groups, grid(groups), &mut scales, &mut biases, &groups64, &group_seed, &STD, &bits_i)?;
+                    launch!(
+                        self.stream,
+                        &self.fill_u32,
+                        grid(words),
+                        &mut packed,
+                        &words64,
+                        &seed
+                    )?;
+                    launch!(
+                        self.stream,
+                        &self.fill_groups,
+                        grid(groups),
+                        &mut scales,
+                        &mut biases,
+                        &groups64,
+                        &group_seed,
+                        &STD,
+                        &bits_i
+                    )?;
                 }
-                DeviceData::Affine { bits, packed, scales, biases }
+                DeviceData::Affine {
+                    bits,
+                    packed,
+                    scales,
+                    biases,
+                }
             }
         };
-        Ok(DeviceMatrices { data, count, rows, cols })
+        Ok(DeviceMatrices {
+            data,
+            count,
+            rows,
+            cols,
+        })
     }
 
     fn alloc<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>> {
         // SAFETY: every element is written by a fill kernel before anything reads it.
-        unsafe { self.stream.alloc::<T>(n) }.during(|| format!("allocating {n} values of synthetic weights"))
+        unsafe { self.stream.alloc::<T>(n) }
+            .during(|| format!("allocating {n} values of synthetic weights"))
     }
 }
