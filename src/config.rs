@@ -192,10 +192,12 @@ impl ModelConfig {
                 "text_config.rope_parameters."
             },
         });
-        let rope_theta = match rope_fields.as_ref().and_then(|r| r.obj.get("rope_theta")) {
-            Some(_) => rope_fields.as_ref().unwrap().f64("rope_theta")?,
-            None => f.f64_or("rope_theta", 10000.0)?,
+        // A rope field is read from `rope_parameters` when it is there, else from the top level.
+        let rope_field = |key: &str, default: f64| match &rope_fields {
+            Some(r) if r.obj.get(key).is_some() => r.f64(key),
+            _ => f.f64_or(key, default),
         };
+        let rope_theta = rope_field("rope_theta", 10000.0)?;
         if let Some(r) = &rope_fields {
             let rope_type = r
                 .obj
@@ -211,13 +213,7 @@ impl ModelConfig {
                 ));
             }
         }
-        let partial = match rope_fields
-            .as_ref()
-            .and_then(|r| r.obj.get("partial_rotary_factor"))
-        {
-            Some(_) => rope_fields.as_ref().unwrap().f64("partial_rotary_factor")?,
-            None => f.f64_or("partial_rotary_factor", 0.25)?,
-        };
+        let partial = rope_field("partial_rotary_factor", 0.25)?;
 
         let head_dim = f.usize("head_dim")?;
         let rotary_dim = (head_dim as f64 * partial).round() as usize;
