@@ -17,11 +17,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{sys, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
 use half::bf16;
 
 use super::{
-    as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaSlice,
+    addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaSlice,
     CudaStream, CudaView, CudaViewMut, Result,
 };
 use crate::config::ModelConfig;
@@ -528,14 +528,4 @@ fn check_pools(
     ensure_aligned(ssm, stream, "gdn ssm state")?;
     ensure_aligned(conv, stream, "gdn conv state")?;
     Ok(n_slots)
-}
-
-fn addr<'a, T>(
-    v: &'a CudaView<'_, T>,
-    stream: &'a CudaStream,
-    guards: &mut Vec<SyncOnDrop<'a>>,
-) -> u64 {
-    let (ptr, guard) = v.device_ptr(stream);
-    guards.push(guard);
-    ptr
 }

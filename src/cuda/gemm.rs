@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{sys, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
 use half::bf16;
 
 use super::{
-    as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaStream,
+    addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaStream,
     CudaView, CudaViewMut, Result,
 };
 
@@ -43,6 +43,30 @@ pub struct Matrices<'a> {
     pub count: usize,
     pub rows: usize,
     pub cols: usize,
+}
+
+impl Matrices<'_> {
+    /// Device addresses of the weights, scales and biases (0 for bf16's absent scales and
+    /// biases), for a kernel's argument struct; see [`addr`].
+    pub(crate) fn addrs<'a>(
+        &'a self,
+        stream: &'a CudaStream,
+        guards: &mut Vec<SyncOnDrop<'a>>,
+    ) -> (u64, u64, u64) {
+        match &self.data {
+            WeightData::Bf16(v) => (addr(v, stream, guards), 0, 0),
+            WeightData::Affine {
+                packed,
+                scales,
+                biases,
+                ..
+            } => (
+                addr(packed, stream, guards),
+                addr(scales, stream, guards),
+                addr(biases, stream, guards),
+            ),
+        }
+    }
 }
 
 /// Kernel arguments, field for field the `GemvArgs` struct of gemm.cu.
@@ -267,19 +291,7 @@ impl GemvKernels {
         // Raw device addresses for the argument struct. The guards are cudarc's stream-ordering
         // hooks (no-ops with event tracking off); they live until the launch is queued.
         let mut guards = Vec::new();
-        let (wp, sp, bp) = match &w.data {
-            WeightData::Bf16(v) => (addr(v, stream, &mut guards), 0, 0),
-            WeightData::Affine {
-                packed,
-                scales,
-                biases,
-                ..
-            } => (
-                addr(packed, stream, &mut guards),
-                addr(scales, stream, &mut guards),
-                addr(biases, stream, &mut guards),
-            ),
-        };
+        let (wp, sp, bp) = w.addrs(stream, &mut guards);
         // The kernel copies weights in 16-byte and scales in 8-byte pieces.
         ensure!(
             wp % 16 == 0 && sp % 8 == 0 && bp % 8 == 0,
@@ -384,16 +396,6 @@ fn format_of(w: &Matrices) -> Format {
         WeightData::Affine { bits: 8, .. } => Format::Q8,
         WeightData::Affine { .. } => Format::Q4,
     }
-}
-
-fn addr<'a, T>(
-    v: &'a CudaView<'_, T>,
-    stream: &'a CudaStream,
-    guards: &mut Vec<SyncOnDrop<'a>>,
-) -> u64 {
-    let (ptr, guard) = v.device_ptr(stream);
-    guards.push(guard);
-    ptr
 }
 
 /// Checks a stack of matrices against the kernel's layout rules; returns its format.

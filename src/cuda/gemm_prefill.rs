@@ -8,13 +8,13 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{sys, DevicePtrMut, DeviceRepr, LaunchConfig};
 use half::bf16;
 
 use super::gemm::{Matrices, WeightData, GROUP};
 use super::moe::ExpertGroups;
 use super::{
-    as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaError, CudaFunction,
+    addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaError, CudaFunction,
     CudaStream, CudaView, CudaViewMut, Result,
 };
 
@@ -277,19 +277,7 @@ impl GemmKernels {
         // Raw device addresses for the argument struct. The guards are cudarc's stream-ordering
         // hooks (no-ops with event tracking off); they live until the launch is queued.
         let mut guards = Vec::new();
-        let (wp, sp, bp) = match &w.data {
-            WeightData::Bf16(v) => (addr(v, stream, &mut guards), 0, 0),
-            WeightData::Affine {
-                packed,
-                scales,
-                biases,
-                ..
-            } => (
-                addr(packed, stream, &mut guards),
-                addr(scales, stream, &mut guards),
-                addr(biases, stream, &mut guards),
-            ),
-        };
+        let (wp, sp, bp) = w.addrs(stream, &mut guards);
         ensure!(
             wp % 16 == 0,
             "gemm: weights at {wp:#x} are not 16-byte aligned"
@@ -371,16 +359,6 @@ fn dense_rows(w: &Matrices, x: &CudaView<bf16>) -> Result<usize> {
         w.cols
     );
     Ok(x.len() / w.cols)
-}
-
-fn addr<'a, T>(
-    v: &'a CudaView<'_, T>,
-    stream: &'a CudaStream,
-    guards: &mut Vec<SyncOnDrop<'a>>,
-) -> u64 {
-    let (ptr, guard) = v.device_ptr(stream);
-    guards.push(guard);
-    ptr
 }
 
 /// Checks a stack of matrices against the kernel's layout rules; returns its format.

@@ -117,6 +117,19 @@ pub(crate) fn ensure_aligned<T>(
     Ok(())
 }
 
+/// The raw device address of `v` for a kernel's argument struct. The guard (cudarc's
+/// stream-ordering hook, a no-op with event tracking off) goes into `guards`, which must live
+/// until the launch is queued.
+pub(crate) fn addr<'a, T>(
+    v: &'a CudaView<'_, T>,
+    stream: &'a CudaStream,
+    guards: &mut Vec<cudarc::driver::SyncOnDrop<'a>>,
+) -> u64 {
+    let (ptr, guard) = v.device_ptr(stream);
+    guards.push(guard);
+    ptr
+}
+
 /// A size as the kernels' `int`.
 pub(crate) fn as_i32(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v)
