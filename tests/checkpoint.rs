@@ -4,8 +4,8 @@ mod common;
 
 use std::path::Path;
 
-use common::fixture_dir;
-use lily::checkpoint::{self, safetensors, synth, tensor::DType, CheckpointError};
+use common::{fixture_dir, rewrite};
+use lily::checkpoint::{self, synth, tensor::DType, CheckpointError};
 use lily::model::cpu::{forward, Logits};
 use lily::model::SequenceState;
 
@@ -24,17 +24,6 @@ fn broken_copy() -> (tempfile::TempDir, std::path::PathBuf) {
     std::fs::remove_file(dir.path().join("reference.safetensors")).unwrap();
     let file = dir.path().join("model.safetensors");
     (dir, file)
-}
-
-/// Rewrites the fixture's tensors through `edit` (name, dtype, shape, bytes).
-fn rewrite(file: &Path, edit: impl Fn(&mut Vec<(String, DType, Vec<usize>, Vec<u8>)>)) {
-    let tensors = safetensors::open_file(file).unwrap();
-    let mut list: Vec<_> = tensors
-        .into_iter()
-        .map(|(n, t)| (n, t.dtype, t.shape.clone(), t.data.as_slice().to_vec()))
-        .collect();
-    edit(&mut list);
-    safetensors::write_file(file, &list).unwrap();
 }
 
 fn load_err(dir: &Path) -> String {

@@ -5,7 +5,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::rel_error;
+use common::{rel_error, rewrite};
 use lily::checkpoint::{self, mlx, mlx_write, safetensors, synth, tensor::DType};
 use lily::model::cpu::{forward, Logits};
 use lily::model::weights::{Mixer, WeightFormat};
@@ -113,16 +113,6 @@ fn broken_copy() -> (tempfile::TempDir, PathBuf) {
     }
     let file = dir.path().join("model.safetensors");
     (dir, file)
-}
-
-fn rewrite(file: &Path, edit: impl Fn(&mut Vec<(String, DType, Vec<usize>, Vec<u8>)>)) {
-    let tensors = safetensors::open_file(file).unwrap();
-    let mut list: Vec<_> = tensors
-        .into_iter()
-        .map(|(n, t)| (n, t.dtype, t.shape.clone(), t.data.as_slice().to_vec()))
-        .collect();
-    edit(&mut list);
-    safetensors::write_file(file, &list).unwrap();
 }
 
 fn edit_config(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use lily::checkpoint::safetensors::open_file;
 use lily::checkpoint::tensor::{DType, RawTensor};
@@ -52,3 +52,15 @@ pub fn rel_error(a: &[f32], b: &[f32]) -> f32 {
 
 #[allow(unused_imports)]
 pub use lily::model::argmax;
+
+/// Rewrites a safetensors file's tensors through `edit` (name, dtype, shape, bytes): how the tests
+/// make broken checkpoints.
+pub fn rewrite(file: &Path, edit: impl Fn(&mut Vec<(String, DType, Vec<usize>, Vec<u8>)>)) {
+    let tensors = open_file(file).unwrap();
+    let mut list: Vec<_> = tensors
+        .into_iter()
+        .map(|(n, t)| (n, t.dtype, t.shape.clone(), t.data.as_slice().to_vec()))
+        .collect();
+    edit(&mut list);
+    lily::checkpoint::safetensors::write_file(file, &list).unwrap();
+}
