@@ -17,7 +17,7 @@ use half::bf16;
 use super::attention::{AttentionKernels, AttentionWorkspace, KvCache, QKV_WIDTH};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
-use super::gemm::{GemvKernels, MAX_TOKENS};
+use super::gemm::{GemvKernels, SlotInput, MAX_TOKENS};
 use super::gemm_prefill::{GemmKernels, TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::{ExpertGroups, MoeKernels};
@@ -73,18 +73,18 @@ struct Scratch {
     proj: CudaSlice<bf16>,
     mixed: CudaSlice<bf16>,
     r: CudaSlice<bf16>,
+    /// `[tokens][experts + 1]`: router logits, then the shared expert's gate logit.
     router: CudaSlice<bf16>,
+    /// `[tokens][slots]`, slots = top_k routed experts + the shared expert (DeviceMoe).
     expert_ids: CudaSlice<i32>,
     expert_weights: CudaSlice<f32>,
+    /// Decode: `[slots][2·I]`, each slot's gate‖up.
     gu: CudaSlice<bf16>,
-    /// Decode: `[top_k][I]`; prefill: `[tokens·top_k][I]` in expert-sorted order.
+    /// Prefill: `[tokens·slots][I]` in expert-sorted order.
     act: CudaSlice<bf16>,
+    /// `[tokens][slots][hidden]`: each slot's expert output, before weighting.
     routed: CudaSlice<bf16>,
     groups: ExpertGroups,
-    shared_gu: CudaSlice<bf16>,
-    shared_act: CudaSlice<bf16>,
-    shared: CudaSlice<bf16>,
-    shared_gate: CudaSlice<bf16>,
     logits: CudaSlice<bf16>,
     next: CudaSlice<i32>,
     slot: CudaSlice<i32>,
@@ -152,11 +152,11 @@ impl CudaBackend {
         };
         let rows = options.prefill_chunk.max(1);
         let h = c.hidden_size;
-        let (e, topk, inter, si) = (
-            c.num_experts,
-            c.num_experts_per_tok,
+        // The shared expert is one more expert (DeviceMoe): one more router row and slot.
+        let (e, slots, inter) = (
+            c.num_experts + 1,
+            c.num_experts_per_tok + 1,
             c.moe_intermediate_size,
-            c.shared_expert_intermediate_size,
         );
         let proj_width =
             (c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads).max(QKV_WIDTH);
@@ -170,16 +170,12 @@ impl CudaBackend {
             mixed: alloc(&st, rows * mixed_width)?,
             r: alloc(&st, rows * h)?,
             router: alloc(&st, rows * e)?,
-            expert_ids: alloc(&st, rows * topk)?,
-            expert_weights: alloc(&st, rows * topk)?,
-            gu: alloc(&st, topk * 2 * inter)?,
-            act: alloc(&st, rows * topk * inter)?,
-            routed: alloc(&st, rows * topk * h)?,
-            groups: ExpertGroups::new(&st, rows, topk, e, TILE_ROWS)?,
-            shared_gu: alloc(&st, rows * 2 * si)?,
-            shared_act: alloc(&st, rows * si)?,
-            shared: alloc(&st, rows * h)?,
-            shared_gate: alloc(&st, rows)?,
+            expert_ids: alloc(&st, rows * slots)?,
+            expert_weights: alloc(&st, rows * slots)?,
+            gu: alloc(&st, slots * 2 * inter)?,
+            act: alloc(&st, rows * slots * inter)?,
+            routed: alloc(&st, rows * slots * h)?,
+            groups: ExpertGroups::new(&st, rows, slots, e, TILE_ROWS)?,
             logits: alloc(&st, c.vocab_size)?,
             next: alloc(&st, 1)?,
             slot: alloc(&st, 1)?,
@@ -418,22 +414,26 @@ impl CudaBackend {
                 }
             }
             // h += mixer output; m = norm(h).
-            k.norm.add_rmsnorm(
+            k.norm.residual_rmsnorm(
                 &mut s.h.slice_mut(..t * hd),
                 &s.r.slice(..t * hd),
+                None,
                 &layer.post_norm.as_view(),
                 &mut s.xn.slice_mut(..t * hd),
                 c.rms_norm_eps,
             )?;
-            moe(&c, k, &layer.moe, s, t)?;
-            // h += MoE output; the next layer's input norm (or the final norm).
+            moe_experts(&c, k, &layer.moe, s, t)?;
+            // h += the experts' outputs weighted (the MoE combine); the next layer's input norm
+            // (or the final norm).
             let next_norm = m
                 .layers
                 .get(li + 1)
                 .map_or(&m.final_norm, |l| &l.input_norm);
-            k.norm.add_rmsnorm(
+            let slots = c.num_experts_per_tok + 1;
+            k.norm.residual_rmsnorm(
                 &mut s.h.slice_mut(..t * hd),
-                &s.r.slice(..t * hd),
+                &s.routed.slice(..t * slots * hd),
+                Some(&s.expert_weights.slice(..t * slots)),
                 &next_norm.as_view(),
                 &mut s.xn.slice_mut(..t * hd),
                 c.rms_norm_eps,
@@ -447,43 +447,46 @@ impl CudaBackend {
     }
 }
 
-/// The MoE block for `t` rows of `s.xn`, written to `s.r`.
-fn moe(
+/// The MoE block's experts for `t` rows of `s.xn`: routing, then each (token, slot)'s expert
+/// output unweighted in `s.routed` `[t][slots][hidden]`, slot top_k being the shared expert; the
+/// weights are left in `s.expert_weights` for the combine.
+fn moe_experts(
     c: &ModelConfig,
     k: &mut Kernels,
     w: &super::model::DeviceMoe,
     s: &mut Scratch,
     t: usize,
 ) -> Result<()> {
-    let (hd, e, topk, inter, si) = (
+    let (hd, e, topk, inter) = (
         c.hidden_size,
         c.num_experts,
         c.num_experts_per_tok,
         c.moe_intermediate_size,
-        c.shared_expert_intermediate_size,
     );
+    let slots = topk + 1;
     gemv_rows(
         k,
         &w.router,
         &s.xn.slice(..t * hd),
-        &mut s.router.slice_mut(..t * e),
+        &mut s.router.slice_mut(..t * (e + 1)),
         t,
     )?;
     k.moe.router_topk(
-        &s.router.slice(..t * e),
+        &s.router.slice(..t * (e + 1)),
         e,
         topk,
-        &mut s.expert_ids.slice_mut(..t * topk),
-        &mut s.expert_weights.slice_mut(..t * topk),
+        true,
+        &mut s.expert_ids.slice_mut(..t * slots),
+        &mut s.expert_weights.slice_mut(..t * slots),
     )?;
-    let prefill = t > MAX_TOKENS
+    let grouped = t > MAX_TOKENS
         && GemmKernels::supports(&w.gate_up.view())
         && GemmKernels::supports(&w.down.view());
-    if prefill {
+    if grouped {
         // Pairs sorted by expert, then one grouped GEMM per projection; routed[token][slot] as below.
         k.moe
-            .group_by_expert(&s.expert_ids.slice(..t * topk), topk, &mut s.groups)?;
-        let mut act = s.act.slice_mut(..t * topk * inter);
+            .group_by_expert(&s.expert_ids.slice(..t * slots), slots, &mut s.groups)?;
+        let mut act = s.act.slice_mut(..t * slots * inter);
         k.gemm.experts_gate_up(
             &w.gate_up.view(),
             &s.xn.slice(..t * hd),
@@ -492,79 +495,36 @@ fn moe(
         )?;
         k.gemm.experts_down(
             &w.down.view(),
-            &s.act.slice(..t * topk * inter),
+            &s.act.slice(..t * slots * inter),
             &s.groups,
-            &mut s.routed.slice_mut(..t * topk * hd),
-        )?;
+            &mut s.routed.slice_mut(..t * slots * hd),
+        )
     } else {
         for row in 0..t {
-            let ids = s.expert_ids.slice(row * topk..(row + 1) * topk);
+            let ids = s.expert_ids.slice(row * slots..(row + 1) * slots);
             let x = s.xn.slice(row * hd..(row + 1) * hd);
             k.gemv.gemv_slots(
                 &w.gate_up.view(),
                 Some(&ids),
-                topk,
+                slots,
                 &x,
-                false,
+                SlotInput::Shared,
                 1,
                 &mut s.gu.as_view_mut(),
             )?;
-            k.norm
-                .silu_mul(&s.gu.as_view(), &mut s.act.slice_mut(..topk * inter), inter)?;
-            let mut out = s.routed.slice_mut(row * topk * hd..(row + 1) * topk * hd);
+            let mut out = s.routed.slice_mut(row * slots * hd..(row + 1) * slots * hd);
             k.gemv.gemv_slots(
                 &w.down.view(),
                 Some(&ids),
-                topk,
-                &s.act.slice(..topk * inter),
-                true,
+                slots,
+                &s.gu.as_view(),
+                SlotInput::PerSlotSwiGlu,
                 1,
                 &mut out,
             )?;
         }
+        Ok(())
     }
-    if t > MAX_TOKENS && GemmKernels::supports(&w.shared_gate_up.view()) {
-        k.gemm.gemm_swiglu(
-            &w.shared_gate_up.view(),
-            &s.xn.slice(..t * hd),
-            &mut s.shared_act.slice_mut(..t * si),
-        )?;
-    } else {
-        gemv_rows(
-            k,
-            &w.shared_gate_up,
-            &s.xn.slice(..t * hd),
-            &mut s.shared_gu.slice_mut(..t * 2 * si),
-            t,
-        )?;
-        k.norm.silu_mul(
-            &s.shared_gu.slice(..t * 2 * si),
-            &mut s.shared_act.slice_mut(..t * si),
-            si,
-        )?;
-    }
-    gemv_rows(
-        k,
-        &w.shared_down,
-        &s.shared_act.slice(..t * si),
-        &mut s.shared.slice_mut(..t * hd),
-        t,
-    )?;
-    gemv_rows(
-        k,
-        &w.shared_gate,
-        &s.xn.slice(..t * hd),
-        &mut s.shared_gate.slice_mut(..t),
-        t,
-    )?;
-    k.moe.combine(
-        &s.routed.slice(..t * topk * hd),
-        &s.expert_weights.slice(..t * topk),
-        &s.shared.slice(..t * hd),
-        &s.shared_gate.slice(..t),
-        topk,
-        &mut s.r.slice_mut(..t * hd),
-    )
 }
 
 /// `y = W · x` for `t` rows: the tensor-core GEMM for more than 8 rows, else (or for weights it
