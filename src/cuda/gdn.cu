@@ -140,6 +140,7 @@ __device__ __forceinline__ void st_cluster(float* local, u32 rank, float v) {
 // Thread t: column quad c = t % 8 (columns v0 + 4c .. +3), row group r = t / 8 (rows d = r + 16i).
 extern "C" __global__ void __cluster_dims__(DEC_CLUSTER, 1, 1) __launch_bounds__(DEC_THREADS)
 gdn_decode(const GdnArgs p) {
+    pdl_wait();
     pdl_launch_dependents();
     __shared__ float q_s[GDN_DK], k_s[GDN_DK];  // q and k of key head kh, raw conv outputs
     __shared__ float qk_mine[32];               // this block's 16 q then 16 k conv outputs
@@ -167,9 +168,6 @@ gdn_decode(const GdnArgs p) {
     float4 s[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) s[i] = *reinterpret_cast<const float4*>(S + (r + 16 * i) * GDN_DV);
-    // PDL (common.cuh): the slot and the state are no earlier kernel's output in this step (only
-    // this kernel writes the state), so their loads go out before waiting for the projections.
-    pdl_wait();
     // The other inputs, loaded up front too (the cluster barriers below order memory, so loads
     // are not moved across them): the gate inputs, and z and the norm weight of the 4 columns
     // that threads 0..7 will write.

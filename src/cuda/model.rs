@@ -9,7 +9,7 @@ use cudarc::driver::CudaSlice;
 
 use super::synth::SynthKernels;
 use super::weights::{htod, DeviceMatrices};
-use super::{ensure, CudaDevice, CudaStream, Result};
+use super::{ensure, Context, CudaDevice, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::weights::{Mixer, MoeWeights, Weights};
 
@@ -108,6 +108,7 @@ impl CudaModel {
                 moe,
             });
         }
+        weights_ready(s)?;
         Ok(CudaModel {
             config: w.config.clone(),
             embed: DeviceMatrices::concat(s, &[&w.embed])?,
@@ -186,13 +187,15 @@ impl CudaModel {
             !c.tie_word_embeddings,
             "synthetic models have an untied LM head"
         );
-        Ok(CudaModel {
+        let model = CudaModel {
             embed: k.matrices(bits, 1, c.vocab_size, h, next())?,
             lm_head: k.matrices(bits, 1, c.vocab_size, h, next())?,
             final_norm: ones(h)?,
             layers,
             config,
-        })
+        };
+        weights_ready(s)?;
+        Ok(model)
     }
 
     /// Bytes of weights on the device.
@@ -223,4 +226,11 @@ fn check_shared_expert(c: &ModelConfig, same_format: bool) -> Result<()> {
         if same_format { "" } else { " and another format" }
     );
     Ok(())
+}
+
+/// Waits until every weight is in place. The GEMVs stream weights before their PDL wait
+/// (pdl.rs), which is safe only for data that no kernel still in the stream writes.
+fn weights_ready(s: &Arc<CudaStream>) -> Result<()> {
+    s.synchronize()
+        .during(|| "waiting for the weights to reach the GPU".into())
 }

@@ -6,8 +6,11 @@
 //! while its predecessor is still running: every lily kernel first does what depends on no earlier
 //! kernel (a GEMV streams its first weight tiles into shared memory), then waits at
 //! `pdl_wait()` (griddepcontrol.wait, common.cuh) until the predecessor has completed and its
-//! memory is visible. Every kernel calls `pdl_wait()` before it touches activations, and early
-//! calls `pdl_launch_dependents()` so that its successor can be scheduled. Launched without the
+//! memory is visible. Every kernel calls `pdl_launch_dependents()` early, so that its successor
+//! can be scheduled; hence when a kernel starts, its predecessors have only *started*, and before
+//! its `pdl_wait()` it may read only what no kernel writes once the model is loaded: the weights
+//! (CudaModel waits for them). Everything else (activations, caches, recurrent state, which
+//! prefill kernels write too) comes after the wait. Launched without the
 //! attribute (`LILY_PDL=0`, for A/B measurements), `pdl_wait()` returns at once and the stream
 //! serialises kernels as usual. The dependency edges survive CUDA-graph capture.
 
