@@ -15,6 +15,7 @@ use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
 use super::attention::{AttentionKernels, AttentionWorkspace, KvCache, QKV_WIDTH};
+use super::dense::{self, DenseGemm};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
 use super::gemm::{GemvKernels, SlotInput, MAX_TOKENS};
@@ -57,6 +58,7 @@ struct Kernels {
     norm: NormKernels,
     gemv: GemvKernels,
     gemm: GemmKernels,
+    dense: DenseGemm,
     embed: EmbedKernels,
     moe: MoeKernels,
     sample: SampleKernels,
@@ -144,6 +146,7 @@ impl CudaBackend {
             norm: NormKernels::load(&dev)?,
             gemv: GemvKernels::load(&dev)?,
             gemm: GemmKernels::load(&dev)?,
+            dense: DenseGemm::new(&dev, largest_dense_matrix(&model))?,
             embed: EmbedKernels::load(&dev)?,
             moe: MoeKernels::load(&dev)?,
             sample: SampleKernels::load(&dev, 1)?,
@@ -527,10 +530,11 @@ fn moe_experts(
     }
 }
 
-/// `y = W · x` for `t` rows: the tensor-core GEMM for more than 8 rows, else (or for weights it
-/// does not take) GEMVs of as many tokens per launch as fit in shared memory (≤ 8).
+/// `y = W · x` for `t` rows: cuBLAS on dequantised weights for long chunks (dense.rs), our
+/// tensor-core GEMM for more than 8 rows, else (or for weights it does not take) GEMVs of as
+/// many tokens per launch as fit in shared memory (≤ 8).
 fn gemv_rows(
-    k: &Kernels,
+    k: &mut Kernels,
     w: &DeviceMatrices,
     x: &CudaView<bf16>,
     y: &mut CudaViewMut<bf16>,
@@ -538,6 +542,11 @@ fn gemv_rows(
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     let view = w.view();
+    if t >= dense::MIN_TOKENS && GemmKernels::supports(&view) {
+        return k
+            .dense
+            .gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
+    }
     if t > MAX_TOKENS && GemmKernels::supports(&view) {
         return k
             .gemm
@@ -632,4 +641,18 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// The most values of one dense (non-expert) matrix: the size of the cuBLAS path's scratch.
+fn largest_dense_matrix(m: &CudaModel) -> usize {
+    let mats = m.layers.iter().flat_map(|l| {
+        let mixer = match &l.mixer {
+            DeviceMixer::DeltaNet {
+                in_proj, out_proj, ..
+            } => [in_proj, out_proj],
+            DeviceMixer::Attention { qkv, o_proj, .. } => [qkv, o_proj],
+        };
+        mixer.into_iter().chain([&l.moe.router])
+    });
+    mats.map(|w| w.rows * w.cols).max().unwrap_or(0)
 }

@@ -7,6 +7,7 @@
 //! The kernels are sm_90a cubins compiled by build.rs and embedded in the binary.
 
 pub mod attention;
+pub mod dense;
 pub mod embed;
 pub mod forward;
 pub mod gdn;
