@@ -33,17 +33,17 @@ import model_config  # noqa: E402
 
 CHUNK_BYTES = 64 << 20
 
-# Per-block layouts of the quantised types we write (ggml-common.h), and the f16 scale values that
-# give weights of roughly N(0, 0.02) size with random 4/6/8-bit codes and sub-block scales.
-BLOCK_FIELDS = {
-    # value = d * sc * q - dmin * m, q in 0..15, sc/m 6-bit: dmin = 7.5 d centres it.
-    "Q4_K": (np.dtype([("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]),
-             {"d": 1.0e-4, "dmin": 7.5e-4}),
-    # value = d * scale * (q - 32), scale int8, q 6-bit.
-    "Q6_K": (np.dtype([("ql", "u1", 128), ("qh", "u1", 64), ("scales", "i1", 16), ("d", "<f2")]),
-             {"d": 1.0e-5}),
-    # value = d * q, q int8.
-    "Q8_0": (np.dtype([("d", "<f2"), ("qs", "i1", 32)]), {"d": 3.0e-4}),
+# Where the f16 scales sit in each block of the types we write (ggml-common.h), and values that give
+# weights of roughly N(0, 0.02) size with random 4/6/8-bit codes and sub-block scales. Every other
+# byte of a block is a random code.
+SCALES = {
+    # block_q4_K (144 B): d f16, dmin f16, scales[12], qs[128]; value = d * sc * q - dmin * m with
+    # q in 0..15 and 6-bit sc, m: dmin = 7.5 d centres it.
+    "Q4_K": (144, {0: 1.0e-4, 2: 7.5e-4}),
+    # block_q6_K (210 B): ql[128], qh[64], int8 scales[16], d f16; value = d * scale * (q - 32).
+    "Q6_K": (210, {208: 1.0e-5}),
+    # block_q8_0 (34 B): d f16, int8 qs[32]; value = d * q.
+    "Q8_0": (34, {0: 3.0e-4}),
 }
 
 
@@ -189,11 +189,12 @@ def fill(job):
     elif type_name == "F16":
         data = rng.normal(0.0, 0.02, nbytes // 2).astype("<f2").view(np.uint8)
     else:
-        dtype, scales = BLOCK_FIELDS[type_name]
-        blocks = np.frombuffer(bytearray(rng.bytes(nbytes)), dtype=dtype)
-        for field, value in scales.items():
-            blocks[field] = (value * rng.uniform(0.5, 1.5, len(blocks))).astype("<f2")
-        data = blocks.view(np.uint8)
+        block_bytes, scales = SCALES[type_name]
+        data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        blocks = data.reshape(-1, block_bytes)
+        for at, value in scales.items():
+            d = (value * rng.uniform(0.5, 1.5, len(blocks))).astype("<f2")
+            blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
     fd = os.open(path, os.O_WRONLY)
     try:
         view = memoryview(data)
@@ -212,6 +213,8 @@ def main():
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--config", default="full", choices=list(model_config.CONFIGS))
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
+    parser.add_argument("--layout-only", action="store_true",
+                        help="leave the tensor data a sparse run of zeros (takes no disk): to check that llama.cpp loads the layout")
     args = parser.parse_args()
     sys.path.insert(0, str(args.gguf_py))
     import gguf
@@ -254,6 +257,8 @@ def main():
         for start in range(0, nbytes, step):
             jobs.append((str(args.out), offset + start, min(step, nbytes - start), qtype.name, kind, seed + len(jobs)))
         offset += gguf.GGUFWriter.ggml_pad(nbytes, w.data_alignment)
+    if args.layout_only:
+        jobs = []
     with ProcessPoolExecutor(args.jobs) as pool:
         written = sum(pool.map(fill, jobs, chunksize=4))
     counts = {}
