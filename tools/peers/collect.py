@@ -5,6 +5,8 @@ PNG of the prefill and decode curves of every engine.
 Usage: python3 tools/peers/collect.py --lily bench/runs/DATE-COMMIT.csv PEER_DIR... \
            [--lily-label "lily (Q4, CUDA)"] [--md bench/peers.md] [--png bench/peers.png]
 A PEER_DIR holds results.csv and meta.json as run.sh writes them (transformers, mlx, llama, ...).
+Directories of the same engine (a second run of the contexts the first skipped) are merged: a measured
+row wins over a skipped one.
 """
 import argparse
 import csv
@@ -37,6 +39,20 @@ def read_peer(directory):
             rows[int(r["context"])] = {"prefill": float(r["prefill_tok_s"]) if ok else None,
                                        "decode": float(r["decode_tok_s"]) if ok else None, "status": r["status"]}
     return json.loads(meta.read_text()), rows
+
+
+def merge_same_engine(peers):
+    merged = {}
+    for meta, rows in peers:
+        if meta["engine"] not in merged:
+            merged[meta["engine"]] = (meta, dict(rows))
+            continue
+        first_meta, first_rows = merged[meta["engine"]]
+        for c, r in rows.items():
+            if r["status"] == OK or c not in first_rows:
+                first_rows[c] = r
+        first_meta["command"] = f"{first_meta.get('command')}; {meta.get('command')}"
+    return list(merged.values())
 
 
 def ctx_label(c):
@@ -120,7 +136,7 @@ def main():
     parser.add_argument("--png", type=Path, default=Path("bench/peers.png"))
     args = parser.parse_args()
     lily = read_lily(args.lily)
-    peers = [read_peer(d) for d in args.peers]
+    peers = merge_same_engine([read_peer(d) for d in args.peers])
     args.md.write_text(markdown(lily, args.lily_label, peers))
     plot(lily, args.lily_label, peers, args.png)
     print(f"wrote {args.md} and {args.png}")

@@ -12,6 +12,7 @@
 #   - unpacks llama.cpp and starts, in the background (setsid: it outlives the call), its CUDA build
 #     (llama-bench only, sm_90a, nice 19) and then the full-size GGUF (make_gguf.py).
 # OUTDIR gets results.csv, meta.json and log.txt (llama also build.txt).
+# PEERS_CONTEXTS (e.g. "65536,131072") limits the sweep to those contexts (collect.py merges runs).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tools/peers/versions.sh
@@ -77,16 +78,17 @@ mkdir -p "$out"
 start=$SECONDS
 setup 2>&1 | tee "$out/log.txt"
 left() { echo $((cap - (SECONDS - start))); }
+contexts=(${PEERS_CONTEXTS:+--contexts "$PEERS_CONTEXTS"})
 
 case "$peer" in
     transformers)
-        PYTHONPATH=$state/site-fla python3 tools/peers/bench_transformers.py --out "$out" --time-cap "$(left)" ;;
+        PYTHONPATH=$state/site-fla python3 tools/peers/bench_transformers.py --out "$out" --time-cap "$(left)" "${contexts[@]}" ;;
     transformers-nofla)
-        python3 tools/peers/bench_transformers.py --no-fla --out "$out" --time-cap "$(left)" ;;
+        python3 tools/peers/bench_transformers.py --no-fla --out "$out" --time-cap "$(left)" "${contexts[@]}" ;;
     mlx)
         [ -d "$state/site-mlx" ] || { log "mlx is not installed: carry .peers/mlx-cuda-1 and then .peers/mlx-cuda-2 in back-to-back calls"; exit 1; }
         CUDA_PATH=${CUDA_PATH:-$(dirname "$(dirname "$(command -v nvcc)")")} PYTHONPATH=$state/site-mlx \
-            python3 tools/peers/bench_mlx.py --out "$out" --time-cap "$(left)" ;;
+            python3 tools/peers/bench_mlx.py --out "$out" --time-cap "$(left)" "${contexts[@]}" ;;
     llama)
         [ -d "$state/llama.cpp" ] || { log "no llama.cpp source in $state: carry .peers/carry (a fresh machine lost it)"; exit 1; }
         log "waiting for the llama.cpp build and the GGUF"
@@ -98,6 +100,6 @@ case "$peer" in
         done
         cp "$state/build-time.txt" "$out/build.txt"
         python3 tools/peers/bench_llama.py --llama-bench "$state/build/bin/llama-bench" --model "$state/model.gguf" \
-            --out "$out" --time-cap "$(left)" ${LLAMA_BENCH_EXTRA:+--extra "$LLAMA_BENCH_EXTRA"} ;;
+            --out "$out" --time-cap "$(left)" "${contexts[@]}" ${LLAMA_BENCH_EXTRA:+--extra "$LLAMA_BENCH_EXTRA"} ;;
     *) echo "unknown peer '$peer': transformers | transformers-nofla | mlx | llama | setup" >&2; exit 2 ;;
 esac 2>&1 | tee -a "$out/log.txt"

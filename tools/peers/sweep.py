@@ -64,13 +64,14 @@ class TimeCap:
     PREFILL_GROWTH_MARGIN = 1.25
     OTHER_GROWTH = 1.15
 
-    def __init__(self, cap_s, start=None):
+    def __init__(self, cap_s, clock=time.monotonic):
         self.cap_s = cap_s
-        self.start = time.monotonic() if start is None else start
+        self.clock = clock
+        self.start = clock()
         self.last = None  # (context, prefill part s, other part s)
 
     def elapsed(self):
-        return time.monotonic() - self.start
+        return self.clock() - self.start
 
     def predicted(self, context):
         if self.last is None:
@@ -107,7 +108,7 @@ def run_sweep(measure_all, contexts, decode_steps, rounds, cap, prefills_per_con
             log(f"ctx {context}: {NOT_RUN} ({cap.elapsed():.0f} s used, ~{cap.predicted(context):.0f} s more needed, cap {cap.cap_s:.0f} s)")
             rows.append((context, None, None, NOT_RUN))
             continue
-        t0 = time.monotonic()
+        t0 = cap.clock()
         try:
             runs = measure_all(context, decode_steps, rounds)
         except Exception as e:  # e.g. out of memory at the longest contexts: say so, skip the longer ones
@@ -117,7 +118,7 @@ def run_sweep(measure_all, contexts, decode_steps, rounds, cap, prefills_per_con
             continue
         prefill_s = statistics.median(r[0] for r in runs)
         decode_s = statistics.median(r[1] for r in runs)
-        cap.record(context, time.monotonic() - t0, prefills * prefill_s)
+        cap.record(context, cap.clock() - t0, prefills * prefill_s)
         log(f"ctx {context}: prefill {context / prefill_s:,.0f} tok/s ({prefill_s:.3f} s), "
             f"decode {decode_steps / decode_s:.1f} tok/s  [{cap.elapsed():.0f} s used]")
         rows.append((context, prefill_s, decode_s, "ok"))
