@@ -87,8 +87,12 @@ case "$peer" in
         python3 tools/peers/bench_transformers.py --no-fla --out "$out" --time-cap "$(left)" "${contexts[@]}" ;;
     mlx)
         [ -d "$state/site-mlx" ] || { log "mlx is not installed: carry .peers/mlx-cuda-1 and then .peers/mlx-cuda-2 in back-to-back calls"; exit 1; }
-        CUDA_PATH=${CUDA_PATH:-$(dirname "$(dirname "$(command -v nvcc)")")} PYTHONPATH=$state/site-mlx \
-            python3 tools/peers/bench_mlx.py --out "$out" --time-cap "$(left)" "${contexts[@]}" ;;
+        # NVRTC (MLX's JIT kernels) needs the CUDA headers; the library path is a fallback to the RPATH link.
+        nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+        export CUDA_PATH=${CUDA_PATH:-${CUDA_HOME:-$(dirname "$(dirname "$nvcc")")}}
+        export LD_LIBRARY_PATH=$(ls -d "$state"/site-mlx/nvidia/*/lib | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+        log "CUDA_PATH=$CUDA_PATH"
+        PYTHONPATH=$state/site-mlx python3 tools/peers/bench_mlx.py --out "$out" --time-cap "$(left)" "${contexts[@]}" ;;
     llama)
         [ -d "$state/llama.cpp" ] || { log "no llama.cpp source in $state: carry .peers/carry (a fresh machine lost it)"; exit 1; }
         log "waiting for the llama.cpp build and the GGUF"
