@@ -15,6 +15,7 @@ Flash attention on, all layers on the GPU.
 Usage: python3 bench_llama.py --llama-bench BIN --model M.gguf --out DIR [--time-cap S] [--extra "-ub 2048"]
 """
 import argparse
+import contextlib
 import json
 import shlex
 import statistics
@@ -30,26 +31,25 @@ import sweep  # noqa: E402
 DECODE_ALLOWANCE_S = 5.0
 
 
-def stream(cmd, keep_going):
-    """Runs llama-bench with JSON-lines output; yields each test's result; stops the process when
-    keep_going(result) says no."""
+def stream(cmd):
+    """Runs llama-bench with JSON-lines output and yields each test's result as it finishes; closing
+    the generator (contextlib.closing) stops the process."""
     print("$", shlex.join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    stopped = False
     try:
         for line in proc.stdout:
-            line = line.strip()
-            if not line.startswith("{"):
-                continue
-            result = json.loads(line)
-            yield result
-            if not keep_going(result):
-                break
+            if line.startswith("{"):
+                yield json.loads(line)
+    except GeneratorExit:
+        stopped = True
+        raise
     finally:
         if proc.poll() is None:
             proc.terminate()
         proc.wait()
-    if proc.returncode not in (0, -15):
-        raise RuntimeError(f"llama-bench exited with {proc.returncode}")
+        if proc.returncode != 0 and not stopped:
+            raise RuntimeError(f"llama-bench exited with {proc.returncode}")
 
 
 def median_s(result):
@@ -77,24 +77,26 @@ def main():
         per_prefill = prefill[last] * context / last * cap.PREFILL_GROWTH_MARGIN
         return (args.rounds + 2) * per_prefill + DECODE_ALLOWANCE_S
 
-    def next_fits(result):
-        context = result["n_prompt"]
-        prefill[context] = median_s(result)
-        info.update(result)
+    def next_fits(context):
         later = [c for c in contexts if c > context]
         # Still owed to the decode process: one depth prefill and the decodes per context run so far.
         owed = sum(prefill.values()) + DECODE_ALLOWANCE_S * len(prefill)
         return bool(later) and cap.elapsed() + owed + predicted_total(later[0]) <= cap.cap_s
 
     cmd = base + ["-p", ",".join(map(str, contexts)), "-n", "0"]
-    for result in stream(cmd, next_fits):
-        c = result["n_prompt"]
-        print(f"pp{c}: {c / prefill[c]:,.0f} tok/s  [{cap.elapsed():.0f} s used]", flush=True)
+    with contextlib.closing(stream(cmd)) as results:
+        for result in results:
+            c = result["n_prompt"]
+            prefill[c] = median_s(result)
+            info.update(result)
+            print(f"pp{c}: {c / prefill[c]:,.0f} tok/s  [{cap.elapsed():.0f} s used]", flush=True)
+            if not next_fits(c):
+                break
     ran = sorted(prefill)
     decode = {}
     if ran:
         cmd = base + ["-p", "0", "-n", str(args.decode_steps), "-d", ",".join(map(str, ran))]
-        for result in stream(cmd, lambda r: True):
+        for result in stream(cmd):
             decode[result["n_depth"]] = median_s(result)
             print(f"tg{args.decode_steps} @ d{result['n_depth']}: {args.decode_steps / decode[result['n_depth']]:.1f} tok/s"
                   f"  [{cap.elapsed():.0f} s used]", flush=True)
