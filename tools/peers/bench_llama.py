@@ -83,29 +83,38 @@ def main():
         owed = sum(prefill.values()) + DECODE_ALLOWANCE_S * len(prefill)
         return bool(later) and cap.elapsed() + owed + predicted_total(later[0]) <= cap.cap_s
 
+    failure = {}  # phase -> why llama-bench stopped (e.g. out of memory at the longest context)
     cmd = base + ["-p", ",".join(map(str, contexts)), "-n", "0"]
-    with contextlib.closing(stream(cmd)) as results:
-        for result in results:
-            c = result["n_prompt"]
-            prefill[c] = median_s(result)
-            info.update(result)
-            print(f"pp{c}: {c / prefill[c]:,.0f} tok/s  [{cap.elapsed():.0f} s used]", flush=True)
-            if not next_fits(c):
-                break
-    ran = sorted(prefill)
+    try:
+        with contextlib.closing(stream(cmd)) as results:
+            for result in results:
+                c = result["n_prompt"]
+                prefill[c] = median_s(result)
+                info.update(result)
+                print(f"pp{c}: {c / prefill[c]:,.0f} tok/s  [{cap.elapsed():.0f} s used]", flush=True)
+                if not next_fits(c):
+                    break
+    except RuntimeError as e:
+        failure["prefill"] = str(e)
     decode = {}
-    if ran:
-        cmd = base + ["-p", "0", "-n", str(args.decode_steps), "-d", ",".join(map(str, ran))]
-        for result in stream(cmd):
-            decode[result["n_depth"]] = median_s(result)
-            print(f"tg{args.decode_steps} @ d{result['n_depth']}: {args.decode_steps / decode[result['n_depth']]:.1f} tok/s"
-                  f"  [{cap.elapsed():.0f} s used]", flush=True)
+    if prefill:
+        cmd = base + ["-p", "0", "-n", str(args.decode_steps), "-d", ",".join(map(str, sorted(prefill)))]
+        try:
+            for result in stream(cmd):
+                d = result["n_depth"]
+                decode[d] = median_s(result)
+                print(f"tg{args.decode_steps} @ d{d}: {args.decode_steps / decode[d]:.1f} tok/s  [{cap.elapsed():.0f} s used]",
+                      flush=True)
+        except RuntimeError as e:
+            failure["decode"] = str(e)
     rows = []
     for c in contexts:
         if c in prefill and c in decode:
             rows.append((c, prefill[c], decode[c], "ok"))
         elif c in prefill:
-            rows.append((c, None, None, "error: no decode result"))
+            rows.append((c, None, None, f"error: decode: {failure.get('decode', 'no result')}"))
+        elif "prefill" in failure and c == min(x for x in contexts if x not in prefill):
+            rows.append((c, None, None, f"error: {failure['prefill']}"))
         else:
             rows.append((c, None, None, sweep.NOT_RUN))
     sweep.write_results(args.out, rows, args.decode_steps, {
@@ -116,6 +125,7 @@ def main():
         "flash_attn": info.get("flash_attn"), "n_batch": info.get("n_batch"), "n_ubatch": info.get("n_ubatch"),
         "type_k": info.get("type_k"), "type_v": info.get("type_v"), "n_gpu_layers": info.get("n_gpu_layers"),
         "llama_bench": shlex.join(base),
+        "note": "prefill = llama-bench pp N (batch decode of the prompt, no sampling); decode = tg64 at depth N",
     })
 
 
