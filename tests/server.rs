@@ -13,6 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
+use lily::engine::EngineOptions;
 use lily::server::{self, cpu_backend, ModelSource, ServeOptions, DEMO_MODEL_NAME};
 use lily::tokenizer::Tokenizer;
 
@@ -42,6 +43,7 @@ fn options() -> ServeOptions {
         max_in_flight: 256,
         scripted: None,
         shutdown_grace: Duration::from_secs(2),
+        engine: EngineOptions::default(),
     }
 }
 

@@ -195,6 +195,7 @@ impl TextModel {
             max_tokens: plan.params.max_tokens.unwrap_or(0),
             stop_token_ids: plan.params.stop_token_ids.clone(),
             sampler: picker.into_sampler(),
+            prompt_cache_key: plan.prompt_cache_key.clone(),
         };
         let events = engine.submit(request);
         Generation {
@@ -248,6 +249,8 @@ pub struct GenerationPlan {
     pub single_tool_call: bool,
     /// A text completion: the output is plain text, with no reasoning or tool calls to find.
     pub raw: bool,
+    /// The request's `prompt_cache_key` (see [`GenerateRequest`]).
+    pub prompt_cache_key: Option<String>,
 }
 
 /// The Lark grammar for a JSON answer: JSON per the schema, laid out like Python's `json.dumps`

@@ -88,6 +88,8 @@ pub struct ServeOptions {
     pub scripted: Option<PathBuf>,
     /// How long in-flight requests may take to finish after SIGINT/SIGTERM.
     pub shutdown_grace: Duration,
+    /// Batching, admission and prefix-cache settings of the engine.
+    pub engine: EngineOptions,
 }
 
 /// A loaded model, ready to serve.
@@ -322,7 +324,7 @@ pub fn load(options: &ServeOptions) -> anyhow::Result<ServedModel> {
         options.max_model_len,
         backend.config().max_position_embeddings,
     )?;
-    let engine = Engine::start(backend, EngineOptions::default());
+    let engine = Engine::start(backend, options.engine.clone());
     let meta = json!({
         "description": description,
         "demo": options.source == ModelSource::Demo && options.scripted.is_none(),
