@@ -86,7 +86,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         api_key: args.api_key.filter(|k| !k.is_empty()),
         max_model_len: args.max_model_len,
         backend: Arc::new(move |weights, max_context| {
-            super::device::backend(&device, weights, max_context)
+            super::device::backend(&device, weights, max_context, None)
         }),
         max_body_bytes: args.max_body_bytes,
         max_in_flight: args.max_in_flight,
