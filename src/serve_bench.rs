@@ -92,7 +92,10 @@ pub fn run(
         "streams and turns must be positive"
     );
     anyhow::ensure!(o.prompt_tokens > 0, "prompts need at least one token");
-    anyhow::ensure!(o.engine.prefix_cache_bytes > 0, "the prefix cache needs memory");
+    anyhow::ensure!(
+        o.engine.prefix_cache_bytes > 0,
+        "the prefix cache needs memory"
+    );
     let vocab = backend.config().vocab_size;
     let prompt = |seed| synthetic_prompt(o.prompt_tokens, vocab, seed);
     let no_cache = EngineOptions {
@@ -107,7 +110,11 @@ pub fn run(
 
     let (backend, elapsed) = with_engine(backend, &no_cache, |e| {
         let start = Instant::now();
-        concurrent(e, (0..o.streams as u64).map(prompt).collect(), o.output_tokens)?;
+        concurrent(
+            e,
+            (0..o.streams as u64).map(prompt).collect(),
+            o.output_tokens,
+        )?;
         Ok(start.elapsed())
     })?;
     let seconds = elapsed.as_secs_f64();
@@ -119,7 +126,11 @@ pub fn run(
     };
     progress(&format!(
         "{} streams × {} + {} tokens: {:.1} output tok/s, {:.1} total tok/s",
-        o.streams, o.prompt_tokens, o.output_tokens, throughput.output_tok_s, throughput.total_tok_s
+        o.streams,
+        o.prompt_tokens,
+        o.output_tokens,
+        throughput.output_tok_s,
+        throughput.total_tok_s
     ));
 
     // Each turn adds a message and an answer of `output_tokens`.

@@ -83,7 +83,7 @@ fn a_restored_state_continues_exactly() {
     let mut gpu = backend(3);
     let prompt = random_tokens(rand::rng().random_range(300..600));
     let cut = rand::rng().random_range(130..290); // past the first 128-token chunk
-    // The original: the prompt up to the cut, a snapshot, the rest and 16 greedy steps.
+                                                  // The original: the prompt up to the cut, a snapshot, the rest and 16 greedy steps.
     gpu.create_sequence(0).unwrap();
     gpu.forward(0, &prompt[..cut]).unwrap();
     let snap = gpu.snapshot(0).unwrap();
@@ -109,7 +109,10 @@ fn a_restored_state_continues_exactly() {
     }
     gpu.drop_snapshot(snap.id);
     gpu.create_sequence(4).unwrap();
-    assert!(gpu.restore(snap.id, 4).is_err(), "a dropped snapshot is gone");
+    assert!(
+        gpu.restore(snap.id, 4).is_err(),
+        "a dropped snapshot is gone"
+    );
 }
 
 #[test]

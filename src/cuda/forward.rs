@@ -612,6 +612,9 @@ impl Backend for CudaBackend {
         let gdn = gdn::SSM_STATE_LEN * size_of::<f32>() + gdn::CONV_STATE_LEN * size_of::<bf16>();
         (self.ssm.len() * gdn + tokens * self.kv.bytes_per_token()) as u64
     }
+    fn can_snapshot(&self) -> bool {
+        true
+    }
     fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
         let s = self.sequence(seq)?;
         let (slot, position) = (s.slot, s.position);

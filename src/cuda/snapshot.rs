@@ -146,7 +146,9 @@ impl SnapshotPool {
                 .during(|| "restoring a recurrent state".into())?;
             stream
                 .memcpy_dtod(
-                    &snap.conv.slice(i * CONV_STATE_LEN..(i + 1) * CONV_STATE_LEN),
+                    &snap
+                        .conv
+                        .slice(i * CONV_STATE_LEN..(i + 1) * CONV_STATE_LEN),
                     &mut conv.slice_mut(slot * CONV_STATE_LEN..(slot + 1) * CONV_STATE_LEN),
                 )
                 .during(|| "restoring a conv window".into())?;

@@ -4,7 +4,7 @@
 //! Gated-DeltaNet layers fold the whole history into a fixed-size recurrent state, which cannot
 //! be cut back to a shorter prefix the way a KV cache can. So instead of sharing KV blocks, the
 //! engine saves complete states at a few points of a sequence (every `snapshot_interval` prompt
-//! tokens, at the end of the prompt, at the end of the turn) and a later request whose prompt
+//! tokens, before the prompt's last token, at the end of the turn) and a later request whose prompt
 //! starts with the same tokens restores the longest such state and reads only the rest.
 //!
 //! Entries are keyed by a hash of their token prefix, seeded with the request's
@@ -136,7 +136,10 @@ impl PrefixCache {
         }
         let mut freed = Vec::new();
         while self.used + entry.bytes() > self.budget {
-            let (_, oldest) = self.by_age.pop_first().expect("entries hold the bytes used");
+            let (_, oldest) = self
+                .by_age
+                .pop_first()
+                .expect("entries hold the bytes used");
             let old = self.entries.remove(&oldest).expect("aged entries exist");
             self.used -= old.bytes();
             freed.push(old.snapshot.id);
@@ -155,7 +158,10 @@ impl PrefixCache {
     }
 
     fn touch(&mut self, hash: u64) {
-        let entry = self.entries.get_mut(&hash).expect("touch an existing entry");
+        let entry = self
+            .entries
+            .get_mut(&hash)
+            .expect("touch an existing entry");
         self.by_age.remove(&entry.last_used);
         self.clock += 1;
         entry.last_used = self.clock;

@@ -14,7 +14,8 @@
 //!    round-robin from where the previous batch stopped, up to `batch_tokens` (at least one
 //!    chunk per batch), so every prompt advances;
 //! 5. states worth keeping are saved in the prefix cache: every `snapshot_interval` prompt
-//!    tokens, at the end of the prompt, and at the end of the turn.
+//!    tokens, before the prompt's last token (the prefill stops there for it), and at the end
+//!    of the turn.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -25,7 +26,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::prefix_cache::PrefixCache;
 use super::{EngineOptions, EngineStats, Event, FinishReason, GenerateRequest};
-use crate::model::{Backend, SeqId};
+use crate::model::{panic_message, Backend, SeqId};
 
 /// A request as the engine thread receives it: the request and where its events go.
 pub type Submission = (GenerateRequest, UnboundedSender<Event>);
@@ -71,7 +72,7 @@ pub(super) struct EngineLoop {
     reserved: u64,
     /// Index in `running` of the first sequence offered a prefill chunk next time.
     prefill_turn: usize,
-    /// `None` when off, or when the backend turned out not to support snapshots.
+    /// `None` when off, or when the backend has no snapshots.
     cache: Option<PrefixCache>,
 }
 
@@ -81,7 +82,7 @@ impl EngineLoop {
         options: EngineOptions,
         stats: Arc<EngineStats>,
     ) -> EngineLoop {
-        let cache = (options.prefix_cache_bytes > 0)
+        let cache = (options.prefix_cache_bytes > 0 && backend.can_snapshot())
             .then(|| PrefixCache::new(options.prefix_cache_bytes));
         EngineLoop {
             backend,
@@ -356,8 +357,14 @@ impl EngineLoop {
                 self.prefill_turn = i;
                 return;
             }
-            let left = r.request.prompt.len() - r.prefilled;
-            let len = left.min(self.options.prefill_chunk.max(1));
+            let mut end = r.request.prompt.len();
+            if self.cache.is_some() && r.prefilled + 1 < end {
+                // Stop one token short of the end, to save the state there: a later request
+                // with the same prompt, or one that extends it, resumes from it (the last
+                // token must run for the logits anyway).
+                end -= 1;
+            }
+            let len = (end - r.prefilled).min(self.options.prefill_chunk.max(1));
             let len = if planned_any { len.min(budget) } else { len };
             work.push((
                 i,
@@ -373,11 +380,11 @@ impl EngineLoop {
     }
 
     /// After the prompt chunk `[from, to)` of `running[i]`: saves the state if the chunk reached
-    /// a multiple of the snapshot interval or the end of the prompt.
+    /// a multiple of the snapshot interval or the prompt's last token.
     fn save_prompt_state(&mut self, i: usize, from: usize, to: usize) {
         let interval = self.options.snapshot_interval.max(1);
         let r = &self.running[i];
-        if to / interval > from / interval || to == r.request.prompt.len() {
+        if to / interval > from / interval || to + 1 == r.request.prompt.len() {
             let (seq, tokens) = (r.seq, r.request.prompt[..to].to_vec());
             let key = r.request.prompt_cache_key.clone();
             self.save_state(seq, key.as_deref(), tokens);
@@ -398,13 +405,8 @@ impl EngineLoop {
                     self.backend.drop_snapshot(id);
                 }
             }
-            Err(e) => {
-                tracing::warn!("the prefix cache is off: {e:#}");
-                for id in cache.clear() {
-                    self.backend.drop_snapshot(id);
-                }
-                self.cache = None;
-            }
+            // Out of device memory, say: the sequence goes on, only this state is not kept.
+            Err(e) => tracing::warn!("cannot save a state for the prefix cache: {e:#}"),
         }
     }
 
@@ -447,12 +449,4 @@ impl EngineLoop {
         s.prefix_cache_entries.store(entries, Ordering::Relaxed);
         s.prefix_cache_bytes.store(bytes, Ordering::Relaxed);
     }
-}
-
-fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_else(|| "panic".into())
 }

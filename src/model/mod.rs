@@ -6,6 +6,7 @@ pub mod state;
 pub mod weights;
 
 use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 pub use state::SequenceState;
 pub use weights::Weights;
@@ -38,7 +39,8 @@ pub struct Snapshot {
 /// * a snapshot lives until [`drop_snapshot`](Backend::drop_snapshot), independent of the
 ///   sequence it was taken from; its memory is the `bytes` reported when it was taken.
 ///
-/// Backends without snapshots keep the defaults, which refuse; the engine then caches nothing.
+/// Backends without snapshots keep the defaults (`can_snapshot` false); the engine then caches
+/// nothing.
 pub trait Backend: Send {
     fn config(&self) -> &ModelConfig;
     /// A short description for logs and `/v1/models` ("cpu", "cuda:0 NVIDIA H200", ...).
@@ -56,18 +58,26 @@ pub trait Backend: Send {
     }
     /// Runs one step for each of several sequences (a prefill chunk or a decode token each, each
     /// sequence at most once) and returns the logits of each step's last token, in order. A
-    /// failed step fails only its own sequence. The default runs the steps one by one; devices
-    /// override it to batch them.
+    /// failed step fails only its own sequence. The default runs the steps one by one (a panic
+    /// in one becomes that step's error); devices override it to batch them.
     fn forward_batch(&mut self, steps: &[(SeqId, &[u32])]) -> Vec<anyhow::Result<Vec<f32>>> {
         steps
             .iter()
-            .map(|&(seq, tokens)| self.forward(seq, tokens))
+            .map(|&(seq, tokens)| {
+                catch_unwind(AssertUnwindSafe(|| self.forward(seq, tokens))).unwrap_or_else(
+                    |panic| Err(anyhow::anyhow!("internal error: {}", panic_message(panic))),
+                )
+            })
             .collect()
     }
     /// Bytes of state a sequence of `tokens` tokens holds (recurrent state and KV entries):
     /// what admission by memory reserves for a request.
     fn sequence_bytes(&self, tokens: usize) -> u64 {
         SequenceState::bytes(self.config(), tokens)
+    }
+    /// Whether [`snapshot`](Backend::snapshot) and [`restore`](Backend::restore) work here.
+    fn can_snapshot(&self) -> bool {
+        false
     }
     /// Saves a copy of `seq`'s state; see the trait's documentation.
     fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
@@ -88,6 +98,15 @@ pub trait Backend: Send {
         None
     }
     fn reset_peak_memory(&mut self) {}
+}
+
+/// The message of a caught panic.
+pub fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "panic".into())
 }
 
 /// Index of the largest value; the lowest index on ties.
@@ -156,6 +175,9 @@ impl Backend for CpuBackend {
             state,
             cpu::Logits::Last,
         ))
+    }
+    fn can_snapshot(&self) -> bool {
+        true
     }
     fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
         let copy = self.state(seq)?.clone();
