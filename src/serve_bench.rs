@@ -277,10 +277,8 @@ fn follow(mut rx: UnboundedReceiver<Event>, start: Instant) -> anyhow::Result<Ti
                 timing.last_token = now;
                 timing.tokens.push(t.id);
             }
-            Event::Done { cached_tokens, .. } => {
-                timing.cached_tokens = cached_tokens;
-                return Ok(timing);
-            }
+            Event::Started { cached_tokens } => timing.cached_tokens = cached_tokens,
+            Event::Done { .. } => return Ok(timing),
             Event::Error(e) => anyhow::bail!("a benchmark request failed: {e}"),
         }
     }

@@ -158,6 +158,7 @@ fn the_engine_reuses_prompts_on_the_gpu() {
         let mut ids = vec![];
         loop {
             match rx.blocking_recv().expect("an event") {
+                Event::Started { .. } => {}
                 Event::Token(t) => ids.push(t.id),
                 Event::Done { cached_tokens, .. } => return (ids, cached_tokens),
                 Event::Error(e) => panic!("{e}"),

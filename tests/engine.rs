@@ -65,6 +65,7 @@ fn collect(
     let mut ids = vec![];
     while let Some(ev) = rx.blocking_recv() {
         match ev {
+            Event::Started { .. } => {}
             Event::Token(t) => ids.push(t.id),
             Event::Done {
                 reason,
@@ -187,14 +188,23 @@ fn collect_cached(
     mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) -> (Vec<u32>, Option<FinishReason>, usize) {
     let mut ids = vec![];
+    let mut started = None;
     while let Some(ev) = rx.blocking_recv() {
         match ev {
+            Event::Started { cached_tokens } => started = Some(cached_tokens),
             Event::Token(t) => ids.push(t.id),
             Event::Done {
                 reason,
                 cached_tokens,
                 ..
-            } => return (ids, Some(reason), cached_tokens),
+            } => {
+                assert_eq!(
+                    started,
+                    Some(cached_tokens),
+                    "Started comes first, and agrees"
+                );
+                return (ids, Some(reason), cached_tokens);
+            }
             Event::Error(e) => panic!("request failed: {e}"),
         }
     }
@@ -377,6 +387,7 @@ fn random_load_with_cancellations_ends_at_baseline() {
                 .blocking_recv()
                 .expect("every request ends with Done or Error")
             {
+                Event::Started { .. } => {}
                 Event::Token(t) => ids.push(t.id),
                 Event::Done {
                     reason,

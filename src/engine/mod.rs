@@ -57,6 +57,11 @@ pub enum FinishReason {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The request got its sequence; `cached_tokens` of its prompt came from the prefix cache.
+    /// (Also in `Done`, which a receiver that stops early never reads.)
+    Started {
+        cached_tokens: usize,
+    },
     Token(SampledToken),
     Done {
         reason: FinishReason,

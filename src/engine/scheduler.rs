@@ -186,6 +186,9 @@ impl EngineLoop {
             self.stats
                 .cached_tokens_total
                 .fetch_add(cached as u64, Ordering::Relaxed);
+            let _ = events.send(Event::Started {
+                cached_tokens: cached,
+            });
             self.reserved += need;
             self.running.push(Running {
                 seq,
