@@ -240,7 +240,8 @@ impl EngineLoop {
             }
             match self.sample(i) {
                 Ok(None) => {
-                    work.push((i, Work::Decode(*self.running[i].generated.last().unwrap())));
+                    let token = *self.running[i].generated.last().expect("just sampled");
+                    work.push((i, Work::Decode(token)));
                     i += 1;
                 }
                 Ok(Some(reason)) => {
@@ -271,20 +272,19 @@ impl EngineLoop {
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward_batch(&steps)));
         let results = match outcome {
             Ok(results) if results.len() == steps.len() => results,
-            Ok(results) => {
-                let message = format!(
-                    "internal error: the backend returned {} results for {} steps",
-                    results.len(),
-                    steps.len()
-                );
-                (0..steps.len())
-                    .map(|_| Err(anyhow::anyhow!("{message}")))
-                    .collect()
-            }
-            Err(panic) => {
-                let message = format!("internal error: {}", panic_message(panic));
-                (0..steps.len())
-                    .map(|_| Err(anyhow::anyhow!("{message}")))
+            // Every step of the batch fails: which states the backend changed is unknown.
+            outcome => {
+                let why = match outcome {
+                    Ok(results) => format!(
+                        "the backend returned {} results for {} steps",
+                        results.len(),
+                        steps.len()
+                    ),
+                    Err(panic) => panic_message(panic),
+                };
+                steps
+                    .iter()
+                    .map(|_| Err(anyhow::anyhow!("internal error: {why}")))
                     .collect()
             }
         };
@@ -305,7 +305,8 @@ impl EngineLoop {
             }
         }
         // Highest index first, so the others stay valid.
-        for (i, message) in failed.into_iter().rev() {
+        failed.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, message) in failed {
             let r = self.remove(i);
             self.fail(r, message);
         }
@@ -387,6 +388,9 @@ impl EngineLoop {
     fn save_prompt_state(&mut self, i: usize, from: usize, to: usize) {
         let interval = self.options.snapshot_interval.max(1);
         let r = &self.running[i];
+        if self.cache.is_none() {
+            return;
+        }
         if to / interval > from / interval || to + 1 == r.request.prompt.len() {
             let (seq, tokens) = (r.seq, r.request.prompt[..to].to_vec());
             let key = r.request.prompt_cache_key.clone();
@@ -420,7 +424,8 @@ impl EngineLoop {
     }
 
     fn finish(&mut self, r: Running, reason: FinishReason) {
-        if reason != FinishReason::Cancelled && !r.prefilling() && r.generated.len() > 1 {
+        let worth_saving = reason != FinishReason::Cancelled && r.generated.len() > 1;
+        if self.cache.is_some() && worth_saving && !r.prefilling() {
             // The end of the turn: the state covers the prompt and every generated token but
             // the last (sampled, never fed). The next turn's prompt usually starts with these.
             let mut tokens = r.request.prompt.clone();
