@@ -24,10 +24,11 @@ use super::model::{CudaModel, DeviceMixer};
 use super::moe::{ExpertGroups, MoeKernels};
 use super::norm::NormKernels;
 use super::sample::SampleKernels;
+use super::snapshot::{SnapshotPool, StatePools};
 use super::weights::DeviceMatrices;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
-use crate::model::{Backend, SeqId};
+use crate::model::{Backend, SeqId, Snapshot, SnapshotId};
 
 /// How much the backend allocates up front.
 #[derive(Debug, Clone)]
@@ -113,6 +114,8 @@ pub struct CudaBackend {
     sequences: HashMap<SeqId, Sequence>,
     free_slots: Vec<usize>,
     decode_graph: Option<DecodeGraph>,
+    /// Saved sequence states for the prefix cache (snapshot.rs).
+    snapshots: SnapshotPool,
     /// Most device memory seen in use after a forward call since the last reset (bytes).
     peak_memory: u64,
 }
@@ -213,6 +216,7 @@ impl CudaBackend {
             sequences: HashMap::new(),
             free_slots: (0..slots).rev().collect(),
             decode_graph: None,
+            snapshots: SnapshotPool::default(),
             peak_memory: 0,
             options,
         })
@@ -604,6 +608,43 @@ impl Backend for CudaBackend {
             .during(|| "copying logits".into())?;
         Ok(logits.iter().map(|x| x.to_f32()).collect())
     }
+    fn sequence_bytes(&self, tokens: usize) -> u64 {
+        let gdn = gdn::SSM_STATE_LEN * size_of::<f32>() + gdn::CONV_STATE_LEN * size_of::<bf16>();
+        (self.ssm.len() * gdn + tokens * self.kv.bytes_per_token()) as u64
+    }
+    fn can_snapshot(&self) -> bool {
+        true
+    }
+    fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        let s = self.sequence(seq)?;
+        let (slot, position) = (s.slot, s.position);
+        let pools = StatePools {
+            ssm: &mut self.ssm,
+            conv: &mut self.conv,
+            kv: &mut self.kv,
+        };
+        Ok(self
+            .snapshots
+            .take(self.dev.stream(), pools, slot, position)?)
+    }
+    fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
+        let slot = self.sequence(seq)?.slot;
+        let pools = StatePools {
+            ssm: &mut self.ssm,
+            conv: &mut self.conv,
+            kv: &mut self.kv,
+        };
+        let position = self
+            .snapshots
+            .restore(self.dev.stream(), pools, snapshot, slot)?;
+        if let Some(s) = self.sequences.get_mut(&seq) {
+            s.position = position;
+        }
+        Ok(position)
+    }
+    fn drop_snapshot(&mut self, snapshot: SnapshotId) {
+        self.snapshots.drop_snapshot(snapshot);
+    }
     fn peak_memory(&self) -> Option<u64> {
         Some(self.peak_memory)
     }
@@ -655,4 +696,12 @@ fn largest_dense_matrix(m: &CudaModel) -> usize {
         mixer.into_iter().chain([&l.moe.router])
     });
     mats.map(|w| w.rows * w.cols).max().unwrap_or(0)
+}
+
+impl CudaBackend {
+    fn sequence(&self, seq: SeqId) -> anyhow::Result<&Sequence> {
+        self.sequences
+            .get(&seq)
+            .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))
+    }
 }

@@ -18,6 +18,7 @@ pub mod model;
 pub mod moe;
 pub mod norm;
 pub mod sample;
+pub mod snapshot;
 pub mod synth;
 pub mod weights;
 
