@@ -21,8 +21,8 @@ use half::bf16;
 use lily::cuda::dense::DenseGemm;
 use lily::cuda::gemm::Matrices;
 use lily::cuda::gemm_prefill::GemmKernels;
-use lily::cuda::{CudaView, CudaViewMut};
 use lily::cuda::weights::DeviceMatrices;
+use lily::cuda::{CudaView, CudaViewMut};
 use lily::model::cpu::ops::{matmul, silu};
 use lily::model::weights::Matrix;
 use rand::rngs::SmallRng;
@@ -182,7 +182,15 @@ fn cublas_path_matches_cpu() {
         (Kind::Bf16, 2048, 2048, 600),
     ] {
         let m = matrix(&mut rng, kind, n, k, 0.05);
-        dense_case(g, &dev, &mut rng, &m, &row_sq(&m), t, &format!("cublas {kind:?}"));
+        dense_case(
+            g,
+            &dev,
+            &mut rng,
+            &m,
+            &row_sq(&m),
+            t,
+            &format!("cublas {kind:?}"),
+        );
     }
     // A matrix larger than the scratch is an error, not an overrun.
     let mut small = DenseGemm::new(&dev, 64 * 256).expect("cuBLAS");

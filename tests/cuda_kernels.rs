@@ -248,12 +248,20 @@ fn residual_rmsnorm_matches_reference() {
             for i in 0..n {
                 let sum: f64 = (0..parts)
                     .map(|j| {
-                        let wj = if parts > 1 { weights[row * parts + j] as f64 } else { 1.0 };
+                        let wj = if parts > 1 {
+                            weights[row * parts + j] as f64
+                        } else {
+                            1.0
+                        };
                         wj * f(p[(row * parts + j) * n + i])
                     })
                     .sum();
                 r[row * n + i] = round_bf16(sum);
-                r_ulp[row * n + i] = if parts > 1 { 2.0 * HALF_ULP * sum.abs() } else { 0.0 };
+                r_ulp[row * n + i] = if parts > 1 {
+                    2.0 * HALF_ULP * sum.abs()
+                } else {
+                    0.0
+                };
             }
         }
         let h_sum: Vec<f64> = h.iter().zip(&r).map(|(&a, &b)| f(a) + b).collect();
@@ -271,9 +279,13 @@ fn residual_rmsnorm_matches_reference() {
             let inv = inv_rms(row);
             want.extend(row.iter().zip(&w).map(|(v, &wi)| v * inv * wi as f64));
         }
-        check(&format!("{what}: y"), &y, &want, HALF_ULP + FP32_SLACK, &|_| {
-            1e-30
-        });
+        check(
+            &format!("{what}: y"),
+            &y,
+            &want,
+            HALF_ULP + FP32_SLACK,
+            &|_| 1e-30,
+        );
     }
 }
 

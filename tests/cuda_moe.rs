@@ -552,7 +552,11 @@ fn moe_block_matches_cpu_forward() {
         for t in 0..tokens {
             let row = &logits[t * c.num_experts..(t + 1) * c.num_experts];
             let mut want_ids = top_k(row, TOP_K);
-            assert_eq!(ids[t * SLOTS + TOP_K], c.num_experts as i32, "{what}: shared slot");
+            assert_eq!(
+                ids[t * SLOTS + TOP_K],
+                c.num_experts as i32,
+                "{what}: shared slot"
+            );
             let mut have: Vec<usize> = ids[t * SLOTS..t * SLOTS + TOP_K]
                 .iter()
                 .map(|&i| i as usize)

@@ -71,7 +71,10 @@ impl DenseGemm {
         let stream = &*stream;
         let weights = match &w.data {
             WeightData::Bf16(v) => {
-                ensure!(v.len() >= n, "dense gemm: bf16 weights shorter than {rows}×{cols}");
+                ensure!(
+                    v.len() >= n,
+                    "dense gemm: bf16 weights shorter than {rows}×{cols}"
+                );
                 v.device_ptr(stream).0
             }
             WeightData::Affine {

@@ -7,8 +7,8 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use half::bf16;
 
 use super::{
-    as_i32, ensure, launch, Context, CudaDevice, CudaFunction, CudaStream,
-    CudaView, CudaViewMut, Result,
+    as_i32, ensure, launch, Context, CudaDevice, CudaFunction, CudaStream, CudaView, CudaViewMut,
+    Result,
 };
 
 /// Experts the router kernel handles (8 per lane of a warp).

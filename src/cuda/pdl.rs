@@ -66,7 +66,10 @@ impl Params {
 
     fn push<T: KernelValue>(&mut self, value: T) {
         let words = std::mem::size_of::<T>().div_ceil(8);
-        assert!(std::mem::align_of::<T>() <= 8, "kernel parameter over-aligned");
+        assert!(
+            std::mem::align_of::<T>() <= 8,
+            "kernel parameter over-aligned"
+        );
         assert!(
             self.count < MAX_PARAMS && self.used + words <= STORAGE_WORDS,
             "too many kernel parameters"
