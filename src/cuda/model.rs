@@ -8,6 +8,7 @@ use super::synth::SynthKernels;
 use super::weights::{htod, DeviceMatrices};
 use super::{ensure, CudaDevice, Result};
 use crate::config::{LayerKind, ModelConfig};
+use crate::model::convert;
 use crate::model::weights::{Mixer, Weights};
 
 pub enum DeviceMixer {
@@ -57,8 +58,21 @@ pub struct CudaModel {
 }
 
 impl CudaModel {
-    /// Copies canonical weights to the device (quantised matrices as they are).
+    /// Copies canonical weights to the device: bf16 and MLX affine matrices as they are, GGUF
+    /// blocks and FP8 tiles converted to affine Q8 first (see [`crate::model::convert`]; the
+    /// conversion error is logged).
     pub fn upload(dev: &CudaDevice, w: &Weights) -> Result<Self> {
+        let converted;
+        let w = if w.matrices().iter().all(|(_, m)| convert::kernel_ready(m)) {
+            w
+        } else {
+            let report;
+            (converted, report) = convert::weights_for_kernels(w);
+            for line in report.lines() {
+                tracing::info!("weights converted for the CUDA kernels: {line}");
+            }
+            &converted
+        };
         let s = dev.stream();
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
