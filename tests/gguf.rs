@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{fixture_dir, rel_error};
+use common::{fixture_dir, matrix_values, rel_error, rel_rms};
 use lily::checkpoint::tensor::{Bytes, DType};
 use lily::checkpoint::{self, synth, CheckpointError};
 use lily::model::convert;
@@ -29,22 +29,6 @@ fn tiny_k_source(dir: &Path) -> Weights {
             .unwrap();
     synth::write_checkpoint(&config, dir, 7, DType::F32, synth::SHARD_BYTES, false).unwrap();
     checkpoint::load(dir).unwrap()
-}
-
-fn rows(m: &Matrix) -> Vec<f32> {
-    let mut out = vec![0f32; m.rows * m.cols];
-    for (r, row) in out.chunks_mut(m.cols).enumerate() {
-        m.row_into(r, row);
-    }
-    out
-}
-
-/// ‖a − b‖ / ‖b‖.
-fn rel_rms(a: &[f32], b: &[f32]) -> f32 {
-    let (e, n) = a.iter().zip(b).fold((0f64, 0f64), |(e, n), (x, y)| {
-        (e + ((x - y) as f64).powi(2), n + (*y as f64).powi(2))
-    });
-    (e / n).sqrt() as f32
 }
 
 fn random_prompt(vocab: usize, len: usize) -> Vec<u32> {
@@ -95,7 +79,7 @@ fn bf16_gguf_is_the_safetensors_model() {
             WeightFormat::BF16
         };
         assert_eq!(g.format, format, "{name}");
-        assert_eq!(rows(g), rows(w), "{name}");
+        assert_eq!(matrix_values(g), matrix_values(w), "{name}");
     }
     for ((name, g), (_, w)) in vectors(&got).into_iter().zip(vectors(&want)) {
         let tolerance = if name.ends_with("a_log") { 1e-6 } else { 0.0 };
@@ -134,7 +118,7 @@ fn kquant_gguf_is_close_to_its_source() {
     assert_eq!(got.config, want.config);
     let mut formats = std::collections::BTreeSet::new();
     for ((name, g), (_, w)) in got.matrices().into_iter().zip(want.matrices()) {
-        let err = rel_rms(&rows(g), &rows(w));
+        let err = rel_rms(&matrix_values(g), &matrix_values(w));
         formats.insert(g.format.name());
         assert!(
             err <= format_bound(g.format),
@@ -169,7 +153,7 @@ fn kquant_gguf_is_close_to_its_source() {
 /// `w` with every matrix quantised to MLX affine Q4, group 64.
 fn quantized_q4(w: &Weights) -> Weights {
     let q = |m: &mut Matrix| {
-        let values = rows(m);
+        let values = matrix_values(m);
         let q = Affine::new(4, 64).unwrap();
         let packed = quant::quantize(&values, m.cols, q, DType::BF16).unwrap();
         *m = Matrix {
@@ -234,7 +218,7 @@ fn kquants_convert_to_q8_for_the_kernels() {
         assert!(convert::kernel_ready(c), "{name} is {}", c.format.name());
         if !convert::kernel_ready(f) {
             assert_eq!(c.format, q8, "{name}");
-            let err = rel_rms(&rows(c), &rows(f));
+            let err = rel_rms(&matrix_values(c), &matrix_values(f));
             assert!(err < 0.01, "{name}: conversion adds {err:.4}");
         }
     }

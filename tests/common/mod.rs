@@ -50,6 +50,24 @@ pub fn rel_error(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
+/// ‖a − b‖ / ‖b‖: the RMS error relative to the reference's RMS.
+pub fn rel_rms(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let (e, n) = a.iter().zip(b).fold((0f64, 0f64), |(e, n), (x, y)| {
+        (e + ((x - y) as f64).powi(2), n + (*y as f64).powi(2))
+    });
+    (e / n).sqrt() as f32
+}
+
+/// Every row of a matrix, decoded to f32.
+pub fn matrix_values(m: &lily::model::weights::Matrix) -> Vec<f32> {
+    let mut out = vec![0f32; m.rows * m.cols];
+    for (r, row) in out.chunks_mut(m.cols).enumerate() {
+        m.row_into(r, row);
+    }
+    out
+}
+
 #[allow(unused_imports)]
 pub use lily::model::argmax;
 
