@@ -7,6 +7,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{fixture_dir, matrix_values, rel_error, rel_rms};
+use lily::chat::template::ChatInput;
 use lily::checkpoint::tensor::{Bytes, DType};
 use lily::checkpoint::{self, synth, CheckpointError};
 use lily::model::convert;
@@ -14,6 +15,7 @@ use lily::model::cpu::{forward, Logits};
 use lily::model::weights::{Matrix, Mixer, WeightFormat, Weights};
 use lily::model::SequenceState;
 use lily::quant::{self, Affine};
+use lily::server::ModelSource;
 use rand::RngExt;
 
 fn gguf_fixture(name: &str) -> PathBuf {
@@ -276,6 +278,30 @@ fn a_directory_with_one_gguf_loads_it() {
     assert!(e.contains("2 .gguf files"), "{e}");
 }
 
+/// `lily serve --model X.gguf`: the text side comes from the file (vocabulary, chat template).
+#[test]
+fn a_gguf_file_brings_its_vocabulary_and_template() {
+    let source = ModelSource::Dir(gguf_fixture("tiny-k.gguf"));
+    let (text, weights) = lily::server::load_model(&source).unwrap();
+    assert_eq!(weights.config.vocab_size, 320);
+    // 256 byte tokens, then the added tokens: <|im_end|> is 256 + 2.
+    assert_eq!(text.special.im_end, 258);
+    assert_eq!(
+        text.tokenizer.encode("hi<|im_end|>").unwrap(),
+        vec![104, 105, 258]
+    );
+    let input = ChatInput {
+        messages: vec![serde_json::json!({"role": "user", "content": "hi"})],
+        tools: None,
+        add_generation_prompt: true,
+        kwargs: Default::default(),
+    };
+    assert_eq!(
+        text.template.render(&input).unwrap(),
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
 /// Patches `from` with `to` (same length) at its first occurrence in the file's header.
 fn patched(dir: &Path, from: &[u8], to: &[u8]) -> PathBuf {
     let mut bytes = std::fs::read(gguf_fixture("tiny-k.gguf")).unwrap();
@@ -307,7 +333,7 @@ fn bad_files_get_clear_errors() {
     let mut want = info.clone();
     info.extend(2u32.to_le_bytes());
     info.extend(256u64.to_le_bytes()); // ne[0] = hidden
-    info.extend(64u64.to_le_bytes()); // ne[1] = vocab
+    info.extend(320u64.to_le_bytes()); // ne[1] = vocab
     info.extend(12u32.to_le_bytes());
     want.extend(&info[want.len()..info.len() - 4]);
     want.extend(2u32.to_le_bytes());
@@ -333,4 +359,38 @@ fn bad_files_get_clear_errors() {
     std::fs::write(&cut, b"not a gguf file at all").unwrap();
     let e = load(&cut);
     assert!(e.contains("no `GGUF` magic"), "{e}");
+}
+
+/// `lily inspect` names the file kind, the block formats and what the GPU load converts, with
+/// its error; a file it cannot read fails with what it supports.
+#[test]
+fn inspect_reports_formats_and_conversion() {
+    let inspect = |path: &Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_lily"))
+            .args(["inspect", "--model"])
+            .arg(path)
+            .output()
+            .unwrap()
+    };
+    let out = inspect(&gguf_fixture("tiny-k.gguf"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "GGUF",
+        "Q4_K",
+        "Q6_K",
+        "Q4_K → q8 g64",
+        "relative RMS error",
+    ] {
+        assert!(text.contains(want), "no {want} in:\n{text}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = inspect(&patched(dir.path(), b"qwen35moe", b"llama\0\0\0\0"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("only `qwen35moe`"), "{err}");
 }

@@ -15,6 +15,7 @@ tools/requirements-gguf.txt).
       quantised to a llama-quantize-like mix of Q4_K, Q5_K, Q6_K, Q8_0, F16 and F32 (hidden 256 so
       that the K-quants apply). gguf-py has no K-quant quantisers; the simple ones here (per
       sub-block min/max, scales rounded to 6 bits) make valid blocks, which is all the fixture needs.
+      It also carries a vocabulary (Qwen3.6's added tokens over the 256 byte tokens) and a chat template.
     tests/gguf.rs loads them and compares with the safetensors models.
 
 Run from the repository root (what scripts/test.sh does):
@@ -245,9 +246,11 @@ def gguf_tensors(src, c):
     return out
 
 
-def write_model(path, c, tensors, type_of):
+def write_model(path, c, tensors, type_of, vocabulary=False):
     """A qwen35moe GGUF with llama.cpp's metadata keys; type_of(name, array) picks each tensor's type."""
     w = gguf.GGUFWriter(str(path), ARCH)
+    if vocabulary:
+        add_vocabulary(w, c["vocab_size"])
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
@@ -283,6 +286,40 @@ def write_model(path, c, tensors, type_of):
     w.write_tensors_to_file()
     w.close()
     print(f"  wrote {path.relative_to(ROOT)} ({path.stat().st_size} bytes)")
+
+
+# Qwen3.6's added tokens in id order (src/tokenizer.rs ADDED_TOKENS).
+ADDED_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+                "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+                "<tool_response>", "</tool_response>", "<think>", "</think>", "<|audio_start|>", "<|audio_end|>",
+                "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>"]
+# A short template, so that a test can tell it from the built-in one.
+TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def byte_level(b):
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for 256 + n."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + [x for x in range(256) if x not in printable].index(b))
+
+
+def add_vocabulary(w, vocab_size):
+    """A Qwen-style vocabulary as llama.cpp writes it: the 256 byte tokens (a BPE without merges),
+    the added tokens, then padding up to the model's vocabulary size."""
+    tokens = [byte_level(b) for b in range(256)] + ADDED_TOKENS
+    types = [gguf.TokenType.NORMAL] * 256 + [gguf.TokenType.CONTROL] * len(ADDED_TOKENS)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_chat_template(TINY_TEMPLATE)
 
 
 def text_config(d):
@@ -323,7 +360,7 @@ def write_fixtures(tmp):
     src = {}
     for f in sorted(synth.glob("*.safetensors")):
         src.update(read_safetensors(f))
-    write_model(OUT / "tiny-k.gguf", c, gguf_tensors(src, c), k_mix)
+    write_model(OUT / "tiny-k.gguf", c, gguf_tensors(src, c), k_mix, vocabulary=True)
 
 
 def main():

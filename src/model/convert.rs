@@ -23,7 +23,9 @@
 //! Matrices the backend concatenates (GDN `qkv‖z‖b‖a`, attention `q‖k‖v`, an expert's
 //! `gate‖up`, the experts of a layer, the shared expert's `gate‖up`) must share one format:
 //! when one of them is converted, all are (a dense one included). Where the width is not a
-//! multiple of 64 they become f32 instead (uploaded as bf16).
+//! multiple of 64 they become f32 instead (uploaded as bf16), and so do dense parts of different
+//! dtypes. A GGUF `ssm_out` whose value heads are not whole blocks arrives here already dense (the
+//! loader dequantised it to reorder its columns) and goes up as bf16.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -112,8 +114,9 @@ pub fn for_kernels<'a>(parts: &[&'a Matrix], report: &mut Report) -> Vec<Cow<'a,
     if !any_converted && same_format {
         return parts.iter().map(|m| Cow::Borrowed(*m)).collect();
     }
+    // Dense parts in different dtypes need no quantising to share a format.
     let quantizable = parts.iter().all(|m| TARGET.check_cols(m.cols).is_ok());
-    let target = if quantizable {
+    let target = if any_converted && quantizable {
         WeightFormat::Affine {
             bits: TARGET.bits,
             group_size: TARGET.group_size,
