@@ -219,67 +219,65 @@ pub fn measure(w: &Weights, sample_rows: usize) -> Report {
     report
 }
 
+/// One row in the target format and its error.
+#[derive(Default)]
+struct Row {
+    data: Vec<u8>,
+    scales: Vec<u8>,
+    biases: Vec<u8>,
+    stats: ErrorStats,
+}
+
 /// `m` in `target` (affine group 64, or f32), with the error of every value.
 fn convert(m: &Matrix, target: WeightFormat) -> (Matrix, ErrorStats) {
     let cols = m.cols;
-    let (rows, stats): (Vec<(Vec<u8>, Vec<u8>, Vec<u8>)>, Vec<ErrorStats>) = (0..m.rows)
+    let affine = matches!(target, WeightFormat::Affine { .. });
+    let rows: Vec<Row> = (0..m.rows)
         .into_par_iter()
         .map(|r| {
             let mut src = vec![0f32; cols];
             m.row_into(r, &mut src);
-            let mut row = (Vec::new(), Vec::new(), Vec::new());
-            let mut stats = ErrorStats::default();
-            match target {
-                WeightFormat::Affine { .. } => {
-                    quant::quantize_row(
-                        &src,
-                        TARGET,
-                        DType::BF16,
-                        &mut row.0,
-                        &mut row.1,
-                        &mut row.2,
-                    );
-                    let mut back = vec![0f32; cols];
-                    quant::dequantize_row(
-                        &row.0,
-                        &row.1,
-                        &row.2,
-                        DType::BF16,
-                        TARGET.bits,
-                        TARGET.group_size,
-                        &mut back,
-                    );
-                    stats.add_row(&src, &back);
-                }
-                _ => {
-                    row.0 = src.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    stats.add_row(&src, &src);
-                }
+            let mut row = Row::default();
+            if !affine {
+                row.data = src.iter().flat_map(|v| v.to_le_bytes()).collect();
+                row.stats.add_row(&src, &src);
+                return row;
             }
-            (row, stats)
+            let (data, scales, biases) = (&mut row.data, &mut row.scales, &mut row.biases);
+            quant::quantize_row(&src, TARGET, DType::BF16, data, scales, biases);
+            let mut back = vec![0f32; cols];
+            quant::dequantize_row(
+                data,
+                scales,
+                biases,
+                DType::BF16,
+                TARGET.bits,
+                TARGET.group_size,
+                &mut back,
+            );
+            row.stats.add_row(&src, &back);
+            row
         })
-        .unzip();
-    let total = stats.iter().fold(ErrorStats::default(), |mut a, s| {
-        a.merge(s);
-        a
-    });
-    let (mut data, mut scales, mut biases) = (Vec::new(), Vec::new(), Vec::new());
-    for (d, s, b) in rows {
-        data.extend(d);
-        scales.extend(s);
-        biases.extend(b);
+        .collect();
+    let mut all = Row::default();
+    for row in rows {
+        all.data.extend(row.data);
+        all.scales.extend(row.scales);
+        all.biases.extend(row.biases);
+        all.stats.merge(&row.stats);
     }
-    let matrix = match target {
-        WeightFormat::Affine { .. } => Matrix {
+    let matrix = if affine {
+        Matrix {
             rows: m.rows,
             cols,
             format: target,
-            data: Bytes::from_vec(data),
-            scales: Some(Bytes::from_vec(scales)),
-            biases: Some(Bytes::from_vec(biases)),
+            data: Bytes::from_vec(all.data),
+            scales: Some(Bytes::from_vec(all.scales)),
+            biases: Some(Bytes::from_vec(all.biases)),
             scale_dtype: DType::BF16,
-        },
-        _ => Matrix::dense(m.rows, cols, DType::F32, Bytes::from_vec(data)),
+        }
+    } else {
+        Matrix::dense(m.rows, cols, DType::F32, Bytes::from_vec(all.data))
     };
-    (matrix, total)
+    (matrix, all.stats)
 }
