@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{fixture_dir, matrix_values, rel_error, rel_rms};
+use common::{fixture_dir, map_matrices, matrix_values, rel_error, rel_rms};
 use lily::chat::template::ChatInput;
 use lily::checkpoint::tensor::{Bytes, DType};
 use lily::checkpoint::{self, synth, CheckpointError};
@@ -154,10 +154,10 @@ fn kquant_gguf_is_close_to_its_source() {
 
 /// `w` with every matrix quantised to MLX affine Q4, group 64.
 fn quantized_q4(w: &Weights) -> Weights {
-    let q = |m: &mut Matrix| {
-        let values = matrix_values(m);
+    let mut w = w.clone();
+    map_matrices(&mut w, |m| {
         let q = Affine::new(4, 64).unwrap();
-        let packed = quant::quantize(&values, m.cols, q, DType::BF16).unwrap();
+        let packed = quant::quantize(&matrix_values(m), m.cols, q, DType::BF16).unwrap();
         *m = Matrix {
             rows: m.rows,
             cols: m.cols,
@@ -170,38 +170,7 @@ fn quantized_q4(w: &Weights) -> Weights {
             biases: Some(Bytes::from_vec(packed.biases)),
             scale_dtype: DType::BF16,
         };
-    };
-    let mut w = w.clone();
-    q(&mut w.embed);
-    q(&mut w.lm_head);
-    for l in &mut w.layers {
-        match &mut l.mixer {
-            Mixer::DeltaNet(d) => {
-                for m in [
-                    &mut d.in_proj_qkv,
-                    &mut d.in_proj_z,
-                    &mut d.in_proj_b,
-                    &mut d.in_proj_a,
-                    &mut d.out_proj,
-                ] {
-                    q(m);
-                }
-            }
-            Mixer::Attention(a) => {
-                for m in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
-                    q(m);
-                }
-            }
-        }
-        let m = &mut l.moe;
-        q(&mut m.router);
-        q(&mut m.shared_expert_gate);
-        for f in m.experts.iter_mut().chain([&mut m.shared_expert]) {
-            q(&mut f.gate);
-            q(&mut f.up);
-            q(&mut f.down);
-        }
-    }
+    });
     w
 }
 
