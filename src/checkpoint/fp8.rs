@@ -4,6 +4,8 @@
 //! (embeddings, head, routers, norms, ...) stay bf16. The loader keeps the FP8 bytes as they are
 //! ([`crate::model::weights::WeightFormat::Fp8`]) and dequantises rows when they are used.
 
+use std::sync::OnceLock;
+
 use serde_json::Value;
 
 use crate::config::ConfigError;
@@ -24,6 +26,12 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
         (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
     };
     sign * magnitude
+}
+
+/// [`e4m3_to_f32`] of every byte, for decoding whole rows.
+pub fn e4m3_table() -> &'static [f32; 256] {
+    static TABLE: OnceLock<[f32; 256]> = OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|b| e4m3_to_f32(b as u8)))
 }
 
 /// The tile size of an FP8 checkpoint's `quantization_config`, `None` when the config does not

@@ -91,7 +91,6 @@ pub struct GgufTensor {
 #[derive(Debug)]
 pub struct GgufFile {
     pub path: PathBuf,
-    pub version: u32,
     pub metadata: BTreeMap<String, Meta>,
     pub tensors: BTreeMap<String, GgufTensor>,
 }
@@ -249,7 +248,6 @@ impl GgufFile {
         }
         Ok(GgufFile {
             path: path.to_path_buf(),
-            version,
             metadata,
             tensors,
         })

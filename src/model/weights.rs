@@ -195,6 +195,7 @@ impl Matrix {
             }
             WeightFormat::Ggml(t) => crate::ggml::dequantize_row(t, row, out),
             WeightFormat::Fp8 { block } => {
+                let table = crate::checkpoint::fp8::e4m3_table();
                 let tiles = self.cols.div_ceil(block);
                 let scales = self.scales.as_ref().expect("FP8 matrix has scales");
                 let first = r / block * tiles;
@@ -202,7 +203,7 @@ impl Matrix {
                     let s = read_scalar(scales.as_slice(), self.scale_dtype, first + tile);
                     let codes = &row[tile * block..tile * block + chunk.len()];
                     for (o, &c) in chunk.iter_mut().zip(codes) {
-                        *o = crate::checkpoint::fp8::e4m3_to_f32(c) * s;
+                        *o = table[c as usize] * s;
                     }
                 }
             }
