@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that runs without a GPU: the CPU test suite, the CUDA kernels' compilation (a kernel
 # that does not compile fails here, and so does a GPU test that does not build), and the checks
-# against the real mlx / mlx-lm packages, and the server against real clients. GPU tests run on the H200 through scripts/gpu-check.sh.
+# against the real mlx / mlx-lm and gguf-py packages, and the server against real clients. GPU tests run on the H200 through scripts/gpu-check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +20,12 @@ venv="${LILY_MLX_VENV:-target/mlx-venv}"
 [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q -r tools/requirements-mlx.txt
 "$venv/bin/python" tools/check_mlx.py
+
+echo "== lily vs gguf-py (GGUF dequantisation bit for bit)"
+venv="${LILY_GGUF_VENV:-target/gguf-venv}"
+[[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q -r tools/requirements-gguf.txt
+"$venv/bin/python" tools/check_gguf.py
 
 echo "== lily serve against the pinned openai client and raw HTTP"
 venv="${LILY_CLIENT_VENV:-target/client-venv}"

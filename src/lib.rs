@@ -11,6 +11,7 @@ pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;
+pub mod ggml;
 pub mod model;
 pub mod plot;
 pub mod quant;

@@ -286,6 +286,49 @@ impl Tokenizer {
         Self::from_ranks(ranks)
     }
 
+    /// A Qwen3.5/3.6 vocabulary listed as token strings by id, as GGUF files carry it
+    /// (`tokenizer.ggml.tokens`): the byte-level BPE tokens in rank order (for Qwen, id = BPE
+    /// rank, as in the tiktoken file), then the [`ADDED_TOKENS`] in order, then possibly padding
+    /// entries up to the model's vocabulary size, which are ignored. `source` names the file in
+    /// errors.
+    pub fn from_token_list(tokens: &[String], source: &Path) -> Result<Self> {
+        let invalid = |reason: String| TokenizerError::InvalidVocab {
+            path: source.to_path_buf(),
+            reason,
+        };
+        let first_added = tokens
+            .iter()
+            .position(|t| t == ADDED_TOKENS[0])
+            .ok_or_else(|| {
+                invalid(format!(
+                    "no `{}` token: not a Qwen3.5/3.6 vocabulary",
+                    ADDED_TOKENS[0]
+                ))
+            })?;
+        let added = tokens.get(first_added..first_added + ADDED_TOKENS.len());
+        if added != Some(&ADDED_TOKENS.map(String::from)[..]) {
+            return Err(invalid(format!(
+                "the tokens from id {first_added} on are not Qwen3.6's {} added tokens in order",
+                ADDED_TOKENS.len()
+            )));
+        }
+        let alphabet = ByteLevelAlphabet::new();
+        let ranks = tokens[..first_added]
+            .iter()
+            .enumerate()
+            .map(|(id, token)| {
+                alphabet
+                    .decode(token)
+                    .ok_or_else(|| TokenizerError::NotByteLevel {
+                        path: source.to_path_buf(),
+                        id: id as u32,
+                        token: token.clone(),
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_ranks(ranks)
+    }
+
     /// A small real byte-level BPE for the built-in demo model, whose vocabulary must be
     /// [`DEMO_VOCAB_SIZE`] (512): the 256 bytes, 223 merges learnt from a short built-in English
     /// text, then the 33 [`ADDED_TOKENS`] (so `<|im_end|>` is 481 here, not 248046). Any text
@@ -813,6 +856,47 @@ mod tests {
         assert_eq!(alphabet.decode("\u{00AD}"), None);
         let seen: HashSet<u8> = alphabet.byte_of_char.iter().flatten().copied().collect();
         assert_eq!(seen.len(), 256);
+    }
+
+    /// The demo vocabulary written as a GGUF token list (byte-level strings, added tokens, padding)
+    /// reads back as the same tokenizer.
+    #[test]
+    fn token_lists_read_like_gguf_writes_them() {
+        let demo = Tokenizer::byte_level_demo().unwrap();
+        let alphabet = ByteLevelAlphabet::new();
+        let char_of = |b: u8| {
+            let code = alphabet.byte_of_char.iter().position(|&x| x == Some(b));
+            char::from_u32(code.unwrap() as u32).unwrap()
+        };
+        let bpe = DEMO_VOCAB_SIZE - ADDED_TOKENS.len();
+        let mut tokens: Vec<String> = (0..bpe)
+            .map(|id| {
+                demo.id_bytes[id]
+                    .as_ref()
+                    .unwrap()
+                    .iter()
+                    .map(|&b| char_of(b))
+                    .collect()
+            })
+            .collect();
+        tokens.extend(ADDED_TOKENS.iter().map(|t| t.to_string()));
+        tokens.extend((0..5).map(|i| format!("[PAD{}]", DEMO_VOCAB_SIZE + i)));
+        let path = Path::new("model.gguf");
+        let read = Tokenizer::from_token_list(&tokens, path).unwrap();
+        let text = "Hello <|im_start|>wörld\n\n  42 tokens<think>é</think>";
+        assert_eq!(read.encode(text).unwrap(), demo.encode(text).unwrap());
+        assert_eq!(read.vocab_size(), DEMO_VOCAB_SIZE);
+        assert_eq!(read.token_id("<|im_end|>"), demo.token_id("<|im_end|>"));
+
+        let mut shuffled = tokens.clone();
+        shuffled.swap(bpe + 1, bpe + 2);
+        let e = Tokenizer::from_token_list(&shuffled, path).unwrap_err();
+        assert!(e.to_string().contains("added tokens in order"), "{e}");
+        let e = Tokenizer::from_token_list(&tokens[..bpe], path).unwrap_err();
+        assert!(
+            e.to_string().contains("not a Qwen3.5/3.6 vocabulary"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Every way weights arrive, mapped onto one canonical set of weights ([`crate::model::Weights`]).
 
+pub mod fp8;
+pub mod gguf;
 pub mod mlx;
 pub mod mlx_write;
 pub mod safetensors;
@@ -11,7 +13,7 @@ use std::path::Path;
 use crate::config::{ConfigError, ModelConfig};
 use crate::model::weights::{
     AttentionWeights, DeltaNetWeights, FeedForward, LayerWeights, Matrix, Mixer, MoeWeights,
-    Weights,
+    WeightFormat, Weights,
 };
 use tensor::{DType, RawTensor, TensorStore};
 
@@ -59,26 +61,47 @@ pub enum CheckpointError {
     },
 }
 
-/// Loads `config.json` and the weights of the checkpoint in `dir` (Hugging Face or MLX layout).
-pub fn load(dir: &Path) -> Result<Weights, CheckpointError> {
-    let config = ModelConfig::from_dir(dir)?;
-    let store = safetensors::open_dir(dir)?;
-    if mlx::is_mlx_layout(&store) {
-        return mlx::load(dir, config, &store);
+/// Loads the checkpoint at `path`: a GGUF file (or a directory whose only weights are one
+/// `.gguf` file), else a directory with `config.json` and safetensors in the Hugging Face
+/// layout (bf16/f16/f32, or the official FP8 release) or the MLX layout.
+pub fn load(path: &Path) -> Result<Weights, CheckpointError> {
+    if let Some(file) = gguf::find(path)? {
+        return gguf::load(&file);
     }
-    from_store(config, &store)
+    let config = ModelConfig::from_dir(path)?;
+    let store = safetensors::open_dir(path)?;
+    if mlx::is_mlx_layout(&store) {
+        return mlx::load(path, config, &store);
+    }
+    let config_path = path.join("config.json");
+    let text = std::fs::read_to_string(&config_path).map_err(|source| CheckpointError::Io {
+        path: config_path.display().to_string(),
+        source,
+    })?;
+    let root: serde_json::Value =
+        serde_json::from_str(&text).map_err(|source| crate::config::ConfigError::Json {
+            path: config_path.display().to_string(),
+            source,
+        })?;
+    from_store(config, &store, fp8::block_size(&root)?)
 }
 
 /// Builds canonical weights from the tensors of a Hugging Face–layout checkpoint: the official
 /// multimodal naming (`model.language_model.*`, vision tower ignored) or the text-only naming
-/// (`model.*`).
-pub fn from_store(config: ModelConfig, store: &TensorStore) -> Result<Weights, CheckpointError> {
+/// (`model.*`); routed experts fused (`experts.gate_up_proj`) or one module per expert (as the
+/// FP8 release stores them). `fp8_block` is the tile size of an FP8 checkpoint's
+/// `weight_scale_inv` (from its config), `None` for an unquantised one.
+pub fn from_store(
+    config: ModelConfig,
+    store: &TensorStore,
+    fp8_block: Option<usize>,
+) -> Result<Weights, CheckpointError> {
     let prefix = if store.contains("model.language_model.embed_tokens.weight") {
         "model.language_model."
     } else {
         "model."
     };
-    let r = Reader { store };
+    let r = Reader { store, fp8_block };
     let c = &config;
     let h = c.hidden_size;
 
@@ -139,15 +162,28 @@ pub fn from_store(config: ModelConfig, store: &TensorStore) -> Result<Weights, C
         let m = format!("{p}mlp.");
         let e = c.num_experts;
         let inter = c.moe_intermediate_size;
-        let gate_up = r.stacked(&format!("{m}experts.gate_up_proj"), e, 2 * inter, h)?;
-        let down = r.stacked(&format!("{m}experts.down_proj"), e, h, inter)?;
-        let experts = (0..e)
-            .map(|x| FeedForward {
-                gate: gate_up.rows_view(x * 2 * inter, inter),
-                up: gate_up.rows_view(x * 2 * inter + inter, inter),
-                down: down.rows_view(x * h, h),
-            })
-            .collect();
+        let experts = if store.contains(&format!("{m}experts.gate_up_proj")) {
+            let gate_up = r.stacked(&format!("{m}experts.gate_up_proj"), e, 2 * inter, h)?;
+            let down = r.stacked(&format!("{m}experts.down_proj"), e, h, inter)?;
+            (0..e)
+                .map(|x| FeedForward {
+                    gate: gate_up.rows_view(x * 2 * inter, inter),
+                    up: gate_up.rows_view(x * 2 * inter + inter, inter),
+                    down: down.rows_view(x * h, h),
+                })
+                .collect()
+        } else {
+            (0..e)
+                .map(|x| {
+                    let x = format!("{m}experts.{x}.");
+                    Ok(FeedForward {
+                        gate: r.matrix(&format!("{x}gate_proj.weight"), inter, h)?,
+                        up: r.matrix(&format!("{x}up_proj.weight"), inter, h)?,
+                        down: r.matrix(&format!("{x}down_proj.weight"), h, inter)?,
+                    })
+                })
+                .collect::<Result<_, CheckpointError>>()?
+        };
         let si = c.shared_expert_intermediate_size;
         let moe = MoeWeights {
             router: r.matrix(&format!("{m}gate.weight"), e, h)?,
@@ -186,6 +222,7 @@ pub fn from_store(config: ModelConfig, store: &TensorStore) -> Result<Weights, C
 /// Typed lookups with shape and dtype checks.
 struct Reader<'a> {
     store: &'a TensorStore,
+    fp8_block: Option<usize>,
 }
 
 impl Reader<'_> {
@@ -202,8 +239,48 @@ impl Reader<'_> {
         Ok(t)
     }
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix, CheckpointError> {
+        let t = self.store.get_shaped(name, &[rows, cols])?;
+        if t.dtype == DType::F8E4M3 {
+            return self.fp8_matrix(name, t, rows, cols);
+        }
         let t = self.float_tensor(name, &[rows, cols])?;
         Ok(Matrix::dense(rows, cols, t.dtype, t.data.clone()))
+    }
+    /// An F8_E4M3 weight with its `{name}_scale_inv` tile multipliers.
+    fn fp8_matrix(
+        &self,
+        name: &str,
+        t: &RawTensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Matrix, CheckpointError> {
+        let bad = |message: String| CheckpointError::Quantization {
+            tensor: name.to_string(),
+            file: t.file.display().to_string(),
+            message,
+        };
+        let block = self.fp8_block.ok_or_else(|| {
+            bad("is F8_E4M3 but config.json has no `quantization_config` with quant_method \"fp8\" and weight_block_size".into())
+        })?;
+        let scale_name = format!("{name}_scale_inv");
+        let s = self
+            .store
+            .get_shaped(&scale_name, &[rows.div_ceil(block), cols.div_ceil(block)])?;
+        if !matches!(s.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(bad(format!(
+                "has scales `{scale_name}` of dtype {}; expected BF16, F16 or F32",
+                s.dtype.safetensors_name()
+            )));
+        }
+        Ok(Matrix {
+            rows,
+            cols,
+            format: WeightFormat::Fp8 { block },
+            data: t.data.clone(),
+            scales: Some(s.data.clone()),
+            biases: None,
+            scale_dtype: s.dtype,
+        })
     }
     /// A `[n, rows, cols]` stack as one `[n·rows, cols]` matrix (take views per expert).
     fn stacked(

@@ -22,7 +22,7 @@ use lily::server::{load_model, openai, ModelSource};
 
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// Model directory or Hugging Face repo id; the built-in demo model when left out.
+    /// Model directory, GGUF file or Hugging Face repo id; the built-in demo model when left out.
     #[arg(long)]
     pub model: Option<String>,
     /// The prompt text.

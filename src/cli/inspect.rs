@@ -6,10 +6,15 @@ use std::path::PathBuf;
 use clap::Args;
 
 use lily::checkpoint;
+use lily::model::convert;
+
+/// Rows of each matrix `inspect` converts to measure the conversion error (all rows of the
+/// full model would take minutes).
+const CONVERSION_SAMPLE_ROWS: usize = 64;
 
 #[derive(Args)]
 pub struct InspectArgs {
-    /// Model directory.
+    /// Model directory (safetensors: Hugging Face bf16/FP8 or MLX) or GGUF file.
     #[arg(long)]
     pub model: PathBuf,
 }
@@ -23,6 +28,9 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         .filter(|k| **k == lily::config::LayerKind::FullAttention)
         .count();
     println!("model: {}", args.model.display());
+    if let Some(file) = checkpoint::gguf::find(&args.model)? {
+        println!("file: GGUF ({}), llama.cpp's layout", file.display());
+    }
     println!(
         "layers: {} ({} Gated DeltaNet, {} full attention); hidden {}; vocab {}; experts {} (top {}), expert width {}, shared {}",
         c.num_hidden_layers,
@@ -91,6 +99,16 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         c.max_position_embeddings,
         (total + gdn_state + per_token_kv * c.max_position_embeddings) as f64 / 1e9
     );
+    let conversion = convert::measure(&weights, CONVERSION_SAMPLE_ROWS);
+    if !conversion.0.is_empty() {
+        println!(
+            "on the GPU: the CUDA kernels read bf16 and affine q4/q8 g64 only, so these formats are converted at load \
+             (error measured on the first {CONVERSION_SAMPLE_ROWS} rows of each matrix):"
+        );
+        for line in conversion.lines() {
+            println!("  {line}");
+        }
+    }
     if !weights.mtp_tensors.is_empty() {
         println!(
             "multi-token prediction: {} tensors present (kept aside, not used)",

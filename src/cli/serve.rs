@@ -12,8 +12,8 @@ use lily::server::{self, ModelSource, ServeOptions, DEMO_MODEL_NAME};
 
 #[derive(Args)]
 pub struct ServeArgs {
-    /// Model directory or Hugging Face repo id (found in the local Hugging Face cache). Without
-    /// it, a small built-in demo model with random weights is served.
+    /// Model directory, GGUF file or Hugging Face repo id (found in the local Hugging Face
+    /// cache). Without it, a small built-in demo model with random weights is served.
     #[arg(long)]
     pub model: Option<String>,
     /// The name clients put in `model` (default: the repo id or directory name).

@@ -11,6 +11,7 @@ use super::synth::SynthKernels;
 use super::weights::{htod, DeviceMatrices};
 use super::{ensure, Context, CudaDevice, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
+use crate::model::convert;
 use crate::model::weights::{Mixer, MoeWeights, Weights};
 
 pub enum DeviceMixer {
@@ -76,8 +77,21 @@ pub struct CudaModel {
 }
 
 impl CudaModel {
-    /// Copies canonical weights to the device (quantised matrices as they are).
+    /// Copies canonical weights to the device: bf16 and MLX affine matrices as they are, GGUF
+    /// blocks and FP8 tiles (or matrices stored together in different formats) converted to
+    /// affine Q8 first (see [`crate::model::convert`]; the conversion error is logged).
     pub fn upload(dev: &CudaDevice, w: &Weights) -> Result<Self> {
+        let converted;
+        let w = if convert::ready_for_kernels(w) {
+            w
+        } else {
+            let report;
+            (converted, report) = convert::weights_for_kernels(w);
+            for line in report.lines() {
+                tracing::info!("weights converted for the CUDA kernels: {line}");
+            }
+            &converted
+        };
         let s = dev.stream();
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
@@ -108,14 +122,15 @@ impl CudaModel {
                 moe,
             });
         }
-        weights_ready(s)?;
-        Ok(CudaModel {
+        let model = CudaModel {
             config: w.config.clone(),
             embed: DeviceMatrices::concat(s, &[&w.embed])?,
             lm_head: DeviceMatrices::concat(s, &[&w.lm_head])?,
             final_norm: htod(s, &w.final_norm)?,
             layers,
-        })
+        };
+        weights_ready(s)?;
+        Ok(model)
     }
 
     /// Random weights generated on the device: matrices bf16 (`bits` None) or affine `bits`-bit

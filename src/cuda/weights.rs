@@ -138,7 +138,13 @@ impl DeviceMatrices {
                     biases: htod(stream, &biases)?,
                 }
             }
-            _ => {
+            WeightFormat::Ggml(_) | WeightFormat::Fp8 { .. } => {
+                return Err(CudaError::Shape(format!(
+                    "weights in {} reach the upload unconverted (CudaModel::upload converts them)",
+                    format.name()
+                )))
+            }
+            WeightFormat::F32 | WeightFormat::F16 | WeightFormat::BF16 => {
                 let mut values: Vec<bf16> =
                     Vec::with_capacity(parts.iter().map(|m| m.rows * m.cols).sum());
                 for m in parts {
@@ -170,7 +176,9 @@ fn dense_as_bf16(m: &Matrix) -> Vec<bf16> {
         WeightFormat::F16 => (0..m.rows * m.cols)
             .map(|i| bf16::from_f32(read_scalar(b, DType::F16, i)))
             .collect(),
-        WeightFormat::Affine { .. } => unreachable!("dense_as_bf16 of an affine matrix"),
+        WeightFormat::Affine { .. } | WeightFormat::Ggml(_) | WeightFormat::Fp8 { .. } => {
+            unreachable!("dense_as_bf16 of a quantised matrix")
+        }
     }
 }
 

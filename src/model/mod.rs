@@ -1,6 +1,7 @@
 //! What all backends share: the canonical weights, per-sequence state, the [`Backend`] trait,
 //! and the CPU reference backend.
 
+pub mod convert;
 pub mod cpu;
 pub mod state;
 pub mod weights;

@@ -8,6 +8,8 @@
 
 use crate::checkpoint::tensor::{Bytes, DType};
 use crate::config::ModelConfig;
+use crate::ggml::GgmlType;
+use crate::quant::read_scalar;
 
 /// How a matrix's numbers are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +23,14 @@ pub enum WeightFormat {
         bits: u32,
         group_size: usize,
     },
+    /// A GGML block format (Q8_0, Q4_K, Q5_K, Q6_K) as a GGUF file stores it: blocks along the
+    /// row, scales inside the blocks (MODEL.md §5.2).
+    Ggml(GgmlType),
+    /// FP8 e4m3 values with one multiplier per `block`×`block` tile (the official FP8 release:
+    /// `weight_scale_inv`, MODEL.md §5.3): `scales` is `[⌈rows/block⌉, ⌈cols/block⌉]`.
+    Fp8 {
+        block: usize,
+    },
 }
 
 impl WeightFormat {
@@ -30,6 +40,8 @@ impl WeightFormat {
             WeightFormat::F16 => "f16".into(),
             WeightFormat::BF16 => "bf16".into(),
             WeightFormat::Affine { bits, group_size } => format!("q{bits} g{group_size}"),
+            WeightFormat::Ggml(t) => t.name().into(),
+            WeightFormat::Fp8 { block } => format!("fp8 e4m3 {block}x{block}"),
         }
     }
 }
@@ -42,7 +54,7 @@ pub struct Matrix {
     pub format: WeightFormat,
     /// The packed values.
     pub data: Bytes,
-    /// Affine formats only: `[rows, cols / group_size]` scales and biases.
+    /// Affine formats: `[rows, cols / group_size]` scales and biases; FP8: the block scales.
     pub scales: Option<Bytes>,
     pub biases: Option<Bytes>,
     /// Element type of scales and biases (bf16 in MLX checkpoints).
@@ -87,6 +99,8 @@ impl Matrix {
             WeightFormat::F32 => self.cols * 4,
             WeightFormat::F16 | WeightFormat::BF16 => self.cols * 2,
             WeightFormat::Affine { bits, .. } => self.cols * bits as usize / 8,
+            WeightFormat::Ggml(t) => t.row_bytes(self.cols),
+            WeightFormat::Fp8 { .. } => self.cols,
         }
     }
 
@@ -102,6 +116,20 @@ impl Matrix {
     pub fn rows_view(&self, start: usize, n: usize) -> Matrix {
         assert!(start + n <= self.rows, "row view out of range");
         let rb = self.row_bytes();
+        if let WeightFormat::Fp8 { block } = self.format {
+            // Scales cover tiles of `block` rows: a view must start on a tile.
+            assert_eq!(start % block, 0, "FP8 row view not on a scale tile");
+            let tile_row = self.cols.div_ceil(block) * self.scale_dtype.size();
+            return Matrix {
+                rows: n,
+                data: self.data.slice(start * rb, n * rb),
+                scales: self
+                    .scales
+                    .as_ref()
+                    .map(|s| s.slice(start / block * tile_row, n.div_ceil(block) * tile_row)),
+                ..self.clone()
+            };
+        }
         let g = self.groups_per_row() * self.scale_dtype.size();
         Matrix {
             rows: n,
@@ -164,6 +192,20 @@ impl Matrix {
                     group_size,
                     out,
                 );
+            }
+            WeightFormat::Ggml(t) => crate::ggml::dequantize_row(t, row, out),
+            WeightFormat::Fp8 { block } => {
+                let table = crate::checkpoint::fp8::e4m3_table();
+                let tiles = self.cols.div_ceil(block);
+                let scales = self.scales.as_ref().expect("FP8 matrix has scales");
+                let first = r / block * tiles;
+                for (tile, chunk) in out.chunks_mut(block).enumerate() {
+                    let s = read_scalar(scales.as_slice(), self.scale_dtype, first + tile);
+                    let codes = &row[tile * block..tile * block + chunk.len()];
+                    for (o, &c) in chunk.iter_mut().zip(codes) {
+                        *o = table[c as usize] * s;
+                    }
+                }
             }
         }
     }

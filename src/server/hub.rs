@@ -54,10 +54,11 @@ pub fn find_in_cache(hub: &Path, repo_id: &str) -> Option<PathBuf> {
         .or_else(newest)
 }
 
-/// Turns `--model` into a directory: an existing directory as is, a repo id through the cache.
+/// Turns `--model` into a directory or a GGUF file: an existing directory or `.gguf` file as
+/// is, a repo id through the cache.
 pub fn resolve(arg: &str) -> anyhow::Result<PathBuf> {
     let path = Path::new(arg);
-    if path.is_dir() {
+    if path.is_dir() || (path.is_file() && path.extension().is_some_and(|e| e == "gguf")) {
         return Ok(path.to_path_buf());
     }
     if !looks_like_repo_id(arg) {

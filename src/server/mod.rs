@@ -28,11 +28,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde_json::json;
 
 use self::metrics::Metrics;
+use crate::chat::template::{ChatTemplate, TemplateError};
 use crate::checkpoint::{self, synth};
 use crate::config::ModelConfig;
 use crate::engine::generate::TextModel;
 use crate::engine::{Engine, EngineOptions};
 use crate::model::{Backend, CpuBackend, Weights};
+use crate::sampling::GenerationDefaults;
+use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// Name under which the built-in demo model is served.
 pub const DEMO_MODEL_NAME: &str = "lily-demo";
@@ -43,7 +46,8 @@ pub enum ModelSource {
     /// The built-in demo: the `tiny` preset with random weights, the byte-level demo tokenizer
     /// and the real Qwen3.6 chat template.
     Demo,
-    /// A model directory (already resolved from a Hugging Face repo id if one was given).
+    /// A model directory (already resolved from a Hugging Face repo id if one was given), or a
+    /// GGUF file.
     Dir(PathBuf),
 }
 
@@ -288,7 +292,7 @@ pub fn load(options: &ServeOptions) -> anyhow::Result<ServedModel> {
             (Some(script), source) => {
                 let text = match source {
                     ModelSource::Demo => TextModel::demo()?,
-                    ModelSource::Dir(dir) => TextModel::from_dir(dir)?,
+                    ModelSource::Dir(dir) => text_model(dir)?,
                 };
                 let config = ModelConfig::from_json(&demo_config(
                     text.tokenizer.vocab_size(),
@@ -380,7 +384,7 @@ pub fn load_model(source: &ModelSource) -> anyhow::Result<(TextModel, Weights)> 
             Ok((text, weights))
         }
         ModelSource::Dir(dir) => {
-            let text = TextModel::from_dir(dir)?;
+            let text = text_model(dir)?;
             let weights = load_weights(dir)?;
             let vocab = weights.config.vocab_size;
             anyhow::ensure!(
@@ -391,6 +395,40 @@ pub fn load_model(source: &ModelSource) -> anyhow::Result<(TextModel, Weights)> 
             Ok((text, weights))
         }
     }
+}
+
+/// The text side of the model at `path`: the tokenizer and template files of its directory; for
+/// a GGUF model without a tokenizer beside it, the vocabulary and chat template the file carries.
+fn text_model(path: &Path) -> anyhow::Result<TextModel> {
+    let Some(file) = checkpoint::gguf::find(path)? else {
+        return TextModel::from_dir(path);
+    };
+    let dir = if path.is_dir() {
+        path
+    } else {
+        file.parent().unwrap_or(Path::new("."))
+    };
+    match Tokenizer::from_dir(dir) {
+        Err(TokenizerError::NotFound { .. }) => {}
+        _ => return TextModel::from_dir(dir),
+    }
+    let gguf = checkpoint::gguf::GgufFile::open(&file)?;
+    let tokens = gguf.token_list()?;
+    let tokenizer = Tokenizer::from_token_list(&tokens, &file)?;
+    let template = match ChatTemplate::from_model_dir(dir) {
+        Err(TemplateError::Missing(_)) => match gguf.chat_template() {
+            Some(source) => ChatTemplate::from_source(source)?,
+            None => {
+                tracing::warn!(
+                    "{} has no chat template; using the built-in Qwen3.6 template",
+                    file.display()
+                );
+                ChatTemplate::qwen36()
+            }
+        },
+        other => other?,
+    };
+    TextModel::new(tokenizer, template, GenerationDefaults::load(dir)?)
 }
 
 /// The demo model's config: the `tiny` preset with the demo tokenizer's vocabulary and
@@ -427,12 +465,16 @@ fn demo_weights(vocab_size: usize, im_end: u32) -> anyhow::Result<Weights> {
 
 /// Loads a checkpoint with a progress line (a spinner with the elapsed time on a terminal).
 fn load_weights(dir: &Path) -> anyhow::Result<Weights> {
-    let (files, bytes) = std::fs::read_dir(dir)?
-        .filter_map(Result::ok)
-        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-        .fold((0, 0u64), |(n, b), e| {
-            (n + 1, b + e.metadata().map_or(0, |m| m.len()))
-        });
+    let weight_files: Vec<PathBuf> = match checkpoint::gguf::find(dir)? {
+        Some(file) => vec![file],
+        None => std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect(),
+    };
+    let (files, bytes) = weight_files.iter().fold((0, 0u64), |(n, b), p| {
+        (n + 1, b + p.metadata().map_or(0, |m| m.len()))
+    });
     let message = format!(
         "loading {} ({:.1} GB in {files} files)",
         dir.display(),

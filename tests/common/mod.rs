@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use lily::checkpoint::safetensors::open_file;
 use lily::checkpoint::tensor::{DType, RawTensor};
+use lily::model::weights::Matrix;
 
 pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -48,6 +49,59 @@ pub fn rel_error(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// ‖a − b‖ / ‖b‖: the RMS error relative to the reference's RMS.
+pub fn rel_rms(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let (e, n) = a.iter().zip(b).fold((0f64, 0f64), |(e, n), (x, y)| {
+        (e + ((x - y) as f64).powi(2), n + (*y as f64).powi(2))
+    });
+    (e / n).sqrt() as f32
+}
+
+/// Every row of a matrix, decoded to f32.
+pub fn matrix_values(m: &Matrix) -> Vec<f32> {
+    let mut out = vec![0f32; m.rows * m.cols];
+    for (r, row) in out.chunks_mut(m.cols).enumerate() {
+        m.row_into(r, row);
+    }
+    out
+}
+
+/// Applies `f` to every matrix of `w` (to re-encode a model in another format).
+pub fn map_matrices(w: &mut lily::model::Weights, mut f: impl FnMut(&mut Matrix)) {
+    use lily::model::weights::Mixer;
+    f(&mut w.embed);
+    f(&mut w.lm_head);
+    for l in &mut w.layers {
+        match &mut l.mixer {
+            Mixer::DeltaNet(d) => {
+                for m in [
+                    &mut d.in_proj_qkv,
+                    &mut d.in_proj_z,
+                    &mut d.in_proj_b,
+                    &mut d.in_proj_a,
+                    &mut d.out_proj,
+                ] {
+                    f(m);
+                }
+            }
+            Mixer::Attention(a) => {
+                for m in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
+                    f(m);
+                }
+            }
+        }
+        let m = &mut l.moe;
+        f(&mut m.router);
+        f(&mut m.shared_expert_gate);
+        for x in m.experts.iter_mut().chain([&mut m.shared_expert]) {
+            f(&mut x.gate);
+            f(&mut x.up);
+            f(&mut x.down);
+        }
+    }
 }
 
 #[allow(unused_imports)]
