@@ -4,7 +4,7 @@
 #
 #   scripts/gpu-check.sh build [DIR]   on the build machine: builds the GPU test binaries and the
 #                                      lily binary with feature `cuda` and copies them, without
-#                                      debug info, into DIR (default: carry/, git-ignored), with a
+#                                      symbols, into DIR (default: carry/, git-ignored), with a
 #                                      copy of this script.
 #   bash DIR/gpu-check.sh run [DIR]    on the GPU machine, from the repo root: runs every test
 #                                      binary in DIR, then `lily bench` and `lily bench --serve` on
@@ -48,7 +48,7 @@ for line in sys.stdin:
     while read -r bin; do
         name="$(basename "$bin")"
         name="${name%-*}"  # drop cargo's hash suffix
-        objcopy --strip-debug "$bin" "$dir/$name" && echo "copied $name ($(du -h "$dir/$name" | cut -f1))"
+        objcopy --strip-all "$bin" "$dir/$name" && echo "copied $name ($(du -h "$dir/$name" | cut -f1))"
     done < "$dir/.binaries"
     rm "$dir/.binaries"
     cp "${BASH_SOURCE[0]}" "$dir/gpu-check.sh"
