@@ -72,6 +72,7 @@ fn interleaved_requests_match_each_run_alone() {
                 max_tokens: 12,
                 stop_token_ids: vec![],
                 sampler: greedy_sampler(),
+                device_sampler: None,
             })
         })
         .collect();
@@ -95,6 +96,7 @@ fn stop_tokens_end_generation() {
         max_tokens: 8,
         stop_token_ids: vec![stop],
         sampler: greedy_sampler(),
+        device_sampler: None,
     }));
     assert_eq!(reason, Some(FinishReason::Stop));
     assert_eq!(ids, expected[..=first]);
@@ -108,24 +110,28 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         max_tokens: 1000,
         stop_token_ids: vec![],
         sampler: greedy_sampler(),
+        device_sampler: None,
     });
     let bad = engine.submit(GenerateRequest {
         prompt: vec![1, 999_999],
         max_tokens: 4,
         stop_token_ids: vec![],
         sampler: greedy_sampler(),
+        device_sampler: None,
     });
     let panicking = engine.submit(GenerateRequest {
         prompt: vec![2, 3],
         max_tokens: 4,
         stop_token_ids: vec![],
         sampler: Box::new(|_: &mut [f32], _: &[u32]| panic!("sampler bug")),
+        device_sampler: None,
     });
     let good = engine.submit(GenerateRequest {
         prompt: vec![7, 8, 9],
         max_tokens: 6,
         stop_token_ids: vec![],
         sampler: greedy_sampler(),
+        device_sampler: None,
     });
     drop(dropped);
     let (_, _, err) = collect(bad);

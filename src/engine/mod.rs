@@ -17,6 +17,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::config::ModelConfig;
 use crate::model::{Backend, SeqId};
+use crate::sampling::DeviceSampling;
 
 /// What the sampler returns for one step.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,6 +39,19 @@ pub struct GenerateRequest {
     /// Generation ends after emitting one of these (the token is reported, with reason Stop).
     pub stop_token_ids: Vec<u32>,
     pub sampler: Sampler,
+    /// Set when the request's sampling can run on the backend, next to the logits.
+    pub device_sampler: Option<Box<dyn DeviceSampler>>,
+}
+
+/// The backend half of a request's sampler. Before each forward pass whose logits give the next
+/// token, the engine asks it whether that token can be sampled by the backend
+/// ([`Backend::forward_sample`]): then only the token comes back, not the logits.
+pub trait DeviceSampler: Send {
+    /// The next token's sampling and the uniform number its draw uses, or `None` when this step
+    /// needs the logits (`sampler` then picks the token).
+    fn device_step(&mut self) -> Option<(DeviceSampling, f64)>;
+    /// The token the backend chose, recorded as `sampler` records its own picks.
+    fn accept(&mut self, token: u32) -> SampledToken;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,8 +161,15 @@ struct Active {
     /// Prompt tokens already run through the model.
     prefilled: usize,
     generated: Vec<u32>,
-    /// Logits of the last position, waiting to be sampled.
-    logits: Option<Vec<f32>>,
+    /// What the last forward pass left for choosing the next token.
+    next: Option<Next>,
+}
+
+enum Next {
+    /// Logits of the last position, waiting for the request's sampler.
+    Logits(Vec<f32>),
+    /// The token the backend sampled (see [`DeviceSampler`]).
+    Sampled(u32),
 }
 
 enum Step {
@@ -255,7 +276,7 @@ impl EngineLoop {
                 events,
                 prefilled: 0,
                 generated: Vec::new(),
-                logits: None,
+                next: None,
             });
         }
     }
@@ -267,18 +288,30 @@ impl EngineLoop {
         }
         if a.prefilled < a.request.prompt.len() {
             let end = (a.prefilled + self.options.prefill_chunk).min(a.request.prompt.len());
-            a.logits = Some(
-                self.backend
-                    .forward(a.seq, &a.request.prompt[a.prefilled..end])?,
-            );
+            // Only the last chunk's logits give a token.
+            let device = match end == a.request.prompt.len() {
+                true => a.request.device_sampler.as_mut(),
+                false => None,
+            };
+            let tokens = &a.request.prompt[a.prefilled..end];
+            a.next = Some(forward_next(&mut *self.backend, a.seq, tokens, device)?);
             a.prefilled = end;
             return Ok(Step::Continue);
         }
         if a.request.max_tokens == 0 {
             return Ok(Step::Finished(FinishReason::Length));
         }
-        let mut logits = a.logits.take().expect("logits after prefill or decode");
-        let token = (a.request.sampler)(&mut logits, &a.generated);
+        let token = match a
+            .next
+            .take()
+            .expect("a forward pass after prefill or decode")
+        {
+            Next::Logits(mut logits) => (a.request.sampler)(&mut logits, &a.generated),
+            Next::Sampled(id) => match &mut a.request.device_sampler {
+                Some(device) => device.accept(id),
+                None => unreachable!("only a device sampler samples on the backend"),
+            },
+        };
         let id = token.id;
         a.generated.push(id);
         self.stats
@@ -293,7 +326,8 @@ impl EngineLoop {
         if a.generated.len() >= a.request.max_tokens {
             return Ok(Step::Finished(FinishReason::Length));
         }
-        a.logits = Some(self.backend.forward(a.seq, &[id])?);
+        let device = a.request.device_sampler.as_mut();
+        a.next = Some(forward_next(&mut *self.backend, a.seq, &[id], device)?);
         Ok(Step::Continue)
     }
 
@@ -312,6 +346,22 @@ impl EngineLoop {
         tracing::error!(seq = a.seq, "request failed: {message}");
         self.backend.free_sequence(a.seq);
         let _ = a.events.send(Event::Error(message));
+    }
+}
+
+/// Runs `tokens` of sequence `seq`: sampled on the backend when the device sampler can take this
+/// step, else bringing back the logits.
+fn forward_next(
+    backend: &mut dyn Backend,
+    seq: SeqId,
+    tokens: &[u32],
+    device: Option<&mut Box<dyn DeviceSampler>>,
+) -> anyhow::Result<Next> {
+    match device.and_then(|d| d.device_step()) {
+        Some((sampling, u)) => Ok(Next::Sampled(
+            backend.forward_sample(seq, tokens, &sampling, u)?,
+        )),
+        None => Ok(Next::Logits(backend.forward(seq, tokens)?)),
     }
 }
 
