@@ -112,8 +112,6 @@ struct SampleState {
     double tie_weight; // top-p: the weight of one tied token
     int draw_block;    // the slice the draw lands in
     u32 draw_ties;     // how many tied tokens of that slice are candidates
-    u32 ties_before;   // tied tokens in the slices before it
-    u32 pad;
     double draw_target; // the draw's position inside that slice (unnormalised mass)
 };
 
@@ -243,7 +241,11 @@ extern "C" __global__ void sample_max(const float* __restrict__ work, int n, con
         st->done = 1;
     } else {
         u32 floor = NEG_INF_KEY + 1;  // finite logits only
-        if (p->min_p_on) floor = max(floor, float_key(__fadd_rn(lmax, __fmul_rn(p->temperature, p->log_min_p))));
+        if (p->min_p_on) {
+            // The CPU keeps l >= threshold: with a threshold of zero that includes -0.
+            const float threshold = __fadd_rn(lmax, __fmul_rn(p->temperature, p->log_min_p));
+            floor = max(floor, float_key(threshold == 0.0f ? -0.0f : threshold));
+        }
         st->floor = floor;
     }
 }
@@ -252,14 +254,15 @@ extern "C" __global__ void sample_max(const float* __restrict__ work, int n, con
 // mode 0 (top-k): find the k-th largest key, then floor = that key (ties at it all stay).
 // mode 1 (top-p): find the key where the mass, largest keys first, reaches top_p of the total;
 // then how many of the tokens tied at it (lowest ids first) it takes to get there.
-// Round 0 decides from the parameters whether the select runs; rounds 1 and 2 follow `active`.
+// A select runs when its parameter is on; rounds 1 and 2 only when the last round said so.
 extern "C" __global__ void sample_select(const float* __restrict__ work, int n, const SampleParams* p,
                                          SampleState* st, u32* __restrict__ hist_count,
                                          double* __restrict__ hist_mass, int mode, int round) {
     __shared__ u32 s_count[RADIX_BINS];
     __shared__ double s_mass[RADIX_BINS];
     if (st->done) return;
-    if (round == 0 ? (mode == 0 ? p->top_k <= 0 : p->top_p >= 1.0f) : !st->active) return;
+    const bool off = mode == 0 ? p->top_k <= 0 : p->top_p >= 1.0f;
+    if (off || (round > 0 && !st->active)) return;
     const int shift = round == 0 ? 21 : round == 1 ? 10 : 0;
     const u32 digits = round == 2 ? 1024u : 2048u;
     const u32 high = round == 0 ? 0u : round == 1 ? 0xffe00000u : 0xfffffc00u;
@@ -399,7 +402,6 @@ extern "C" __global__ void sample_draw_mass(const float* __restrict__ work, int 
             // Rounding can put the target at or past the total: the last slice with mass takes it.
             chosen = b;
             st->draw_ties = taken;
-            st->ties_before = seen;
             st->draw_target = target - acc;
             if (acc + m > target) break;
         }
