@@ -411,49 +411,66 @@ extern "C" __global__ void sample_draw_mass(const float* __restrict__ work, int 
     st->draw_block = chosen;
 }
 
+#define WALK_THREADS 1024
+
 // One block walks the chosen slice in token order: the first candidate whose cumulative weight
-// passes the target (the last candidate if rounding leaves it short).
+// passes the target (the last one with any weight if rounding leaves the target past the end).
+// Thread j takes `per` consecutive tokens, so thread order is token order; the scan's prefix sums
+// split the target's range between the threads, so exactly one of them walks its tokens.
 extern "C" __global__ void sample_draw(const float* __restrict__ work, int n, const SampleParams* p,
                                        const SampleState* st, int* __restrict__ out) {
-    if (st->done) return;
+    __shared__ double starts[WALK_THREADS + 1];
     __shared__ int chosen, last;
-    if (threadIdx.x == 0) { chosen = 0x7fffffff; last = -1; }
+    if (st->done) return;
     if (st->draw_block < 0) {  // no candidate at all (cannot happen with a finite maximum)
         if (threadIdx.x == 0) *out = -1;
         return;
     }
+    if (threadIdx.x == 0) { chosen = 0x7fffffff; last = -1; }
     u32 cut, ties;
     candidate_cut(p, st, cut, ties);
     const u32 allowed = st->draw_ties;
     const float lmax = st->lmax, temp = p->temperature;
+    const double target = st->draw_target;
     int begin, end;
     slice_of(st->draw_block, n, begin, end);
-    // Thread j takes `per` consecutive tokens, so thread order is token order.
     const int per = (end - begin + blockDim.x - 1) / blockDim.x;
     const int from = min(end, begin + (int)threadIdx.x * per), to = min(end, from + per);
+
+    // Tied tokens are candidates in id order: this thread's first one has rank `rank0`.
     u32 tied = 0;
     for (int t = from; t < to; ++t) tied += float_key(work[t]) == cut;
     double unused;
-    u32 rank = (u32)block_exclusive_scan((double)tied, &unused);
+    const u32 rank0 = (u32)block_exclusive_scan((double)tied, &unused);
     double mass = 0.0;
-    for (int t = from; t < to; ++t) {
-        const float l = work[t];
-        const u32 key = float_key(l);
-        if (key > cut || (key == cut && rank++ < allowed)) mass += sample_weight(l, lmax, temp);
-    }
-    double acc = block_exclusive_scan(mass, &unused);
-    rank = rank - tied;  // back to this thread's first tied token
-    const double target = st->draw_target;
-    int my_last = -1;
+    int my_last = -1;  // this thread's last candidate with any weight
+    u32 rank = rank0;
     for (int t = from; t < to; ++t) {
         const float l = work[t];
         const u32 key = float_key(l);
         if (!(key > cut || (key == cut && rank++ < allowed))) continue;
         const double w = sample_weight(l, lmax, temp);
-        my_last = t;
-        // Scans of different threads round differently: if two claim the crossing, the lower id wins.
-        if (w > 0.0 && acc <= target && acc + w > target) atomicMin(&chosen, t);
-        acc += w;
+        mass += w;
+        if (w > 0.0) my_last = t;
+    }
+    double total;
+    const double start = block_exclusive_scan(mass, &total);
+    starts[threadIdx.x] = start;
+    if (threadIdx.x == 0) starts[blockDim.x] = total;
+    __syncthreads();
+    if (my_last >= 0 && start <= target && target < starts[threadIdx.x + 1]) {
+        double acc = start;
+        int pick = my_last;
+        rank = rank0;
+        for (int t = from; t < to; ++t) {
+            const float l = work[t];
+            const u32 key = float_key(l);
+            if (!(key > cut || (key == cut && rank++ < allowed))) continue;
+            const double w = sample_weight(l, lmax, temp);
+            if (w > 0.0 && acc + w > target) { pick = t; break; }
+            acc += w;
+        }
+        atomicMin(&chosen, pick);  // one thread, unless rounding made two ranges overlap
     }
     if (my_last >= 0) atomicMax(&last, my_last);
     __syncthreads();

@@ -18,8 +18,9 @@ const PARTS: usize = 64;
 
 /// Blocks of the sampler's grid launches (`SAMPLE_BLOCKS` in sample.cu).
 const SAMPLE_BLOCKS: usize = 128;
-/// Threads per block of the grid launches, and of the final walk through one slice.
+/// Threads per block of the grid launches.
 const GRID_THREADS: u32 = 512;
+/// Threads of the final walk through one slice (`WALK_THREADS` in sample.cu).
 const WALK_THREADS: u32 = 1024;
 /// Bins of one radix-select round (`RADIX_BINS` in sample.cu).
 const RADIX_BINS: usize = 2048;
