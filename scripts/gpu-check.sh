@@ -7,13 +7,16 @@
 #                                      debug info, into DIR (default: carry/, git-ignored), with a
 #                                      copy of this script.
 #   bash DIR/gpu-check.sh run [DIR]    on the GPU machine, from the repo root: runs every test
-#                                      binary in DIR, then `lily bench` on the full-size synthetic
-#                                      Q4 model; writes summary.txt, logs.tar and the bench files
+#                                      binary in DIR, then `lily bench` and `lily bench --serve` on
+#                                      the full-size synthetic Q4 model; writes summary.txt, logs.tar
+#                                      and the bench files
 #                                      under $OUT (or ./gpu-out); exits non-zero if a test failed.
 #
 # Set GPU_CHECK_CONTEXTS (comma-separated) to change the benchmark's contexts, or to "none" to skip
-# it. The binaries need only libcuda and libcublas on the GPU machine; they find them in its usual
-# folders by themselves (src/cuda/mod.rs), so no LD_LIBRARY_PATH is set here.
+# it; GPU_CHECK_SERVE=none skips the `lily bench --serve` run. The GPU tests are every
+# tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
+# libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
+# (src/cuda/mod.rs), so no LD_LIBRARY_PATH is set here.
 set -uo pipefail
 
 cmd="${1:-}"
@@ -102,6 +105,16 @@ PY
         rc=$?
         tail -15 "$logs/bench.log"
         echo "bench: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+    fi
+    if [[ "${GPU_CHECK_SERVE:-1}" != none && -x "$dir/lily" ]]; then
+        # The engine under load: 8 streams, a 10-turn conversation growing to 32K tokens with and
+        # without the prefix cache, decode speed per stream (serve.md).
+        echo "=== bench --serve"
+        timeout 400 "$dir/lily" bench --serve --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+            --out "$out" > "$logs/bench-serve.log" 2>&1
+        rc=$?
+        tail -30 "$logs/bench-serve.log"
+        echo "bench --serve: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
     fi
     tar cf "$out/logs.tar" -C "$logs" .
     echo "=== summary"

@@ -15,5 +15,6 @@ pub mod model;
 pub mod plot;
 pub mod quant;
 pub mod sampling;
+pub mod serve_bench;
 pub mod server;
 pub mod tokenizer;

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use half::bf16;
-use lily::cuda::gemm::{GemvKernels, GemvShape, Matrices, WeightData, GROUP};
+use lily::cuda::gemm::{GemvKernels, GemvShape, Matrices, SlotInput, WeightData, GROUP};
 use lily::cuda::norm::NormKernels;
 use lily::cuda::{CudaDevice, CudaError};
 use rayon::prelude::*;
@@ -208,48 +208,85 @@ fn rmsnorm_matches_reference() {
 }
 
 #[test]
-fn add_rmsnorm_matches_reference() {
+fn residual_rmsnorm_matches_reference() {
     let dev = device();
     let k = NormKernels::load(&dev).unwrap();
     let s = dev.stream();
-    let mut rng = Rng::new("add_rmsnorm");
+    let mut rng = Rng::new("residual_rmsnorm");
     let (rows, n) = (5, HIDDEN);
-    let h = rng.bf16s(rows * n, 8.0);
-    let r = rng.bf16s(rows * n, 2.0);
     let w: Vec<f32> = (0..n).map(|_| 1.0 + 0.5 * rng.unit()).collect();
-    let (mut dh, dr, dw, mut dy) = (
-        upload(s, &h),
-        upload(s, &r),
-        upload(s, &w),
-        poisoned(s, rows * n),
-    );
-    k.add_rmsnorm(
-        &mut dh.as_view_mut(),
-        &dr.as_view(),
-        &dw.as_view(),
-        &mut dy.as_view_mut(),
-        EPS,
-    )
-    .unwrap();
-    let (h_gpu, y) = (download(s, &dh), download(s, &dy));
-    // h = bf16(h + r), then the norm of the rounded h.
-    let h_sum: Vec<f64> = h.iter().zip(&r).map(|(&a, &b)| f(a) + f(b)).collect();
-    check(
-        "add_rmsnorm h",
-        &h_gpu,
-        &h_sum,
-        HALF_ULP + FP32_SLACK,
-        &|_| 1e-30,
-    );
-    let h_new: Vec<f64> = h_sum.iter().map(|&v| round_bf16(v)).collect();
-    let mut want = Vec::with_capacity(rows * n);
-    for row in h_new.chunks(n) {
-        let inv = inv_rms(row);
-        want.extend(row.iter().zip(&w).map(|(v, &wi)| v * inv * wi as f64));
+    // parts = 1: the plain residual add; parts = 9: the MoE combine (8 experts + the shared one).
+    for parts in [1, 9] {
+        let what = format!("residual_rmsnorm, {parts} parts");
+        let h = rng.bf16s(rows * n, 8.0);
+        let p = rng.bf16s(rows * parts * n, 2.0);
+        let weights: Vec<f32> = (0..rows * parts).map(|_| rng.unit().abs()).collect();
+        let (mut dh, dp, dwt, dw, mut dy) = (
+            upload(s, &h),
+            upload(s, &p),
+            upload(s, &weights),
+            upload(s, &w),
+            poisoned(s, rows * n),
+        );
+        let dwt = dwt.as_view();
+        k.residual_rmsnorm(
+            &mut dh.as_view_mut(),
+            &dp.as_view(),
+            (parts > 1).then_some(&dwt),
+            &dw.as_view(),
+            &mut dy.as_view_mut(),
+            EPS,
+        )
+        .unwrap();
+        let (h_gpu, y) = (download(s, &dh), download(s, &dy));
+        // r = bf16(Σ_j weight_j · part_j) (or the one part), h = bf16(h + r), then the norm of the
+        // rounded h. r's own rounding can differ by an ulp of r from the f64 one where fp32
+        // summation lands on the other side of a rounding boundary: allowed per element.
+        let mut r = vec![0f64; rows * n];
+        let mut r_ulp = vec![0f64; rows * n];
+        for row in 0..rows {
+            for i in 0..n {
+                let sum: f64 = (0..parts)
+                    .map(|j| {
+                        let wj = if parts > 1 {
+                            weights[row * parts + j] as f64
+                        } else {
+                            1.0
+                        };
+                        wj * f(p[(row * parts + j) * n + i])
+                    })
+                    .sum();
+                r[row * n + i] = round_bf16(sum);
+                r_ulp[row * n + i] = if parts > 1 {
+                    2.0 * HALF_ULP * sum.abs()
+                } else {
+                    0.0
+                };
+            }
+        }
+        let h_sum: Vec<f64> = h.iter().zip(&r).map(|(&a, &b)| f(a) + b).collect();
+        check(
+            &format!("{what}: h"),
+            &h_gpu,
+            &h_sum,
+            HALF_ULP + FP32_SLACK,
+            &|i| r_ulp[i] + 1e-30,
+        );
+        // The norm is checked from the GPU's own rounded h.
+        let h_new: Vec<f64> = h_gpu.iter().map(|&v| f(v)).collect();
+        let mut want = Vec::with_capacity(rows * n);
+        for row in h_new.chunks(n) {
+            let inv = inv_rms(row);
+            want.extend(row.iter().zip(&w).map(|(v, &wi)| v * inv * wi as f64));
+        }
+        check(
+            &format!("{what}: y"),
+            &y,
+            &want,
+            HALF_ULP + FP32_SLACK,
+            &|_| 1e-30,
+        );
     }
-    check("add_rmsnorm y", &y, &want, HALF_ULP + FP32_SLACK, &|_| {
-        1e-30
-    });
 }
 
 fn silu(v: f64) -> f64 {
@@ -302,33 +339,6 @@ fn gated_rmsnorm_matches_reference() {
         norm_err < HALF_ULP,
         "gated_rmsnorm: norm-wise error {norm_err:.2e}"
     );
-}
-
-#[test]
-fn silu_mul_matches_reference() {
-    let dev = device();
-    let k = NormKernels::load(&dev).unwrap();
-    let s = dev.stream();
-    let mut rng = Rng::new("silu_mul");
-    // 8 experts' gate‖up outputs [8][2·512], and the shared expert's.
-    for (rows, n) in [(8, 512), (1, 512)] {
-        let gu = rng.bf16s(rows * 2 * n, 6.0);
-        let (dgu, mut dout) = (upload(s, &gu), poisoned(s, rows * n));
-        k.silu_mul(&dgu.as_view(), &mut dout.as_view_mut(), n)
-            .unwrap();
-        let out = download(s, &dout);
-        let want: Vec<f64> = gu
-            .chunks(2 * n)
-            .flat_map(|r| (0..n).map(move |i| silu(f(r[i])) * f(r[n + i])))
-            .collect();
-        check(
-            &format!("silu_mul [{rows}×{n}]"),
-            &out,
-            &want,
-            HALF_ULP + FP32_SLACK,
-            &|_| 1e-30,
-        );
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -572,19 +582,27 @@ fn gemv_expert_slots_match_reference() {
     };
     println!("expert ids {ids:?}");
     let dids = upload(s, &ids);
-    for (rows, cols, x_per_slot) in [(1024, 2048, false), (2048, 512, true)] {
-        let what =
-            format!("gemv Q4 experts [{rows}×{cols}] ×{slots} slots, x per slot: {x_per_slot}");
+    for (rows, cols, input) in [
+        (1024, 2048, SlotInput::Shared),
+        (2048, 512, SlotInput::PerSlot),
+        (2048, 512, SlotInput::PerSlotSwiGlu),
+    ] {
+        let what = format!("gemv Q4 experts [{rows}×{cols}] ×{slots} slots, x {input:?}");
         let h = HostMatrices::random(&mut rng, 4, experts, rows, cols);
         let m = DeviceMatrices::upload(s, &h);
-        let x = rng.bf16s(if x_per_slot { slots } else { 1 } * cols, 1.0);
+        let x = match input {
+            SlotInput::Shared => rng.bf16s(cols, 1.0),
+            SlotInput::PerSlot => rng.bf16s(slots * cols, 1.0),
+            // gate‖up pairs as the gate_up projection leaves them, with gates across SiLU's bend.
+            SlotInput::PerSlotSwiGlu => rng.bf16s(slots * 2 * cols, 4.0),
+        };
         let (dx, mut dy) = (upload(s, &x), poisoned(s, slots * rows));
         k.gemv_slots(
             &m.view(),
             Some(&dids.as_view()),
             slots,
             &dx.as_view(),
-            x_per_slot,
+            input,
             1,
             &mut dy.as_view_mut(),
         )
@@ -592,12 +610,23 @@ fn gemv_expert_slots_match_reference() {
         let y = download(s, &dy);
         let (mut want, mut tol) = (Vec::new(), Vec::new());
         for (slot, &id) in ids.iter().enumerate() {
-            let xs = if x_per_slot {
-                &x[slot * cols..(slot + 1) * cols]
-            } else {
-                &x[..]
+            // The x the product should see: for SwiGLU, bf16(silu(gate) · up), the reference's
+            // rounded activation.
+            let xs: Vec<bf16> = match input {
+                SlotInput::Shared => x.clone(),
+                SlotInput::PerSlot => x[slot * cols..(slot + 1) * cols].to_vec(),
+                SlotInput::PerSlotSwiGlu => {
+                    let gu = &x[slot * 2 * cols..(slot + 1) * 2 * cols];
+                    (0..cols)
+                        .map(|i| {
+                            // fp32, as the kernel computes it.
+                            let (g, u) = (gu[i].to_f32(), gu[cols + i].to_f32());
+                            bf16::from_f32(g / (1.0 + (-g).exp()) * u)
+                        })
+                        .collect()
+                }
             };
-            let (w, t) = h.gemv(id as usize, xs, 1);
+            let (w, t) = h.gemv(id as usize, &xs, 1);
             want.extend(w);
             tol.extend(t);
         }
@@ -754,7 +783,7 @@ fn gemv_bandwidth() {
                         None,
                         1,
                         &xs.as_view(),
-                        false,
+                        SlotInput::Shared,
                         ntok,
                         &mut y.as_view_mut(),
                         shape,
@@ -766,7 +795,11 @@ fn gemv_bandwidth() {
                         Some(&id),
                         slots,
                         &xs.as_view(),
-                        x_per_slot,
+                        if x_per_slot {
+                            SlotInput::PerSlot
+                        } else {
+                            SlotInput::Shared
+                        },
                         ntok,
                         &mut y.as_view_mut(),
                         shape,

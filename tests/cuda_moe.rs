@@ -28,7 +28,9 @@ use half::bf16;
 use lily::checkpoint::synth;
 use lily::config::ModelConfig;
 use lily::cuda::gemm_prefill::{GemmKernels, TILE_ROWS};
+use lily::cuda::model::DeviceMoe;
 use lily::cuda::moe::{ExpertGroups, MoeKernels};
+use lily::cuda::norm::NormKernels;
 use lily::cuda::weights::DeviceMatrices;
 use lily::cuda::{CudaDevice, CudaStream};
 use lily::model::cpu::moe;
@@ -425,27 +427,7 @@ fn moe_inputs(
     (xb, xf)
 }
 
-/// The device MoE block exactly as forward.rs runs it for a prefill chunk.
-struct Block {
-    router: DeviceMatrices,
-    shared_gate_up: DeviceMatrices,
-    shared_down: DeviceMatrices,
-    shared_gate: DeviceMatrices,
-}
-
-impl Block {
-    fn new(s: &Arc<CudaStream>, w: &MoeWeights) -> Self {
-        let f = &w.shared_expert;
-        Block {
-            router: DeviceMatrices::concat(s, &[&w.router]).expect("upload"),
-            shared_gate_up: DeviceMatrices::concat(s, &[&f.gate, &f.up]).expect("upload"),
-            shared_down: DeviceMatrices::concat(s, &[&f.down]).expect("upload"),
-            shared_gate: DeviceMatrices::concat(s, &[&w.shared_expert_gate]).expect("upload"),
-        }
-    }
-}
-
-/// Scratch of one MoE block run.
+/// Scratch of one MoE block run; `slots` = the 8 routed experts + the shared expert.
 struct BlockBuffers {
     logits: lily::cuda::CudaSlice<bf16>,
     ids: lily::cuda::CudaSlice<i32>,
@@ -453,99 +435,92 @@ struct BlockBuffers {
     groups: ExpertGroups,
     act: lily::cuda::CudaSlice<bf16>,
     routed: lily::cuda::CudaSlice<bf16>,
-    shared_act: lily::cuda::CudaSlice<bf16>,
-    shared: lily::cuda::CudaSlice<bf16>,
-    gate: lily::cuda::CudaSlice<bf16>,
+    /// The residual stream (zeros, so that after the block it holds bf16(MoE output)), the
+    /// next norm's weights and output.
+    h: lily::cuda::CudaSlice<bf16>,
+    norm_w: lily::cuda::CudaSlice<f32>,
+    normed: lily::cuda::CudaSlice<bf16>,
 }
+
+const SLOTS: usize = TOP_K + 1;
 
 impl BlockBuffers {
     fn new(s: &Arc<CudaStream>, c: &ModelConfig, tokens: usize) -> Self {
-        let (h, e, i, si) = (
-            c.hidden_size,
-            c.num_experts,
-            c.moe_intermediate_size,
-            c.shared_expert_intermediate_size,
-        );
+        let (h, e, i) = (c.hidden_size, c.num_experts, c.moe_intermediate_size);
         let z = |n: usize| s.alloc_zeros::<bf16>(n).expect("alloc");
         BlockBuffers {
-            logits: z(tokens * e),
-            ids: s.alloc_zeros::<i32>(tokens * TOP_K).expect("alloc"),
-            weights: s.alloc_zeros::<f32>(tokens * TOP_K).expect("alloc"),
-            groups: ExpertGroups::new(s, tokens, TOP_K, e, TILE_ROWS).expect("groups"),
-            act: z(tokens * TOP_K * i),
-            routed: z(tokens * TOP_K * h),
-            shared_act: z(tokens * si),
-            shared: z(tokens * h),
-            gate: z(tokens),
+            logits: z(tokens * (e + 1)),
+            ids: s.alloc_zeros::<i32>(tokens * SLOTS).expect("alloc"),
+            weights: s.alloc_zeros::<f32>(tokens * SLOTS).expect("alloc"),
+            groups: ExpertGroups::new(s, tokens, SLOTS, e + 1, TILE_ROWS).expect("groups"),
+            act: z(tokens * SLOTS * i),
+            routed: z(tokens * SLOTS * h),
+            h: z(tokens * h),
+            norm_w: s.clone_htod(&vec![1f32; h]).expect("upload"),
+            normed: z(tokens * h),
         }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The MoE block as forward.rs runs it for a prefill chunk, the residual add and the next norm
+/// included; leaves bf16(MoE output) in `b.h`.
 fn run_block(
     c: &ModelConfig,
     g: &GemmKernels,
     mk: &MoeKernels,
-    blk: &Block,
-    ex: &Experts,
+    nk: &NormKernels,
+    blk: &DeviceMoe,
     b: &mut BlockBuffers,
     x: &lily::cuda::CudaView<bf16>,
-    out: &mut lily::cuda::CudaViewMut<bf16>,
 ) {
     let e = c.num_experts;
+    s_zero(&mut b.h);
     g.gemm(&blk.router.view(), x, &mut b.logits.as_view_mut())
         .expect("router");
     mk.router_topk(
         &b.logits.as_view(),
         e,
         TOP_K,
+        true,
         &mut b.ids.as_view_mut(),
         &mut b.weights.as_view_mut(),
     )
     .expect("router_topk");
-    mk.group_by_expert(&b.ids.as_view(), TOP_K, &mut b.groups)
+    mk.group_by_expert(&b.ids.as_view(), SLOTS, &mut b.groups)
         .expect("group_by_expert");
-    g.experts_gate_up(&ex.gate_up.view(), x, &b.groups, &mut b.act.as_view_mut())
+    g.experts_gate_up(&blk.gate_up.view(), x, &b.groups, &mut b.act.as_view_mut())
         .expect("experts_gate_up");
     g.experts_down(
-        &ex.down.view(),
+        &blk.down.view(),
         &b.act.as_view(),
         &b.groups,
         &mut b.routed.as_view_mut(),
     )
     .expect("experts_down");
-    g.gemm_swiglu(
-        &blk.shared_gate_up.view(),
-        x,
-        &mut b.shared_act.as_view_mut(),
-    )
-    .expect("shared gate_up");
-    g.gemm(
-        &blk.shared_down.view(),
-        &b.shared_act.as_view(),
-        &mut b.shared.as_view_mut(),
-    )
-    .expect("shared down");
-    g.gemm(&blk.shared_gate.view(), x, &mut b.gate.as_view_mut())
-        .expect("shared gate");
-    mk.combine(
+    nk.residual_rmsnorm(
+        &mut b.h.as_view_mut(),
         &b.routed.as_view(),
-        &b.weights.as_view(),
-        &b.shared.as_view(),
-        &b.gate.as_view(),
-        TOP_K,
-        out,
+        Some(&b.weights.as_view()),
+        &b.norm_w.as_view(),
+        &mut b.normed.as_view_mut(),
+        1e-6,
     )
     .expect("combine");
+}
+
+fn s_zero(buf: &mut lily::cuda::CudaSlice<bf16>) {
+    let s = buf.stream().clone();
+    s.memset_zeros(buf).expect("memset");
 }
 
 #[test]
 fn moe_block_matches_cpu_forward() {
     let dev = device();
     let s = dev.stream();
-    let (g, mk) = (
+    let (g, mk, nk) = (
         GemmKernels::load(&dev).expect("kernels"),
         MoeKernels::load(&dev).expect("kernels"),
+        NormKernels::load(&dev).expect("kernels"),
     );
     let mut rng = rng("moe block");
     let c = real_config();
@@ -553,8 +528,8 @@ fn moe_block_matches_cpu_forward() {
         (c.hidden_size, c.num_experts, c.num_experts_per_tok),
         (2048, 256, TOP_K)
     );
-    let (w, ex) = moe_weights(s, &mut rng, &c);
-    let blk = Block::new(s, &w);
+    let (w, _) = moe_weights(s, &mut rng, &c);
+    let blk = DeviceMoe::upload(s, &c, &w).expect("upload");
     for (routing, tokens) in [
         (Routing::Uniform, 300),
         (Routing::Skewed, 256),
@@ -564,18 +539,8 @@ fn moe_block_matches_cpu_forward() {
         let (xb, xf) = moe_inputs(&mut rng, routing, tokens, &c);
         let dx = upload(s, &xb);
         let mut b = BlockBuffers::new(s, &c, tokens);
-        let mut out = Output::new(s, tokens * c.hidden_size);
-        run_block(
-            &c,
-            &g,
-            &mk,
-            &blk,
-            &ex,
-            &mut b,
-            &dx.as_view(),
-            &mut out.view(),
-        );
-        let mut got = out.get(s, &what);
+        run_block(&c, &g, &mk, &nk, &blk, &mut b, &dx.as_view());
+        let mut got = download(s, &b.h.as_view());
         let want = moe::forward(&c, &w, &xf, tokens);
         let h = c.hidden_size;
         // The routing is the CPU's, except where the GPU's bf16 router logits flip a near-tie at
@@ -587,7 +552,12 @@ fn moe_block_matches_cpu_forward() {
         for t in 0..tokens {
             let row = &logits[t * c.num_experts..(t + 1) * c.num_experts];
             let mut want_ids = top_k(row, TOP_K);
-            let mut have: Vec<usize> = ids[t * TOP_K..(t + 1) * TOP_K]
+            assert_eq!(
+                ids[t * SLOTS + TOP_K],
+                c.num_experts as i32,
+                "{what}: shared slot"
+            );
+            let mut have: Vec<usize> = ids[t * SLOTS..t * SLOTS + TOP_K]
                 .iter()
                 .map(|&i| i as usize)
                 .collect();
@@ -638,43 +608,46 @@ fn moe_block_matches_cpu_forward() {
 fn timing_grouped_moe_at_4096_tokens() {
     let dev = device();
     let s = dev.stream();
-    let (g, mk) = (
+    let (g, mk, nk) = (
         GemmKernels::load(&dev).expect("kernels"),
         MoeKernels::load(&dev).expect("kernels"),
+        NormKernels::load(&dev).expect("kernels"),
     );
     let mut rng = rng("moe timing");
     let c = real_config();
     const T: usize = 4096;
     let (h, e, inter) = (c.hidden_size, c.num_experts, c.moe_intermediate_size);
     let (w, ex) = moe_weights(s, &mut rng, &c);
-    let blk = Block::new(s, &w);
+    let blk = DeviceMoe::upload(s, &c, &w).expect("upload");
     let mut b = BlockBuffers::new(s, &c, T);
     let (xb, _) = activations(&mut rng, T * h, 1.0);
     let dx = upload(s, &xb);
-    let mut out = s.alloc_zeros::<bf16>(T * h).expect("alloc");
     let pairs = (T * TOP_K) as f64;
+    // The routed experts alone (8 slots per token, 256 experts), for the per-step timings.
+    let mut groups = ExpertGroups::new(s, T, TOP_K, e, TILE_ROWS).expect("groups");
     for routing in [Routing::Uniform, Routing::Skewed] {
         let ids = route(&mut rng, routing, T, e);
-        s.memcpy_htod(&ids, &mut b.ids).expect("ids");
+        s.memcpy_htod(&ids, &mut b.ids.slice_mut(..T * TOP_K))
+            .expect("ids");
         let group_ms = median_ms(&dev, 20, || {
-            mk.group_by_expert(&b.ids.as_view(), TOP_K, &mut b.groups)
+            mk.group_by_expert(&b.ids.slice(..T * TOP_K), TOP_K, &mut groups)
                 .expect("group")
         });
         let gu_ms = median_ms(&dev, 10, || {
             g.experts_gate_up(
                 &ex.gate_up.view(),
                 &dx.as_view(),
-                &b.groups,
-                &mut b.act.as_view_mut(),
+                &groups,
+                &mut b.act.slice_mut(..T * TOP_K * inter),
             )
             .expect("gate_up")
         });
         let down_ms = median_ms(&dev, 10, || {
             g.experts_down(
                 &ex.down.view(),
-                &b.act.as_view(),
-                &b.groups,
-                &mut b.routed.as_view_mut(),
+                &b.act.slice(..T * TOP_K * inter),
+                &groups,
+                &mut b.routed.slice_mut(..T * TOP_K * h),
             )
             .expect("down")
         });
@@ -685,24 +658,12 @@ fn timing_grouped_moe_at_4096_tokens() {
             tf(2.0 * pairs * (h * inter) as f64, down_ms)
         );
     }
-    // The whole block (router, top-k, grouping, routed and shared experts, combine), with the
-    // routing its own router makes on these inputs.
+    // The whole block (router, top-k, grouping, routed and shared experts, combine + residual +
+    // norm), with the routing its own router makes on these inputs.
     let block_ms = median_ms(&dev, 10, || {
-        run_block(
-            &c,
-            &g,
-            &mk,
-            &blk,
-            &ex,
-            &mut b,
-            &dx.as_view(),
-            &mut out.as_view_mut(),
-        )
+        run_block(&c, &g, &mk, &nk, &blk, &mut b, &dx.as_view())
     });
-    let flop = 2.0
-        * T as f64
-        * (((2 + 1) * inter * h * TOP_K) + 3 * c.shared_expert_intermediate_size * h + (e + 1) * h)
-            as f64;
+    let flop = 2.0 * T as f64 * (3 * inter * h * SLOTS + (e + 1) * h) as f64;
     println!(
         "MoE block, {T} tokens: {block_ms:.3} ms ({:.0} TFLOP/s); × {} layers = {:.1} ms per 4K prefill",
         flop / (block_ms as f64 * 1e-3) / 1e12,

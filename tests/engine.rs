@@ -1,30 +1,55 @@
-//! The engine thread: interleaved requests give the same greedy output as each alone;
-//! cancellation and bad requests don't disturb the others.
+//! The engine thread: interleaved (batched) requests give the same greedy output as each alone,
+//! with and without the prefix cache; cancellation and bad requests don't disturb the others;
+//! under a random load with random cancellations every request ends cleanly and the engine
+//! returns to its baseline (no sequence, reservation or snapshot left behind).
 
 mod common;
 
-use common::fixture_dir;
-use lily::checkpoint;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
+use common::fixture_dir;
+use lily::checkpoint;
 use lily::engine::{
     greedy_sampler, DeviceSampler, Engine, EngineOptions, Event, FinishReason, GenerateRequest,
     SampledToken,
 };
 use lily::model::cpu::{forward, Logits};
-use lily::model::{CpuBackend, SequenceState};
+use lily::model::{Backend, CpuBackend, SeqId, SequenceState, Snapshot, SnapshotId};
 use lily::sampling::{DeviceSampling, Sampler, SamplingParams};
+use rand::RngExt;
+
+fn weights() -> lily::model::Weights {
+    checkpoint::load(&fixture_dir("tiny-a")).unwrap()
+}
 
 fn engine(prefill_chunk: usize) -> (Engine, lily::model::Weights) {
-    let w = checkpoint::load(&fixture_dir("tiny-a")).unwrap();
+    let w = weights();
     let e = Engine::start(
         Box::new(CpuBackend::new(w.clone())),
         EngineOptions {
             prefill_chunk,
             max_sequences: 3,
+            ..EngineOptions::default()
         },
     );
     (e, w)
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: usize, key: Option<&str>) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        max_tokens,
+        stop_token_ids: vec![],
+        sampler: greedy_sampler(),
+        prompt_cache_key: key.map(str::to_string),
+        device_sampler: None,
+    }
+}
+
+fn random_tokens(n: usize) -> Vec<u32> {
+    let mut rng = rand::rng();
+    (0..n).map(|_| rng.random_range(0..256)).collect()
 }
 
 fn alone(w: &lily::model::Weights, prompt: &[u32], n: usize) -> Vec<u32> {
@@ -45,6 +70,7 @@ fn collect(
     let mut ids = vec![];
     while let Some(ev) = rx.blocking_recv() {
         match ev {
+            Event::Started { .. } => {}
             Event::Token(t) => ids.push(t.id),
             Event::Done {
                 reason,
@@ -78,6 +104,7 @@ fn interleaved_requests_match_each_run_alone() {
                 max_tokens: 12,
                 stop_token_ids: vec![],
                 sampler: greedy_sampler(),
+                prompt_cache_key: None,
                 device_sampler: None,
             })
         })
@@ -102,6 +129,7 @@ fn stop_tokens_end_generation() {
         max_tokens: 8,
         stop_token_ids: vec![stop],
         sampler: greedy_sampler(),
+        prompt_cache_key: None,
         device_sampler: None,
     }));
     assert_eq!(reason, Some(FinishReason::Stop));
@@ -116,6 +144,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         max_tokens: 1000,
         stop_token_ids: vec![],
         sampler: greedy_sampler(),
+        prompt_cache_key: None,
         device_sampler: None,
     });
     let bad = engine.submit(GenerateRequest {
@@ -123,6 +152,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         max_tokens: 4,
         stop_token_ids: vec![],
         sampler: greedy_sampler(),
+        prompt_cache_key: None,
         device_sampler: None,
     });
     let panicking = engine.submit(GenerateRequest {
@@ -130,6 +160,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         max_tokens: 4,
         stop_token_ids: vec![],
         sampler: Box::new(|_: &mut [f32], _: &[u32]| panic!("sampler bug")),
+        prompt_cache_key: None,
         device_sampler: None,
     });
     let good = engine.submit(GenerateRequest {
@@ -137,6 +168,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         max_tokens: 6,
         stop_token_ids: vec![],
         sampler: greedy_sampler(),
+        prompt_cache_key: None,
         device_sampler: None,
     });
     drop(dropped);
@@ -162,6 +194,281 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
     panic!("a cancelled request kept running");
 }
 
+/// Runs `collect` and also returns the `cached_tokens` of the Done event.
+fn collect_cached(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> (Vec<u32>, Option<FinishReason>, usize) {
+    let mut ids = vec![];
+    let mut started = None;
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Started { cached_tokens } => started = Some(cached_tokens),
+            Event::Token(t) => ids.push(t.id),
+            Event::Done {
+                reason,
+                cached_tokens,
+                ..
+            } => {
+                assert_eq!(
+                    started,
+                    Some(cached_tokens),
+                    "Started comes first, and agrees"
+                );
+                return (ids, Some(reason), cached_tokens);
+            }
+            Event::Error(e) => panic!("request failed: {e}"),
+        }
+    }
+    panic!("the engine dropped a request")
+}
+
+#[test]
+fn batches_within_a_token_budget_match_each_run_alone() {
+    // Many sequences at once, small chunks and a batch budget smaller than all of them: decode
+    // steps and prefill chunks of different sequences share batches.
+    let w = weights();
+    let engine = Engine::start(
+        Box::new(CpuBackend::new(w.clone())),
+        EngineOptions {
+            prefill_chunk: 5,
+            batch_tokens: 12,
+            max_sequences: 8,
+            ..EngineOptions::default()
+        },
+    );
+    let mut rng = rand::rng();
+    let prompts: Vec<Vec<u32>> = (0..10)
+        .map(|_| random_tokens(rng.random_range(1..40)))
+        .collect();
+    let receivers: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.submit(greedy(p.clone(), 6, None)))
+        .collect();
+    for (p, rx) in prompts.iter().zip(receivers) {
+        let (ids, reason, err) = collect(rx);
+        assert_eq!((err, reason), (None, Some(FinishReason::Length)));
+        assert_eq!(ids, alone(&w, p, 6), "prompt {p:?}");
+    }
+}
+
+#[test]
+fn the_prefix_cache_changes_no_greedy_output() {
+    // A conversation of 6 turns: each prompt is the previous prompt, the previous answer and a
+    // new message. With the cache, later turns restore saved states and read only the rest.
+    let w = weights();
+    let engine = Engine::start(
+        Box::new(CpuBackend::new(w.clone())),
+        EngineOptions {
+            prefill_chunk: 8,
+            prefix_cache_bytes: 64 << 20,
+            snapshot_interval: 16,
+            ..EngineOptions::default()
+        },
+    );
+    let mut prompt = random_tokens(20);
+    for turn in 0..6 {
+        let (ids, reason, cached) = collect_cached(engine.submit(greedy(prompt.clone(), 5, None)));
+        assert_eq!(reason, Some(FinishReason::Length));
+        assert_eq!(ids, alone(&w, &prompt, 5), "turn {turn}");
+        if turn == 0 {
+            assert_eq!(cached, 0);
+        } else {
+            // The previous turn saved its state after its 4th answer token (the 5th was never
+            // fed), so all but that token and the new message is reused.
+            assert_eq!(cached, prompt.len() - 1 - NEW_TOKENS, "turn {turn}");
+        }
+        prompt.extend_from_slice(&ids);
+        prompt.extend(random_tokens(NEW_TOKENS));
+    }
+    // A different cache key shares nothing. The same prompt again restores the state saved
+    // before its last token (which must run for the logits).
+    let (ids, _, cached) = collect_cached(engine.submit(greedy(prompt.clone(), 3, Some("other"))));
+    assert_eq!((ids, cached), (alone(&w, &prompt, 3), 0));
+    let (ids, _, cached) = collect_cached(engine.submit(greedy(prompt.clone(), 3, Some("other"))));
+    assert_eq!((ids, cached), (alone(&w, &prompt, 3), prompt.len() - 1));
+}
+
+const NEW_TOKENS: usize = 7;
+
+/// Live sequences and snapshots of a [`Counting`] backend.
+#[derive(Default)]
+struct Live {
+    sequences: usize,
+    snapshots: std::collections::HashMap<SnapshotId, u64>,
+    max_sequences: usize,
+}
+
+/// The CPU backend, counting what is alive in it.
+struct Counting {
+    inner: CpuBackend,
+    live: Arc<Mutex<Live>>,
+}
+
+impl Backend for Counting {
+    fn config(&self) -> &lily::config::ModelConfig {
+        self.inner.config()
+    }
+    fn device_name(&self) -> String {
+        "counting cpu".into()
+    }
+    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        let mut live = self.live.lock().unwrap();
+        live.sequences += 1;
+        live.max_sequences = live.max_sequences.max(live.sequences);
+        self.inner.create_sequence(seq)
+    }
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.live.lock().unwrap().sequences -= 1;
+        self.inner.free_sequence(seq)
+    }
+    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.inner.forward(seq, tokens)
+    }
+    fn can_snapshot(&self) -> bool {
+        true
+    }
+    fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        let s = self.inner.snapshot(seq)?;
+        self.live.lock().unwrap().snapshots.insert(s.id, s.bytes);
+        Ok(s)
+    }
+    fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
+        assert!(self.live.lock().unwrap().snapshots.contains_key(&snapshot));
+        self.inner.restore(snapshot, seq)
+    }
+    fn drop_snapshot(&mut self, snapshot: SnapshotId) {
+        assert!(self
+            .live
+            .lock()
+            .unwrap()
+            .snapshots
+            .remove(&snapshot)
+            .is_some());
+        self.inner.drop_snapshot(snapshot)
+    }
+}
+
+#[test]
+fn random_load_with_cancellations_ends_at_baseline() {
+    let w = weights();
+    let live = Arc::new(Mutex::new(Live::default()));
+    let backend = Counting {
+        inner: CpuBackend::new(w.clone()),
+        live: live.clone(),
+    };
+    // A budget for about 4 average requests' state, and a prefix cache small enough to evict.
+    let per_request = backend.sequence_bytes(60);
+    let cache_budget = 20 * backend.sequence_bytes(30);
+    let (engine, thread) = Engine::spawn(
+        Box::new(backend),
+        EngineOptions {
+            prefill_chunk: 6,
+            batch_tokens: 24,
+            max_sequences: 6,
+            memory_budget: Some(4 * per_request),
+            prefix_cache_bytes: cache_budget,
+            snapshot_interval: 8,
+        },
+    );
+    let mut rng = rand::rng();
+    // Prompts share a few stems so that the cache is used.
+    let stems: Vec<Vec<u32>> = (0..4).map(|_| random_tokens(20)).collect();
+    let mut pending = Vec::new();
+    for i in 0..300 {
+        let mut prompt = stems[rng.random_range(0..stems.len())].clone();
+        prompt.truncate(rng.random_range(0..=20));
+        prompt.extend(random_tokens(rng.random_range(1..30)));
+        let max_tokens = rng.random_range(0..12);
+        let key = (i % 3 == 0).then_some("k");
+        let rx = engine.submit(greedy(prompt.clone(), max_tokens, key));
+        // A third are cancelled: at once, or after a few tokens.
+        let cancel_after = (rng.random_range(0..3) == 0).then(|| rng.random_range(0..4usize));
+        pending.push((prompt, max_tokens, rx, cancel_after));
+    }
+    let mut cancelled = 0;
+    for (prompt, max_tokens, mut rx, cancel_after) in pending {
+        let mut ids = vec![];
+        let done = loop {
+            if cancel_after == Some(ids.len()) {
+                drop(rx);
+                cancelled += 1;
+                break None;
+            }
+            match rx
+                .blocking_recv()
+                .expect("every request ends with Done or Error")
+            {
+                Event::Started { .. } => {}
+                Event::Token(t) => ids.push(t.id),
+                Event::Done {
+                    reason,
+                    completion_tokens,
+                    ..
+                } => break Some((reason, completion_tokens)),
+                Event::Error(e) => panic!("request failed: {e}"),
+            }
+        };
+        if let Some((reason, completion_tokens)) = done {
+            assert_eq!(reason, FinishReason::Length);
+            assert_eq!((ids.len(), completion_tokens), (max_tokens, max_tokens));
+            // Spot-check outputs against the reference (it is slow to run for all).
+            if rng.random_range(0..10) == 0 {
+                assert_eq!(ids, alone(&w, &prompt, max_tokens));
+            }
+        }
+    }
+    assert!(cancelled > 0);
+    // Back to baseline: nothing running, queued, reserved; the cache within its budget and the
+    // backend holding exactly the snapshots the cache accounts for.
+    let stats = engine.stats();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while stats.running.load(Ordering::Relaxed) + stats.waiting.load(Ordering::Relaxed) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the engine never went idle"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(stats.reserved_bytes.load(Ordering::Relaxed), 0);
+    assert!(stats.cached_tokens_total.load(Ordering::Relaxed) > 0);
+    {
+        let live = live.lock().unwrap();
+        assert_eq!(live.sequences, 0);
+        assert!(live.max_sequences <= 6);
+        assert_eq!(
+            live.snapshots.len(),
+            stats.prefix_cache_entries.load(Ordering::Relaxed)
+        );
+        let snapshot_bytes: u64 = live.snapshots.values().sum();
+        let cache_bytes = stats.prefix_cache_bytes.load(Ordering::Relaxed);
+        assert!(snapshot_bytes <= cache_bytes && cache_bytes <= cache_budget);
+    }
+    // Stopping the engine frees every snapshot.
+    drop(engine);
+    let _backend = thread.join().expect("the engine thread ends");
+    assert!(live.lock().unwrap().snapshots.is_empty());
+}
+
+#[test]
+fn a_request_larger_than_the_memory_budget_is_refused() {
+    let w = weights();
+    let backend = CpuBackend::new(w);
+    let budget = backend.sequence_bytes(50);
+    let engine = Engine::start(
+        Box::new(backend),
+        EngineOptions {
+            memory_budget: Some(budget),
+            ..EngineOptions::default()
+        },
+    );
+    let (_, _, err) = collect(engine.submit(greedy(vec![1; 40], 20, None)));
+    assert!(err.unwrap().contains("memory budget"));
+    let (ids, reason, err) = collect(engine.submit(greedy(vec![1; 40], 10, None)));
+    assert_eq!(
+        (ids.len(), reason, err),
+        (10, Some(FinishReason::Length), None)
+    );
+}
 /// A request's sampler shared by its CPU half and a device half that takes every other step, so
 /// both paths and the hand-over between them run.
 struct Alternating {
@@ -223,6 +530,7 @@ fn device_sampling_steps_give_the_cpu_samplers_tokens() {
             max_tokens: 24,
             stop_token_ids: vec![],
             sampler: cpu_sampler(sampler),
+            prompt_cache_key: None,
             device_sampler,
         }))
     };

@@ -13,6 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
+use lily::engine::EngineOptions;
 use lily::server::{self, cpu_backend, ModelSource, ServeOptions, DEMO_MODEL_NAME};
 use lily::tokenizer::Tokenizer;
 
@@ -42,6 +43,7 @@ fn options() -> ServeOptions {
         max_in_flight: 256,
         scripted: None,
         shutdown_grace: Duration::from_secs(2),
+        engine: EngineOptions::default(),
     }
 }
 
@@ -1355,4 +1357,154 @@ fn the_binary_serves_the_demo_model_and_stops_on_sigterm() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(exit.success(), "clean exit: {exit:?}");
+}
+
+/// Hundreds of requests of random lengths on the demo model, with the prefix cache on and a
+/// quarter of the clients hanging up at a random moment: every other request completes, equal
+/// greedy prompts get equal answers whether or not their state came from the cache, and the
+/// engine ends where it started (nothing running or reserved, the cache within its budget).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stress_with_random_disconnects_ends_at_baseline() {
+    use rand::RngExt;
+    const NAME: &str = "lily-stress";
+    const CACHE: u64 = 2 << 20;
+    let mut opts = options();
+    opts.served_model_name = NAME.into();
+    opts.engine = EngineOptions {
+        prefix_cache_bytes: CACHE,
+        snapshot_interval: 64,
+        ..EngineOptions::default()
+    };
+    let server = TestServer::start(opts, None).await;
+    let addr = server.addr;
+    let words = [
+        "alpha", "beta", "gamma", "delta", "tool", "json", "why", "how",
+    ];
+    let repeated = ["Tell me about the weather.", "Count to five.", "Say hi."];
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(24));
+    let mut tasks = Vec::new();
+    for i in 0..240 {
+        let mut rng = rand::rng();
+        // A third repeat one of three greedy prompts; the rest are random text.
+        let (text, greedy) = if i % 3 == 0 {
+            (repeated[rng.random_range(0..3)].to_string(), true)
+        } else {
+            let n = rng.random_range(1..80);
+            let text: Vec<&str> = (0..n)
+                .map(|_| words[rng.random_range(0..words.len())])
+                .collect();
+            (text.join(" "), false)
+        };
+        let max_tokens = if greedy { 12 } else { rng.random_range(1..24) };
+        let stream = rng.random_range(0..2) == 0;
+        let hang_up = (!greedy && rng.random_range(0..4) == 0)
+            .then(|| Duration::from_millis(rng.random_range(0..40)));
+        let mut body = json!({
+            "messages": [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": if greedy { 0.0 } else { 0.8 },
+            "seed": i,
+            "stream": stream,
+        });
+        if stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let gate = gate.clone();
+        tasks.push(tokio::spawn(async move {
+            let _permit = gate.acquire().await.expect("gate");
+            let bytes = request_bytes(
+                addr,
+                "POST",
+                "/v1/chat/completions",
+                &[],
+                body.to_string().as_bytes(),
+            );
+            if let Some(after) = hang_up {
+                let mut socket = TcpStream::connect(addr).await.expect("connect");
+                socket.write_all(&bytes).await.expect("send");
+                tokio::time::sleep(after).await;
+                return None;
+            }
+            let r = http(
+                addr,
+                "POST",
+                "/v1/chat/completions",
+                &[],
+                body.to_string().as_bytes(),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", r.text());
+            let (content, finish, usage) = if stream {
+                let s = assemble(&sse_events(&r.text()), true);
+                (
+                    s.reasoning + &s.content,
+                    s.finish_reason,
+                    s.usage.expect("usage"),
+                )
+            } else {
+                let v = r.json();
+                let m = &v["choices"][0]["message"];
+                let text = format!(
+                    "{}{}",
+                    m["reasoning_content"].as_str().unwrap_or(""),
+                    m["content"].as_str().unwrap_or("")
+                );
+                (
+                    text,
+                    v["choices"][0]["finish_reason"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string(),
+                    v["usage"].clone(),
+                )
+            };
+            assert!(
+                ["stop", "length"].contains(&finish.as_str()),
+                "finish {finish}"
+            );
+            let completion = usage["completion_tokens"]
+                .as_u64()
+                .expect("completion tokens");
+            assert!(completion <= max_tokens as u64);
+            let cached = usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .expect("cached tokens");
+            assert!(cached < usage["prompt_tokens"].as_u64().expect("prompt tokens"));
+            greedy.then_some((text, content, cached))
+        }));
+    }
+    let mut answers: std::collections::HashMap<String, String> = Default::default();
+    let mut reused = 0;
+    for task in tasks {
+        if let Some((text, content, cached)) = task.await.expect("client task") {
+            reused += cached;
+            let first = answers
+                .entry(text.clone())
+                .or_insert_with(|| content.clone());
+            assert_eq!(*first, content, "greedy answers to {text:?} differ");
+        }
+    }
+    assert!(reused > 0, "repeated prompts reused no cached state");
+    // Back to baseline. (Metrics are per process, so this server's series are told apart by
+    // their model name.)
+    let metric = |name: &'static str| async move {
+        let text = http(addr, "GET", "/metrics", &[], b"").await.text();
+        text.lines()
+            .find(|l| l.starts_with(name) && l.contains(&format!("model_name=\"{NAME}\"")))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {name} for {NAME}"))
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric("vllm:num_requests_running").await + metric("vllm:num_requests_waiting").await
+        > 0.0
+    {
+        assert!(Instant::now() < deadline, "requests still running");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric("lily:reserved_state_bytes").await, 0.0);
+    assert!(metric("lily:prefix_cache_bytes").await <= CACHE as f64);
+    assert!(metric("vllm:prefix_cache_hits_total").await > 0.0);
+    assert_eq!(server.get("/health").await.status, 200);
+    server.stop().await;
 }

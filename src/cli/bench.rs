@@ -1,4 +1,5 @@
-//! `lily bench`: the prompt × context sweep; writes CSV, a markdown table and PNG charts.
+//! `lily bench`: the prompt × context sweep; writes CSV, a markdown table and PNG charts. With
+//! `--serve`: the engine under concurrent streams and a growing conversation (serve_bench.rs).
 
 use std::path::PathBuf;
 
@@ -6,7 +7,9 @@ use clap::{Args, ValueEnum};
 
 use lily::bench::{self, BenchOptions};
 use lily::checkpoint;
+use lily::engine::EngineOptions;
 use lily::model::Backend;
+use lily::serve_bench::{self, ServeBenchOptions};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -30,19 +33,58 @@ pub struct BenchArgs {
     /// cpu, cuda or cuda:N (default: cuda when available).
     #[arg(long)]
     pub device: Option<String>,
-    /// Directory for bench.csv, bench.md, prefill.png and decode.png.
+    /// Directory for bench.csv, bench.md, prefill.png and decode.png (with --serve: serve.md).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Measure the engine under load instead: concurrent streams, a multi-turn conversation
+    /// with and without the prefix cache, decode speed per stream (the flags below).
+    #[arg(long)]
+    pub serve: bool,
+    /// --serve: concurrent streams of the throughput measurement.
+    #[arg(long, default_value_t = 8)]
+    pub streams: usize,
+    /// --serve: prompt tokens per stream.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_tokens: usize,
+    /// --serve: tokens generated per request.
+    #[arg(long, default_value_t = 128)]
+    pub output_tokens: usize,
+    /// --serve: turns of the conversation.
+    #[arg(long, default_value_t = 10)]
+    pub turns: usize,
+    /// --serve: the conversation's length at its last turn (about).
+    #[arg(long, default_value_t = 32768)]
+    pub conversation_tokens: usize,
+    /// --serve: concurrent streams of the decode-speed comparison with one stream.
+    #[arg(long, default_value_t = 8)]
+    pub decode_streams: usize,
+    /// --serve: memory of the prefix cache in MiB.
+    #[arg(long, default_value_t = 4096)]
+    pub prefix_cache_mb: u64,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let device = super::device::resolve(args.device.as_deref());
-    let max_context = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps + 16;
-    let mut backend = match (&args.model, &args.synthetic) {
-        (Some(dir), _) => super::device::backend(&device, checkpoint::load(dir)?, max_context)?,
-        (None, Some(name)) => synthetic_backend(name, args.quant, &device, max_context)?,
+    let (max_context, slots) = if args.serve {
+        let longest = (args.prompt_tokens.max(args.conversation_tokens)) + args.output_tokens;
+        // The last turn's prompt can exceed the target by up to one turn's share.
+        let longest = longest + args.conversation_tokens / args.turns.max(1) + 16;
+        (longest, Some(args.streams.max(args.decode_streams)))
+    } else {
+        let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps + 16;
+        (longest, None)
+    };
+    let backend = match (&args.model, &args.synthetic) {
+        (Some(dir), _) => {
+            super::device::backend(&device, checkpoint::load(dir)?, max_context, slots)?
+        }
+        (None, Some(name)) => synthetic_backend(name, args.quant, &device, max_context, slots)?,
         (None, None) => anyhow::bail!("give --model DIR or --synthetic PRESET"),
     };
+    if args.serve {
+        return serve(backend, &args);
+    }
+    let mut backend = backend;
     let options = BenchOptions {
         contexts: args.contexts.clone(),
         decode_steps: args.decode_steps,
@@ -73,6 +115,31 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn serve(backend: Box<dyn Backend>, args: &BenchArgs) -> anyhow::Result<()> {
+    let options = ServeBenchOptions {
+        streams: args.streams,
+        prompt_tokens: args.prompt_tokens,
+        output_tokens: args.output_tokens,
+        turns: args.turns,
+        conversation_tokens: args.conversation_tokens,
+        decode_streams: args.decode_streams,
+        engine: EngineOptions {
+            max_sequences: args.streams.max(args.decode_streams),
+            prefix_cache_bytes: args.prefix_cache_mb << 20,
+            ..EngineOptions::default()
+        },
+    };
+    eprintln!("device: {}; in-process engine", backend.device_name());
+    let (report, _) = serve_bench::run(backend, &options, |line| eprintln!("{line}"))?;
+    let md = serve_bench::to_markdown(&options, &report);
+    println!("{md}");
+    if let Some(out) = &args.out {
+        std::fs::create_dir_all(out)?;
+        std::fs::write(out.join("serve.md"), md)?;
+    }
+    Ok(())
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Quant {
     Bf16,
@@ -87,6 +154,7 @@ fn synthetic_backend(
     quant: Quant,
     device: &str,
     max_context: usize,
+    slots: Option<usize>,
 ) -> anyhow::Result<Box<dyn Backend>> {
     let cfg = checkpoint::synth::preset(name)
         .ok_or_else(|| anyhow::anyhow!("unknown preset `{name}` (tiny, qwen3.6-35b-a3b)"))?;
@@ -110,9 +178,11 @@ fn synthetic_backend(
                 model.bytes() as f64 / 1e9,
                 t.elapsed().as_secs_f64()
             );
+            let defaults = CudaOptions::default();
             let options = CudaOptions {
                 max_context,
-                ..CudaOptions::default()
+                max_sequences: slots.unwrap_or(defaults.max_sequences),
+                ..defaults
             };
             return Ok(Box::new(CudaBackend::new(dev, model, options)?));
         }
@@ -129,5 +199,5 @@ fn synthetic_backend(
     )?;
     let weights = checkpoint::load(&dir);
     let _ = std::fs::remove_dir_all(&dir); // the weights stay mapped until dropped
-    super::device::backend(device, weights?, max_context)
+    super::device::backend(device, weights?, max_context, slots)
 }

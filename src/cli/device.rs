@@ -23,11 +23,13 @@ fn gpu_present() -> bool {
     }
 }
 
-/// A backend for `weights` on `device`.
+/// A backend for `weights` on `device`, holding sequences of up to `max_context` tokens; on a
+/// GPU, `slots` sequences at once (default: the backend's).
 pub fn backend(
     device: &str,
     weights: Weights,
     max_context: usize,
+    slots: Option<usize>,
 ) -> anyhow::Result<Box<dyn Backend>> {
     if device == "cpu" {
         return Ok(Box::new(CpuBackend::new(weights)));
@@ -43,15 +45,17 @@ pub fn backend(
         let dev = CudaDevice::open(device)?;
         let model = CudaModel::upload(&dev, &weights)?;
         drop(weights);
+        let defaults = CudaOptions::default();
         let options = CudaOptions {
             max_context,
-            ..CudaOptions::default()
+            max_sequences: slots.unwrap_or(defaults.max_sequences),
+            ..defaults
         };
         Ok(Box::new(CudaBackend::new(dev, model, options)?))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = max_context;
+        let _ = (max_context, slots);
         anyhow::bail!(
             "this build of lily has no CUDA support: rebuild with `--features cuda` (see README)"
         )

@@ -130,6 +130,7 @@ fn generate_text(
             &device,
             weights,
             prompt_tokens + plan.params.max_tokens.unwrap_or(0),
+            None,
         )?,
         EngineOptions::default(),
     );
@@ -190,7 +191,7 @@ fn generate_ids(args: &GenerateArgs, weights: Weights) -> anyhow::Result<()> {
     }
     let device = super::device::resolve(args.device.as_deref());
     let context = args.prompt_ids.len() + args.max_tokens + 1;
-    let mut backend = super::device::backend(&device, weights, context)?;
+    let mut backend = super::device::backend(&device, weights, context, None)?;
     backend.create_sequence(0)?;
     let t0 = Instant::now();
     let mut next = backend.forward_greedy(0, &args.prompt_ids)?;

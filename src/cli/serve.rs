@@ -7,6 +7,7 @@ use clap::Args;
 
 use std::sync::Arc;
 
+use lily::engine::EngineOptions;
 use lily::server::{self, ModelSource, ServeOptions, DEMO_MODEL_NAME};
 
 #[derive(Args)]
@@ -41,6 +42,15 @@ pub struct ServeArgs {
     /// Seconds that requests in flight get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 5.0)]
     pub shutdown_grace: f64,
+    /// Memory for saved prompt states (prefix reuse across requests and turns), in MiB; 0
+    /// turns the prefix cache off.
+    #[arg(long, default_value_t = 4096)]
+    pub prefix_cache_mb: u64,
+    /// Requests are admitted while the sequence state they can grow to (KV entries and
+    /// recurrent state for prompt + max_tokens) fits in this many MiB; others wait. Default: no
+    /// limit besides the device's sequence slots.
+    #[arg(long)]
+    pub state_memory_mb: Option<u64>,
     /// Test only: reply from this script instead of running a model.
     #[arg(long, hide = true)]
     pub scripted_tokens: Option<PathBuf>,
@@ -76,11 +86,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         api_key: args.api_key.filter(|k| !k.is_empty()),
         max_model_len: args.max_model_len,
         backend: Arc::new(move |weights, max_context| {
-            super::device::backend(&device, weights, max_context)
+            super::device::backend(&device, weights, max_context, None)
         }),
         max_body_bytes: args.max_body_bytes,
         max_in_flight: args.max_in_flight,
         scripted: args.scripted_tokens,
         shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
+        engine: EngineOptions {
+            prefix_cache_bytes: args.prefix_cache_mb << 20,
+            memory_budget: args.state_memory_mb.map(|mb| mb << 20),
+            ..EngineOptions::default()
+        },
     })
 }

@@ -141,6 +141,8 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
                  const float* __restrict__ k_norm, const __grid_constant__ RopeFreqs rope, const KvCacheArgs c,
                  const int* __restrict__ slots, const int* __restrict__ positions, int slot0, int start,
                  bf16* __restrict__ q_out, int rows, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int unit_id = blockIdx.x * PREP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = unit_id / PREP_UNITS, unit = unit_id % PREP_UNITS;
     if (row >= rows) return;
@@ -234,6 +236,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
     attn_prefill(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
                  int start, int T, bf16* __restrict__ out, float scale_log2, int chunk,
                  float* __restrict__ part_o, float* __restrict__ part_ml) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ __align__(16) unsigned char smem[];
     const int mt = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     const int t0 = mt * PF_TOKENS;
@@ -452,6 +456,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     attn_decode_split(const bf16* __restrict__ q, const KvCacheArgs c, const int* __restrict__ slots,
                       const int* __restrict__ positions, float* __restrict__ part_o,
                       float* __restrict__ part_ml, int max_splits, float scale_log2) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float s_m[DEC_WARPS][GROUP], s_l[DEC_WARPS][GROUP];
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
@@ -663,6 +669,8 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     attn_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml, const bf16* __restrict__ qkv,
                  const KvCacheArgs c, const int* __restrict__ slots, const int* __restrict__ positions,
                  bf16* __restrict__ out, int max_splits, int start, int chunk) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ float s_w[DEC_MAX_SPLITS];
     __shared__ float4 s_acc[4][64];
     __shared__ float scratch[COMBINE_THREADS / 32];

@@ -21,9 +21,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{sys, DevicePtrMut, LaunchConfig, SyncOnDrop};
 use half::bf16;
 
+use super::pdl::KernelValue;
 use super::{
     as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaSlice,
     CudaStream, CudaView, CudaViewMut, Result,
@@ -83,7 +84,7 @@ struct KvCacheArgs {
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernels take by value.
-unsafe impl DeviceRepr for KvCacheArgs {}
+unsafe impl KernelValue for KvCacheArgs {}
 
 /// Kernel argument: the rotary inverse frequencies (`RopeFreqs` in attention.cu).
 #[repr(C)]
@@ -93,7 +94,7 @@ struct RopeFreqs {
 }
 
 // SAFETY: plain floats, laid out as the C struct.
-unsafe impl DeviceRepr for RopeFreqs {}
+unsafe impl KernelValue for RopeFreqs {}
 
 impl KvCache {
     /// Allocates (zeroed) caches for `layers` attention layers of `slots` sequences.

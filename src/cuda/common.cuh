@@ -42,3 +42,10 @@ __device__ __forceinline__ uint4 pack8(const float f[8]) {
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+
+// Programmatic dependent launch (pdl.rs). Every kernel calls pdl_wait() before it reads anything an
+// earlier kernel wrote or writes anything an earlier kernel reads, and pdl_launch_dependents() once
+// it has started, so that the next kernel's blocks can be scheduled and run their independent
+// prologue (e.g. streaming weights) while this one finishes. Both are no-ops without the attribute.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }

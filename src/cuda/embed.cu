@@ -5,6 +5,8 @@
 
 extern "C" __global__ void embed_bf16(const bf16* __restrict__ table, const int* __restrict__ ids,
                                       bf16* __restrict__ out, int rows, int cols) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int t = blockIdx.x;
     int id = ids[t];
     id = id < 0 ? 0 : (id >= rows ? rows - 1 : id);  // the host validates ids; never read out of bounds
@@ -17,6 +19,8 @@ extern "C" __global__ void embed_bf16(const bf16* __restrict__ table, const int*
 extern "C" __global__ void embed_affine(const u32* __restrict__ packed, const bf16* __restrict__ scales,
                                         const bf16* __restrict__ biases, const int* __restrict__ ids,
                                         bf16* __restrict__ out, int rows, int cols, int bits) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int t = blockIdx.x;
     int id = ids[t];
     id = id < 0 ? 0 : (id >= rows ? rows - 1 : id);

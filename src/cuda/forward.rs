@@ -15,18 +15,20 @@ use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
 use super::attention::{AttentionKernels, AttentionWorkspace, KvCache, QKV_WIDTH};
+use super::dense::{self, DenseGemm};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
-use super::gemm::{GemvKernels, MAX_TOKENS};
+use super::gemm::{GemvKernels, SlotInput, MAX_TOKENS};
 use super::gemm_prefill::{GemmKernels, TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::{ExpertGroups, MoeKernels};
 use super::norm::NormKernels;
 use super::sample::SampleKernels;
+use super::snapshot::{SnapshotPool, StatePools};
 use super::weights::DeviceMatrices;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
-use crate::model::{Backend, SeqId};
+use crate::model::{Backend, SeqId, Snapshot, SnapshotId};
 use crate::sampling::DeviceSampling;
 
 /// How much the backend allocates up front.
@@ -58,6 +60,7 @@ struct Kernels {
     norm: NormKernels,
     gemv: GemvKernels,
     gemm: GemmKernels,
+    dense: DenseGemm,
     embed: EmbedKernels,
     moe: MoeKernels,
     sample: SampleKernels,
@@ -74,18 +77,18 @@ struct Scratch {
     proj: CudaSlice<bf16>,
     mixed: CudaSlice<bf16>,
     r: CudaSlice<bf16>,
+    /// `[tokens][experts + 1]`: router logits, then the shared expert's gate logit.
     router: CudaSlice<bf16>,
+    /// `[tokens][slots]`, slots = top_k routed experts + the shared expert (DeviceMoe).
     expert_ids: CudaSlice<i32>,
     expert_weights: CudaSlice<f32>,
+    /// Decode: `[slots][2·I]`, each slot's gate‖up.
     gu: CudaSlice<bf16>,
-    /// Decode: `[top_k][I]`; prefill: `[tokens·top_k][I]` in expert-sorted order.
+    /// Prefill: `[tokens·slots][I]` in expert-sorted order.
     act: CudaSlice<bf16>,
+    /// `[tokens][slots][hidden]`: each slot's expert output, before weighting.
     routed: CudaSlice<bf16>,
     groups: ExpertGroups,
-    shared_gu: CudaSlice<bf16>,
-    shared_act: CudaSlice<bf16>,
-    shared: CudaSlice<bf16>,
-    shared_gate: CudaSlice<bf16>,
     logits: CudaSlice<bf16>,
     next: CudaSlice<i32>,
     slot: CudaSlice<i32>,
@@ -112,6 +115,8 @@ pub struct CudaBackend {
     sequences: HashMap<SeqId, Sequence>,
     free_slots: Vec<usize>,
     decode_graph: Option<DecodeGraph>,
+    /// Saved sequence states for the prefix cache (snapshot.rs).
+    snapshots: SnapshotPool,
     /// Most device memory seen in use after a forward call since the last reset (bytes).
     peak_memory: u64,
 }
@@ -145,6 +150,7 @@ impl CudaBackend {
             norm: NormKernels::load(&dev)?,
             gemv: GemvKernels::load(&dev)?,
             gemm: GemmKernels::load(&dev)?,
+            dense: DenseGemm::new(&dev, largest_dense_matrix(&model))?,
             embed: EmbedKernels::load(&dev)?,
             moe: MoeKernels::load(&dev)?,
             sample: SampleKernels::load(&dev, 1)?,
@@ -153,11 +159,11 @@ impl CudaBackend {
         };
         let rows = options.prefill_chunk.max(1);
         let h = c.hidden_size;
-        let (e, topk, inter, si) = (
-            c.num_experts,
-            c.num_experts_per_tok,
+        // The shared expert is one more expert (DeviceMoe): one more router row and slot.
+        let (e, slots, inter) = (
+            c.num_experts + 1,
+            c.num_experts_per_tok + 1,
             c.moe_intermediate_size,
-            c.shared_expert_intermediate_size,
         );
         let proj_width =
             (c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads).max(QKV_WIDTH);
@@ -171,16 +177,12 @@ impl CudaBackend {
             mixed: alloc(&st, rows * mixed_width)?,
             r: alloc(&st, rows * h)?,
             router: alloc(&st, rows * e)?,
-            expert_ids: alloc(&st, rows * topk)?,
-            expert_weights: alloc(&st, rows * topk)?,
-            gu: alloc(&st, topk * 2 * inter)?,
-            act: alloc(&st, rows * topk * inter)?,
-            routed: alloc(&st, rows * topk * h)?,
-            groups: ExpertGroups::new(&st, rows, topk, e, TILE_ROWS)?,
-            shared_gu: alloc(&st, rows * 2 * si)?,
-            shared_act: alloc(&st, rows * si)?,
-            shared: alloc(&st, rows * h)?,
-            shared_gate: alloc(&st, rows)?,
+            expert_ids: alloc(&st, rows * slots)?,
+            expert_weights: alloc(&st, rows * slots)?,
+            gu: alloc(&st, slots * 2 * inter)?,
+            act: alloc(&st, rows * slots * inter)?,
+            routed: alloc(&st, rows * slots * h)?,
+            groups: ExpertGroups::new(&st, rows, slots, e, TILE_ROWS)?,
             logits: alloc(&st, c.vocab_size)?,
             next: alloc(&st, 1)?,
             slot: alloc(&st, 1)?,
@@ -215,6 +217,7 @@ impl CudaBackend {
             sequences: HashMap::new(),
             free_slots: (0..slots).rev().collect(),
             decode_graph: None,
+            snapshots: SnapshotPool::default(),
             peak_memory: 0,
             options,
         })
@@ -419,22 +422,26 @@ impl CudaBackend {
                 }
             }
             // h += mixer output; m = norm(h).
-            k.norm.add_rmsnorm(
+            k.norm.residual_rmsnorm(
                 &mut s.h.slice_mut(..t * hd),
                 &s.r.slice(..t * hd),
+                None,
                 &layer.post_norm.as_view(),
                 &mut s.xn.slice_mut(..t * hd),
                 c.rms_norm_eps,
             )?;
-            moe(&c, k, &layer.moe, s, t)?;
-            // h += MoE output; the next layer's input norm (or the final norm).
+            moe_experts(&c, k, &layer.moe, s, t)?;
+            // h += the experts' outputs weighted (the MoE combine); the next layer's input norm
+            // (or the final norm).
             let next_norm = m
                 .layers
                 .get(li + 1)
                 .map_or(&m.final_norm, |l| &l.input_norm);
-            k.norm.add_rmsnorm(
+            let slots = c.num_experts_per_tok + 1;
+            k.norm.residual_rmsnorm(
                 &mut s.h.slice_mut(..t * hd),
-                &s.r.slice(..t * hd),
+                &s.routed.slice(..t * slots * hd),
+                Some(&s.expert_weights.slice(..t * slots)),
                 &next_norm.as_view(),
                 &mut s.xn.slice_mut(..t * hd),
                 c.rms_norm_eps,
@@ -448,43 +455,46 @@ impl CudaBackend {
     }
 }
 
-/// The MoE block for `t` rows of `s.xn`, written to `s.r`.
-fn moe(
+/// The MoE block's experts for `t` rows of `s.xn`: routing, then each (token, slot)'s expert
+/// output unweighted in `s.routed` `[t][slots][hidden]`, slot top_k being the shared expert; the
+/// weights are left in `s.expert_weights` for the combine.
+fn moe_experts(
     c: &ModelConfig,
     k: &mut Kernels,
     w: &super::model::DeviceMoe,
     s: &mut Scratch,
     t: usize,
 ) -> Result<()> {
-    let (hd, e, topk, inter, si) = (
+    let (hd, e, topk, inter) = (
         c.hidden_size,
         c.num_experts,
         c.num_experts_per_tok,
         c.moe_intermediate_size,
-        c.shared_expert_intermediate_size,
     );
+    let slots = topk + 1;
     gemv_rows(
         k,
         &w.router,
         &s.xn.slice(..t * hd),
-        &mut s.router.slice_mut(..t * e),
+        &mut s.router.slice_mut(..t * (e + 1)),
         t,
     )?;
     k.moe.router_topk(
-        &s.router.slice(..t * e),
+        &s.router.slice(..t * (e + 1)),
         e,
         topk,
-        &mut s.expert_ids.slice_mut(..t * topk),
-        &mut s.expert_weights.slice_mut(..t * topk),
+        true,
+        &mut s.expert_ids.slice_mut(..t * slots),
+        &mut s.expert_weights.slice_mut(..t * slots),
     )?;
-    let prefill = t > MAX_TOKENS
+    let grouped = t > MAX_TOKENS
         && GemmKernels::supports(&w.gate_up.view())
         && GemmKernels::supports(&w.down.view());
-    if prefill {
+    if grouped {
         // Pairs sorted by expert, then one grouped GEMM per projection; routed[token][slot] as below.
         k.moe
-            .group_by_expert(&s.expert_ids.slice(..t * topk), topk, &mut s.groups)?;
-        let mut act = s.act.slice_mut(..t * topk * inter);
+            .group_by_expert(&s.expert_ids.slice(..t * slots), slots, &mut s.groups)?;
+        let mut act = s.act.slice_mut(..t * slots * inter);
         k.gemm.experts_gate_up(
             &w.gate_up.view(),
             &s.xn.slice(..t * hd),
@@ -493,85 +503,43 @@ fn moe(
         )?;
         k.gemm.experts_down(
             &w.down.view(),
-            &s.act.slice(..t * topk * inter),
+            &s.act.slice(..t * slots * inter),
             &s.groups,
-            &mut s.routed.slice_mut(..t * topk * hd),
-        )?;
+            &mut s.routed.slice_mut(..t * slots * hd),
+        )
     } else {
         for row in 0..t {
-            let ids = s.expert_ids.slice(row * topk..(row + 1) * topk);
+            let ids = s.expert_ids.slice(row * slots..(row + 1) * slots);
             let x = s.xn.slice(row * hd..(row + 1) * hd);
             k.gemv.gemv_slots(
                 &w.gate_up.view(),
                 Some(&ids),
-                topk,
+                slots,
                 &x,
-                false,
+                SlotInput::Shared,
                 1,
                 &mut s.gu.as_view_mut(),
             )?;
-            k.norm
-                .silu_mul(&s.gu.as_view(), &mut s.act.slice_mut(..topk * inter), inter)?;
-            let mut out = s.routed.slice_mut(row * topk * hd..(row + 1) * topk * hd);
+            let mut out = s.routed.slice_mut(row * slots * hd..(row + 1) * slots * hd);
             k.gemv.gemv_slots(
                 &w.down.view(),
                 Some(&ids),
-                topk,
-                &s.act.slice(..topk * inter),
-                true,
+                slots,
+                &s.gu.as_view(),
+                SlotInput::PerSlotSwiGlu,
                 1,
                 &mut out,
             )?;
         }
+        Ok(())
     }
-    if t > MAX_TOKENS && GemmKernels::supports(&w.shared_gate_up.view()) {
-        k.gemm.gemm_swiglu(
-            &w.shared_gate_up.view(),
-            &s.xn.slice(..t * hd),
-            &mut s.shared_act.slice_mut(..t * si),
-        )?;
-    } else {
-        gemv_rows(
-            k,
-            &w.shared_gate_up,
-            &s.xn.slice(..t * hd),
-            &mut s.shared_gu.slice_mut(..t * 2 * si),
-            t,
-        )?;
-        k.norm.silu_mul(
-            &s.shared_gu.slice(..t * 2 * si),
-            &mut s.shared_act.slice_mut(..t * si),
-            si,
-        )?;
-    }
-    gemv_rows(
-        k,
-        &w.shared_down,
-        &s.shared_act.slice(..t * si),
-        &mut s.shared.slice_mut(..t * hd),
-        t,
-    )?;
-    gemv_rows(
-        k,
-        &w.shared_gate,
-        &s.xn.slice(..t * hd),
-        &mut s.shared_gate.slice_mut(..t),
-        t,
-    )?;
-    k.moe.combine(
-        &s.routed.slice(..t * topk * hd),
-        &s.expert_weights.slice(..t * topk),
-        &s.shared.slice(..t * hd),
-        &s.shared_gate.slice(..t),
-        topk,
-        &mut s.r.slice_mut(..t * hd),
-    )
 }
 
-/// `y = W · x` for `t` rows: the tensor-core GEMM for more than 8 rows, else (or for weights it
-/// does not take) GEMVs of as many tokens per launch as fit in shared memory (≤ 8).
+/// `y = W · x` for `t` rows: cuBLAS on dequantised weights for long chunks (dense.rs), our
+/// tensor-core GEMM for more than 8 rows, else (or for weights it does not take) GEMVs of as
+/// many tokens per launch as fit in shared memory (≤ 8).
 fn gemv_rows(
-    k: &Kernels,
+    k: &mut Kernels,
     w: &DeviceMatrices,
     x: &CudaView<bf16>,
     y: &mut CudaViewMut<bf16>,
@@ -579,6 +547,11 @@ fn gemv_rows(
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     let view = w.view();
+    if t >= dense::MIN_TOKENS && GemmKernels::supports(&view) {
+        return k
+            .dense
+            .gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
+    }
     if t > MAX_TOKENS && GemmKernels::supports(&view) {
         return k
             .gemm
@@ -635,6 +608,43 @@ impl Backend for CudaBackend {
             .clone_dtoh(&self.s.logits)
             .during(|| "copying logits".into())?;
         Ok(logits.iter().map(|x| x.to_f32()).collect())
+    }
+    fn sequence_bytes(&self, tokens: usize) -> u64 {
+        let gdn = gdn::SSM_STATE_LEN * size_of::<f32>() + gdn::CONV_STATE_LEN * size_of::<bf16>();
+        (self.ssm.len() * gdn + tokens * self.kv.bytes_per_token()) as u64
+    }
+    fn can_snapshot(&self) -> bool {
+        true
+    }
+    fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        let s = self.sequence(seq)?;
+        let (slot, position) = (s.slot, s.position);
+        let pools = StatePools {
+            ssm: &mut self.ssm,
+            conv: &mut self.conv,
+            kv: &mut self.kv,
+        };
+        Ok(self
+            .snapshots
+            .take(self.dev.stream(), pools, slot, position)?)
+    }
+    fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
+        let slot = self.sequence(seq)?.slot;
+        let pools = StatePools {
+            ssm: &mut self.ssm,
+            conv: &mut self.conv,
+            kv: &mut self.kv,
+        };
+        let position = self
+            .snapshots
+            .restore(self.dev.stream(), pools, snapshot, slot)?;
+        if let Some(s) = self.sequences.get_mut(&seq) {
+            s.position = position;
+        }
+        Ok(position)
+    }
+    fn drop_snapshot(&mut self, snapshot: SnapshotId) {
+        self.snapshots.drop_snapshot(snapshot);
     }
     fn peak_memory(&self) -> Option<u64> {
         Some(self.peak_memory)
@@ -698,5 +708,27 @@ impl CudaBackend {
             self.peak_memory = self.peak_memory.max((total - free) as u64);
         }
         Ok(())
+    }
+}
+
+/// The most values of one dense (non-expert) matrix: the size of the cuBLAS path's scratch.
+fn largest_dense_matrix(m: &CudaModel) -> usize {
+    let mats = m.layers.iter().flat_map(|l| {
+        let mixer = match &l.mixer {
+            DeviceMixer::DeltaNet {
+                in_proj, out_proj, ..
+            } => [in_proj, out_proj],
+            DeviceMixer::Attention { qkv, o_proj, .. } => [qkv, o_proj],
+        };
+        mixer.into_iter().chain([&l.moe.router])
+    });
+    mats.map(|w| w.rows * w.cols).max().unwrap_or(0)
+}
+
+impl CudaBackend {
+    fn sequence(&self, seq: SeqId) -> anyhow::Result<&Sequence> {
+        self.sequences
+            .get(&seq)
+            .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))
     }
 }

@@ -140,6 +140,8 @@ __device__ __forceinline__ void st_cluster(float* local, u32 rank, float v) {
 // Thread t: column quad c = t % 8 (columns v0 + 4c .. +3), row group r = t / 8 (rows d = r + 16i).
 extern "C" __global__ void __cluster_dims__(DEC_CLUSTER, 1, 1) __launch_bounds__(DEC_THREADS)
 gdn_decode(const GdnArgs p) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ float q_s[GDN_DK], k_s[GDN_DK];  // q and k of key head kh, raw conv outputs
     __shared__ float qk_mine[32];               // this block's 16 q then 16 k conv outputs
     __shared__ float v_s[DEC_COLS];
@@ -350,6 +352,8 @@ gdn_decode(const GdnArgs p) {
 // Zeroing: grid (x, rows); entry i of blockIdx.y zeroes slot slots[i] (or slot i when slots is
 // null) of the pools; slots out of range are skipped.
 extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int slot = p.slots ? p.slots[blockIdx.y] : (int)blockIdx.y;
     if (slot < 0 || slot >= p.n_slots) return;
     const int stride = gridDim.x * blockDim.x;
@@ -574,6 +578,8 @@ __device__ __forceinline__ void rows_dot_tile(const float* x, const float* y, in
 
 // Grid (chunks, 32 value heads), 256 threads. Writes W, U, K̃ and e^(G_last) of its (chunk, head).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(const GdnArgs p) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ float4 smem4[];
     float* k_s = reinterpret_cast<float*>(smem4);  // k, then W
     float* v_s = k_s + CHUNK * PITCH;               // v, then U
@@ -663,6 +669,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
 // The next chunk's W, K̃ and U are prefetched with cp.async while the current one is computed.
 // Both products use 3xTF32 (fp32 accuracy): the state is carried over thousands of tokens.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(const GdnArgs p) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ float4 smem4[];
     float* W_s = reinterpret_cast<float*>(smem4);  // [2][64][PITCH]
     float* K_s = W_s + 2 * CHUNK * PITCH;            // [2][64][VPITCH]
@@ -799,6 +807,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
 // agrees with decode as closely as fp32 allows): warp w computes rows 16(w/2)..+15 of the chunk's
 // outputs, columns 64(w%2)..+63; the outputs go through shared memory to the gated norm, a warp per row.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(const GdnArgs p) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ float4 smem4[];
     float* q_s = reinterpret_cast<float*>(smem4);  // [64][PITCH]: q, then q e^G, then the outputs
     float* kv_s = q_s + CHUNK * PITCH;              // [64][PITCH] k, then [64][VPITCH] Vn
@@ -925,6 +935,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
 // 8 channels; it reads all three old rows before writing, so T < 3 (which keeps some old rows)
 // works in place.
 extern "C" __global__ void gdn_conv_update(const GdnArgs p) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int v = blockIdx.x * blockDim.x + threadIdx.x;
     if (v >= GDN_CONV_DIM / 8) return;
     uint4* hist = reinterpret_cast<uint4*>(p.conv_state) + v;

@@ -17,9 +17,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{sys, DevicePtrMut, LaunchConfig, SyncOnDrop};
 use half::bf16;
 
+use super::pdl::KernelValue;
 use super::{
     addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaSlice,
     CudaStream, CudaView, CudaViewMut, Result,
@@ -225,7 +226,7 @@ struct GdnArgs {
 }
 
 // SAFETY: plain integers and floats, laid out as the C struct the kernels take by value.
-unsafe impl DeviceRepr for GdnArgs {}
+unsafe impl KernelValue for GdnArgs {}
 
 pub struct GdnKernels {
     stream: Arc<CudaStream>,

@@ -88,6 +88,7 @@ struct GemvArgs {
     i64 w_mat_words;
     i64 x_slot_stride;
     int rows, cols, ntok, tiles_per_block, warps_per_tile, count;
+    int swiglu;          // x rows are gate‖up [2·cols]: the product takes bf16(silu(gate)·up)
 };
 
 namespace {
@@ -134,6 +135,16 @@ __device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// SwiGLU of 8 gate and 8 up values: bf16(silu(g) · u), fp32 inside (the reference's activation).
+__device__ __forceinline__ uint4 swiglu8(uint4 gate, uint4 up) {
+    float g[8], u[8];
+    unpack8(gate, g);
+    unpack8(up, u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) g[i] = silu(g[i]) * u[i];
+    return pack8(g);
+}
+
 // bf16 number k (0..3) of four packed in a uint2, as fp32.
 __device__ __forceinline__ float bf16_at(uint2 v, int k) {
     const u32 w = k < 2 ? v.x : v.y;
@@ -158,6 +169,10 @@ __device__ void gemv(const GemvArgs& a) {
     const int g = lane / 4, t = lane % 4;
     const int tile_in_round = warp / kw, kwarp = warp % kw;
     const int slot_id = blockIdx.y;
+    // PDL (common.cuh): a fixed matrix can be streamed in before the previous kernel is done; the
+    // expert of a slot is known only once it is (the router wrote the ids).
+    if (a.ids) pdl_wait();
+    pdl_launch_dependents();
     const int mat = a.ids ? min(max(a.ids[slot_id], 0), a.count - 1) : slot_id;
     const u32* wmat = a.w + mat * a.w_mat_words;
     const bf16* smat = a.scales + (i64)mat * a.rows * ngroups;
@@ -223,6 +238,7 @@ __device__ void gemv(const GemvArgs& a) {
     };
     // The first batches' copies go out before x is staged, so their DRAM latency overlaps it.
     for (int j = 0; j < STAGES - 1; ++j) issue(j);
+    if (!a.ids) pdl_wait();
 
     // Stage x: each thread takes 8 columns (one uint4) per step. 8 consecutive threads cover one
     // group of 64, so Σx of a group is a shuffle over 8 lanes; all lanes run the same number of
@@ -235,7 +251,13 @@ __device__ void gemv(const GemvArgs& a) {
             const int i = s * blockDim.x + threadIdx.x;
             const bool ok = i < total;
             const int tok = ok ? i / vec_per_tok : 0, v = ok ? i % vec_per_tok : 0;
-            const uint4 xv = ok ? __ldg(reinterpret_cast<const uint4*>(x + (i64)tok * K) + v) : make_uint4(0, 0, 0, 0);
+            uint4 xv = make_uint4(0, 0, 0, 0);
+            if (ok && a.swiglu) {
+                const uint4* gu = reinterpret_cast<const uint4*>(x + (i64)tok * 2 * K);
+                xv = swiglu8(__ldg(gu + v), __ldg(gu + vec_per_tok + v));
+            } else if (ok) {
+                xv = __ldg(reinterpret_cast<const uint4*>(x + (i64)tok * K) + v);
+            }
             uint4* dst = reinterpret_cast<uint4*>(xstage + tok * stage_tok);
             if (ok) {
                 if constexpr (F == Q4) {

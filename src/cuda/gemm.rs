@@ -4,9 +4,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{sys, DevicePtrMut, LaunchConfig, SyncOnDrop};
 use half::bf16;
 
+use super::pdl::KernelValue;
 use super::{
     addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaStream,
     CudaView, CudaViewMut, Result,
@@ -87,10 +88,11 @@ struct GemvArgs {
     tiles_per_block: i32,
     warps_per_tile: i32,
     count: i32,
+    swiglu: i32,
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
-unsafe impl DeviceRepr for GemvArgs {}
+unsafe impl KernelValue for GemvArgs {}
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Format {
@@ -130,6 +132,18 @@ impl Format {
             Format::Bf16 => TILE_ROWS * (256 + 64),
         }
     }
+}
+
+/// Where each slot of a [`GemvKernels::gemv_slots`] launch takes its x from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SlotInput {
+    /// One x `[ntok][cols]` for every slot (e.g. the experts' gate‖up of one token).
+    Shared,
+    /// x `[slots][ntok][cols]`, one per slot.
+    PerSlot,
+    /// x `[slots][ntok][2·cols]`, each token's row gate‖up: the product takes
+    /// `bf16(silu(gate) · up)`, the SwiGLU activation fused into the experts' down projection.
+    PerSlotSwiGlu,
 }
 
 /// How a launch cuts the work: warps sharing one 16-row tile along K, and tiles per block.
@@ -185,14 +199,13 @@ impl GemvKernels {
             x.len(),
             w.cols
         );
-        self.gemv_slots(w, None, 1, x, false, x.len() / w.cols, y)
+        self.gemv_slots(w, None, 1, x, SlotInput::Shared, x.len() / w.cols, y)
     }
 
     /// A batch of `slots` products in one launch. Slot `s` multiplies matrix `ids[s]` of the stack
     /// (ids are read on the device and clamped to `0..count`; without ids, matrix `s`) with its
-    /// x: `x[s]` when `x_per_slot` (x is `[slots][ntok][cols]`), else the one x `[ntok][cols]`.
-    /// y is `[slots][ntok][rows]`. E.g. the 8 routed experts of one token: gate_up with a shared x,
-    /// then down with one x per slot.
+    /// x, laid out as `input` says. y is `[slots][ntok][rows]`. E.g. the experts of one token:
+    /// gate_up with a shared x, then down with each slot's gate‖up through SwiGLU.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_slots(
         &self,
@@ -200,12 +213,12 @@ impl GemvKernels {
         ids: Option<&CudaView<i32>>,
         slots: usize,
         x: &CudaView<bf16>,
-        x_per_slot: bool,
+        input: SlotInput,
         ntok: usize,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
         let shape = self.shape(w, slots);
-        self.gemv_slots_shaped(w, ids, slots, x, x_per_slot, ntok, y, shape)
+        self.gemv_slots_shaped(w, ids, slots, x, input, ntok, y, shape)
     }
 
     /// The most tokens (≤ `MAX_TOKENS`) one launch over `w` can take: the staged x grows with
@@ -227,7 +240,7 @@ impl GemvKernels {
         ids: Option<&CudaView<i32>>,
         slots: usize,
         x: &CudaView<bf16>,
-        x_per_slot: bool,
+        input: SlotInput,
         ntok: usize,
         y: &mut CudaViewMut<bf16>,
         shape: GemvShape,
@@ -253,12 +266,15 @@ impl GemvKernels {
             "gemv: {ntok} tokens; one launch takes 1..={MAX_TOKENS}"
         );
         ensure!(slots > 0, "gemv: no slots");
-        let x_slots = if x_per_slot { slots } else { 1 };
+        let (x_slots, x_width) = match input {
+            SlotInput::Shared => (1, w.cols),
+            SlotInput::PerSlot => (slots, w.cols),
+            SlotInput::PerSlotSwiGlu => (slots, 2 * w.cols),
+        };
         ensure!(
-            x.len() == x_slots * ntok * w.cols,
-            "gemv: x has {} values, expected {x_slots}×{ntok}×{}",
-            x.len(),
-            w.cols
+            x.len() == x_slots * ntok * x_width,
+            "gemv: x has {} values, expected {x_slots}×{ntok}×{x_width}",
+            x.len()
         );
         ensure!(
             y.len() == slots * ntok * w.rows,
@@ -308,8 +324,8 @@ impl GemvKernels {
             y: yp,
             ids: idp,
             w_mat_words: (w.rows * w.cols * format.bits() / 32) as i64,
-            x_slot_stride: if x_per_slot {
-                (ntok * w.cols) as i64
+            x_slot_stride: if x_slots > 1 {
+                (ntok * x_width) as i64
             } else {
                 0
             },
@@ -319,6 +335,7 @@ impl GemvKernels {
             tiles_per_block: tiles_per_block as i32,
             warps_per_tile: warps_per_tile as i32,
             count: as_i32(w.count, "count")?,
+            swiglu: (input == SlotInput::PerSlotSwiGlu) as i32,
         };
         let func = match format {
             Format::Q4 => &self.q4,
@@ -328,9 +345,15 @@ impl GemvKernels {
         // Persistent blocks: about as many as fit on the GPU at once, each taking the same number
         // of rounds (a round: tiles_per_block tiles), so that none is left with an extra one.
         let threads = 32 * (warps_per_tile * tiles_per_block) as u32;
-        let per_sm = func
+        let fit = func
             .occupancy_max_active_blocks_per_multiprocessor(threads, shared_bytes, None)
             .during(|| "gemv occupancy".into())? as usize;
+        // A decode-sized matrix gets one block per SM (its 8 warps keep enough copies in flight),
+        // which leaves room on every SM for the next kernel's block: with PDL (pdl.rs) that one is
+        // scheduled early and streams its first weights while this one finishes. Big matrices
+        // (lm_head) take as many blocks as fit.
+        let bytes = slots * w.rows * w.cols * format.bits() / 8;
+        let per_sm = if bytes < 64 << 20 { 1 } else { fit };
         let rounds = w.rows.div_ceil(TILE_ROWS * tiles_per_block);
         let resident_per_slot = (per_sm.max(1) * self.sm_count / slots).max(1);
         let blocks = rounds.div_ceil(rounds.div_ceil(resident_per_slot));

@@ -418,7 +418,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
 
 // Two blocks per SM: the 64 × 64 fp32 warp tile needs 128 accumulator registers per lane.
 #define GEMM_KERNEL(name, F, E) \
-    extern "C" __global__ void __launch_bounds__(THREADS, 2) name(const GemmArgs a) { gemm<F, E>(a); }
+    extern "C" __global__ void __launch_bounds__(THREADS, 2) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<F, E>(a); }
 
 GEMM_KERNEL(gemm_q4, Q4, STORE)
 GEMM_KERNEL(gemm_q8, Q8, STORE)

@@ -8,11 +8,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtrMut, DeviceRepr, LaunchConfig};
+use cudarc::driver::{sys, DevicePtrMut, LaunchConfig};
 use half::bf16;
 
 use super::gemm::{Matrices, WeightData, GROUP};
 use super::moe::ExpertGroups;
+use super::pdl::KernelValue;
 use super::{
     addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaError, CudaFunction,
     CudaStream, CudaView, CudaViewMut, Result,
@@ -48,7 +49,7 @@ struct GemmArgs {
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
-unsafe impl DeviceRepr for GemmArgs {}
+unsafe impl KernelValue for GemmArgs {}
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Format {

@@ -7,6 +7,7 @@
 //! The kernels are sm_90a cubins compiled by build.rs and embedded in the binary.
 
 pub mod attention;
+pub mod dense;
 pub mod embed;
 pub mod forward;
 pub mod gdn;
@@ -15,7 +16,9 @@ pub mod gemm_prefill;
 pub mod model;
 pub mod moe;
 pub mod norm;
+pub mod pdl;
 pub mod sample;
+pub mod snapshot;
 pub mod synth;
 pub mod weights;
 
@@ -87,16 +90,17 @@ pub(crate) use ensure;
 
 /// Launches a kernel: `launch!(stream, function, config, arg, arg, ...)`, arguments in the order of
 /// the kernel's C signature. Device buffers go as `&CudaView`/`&mut CudaViewMut`/`&CudaSlice`,
-/// scalars as references to locals of the exact C type (i32 for `int`, f32 for `float`).
+/// scalars and argument structs as references to values of the exact C type (i32 for `int`, f32 for
+/// `float`). Every launch uses programmatic dependent launch (pdl.rs).
 ///
 /// Safety: the caller checks that the arguments match the kernel and that every index the kernel
 /// computes from them stays inside the buffers. The typed wrappers in this module do that.
 macro_rules! launch {
     ($stream:expr, $func:expr, $cfg:expr $(, $arg:expr)* $(,)?) => {{
-        use cudarc::driver::PushKernelArg as _;
-        let mut builder = $stream.launch_builder($func);
-        $( builder.arg($arg); )*
-        let launched = builder.launch($cfg).map(|_| ());
+        let stream: &$crate::cuda::CudaStream = &$stream;
+        let mut params = $crate::cuda::pdl::Params::new();
+        $( $crate::cuda::pdl::KernelArg::push_to($arg, &mut params, stream); )*
+        let launched = $crate::cuda::pdl::launch(stream, $func, $cfg, &mut params);
         $crate::cuda::Context::during(launched, || format!("launch of {}", stringify!($func)))
     }};
 }

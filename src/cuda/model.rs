@@ -1,14 +1,17 @@
 //! The model in device memory, laid out for the kernels: projections that read the same input
-//! are concatenated (GDN `qkv‖z‖b‖a`, attention `q(+gate)‖k‖v`, shared expert `gate‖up`), and
-//! each layer's experts form one stack of `gate‖up` and one of `down`, addressed by expert id.
+//! are concatenated (GDN `qkv‖z‖b‖a`, attention `q(+gate)‖k‖v`, router‖shared-expert gate), and
+//! each layer's experts, the shared one last, form one stack of `gate‖up` and one of `down`,
+//! addressed by expert id.
+
+use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
 use super::synth::SynthKernels;
 use super::weights::{htod, DeviceMatrices};
-use super::{ensure, CudaDevice, Result};
+use super::{ensure, Context, CudaDevice, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
-use crate::model::weights::{Mixer, Weights};
+use crate::model::weights::{Mixer, MoeWeights, Weights};
 
 pub enum DeviceMixer {
     DeltaNet {
@@ -29,16 +32,32 @@ pub enum DeviceMixer {
     },
 }
 
+/// A layer's MoE block. The shared expert is stored as expert `num_experts` of the stacks and
+/// its gate as the router's last row, so that decode runs it in the same launches as the 8 routed
+/// experts (9 slots), with weight sigmoid(gate) (MODEL.md §3.7).
 pub struct DeviceMoe {
+    /// `[num_experts + 1][hidden]`: the router's rows, then the shared expert's gate.
     pub router: DeviceMatrices,
-    /// `num_experts` × `[2·I][hidden]` (gate rows, then up rows).
+    /// `num_experts + 1` × `[2·I][hidden]` (gate rows, then up rows); the last is the shared expert.
     pub gate_up: DeviceMatrices,
-    /// `num_experts` × `[hidden][I]`.
+    /// `num_experts + 1` × `[hidden][I]`.
     pub down: DeviceMatrices,
-    pub shared_gate_up: DeviceMatrices,
-    pub shared_down: DeviceMatrices,
-    /// `[1][hidden]`.
-    pub shared_gate: DeviceMatrices,
+}
+
+impl DeviceMoe {
+    /// Copies one layer's MoE weights to the device in this layout.
+    pub fn upload(s: &Arc<CudaStream>, c: &ModelConfig, m: &MoeWeights) -> Result<Self> {
+        let shared = &m.shared_expert;
+        check_shared_expert(c, shared.down.format == m.experts[0].down.format)?;
+        let experts = || m.experts.iter().chain([shared]);
+        let gate_ups: Vec<_> = experts().map(|e| vec![&e.gate, &e.up]).collect();
+        let downs: Vec<_> = experts().map(|e| vec![&e.down]).collect();
+        Ok(DeviceMoe {
+            router: DeviceMatrices::concat(s, &[&m.router, &m.shared_expert_gate])?,
+            gate_up: DeviceMatrices::stack_of_concats(s, &gate_ups)?,
+            down: DeviceMatrices::stack_of_concats(s, &downs)?,
+        })
+    }
 }
 
 pub struct DeviceLayer {
@@ -81,20 +100,7 @@ impl CudaModel {
                     k_norm: htod(s, &a.k_norm)?,
                 },
             };
-            let m = &l.moe;
-            let experts: Vec<_> = m.experts.iter().map(|e| vec![&e.gate, &e.up]).collect();
-            let downs: Vec<_> = m.experts.iter().map(|e| vec![&e.down]).collect();
-            let moe = DeviceMoe {
-                router: DeviceMatrices::concat(s, &[&m.router])?,
-                gate_up: DeviceMatrices::stack_of_concats(s, &experts)?,
-                down: DeviceMatrices::stack_of_concats(s, &downs)?,
-                shared_gate_up: DeviceMatrices::concat(
-                    s,
-                    &[&m.shared_expert.gate, &m.shared_expert.up],
-                )?,
-                shared_down: DeviceMatrices::concat(s, &[&m.shared_expert.down])?,
-                shared_gate: DeviceMatrices::concat(s, &[&m.shared_expert_gate])?,
-            };
+            let moe = DeviceMoe::upload(s, &w.config, &l.moe)?;
             layers.push(DeviceLayer {
                 input_norm: htod(s, &l.input_norm)?,
                 post_norm: htod(s, &l.post_attention_norm)?,
@@ -102,6 +108,7 @@ impl CudaModel {
                 moe,
             });
         }
+        weights_ready(s)?;
         Ok(CudaModel {
             config: w.config.clone(),
             embed: DeviceMatrices::concat(s, &[&w.embed])?,
@@ -162,14 +169,12 @@ impl CudaModel {
                     }
                 }
             };
-            let (inter, si) = (c.moe_intermediate_size, c.shared_expert_intermediate_size);
+            check_shared_expert(c, true)?;
+            let (e, inter) = (c.num_experts + 1, c.moe_intermediate_size);
             let moe = DeviceMoe {
-                router: k.matrices(small_bits, 1, c.num_experts, h, next())?,
-                gate_up: k.matrices(bits, c.num_experts, 2 * inter, h, next())?,
-                down: k.matrices(bits, c.num_experts, h, inter, next())?,
-                shared_gate_up: k.matrices(bits, 1, 2 * si, h, next())?,
-                shared_down: k.matrices(bits, 1, h, si, next())?,
-                shared_gate: k.matrices(small_bits, 1, 1, h, next())?,
+                router: k.matrices(small_bits, 1, e, h, next())?,
+                gate_up: k.matrices(bits, e, 2 * inter, h, next())?,
+                down: k.matrices(bits, e, h, inter, next())?,
             };
             layers.push(DeviceLayer {
                 input_norm: ones(h)?,
@@ -182,13 +187,15 @@ impl CudaModel {
             !c.tie_word_embeddings,
             "synthetic models have an untied LM head"
         );
-        Ok(CudaModel {
+        let model = CudaModel {
             embed: k.matrices(bits, 1, c.vocab_size, h, next())?,
             lm_head: k.matrices(bits, 1, c.vocab_size, h, next())?,
             final_norm: ones(h)?,
             layers,
             config,
-        })
+        };
+        weights_ready(s)?;
+        Ok(model)
     }
 
     /// Bytes of weights on the device.
@@ -201,14 +208,29 @@ impl CudaModel {
                 DeviceMixer::Attention { qkv, o_proj, .. } => qkv.bytes() + o_proj.bytes(),
             };
             let m = &l.moe;
-            mixer
-                + m.router.bytes()
-                + m.gate_up.bytes()
-                + m.down.bytes()
-                + m.shared_gate_up.bytes()
-                + m.shared_down.bytes()
-                + m.shared_gate.bytes()
+            mixer + m.router.bytes() + m.gate_up.bytes() + m.down.bytes()
         });
         self.embed.bytes() + self.lm_head.bytes() + mats.sum::<usize>()
     }
+}
+
+/// The shared expert joins the routed experts' stacks (DeviceMoe), so it must have their shape and
+/// format, as Qwen3.6-35B-A3B's does (512 wide, quantised alike).
+fn check_shared_expert(c: &ModelConfig, same_format: bool) -> Result<()> {
+    ensure!(
+        c.shared_expert_intermediate_size == c.moe_intermediate_size && same_format,
+        "the CUDA backend runs the shared expert beside the routed ones: it needs their width ({}) \
+         and weight format, the checkpoint has width {}{}",
+        c.moe_intermediate_size,
+        c.shared_expert_intermediate_size,
+        if same_format { "" } else { " and another format" }
+    );
+    Ok(())
+}
+
+/// Waits until every weight is in place. The GEMVs stream weights before their PDL wait
+/// (pdl.rs), which is safe only for data that no kernel still in the stream writes.
+fn weights_ready(s: &Arc<CudaStream>) -> Result<()> {
+    s.synchronize()
+        .during(|| "waiting for the weights to reach the GPU".into())
 }

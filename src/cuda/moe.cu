@@ -6,12 +6,18 @@
 #define MAX_TOP_K 16
 
 // One warp per token: softmax (fp32) over `experts` router logits, the top `k` probabilities
-// (lowest index on ties), renormalised to sum to 1. ids [T][k] i32, weights [T][k] f32.
+// (lowest index on ties), renormalised to sum to 1. With `shared` set, each logits row has one
+// more value, the shared expert's gate logit, and the shared expert becomes slot k: expert id
+// `experts`, weight sigmoid(gate logit) (MODEL.md §3.7), so that the experts' GEMVs and the combine
+// treat it like a routed one. logits [T][experts + shared]; ids [T][k + shared] i32, weights f32.
 extern "C" __global__ void router_topk(const bf16* __restrict__ logits, int tokens, int experts, int k,
-                                       int* __restrict__ ids, float* __restrict__ weights) {
+                                       int shared, int* __restrict__ ids, float* __restrict__ weights) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (t >= tokens) return;
-    const bf16* row = logits + (u64)t * experts;
+    const bf16* row = logits + (u64)t * (experts + shared);
+    const int out = t * (k + shared);
     float p[MAX_EXPERTS_PER_LANE];
     float mx = NEG_INF;
 #pragma unroll
@@ -52,32 +58,12 @@ extern "C" __global__ void router_topk(const bf16* __restrict__ logits, int toke
         chosen_sum += v / sum;
     }
     if (lane < k) {
-        ids[(u64)t * k + lane] = chosen_e;
-        weights[(u64)t * k + lane] = chosen_p / chosen_sum;
+        ids[out + lane] = chosen_e;
+        weights[out + lane] = chosen_p / chosen_sum;
     }
-}
-
-// out[t] = bf16( Σ_j w[t][j] · routed[t][j] + sigmoid(gate[t]) · shared[t] ), fp32 inside.
-// routed [T][k][n], shared [T][n], gate [T] (the shared-expert gate's logit), out [T][n].
-extern "C" __global__ void moe_combine(const bf16* __restrict__ routed, const float* __restrict__ weights,
-                                       const bf16* __restrict__ shared, const bf16* __restrict__ gate,
-                                       bf16* __restrict__ out, int tokens, int k, int n) {
-    const int nvec = n / 8;
-    const u64 total = (u64)tokens * nvec;
-    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
-        const int t = i / nvec, v = i % nvec;
-        float acc[8], f[8];
-        const float g = 1.0f / (1.0f + expf(-__bfloat162float(gate[t])));
-        unpack8(reinterpret_cast<const uint4*>(shared + (u64)t * n)[v], f);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = g * f[q];
-        for (int j = 0; j < k; ++j) {
-            const float w = weights[(u64)t * k + j];
-            unpack8(reinterpret_cast<const uint4*>(routed + ((u64)t * k + j) * n)[v], f);
-#pragma unroll
-            for (int q = 0; q < 8; ++q) acc[q] += w * f[q];
-        }
-        reinterpret_cast<uint4*>(out + (u64)t * n)[v] = pack8(acc);
+    if (shared && lane == 0) {
+        ids[out + k] = experts;
+        weights[out + k] = 1.0f / (1.0f + expf(-__bfloat162float(row[experts])));
     }
 }
 
@@ -95,7 +81,7 @@ extern "C" __global__ void moe_combine(const bf16* __restrict__ routed, const fl
 //                         giving its position; sorted[position] = p.
 // Positions: expert e's pairs occupy [offset_e, offset_e + count_e), ordered by p, hence by token.
 #define GROUP_CHUNK 1024     // pairs per block of passes 1 and 3 (one per thread)
-#define GROUP_MAX_EXPERTS 256
+#define GROUP_MAX_EXPERTS 288  // 256 routed + the shared expert, rounded up to whole warps
 #define GROUP_WARPS (GROUP_CHUNK / 32)
 
 __device__ __forceinline__ int expert_of(const int* ids, int p, int experts) {
@@ -105,6 +91,8 @@ __device__ __forceinline__ int expert_of(const int* ids, int p, int experts) {
 // counts[c][e] = pairs of chunk c routed to expert e. Grid: chunks; block: GROUP_CHUNK threads.
 extern "C" __global__ void moe_group_count(const int* __restrict__ ids, int pairs, int experts,
                                            int* __restrict__ counts) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ int hist[GROUP_MAX_EXPERTS];
     for (int e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
     __syncthreads();
@@ -142,6 +130,8 @@ __device__ int block_exclusive_sum(int v, int* scratch, int* total) {
 // every tile of tile_rows rows, experts in order; *num_tiles = how many.
 extern "C" __global__ void moe_group_scan(int* __restrict__ counts, int chunks, int experts, int tile_rows,
                                           int max_tiles, int4* __restrict__ tiles, int* __restrict__ num_tiles) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ int scratch[GROUP_MAX_EXPERTS / 32];
     const int e = threadIdx.x;
     const bool real = e < experts;
@@ -180,6 +170,8 @@ extern "C" __global__ void moe_group_scan(int* __restrict__ counts, int chunks, 
 // sorted[position of pair p] = p. Grid: chunks; block: GROUP_CHUNK threads. `base` from moe_group_scan.
 extern "C" __global__ void moe_group_scatter(const int* __restrict__ ids, int pairs, int experts,
                                              const int* __restrict__ base, int* __restrict__ sorted) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ int warp_counts[GROUP_WARPS][GROUP_MAX_EXPERTS];  // pairs of each warp per expert
     for (int i = threadIdx.x; i < GROUP_WARPS * GROUP_MAX_EXPERTS; i += blockDim.x) (&warp_counts[0][0])[i] = 0;
     __syncthreads();

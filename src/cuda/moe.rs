@@ -1,4 +1,5 @@
-//! MoE routing, grouping by expert and combine (moe.cu), on the device.
+//! MoE routing and grouping by expert (moe.cu), on the device. The combine is
+//! `NormKernels::residual_rmsnorm`, fused with the residual add and the next norm.
 
 use std::sync::Arc;
 
@@ -6,12 +7,15 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use half::bf16;
 
 use super::{
-    as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaStream,
-    CudaView, CudaViewMut, Result,
+    as_i32, ensure, launch, Context, CudaDevice, CudaFunction, CudaStream, CudaView, CudaViewMut,
+    Result,
 };
 
 /// Experts the router kernel handles (8 per lane of a warp).
 pub const MAX_EXPERTS: usize = 256;
+/// Experts the grouping handles: the routed ones and the shared expert, in whole warps
+/// (GROUP_MAX_EXPERTS in moe.cu).
+pub const MAX_GROUP_EXPERTS: usize = 288;
 pub const MAX_TOP_K: usize = 16;
 /// Pairs per block of the grouping kernels (GROUP_CHUNK in moe.cu).
 const GROUP_CHUNK: usize = 1024;
@@ -19,7 +23,6 @@ const GROUP_CHUNK: usize = 1024;
 pub struct MoeKernels {
     stream: Arc<CudaStream>,
     router_topk: CudaFunction,
-    combine: CudaFunction,
     group_count: CudaFunction,
     group_scan: CudaFunction,
     group_scatter: CudaFunction,
@@ -57,8 +60,8 @@ impl ExpertGroups {
         tile_rows: usize,
     ) -> Result<Self> {
         ensure!(
-            experts > 0 && experts <= MAX_EXPERTS,
-            "expert groups: {experts} experts (1..={MAX_EXPERTS})"
+            experts > 0 && experts <= MAX_GROUP_EXPERTS,
+            "expert groups: {experts} experts (1..={MAX_GROUP_EXPERTS})"
         );
         ensure!(tile_rows > 0, "expert groups: tiles of 0 rows");
         let max_pairs = max_tokens.max(1) * top_k.max(1);
@@ -122,7 +125,6 @@ impl MoeKernels {
         Ok(Self {
             stream: dev.stream().clone(),
             router_topk: dev.function("moe", "router_topk")?,
-            combine: dev.function("moe", "moe_combine")?,
             group_count: dev.function("moe", "moe_group_count")?,
             group_scan: dev.function("moe", "moe_group_scan")?,
             group_scatter: dev.function("moe", "moe_group_scatter")?,
@@ -163,7 +165,7 @@ impl MoeKernels {
         };
         let one_block = LaunchConfig {
             grid_dim: (1, 1, 1),
-            block_dim: (MAX_EXPERTS as u32, 1, 1),
+            block_dim: (MAX_GROUP_EXPERTS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut counts = groups.chunk_counts.slice_mut(..chunks * groups.experts);
@@ -209,12 +211,15 @@ impl MoeKernels {
     }
 
     /// Softmax over each token's `experts` router logits, top `k` (ties → lower index),
-    /// renormalised: `ids` and `weights` are `[tokens][k]`.
+    /// renormalised. With `shared`, each logits row ends with the shared expert's gate logit and
+    /// the shared expert becomes slot k (id `experts`, weight sigmoid(gate)). `logits` is
+    /// `[tokens][experts + shared]`, `ids` and `weights` are `[tokens][k + shared]`.
     pub fn router_topk(
         &self,
         logits: &CudaView<bf16>,
         experts: usize,
         k: usize,
+        shared: bool,
         ids: &mut CudaViewMut<i32>,
         weights: &mut CudaViewMut<f32>,
     ) -> Result<()> {
@@ -226,14 +231,15 @@ impl MoeKernels {
             k > 0 && k <= experts.min(MAX_TOP_K),
             "router: top-{k} of {experts}"
         );
+        let (row, slots) = (experts + shared as usize, k + shared as usize);
         ensure!(
-            logits.len() % experts == 0,
-            "router: logits are not whole rows of {experts}"
+            logits.len() % row == 0,
+            "router: logits are not whole rows of {row}"
         );
-        let tokens = logits.len() / experts;
+        let tokens = logits.len() / row;
         ensure!(
-            ids.len() == tokens * k && weights.len() == tokens * k,
-            "router: ids/weights must be [{tokens}][{k}]"
+            ids.len() == tokens * slots && weights.len() == tokens * slots,
+            "router: ids/weights must be [{tokens}][{slots}]"
         );
         if tokens == 0 {
             return Ok(());
@@ -244,7 +250,12 @@ impl MoeKernels {
             block_dim: (32 * warps_per_block, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (t, e, k) = (as_i32(tokens, "tokens")?, experts as i32, k as i32);
+        let (t, e, k, sh) = (
+            as_i32(tokens, "tokens")?,
+            experts as i32,
+            k as i32,
+            shared as i32,
+        );
         unsafe {
             launch!(
                 self.stream,
@@ -254,61 +265,9 @@ impl MoeKernels {
                 &t,
                 &e,
                 &k,
+                &sh,
                 ids,
                 weights
-            )
-        }
-    }
-
-    /// `out[t] = Σ_j weights[t][j] · routed[t][j] + sigmoid(gate[t]) · shared[t]` with routed
-    /// `[tokens][k][n]`, shared `[tokens][n]`, gate `[tokens]`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn combine(
-        &self,
-        routed: &CudaView<bf16>,
-        weights: &CudaView<f32>,
-        shared: &CudaView<bf16>,
-        gate: &CudaView<bf16>,
-        k: usize,
-        out: &mut CudaViewMut<bf16>,
-    ) -> Result<()> {
-        let tokens = gate.len();
-        ensure!(
-            tokens > 0 && out.len() % tokens == 0,
-            "combine: out is not [tokens][n]"
-        );
-        let n = out.len() / tokens;
-        ensure!(n % 8 == 0, "combine: n = {n} must be a multiple of 8");
-        ensure!(
-            routed.len() == tokens * k * n
-                && weights.len() == tokens * k
-                && shared.len() == tokens * n,
-            "combine: shapes"
-        );
-        for (v, what) in [(routed, "routed"), (shared, "shared")] {
-            ensure_aligned(v, &self.stream, what)?;
-        }
-        ensure_aligned(out, &self.stream, "combine out")?;
-        let vectors = (tokens * n / 8) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (vectors.div_ceil(256).min(132 * 8), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (t, k, n) = (as_i32(tokens, "tokens")?, k as i32, as_i32(n, "n")?);
-        unsafe {
-            launch!(
-                self.stream,
-                &self.combine,
-                cfg,
-                routed,
-                weights,
-                shared,
-                gate,
-                out,
-                &t,
-                &k,
-                &n
             )
         }
     }

@@ -24,6 +24,8 @@ __device__ __forceinline__ float sum_squares(const uint4* x, int nvec, int lane)
 // (1 + stored weight) for the zero-centred norms of this model, computed once at load time.
 extern "C" __global__ void rmsnorm(const bf16* __restrict__ x, const float* __restrict__ w,
                                    bf16* __restrict__ y, int rows, int n, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int row = norm_row(), lane = threadIdx.x % 32, nvec = n / 8;
     if (row >= rows) return;
     const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)row * n);
@@ -42,32 +44,51 @@ extern "C" __global__ void rmsnorm(const bf16* __restrict__ x, const float* __re
     }
 }
 
-// The residual add fused with the next norm: h = bf16(h + res) (written back), y = rmsnorm(h).
-// The norm reads the rounded h, as the unfused reference does.
-extern "C" __global__ void add_rmsnorm(bf16* __restrict__ h, const bf16* __restrict__ res,
-                                       const float* __restrict__ w, bf16* __restrict__ y, int rows,
-                                       int n, float eps) {
-    const int row = norm_row(), lane = threadIdx.x % 32, nvec = n / 8;
-    if (row >= rows) return;
+// The residual add fused with the next norm, one block per row:
+//   r = bf16(Σ_j weights[row][j] · parts[row][j])   (weights null: k = 1, r = parts[row][0])
+//   h = bf16(h + r), written back;   y = rmsnorm(h) · w, of the rounded h as the reference does.
+// With k > 1 this is also the MoE combine: parts are the 8 routed experts' outputs and the shared
+// expert's, weights their router probabilities and sigmoid(shared gate).
+#define RES_THREADS 256  // must match RES_THREADS in norm.rs
+extern "C" __global__ void __launch_bounds__(RES_THREADS)
+residual_rmsnorm(bf16* __restrict__ h, const bf16* __restrict__ parts, const float* __restrict__ weights, int k,
+                 const float* __restrict__ w, bf16* __restrict__ y, int rows, int n, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
+    __shared__ float warp_ss[RES_THREADS / 32];
+    const int row = blockIdx.x, nvec = n / 8;
     uint4* hr = reinterpret_cast<uint4*>(h + (u64)row * n);
-    const uint4* rr = reinterpret_cast<const uint4*>(res + (u64)row * n);
+    const uint4* pr = reinterpret_cast<const uint4*>(parts + (u64)row * k * n);
     uint4* yr = reinterpret_cast<uint4*>(y + (u64)row * n);
     float ss = 0.0f;
-    for (int v = lane; v < nvec; v += 32) {
-        float a[8], b[8];
-        unpack8(hr[v], a);
-        unpack8(rr[v], b);
+    for (int v = threadIdx.x; v < nvec; v += RES_THREADS) {
+        float acc[8], f[8];
+        for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+        for (int j = 0; j < k; ++j) {
+            const float wj = weights ? weights[(u64)row * k + j] : 1.0f;
+            unpack8(pr[(u64)j * nvec + v], f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a[i] = a[i] + b[i];
-        const uint4 sum = pack8(a);
+            for (int i = 0; i < 8; ++i) acc[i] += wj * f[i];
+        }
+        unpack8(pack8(acc), acc);  // r in bf16
+        unpack8(hr[v], f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] += acc[i];
+        const uint4 sum = pack8(f);
         hr[v] = sum;
-        unpack8(sum, a);
+        unpack8(sum, f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) ss += a[i] * a[i];
+        for (int i = 0; i < 8; ++i) ss += f[i] * f[i];
     }
-    const float r = rsqrtf(warp_sum(ss) / n + eps);
-    // Each lane re-reads only the vectors it wrote itself, so no barrier is needed.
-    for (int v = lane; v < nvec; v += 32) {
+    ss = warp_sum(ss);
+    if (threadIdx.x % 32 == 0) warp_ss[threadIdx.x / 32] = ss;
+    __syncthreads();
+    ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < RES_THREADS / 32; ++i) ss += warp_ss[i];
+    const float r = rsqrtf(ss / n + eps);
+    // Each thread re-reads only the vectors it wrote itself.
+    for (int v = threadIdx.x; v < nvec; v += RES_THREADS) {
         float f[8];
         unpack8(hr[v], f);
         const float4 w0 = reinterpret_cast<const float4*>(w)[2 * v];
@@ -86,6 +107,8 @@ extern "C" __global__ void add_rmsnorm(bf16* __restrict__ h, const bf16* __restr
 extern "C" __global__ void gated_rmsnorm(const bf16* __restrict__ o, const bf16* __restrict__ z,
                                          const float* __restrict__ w, bf16* __restrict__ y, int rows,
                                          int n, float eps) {
+    pdl_wait();
+    pdl_launch_dependents();
     const int row = norm_row(), lane = threadIdx.x % 32, nvec = n / 8;
     if (row >= rows) return;
     const uint4* orow = reinterpret_cast<const uint4*>(o + (u64)row * n);
@@ -102,22 +125,5 @@ extern "C" __global__ void gated_rmsnorm(const bf16* __restrict__ o, const bf16*
 #pragma unroll
         for (int i = 0; i < 8; ++i) f[i] = bf16_round(wv[i] * bf16_round(f[i] * r)) * silu(g[i]);
         yr[v] = pack8(f);
-    }
-}
-
-// SwiGLU: out[r][i] = silu(gu[r][i]) * gu[r][n + i], for rows laid out gate‖up (the fused
-// gate_up projection's output). fp32 inside, one rounding at the end.
-extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ out, int rows, int n) {
-    const int nvec = n / 8;
-    const i64 total = (i64)rows * nvec;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-        const i64 row = i / nvec, v = i % nvec;
-        const uint4* gr = reinterpret_cast<const uint4*>(gu + row * 2 * n);
-        float g[8], u[8];
-        unpack8(gr[v], g);
-        unpack8(gr[nvec + v], u);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) g[k] = silu(g[k]) * u[k];
-        reinterpret_cast<uint4*>(out + row * n)[v] = pack8(g);
     }
 }

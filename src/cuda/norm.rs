@@ -1,5 +1,5 @@
-//! Normalisation and gating kernels (norm.cu): RMSNorm, residual add + RMSNorm, the GDN's gated
-//! RMSNorm and SwiGLU. Activations are bf16 `[rows][n]`, row-major; norm weights are fp32.
+//! Normalisation and gating kernels (norm.cu): RMSNorm, residual add (or MoE combine) +
+//! RMSNorm, the GDN's gated RMSNorm. Activations are bf16 `[rows][n]`, row-major; norm weights are fp32.
 
 use std::sync::Arc;
 
@@ -13,13 +13,14 @@ use super::{
 
 /// Rows per block (one warp each); must match NORM_ROWS_PER_BLOCK in norm.cu.
 const ROWS_PER_BLOCK: usize = 4;
+/// Threads per row (one block each) of residual_rmsnorm; must match RES_THREADS in norm.cu.
+const RES_THREADS: u32 = 256;
 
 pub struct NormKernels {
     stream: Arc<CudaStream>,
     rmsnorm: CudaFunction,
-    add_rmsnorm: CudaFunction,
+    residual_rmsnorm: CudaFunction,
     gated_rmsnorm: CudaFunction,
-    silu_mul: CudaFunction,
 }
 
 impl NormKernels {
@@ -27,9 +28,8 @@ impl NormKernels {
         Ok(Self {
             stream: dev.stream().clone(),
             rmsnorm: dev.function("norm", "rmsnorm")?,
-            add_rmsnorm: dev.function("norm", "add_rmsnorm")?,
+            residual_rmsnorm: dev.function("norm", "residual_rmsnorm")?,
             gated_rmsnorm: dev.function("norm", "gated_rmsnorm")?,
-            silu_mul: dev.function("norm", "silu_mul")?,
         })
     }
 
@@ -70,41 +70,74 @@ impl NormKernels {
         }
     }
 
-    /// The residual add fused with the next norm: `h = bf16(h + res)` in place, then
-    /// `y = rmsnorm(h, w)` (of the rounded `h`, as the unfused reference computes it).
-    pub fn add_rmsnorm(
+    /// The residual add fused with the next norm: `h = bf16(h + r)` in place, then
+    /// `y = rmsnorm(h, w)` (of the rounded `h`, as the unfused reference computes it), where
+    /// `r = bf16(Σ_j weights[row][j] · parts[row][j])` over the `k = parts.len() / h.len()` parts
+    /// of each row (`parts` is `[rows][k][n]`, `weights` `[rows][k]`), or with no weights
+    /// `r = parts[row]` (k = 1). The weighted form is the MoE combine (experts + shared expert).
+    pub fn residual_rmsnorm(
         &self,
         h: &mut CudaViewMut<bf16>,
-        res: &CudaView<bf16>,
+        parts: &CudaView<bf16>,
+        weights: Option<&CudaView<f32>>,
         w: &CudaView<f32>,
         y: &mut CudaViewMut<bf16>,
         eps: f32,
     ) -> Result<()> {
-        let (rows, n) = self.check_rows("add_rmsnorm", h.len(), w.len())?;
+        let (rows, n) = self.check_rows("residual_rmsnorm", h.len(), w.len())?;
         ensure!(
-            res.len() == h.len() && y.len() == h.len(),
-            "add_rmsnorm: h, res and y must have equal lengths"
+            y.len() == h.len() && !h.is_empty() && parts.len() % h.len() == 0,
+            "residual_rmsnorm: y must match h, parts must be whole multiples of h"
         );
-        self.check_aligned(&[(res, "res")], w)?;
-        ensure_aligned(h, &self.stream, "add_rmsnorm h")?;
-        ensure_aligned(y, &self.stream, "add_rmsnorm y")?;
-        if rows == 0 {
-            return Ok(());
+        let k = parts.len() / h.len();
+        match weights {
+            Some(wt) => ensure!(
+                wt.len() == rows * k,
+                "residual_rmsnorm: {} weights for {rows} rows of {k} parts",
+                wt.len()
+            ),
+            None => ensure!(k == 1, "residual_rmsnorm: {k} parts per row need weights"),
         }
-        let (rows, n) = (as_i32(rows, "rows")?, as_i32(n, "n")?);
+        self.check_aligned(&[(parts, "parts")], w)?;
+        ensure_aligned(h, &self.stream, "residual_rmsnorm h")?;
+        ensure_aligned(y, &self.stream, "residual_rmsnorm y")?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (RES_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (rows, n, k) = (as_i32(rows, "rows")?, as_i32(n, "n")?, as_i32(k, "k")?);
         unsafe {
-            launch!(
-                self.stream,
-                &self.add_rmsnorm,
-                norm_config(rows),
-                h,
-                res,
-                w,
-                y,
-                &rows,
-                &n,
-                &eps
-            )
+            match weights {
+                Some(wt) => launch!(
+                    self.stream,
+                    &self.residual_rmsnorm,
+                    cfg,
+                    h,
+                    parts,
+                    wt,
+                    &k,
+                    w,
+                    y,
+                    &rows,
+                    &n,
+                    &eps
+                ),
+                None => launch!(
+                    self.stream,
+                    &self.residual_rmsnorm,
+                    cfg,
+                    h,
+                    parts,
+                    &0u64, // null: no weights
+                    &k,
+                    w,
+                    y,
+                    &rows,
+                    &n,
+                    &eps
+                ),
+            }
         }
     }
 
@@ -143,40 +176,6 @@ impl NormKernels {
                 &eps
             )
         }
-    }
-
-    /// SwiGLU over rows laid out gate‖up: `out[r][i] = bf16(silu(gu[r][i]) · gu[r][n + i])`,
-    /// with `n = out.len() / rows` and `gu` twice as long as `out`.
-    pub fn silu_mul(
-        &self,
-        gu: &CudaView<bf16>,
-        out: &mut CudaViewMut<bf16>,
-        n: usize,
-    ) -> Result<()> {
-        ensure!(
-            n > 0 && n % 8 == 0,
-            "silu_mul: n = {n} must be a positive multiple of 8"
-        );
-        ensure!(
-            out.len() % n == 0 && gu.len() == 2 * out.len(),
-            "silu_mul: need out = [rows][{n}] and gu = [rows][{}]",
-            2 * n
-        );
-        ensure_aligned(gu, &self.stream, "silu_mul gu")?;
-        ensure_aligned(out, &self.stream, "silu_mul out")?;
-        let rows = out.len() / n;
-        if rows == 0 {
-            return Ok(());
-        }
-        // A grid-stride loop: enough blocks to fill the GPU, never more than the work.
-        let vectors = (rows * n / 8) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (vectors.div_ceil(256).min(132 * 8), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (rows, n) = (as_i32(rows, "rows")?, as_i32(n, "n")?);
-        unsafe { launch!(self.stream, &self.silu_mul, cfg, gu, out, &rows, &n) }
     }
 
     /// (rows, n) of a `[rows][n]` activation; n must be a multiple of 8 (one 16-byte vector).

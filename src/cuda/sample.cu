@@ -29,6 +29,8 @@ __device__ void block_argmax(float v, int i, float* sv, int* si, float* out_v, i
 // Pass 1: block b reduces logits[b*chunk .. (b+1)*chunk) of row blockIdx.y.
 extern "C" __global__ void argmax_partial(const bf16* __restrict__ logits, int n, int chunk,
                                           float* __restrict__ part_v, int* __restrict__ part_i) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ float sv[32];
     __shared__ int si[32];
     const bf16* row = logits + (u64)blockIdx.y * n;
@@ -45,6 +47,8 @@ extern "C" __global__ void argmax_partial(const bf16* __restrict__ logits, int n
 // Pass 2: one block per row reduces that row's partial results.
 extern "C" __global__ void argmax_final(const float* __restrict__ part_v, const int* __restrict__ part_i,
                                         int parts, int* __restrict__ out) {
+    pdl_wait();
+    pdl_launch_dependents();
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ float rv;

@@ -13,6 +13,8 @@ __device__ __forceinline__ u64 mix64(u64 z) {
 __device__ __forceinline__ float unit(u64 h) { return ((h >> 40) + 0.5f) * (1.0f / 16777216.0f); }
 
 extern "C" __global__ void fill_u32(u32* __restrict__ p, u64 n, u64 seed) {
+    pdl_wait();
+    pdl_launch_dependents();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         p[i] = (u32)mix64(seed ^ (i * 0x2545F4914F6CDD1Dull));
     }
@@ -20,6 +22,8 @@ extern "C" __global__ void fill_u32(u32* __restrict__ p, u64 n, u64 seed) {
 
 // Uniform in [-a, a].
 extern "C" __global__ void fill_bf16_uniform(bf16* __restrict__ p, u64 n, u64 seed, float a) {
+    pdl_wait();
+    pdl_launch_dependents();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         p[i] = __float2bfloat16_rn(a * (2.0f * unit(mix64(seed ^ (i * 0x2545F4914F6CDD1Dull))) - 1.0f));
     }
@@ -29,6 +33,8 @@ extern "C" __global__ void fill_bf16_uniform(bf16* __restrict__ p, u64 n, u64 se
 // weights then have mean 0 and standard deviation ≈ std (scale jittered by ±20 %).
 extern "C" __global__ void fill_affine_groups(bf16* __restrict__ scales, bf16* __restrict__ biases, u64 n,
                                               u64 seed, float std, int bits) {
+    pdl_wait();
+    pdl_launch_dependents();
     const float levels = (float)((1 << bits) - 1);
     const float base = std * 3.4641016f / levels;  // uniform codes: std = scale · levels / √12
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {

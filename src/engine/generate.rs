@@ -199,6 +199,7 @@ impl TextModel {
             stop_token_ids: plan.params.stop_token_ids.clone(),
             sampler,
             device_sampler: Some(device_sampler),
+            prompt_cache_key: plan.prompt_cache_key.clone(),
         };
         let events = engine.submit(request);
         Generation {
@@ -215,6 +216,7 @@ impl TextModel {
             single_tool_call: plan.single_tool_call,
             prompt_tokens: plan.prompt.len(),
             completion_tokens: 0,
+            cached_tokens: 0,
             open_calls: 0,
             calls: 0,
         }
@@ -252,6 +254,8 @@ pub struct GenerationPlan {
     pub single_tool_call: bool,
     /// A text completion: the output is plain text, with no reasoning or tool calls to find.
     pub raw: bool,
+    /// The request's `prompt_cache_key` (see [`GenerateRequest`]).
+    pub prompt_cache_key: Option<String>,
 }
 
 /// The Lark grammar for a JSON answer: JSON per the schema, laid out like Python's `json.dumps`
@@ -561,6 +565,8 @@ pub struct Generation {
     single_tool_call: bool,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Prompt tokens restored from the prefix cache.
+    cached_tokens: usize,
     /// Tool calls started and not yet ended, and all calls started.
     open_calls: usize,
     calls: usize,
@@ -578,6 +584,7 @@ impl Generation {
                 None => Event::Error("the engine stopped".into()),
             };
             match event {
+                Event::Started { cached_tokens } => self.cached_tokens = cached_tokens,
                 Event::Token(token) => self.on_token(token),
                 Event::Done {
                     reason,
@@ -586,11 +593,12 @@ impl Generation {
                     ..
                 } => {
                     self.prompt_tokens = prompt_tokens;
+                    self.cached_tokens = cached_tokens;
                     let finish = match reason {
                         EngineFinish::Length => FinishReason::Length,
                         EngineFinish::Stop | EngineFinish::Cancelled => FinishReason::Stop,
                     };
-                    self.finish(finish, cached_tokens, true);
+                    self.finish(finish, true);
                 }
                 Event::Error(message) => {
                     self.events = None;
@@ -630,7 +638,7 @@ impl Generation {
         };
         self.ready.push_back(Output::Delta { events, logprobs });
         if stopped {
-            self.finish(FinishReason::Stop, 0, false);
+            self.finish(FinishReason::Stop, false);
         }
     }
 
@@ -686,7 +694,7 @@ impl Generation {
     /// runs). With `flush`, text still held by the decoder, parsers and stop checker is released
     /// first; without (a stop string or the single tool call ended it), everything after that
     /// point is dropped.
-    fn finish(&mut self, reason: FinishReason, cached_tokens: usize, flush: bool) {
+    fn finish(&mut self, reason: FinishReason, flush: bool) {
         self.events = None;
         // A call cut off by max_tokens is still closed by the parser, but it is truncated.
         let truncated_call = reason == FinishReason::Length && self.open_calls > 0;
@@ -718,7 +726,7 @@ impl Generation {
         let counts = Counts {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
-            cached_tokens,
+            cached_tokens: self.cached_tokens,
             reasoning_tokens: self
                 .reasoning
                 .as_ref()

@@ -1,22 +1,24 @@
 //! The engine: one thread that owns the backend and every sequence, fed by a channel.
 //!
-//! Requests arrive as [`GenerateRequest`]s; each streams [`Event`]s back. Until the batching
-//! scheduler lands, the engine serves active sequences round-robin, one unit of work each (a
-//! prefill chunk or one decode step), so no request starves. A request whose receiver is gone
-//! (client disconnected, stop string matched) is cancelled before its next step. A panic while
-//! serving one request ends that request with an error and leaves the others untouched.
+//! Requests arrive as [`GenerateRequest`]s; each streams [`Event`]s back. The thread's loop
+//! ([`scheduler`]) batches prefill chunks and decode steps of all running sequences, admits
+//! queued requests as sequence slots and memory allow, and reuses saved states of earlier
+//! prompts ([`prefix_cache`]). A request whose receiver is gone (client disconnected, stop string
+//! matched) is cancelled before its next step. A panic while serving one request ends that
+//! request with an error and leaves the others untouched.
 
 pub mod generate;
+pub mod prefix_cache;
+pub mod scheduler;
 
-use std::collections::VecDeque;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
 
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::config::ModelConfig;
-use crate::model::{Backend, SeqId};
+use crate::model::Backend;
 use crate::sampling::DeviceSampling;
 
 /// What the sampler returns for one step.
@@ -39,6 +41,9 @@ pub struct GenerateRequest {
     /// Generation ends after emitting one of these (the token is reported, with reason Stop).
     pub stop_token_ids: Vec<u32>,
     pub sampler: Sampler,
+    /// Saved prompt states are shared only among requests with the same key (OpenAI's
+    /// `prompt_cache_key`); requests without one share theirs with each other.
+    pub prompt_cache_key: Option<String>,
     /// Set when the request's sampling can run on the backend, next to the logits.
     pub device_sampler: Option<Box<dyn DeviceSampler>>,
 }
@@ -66,6 +71,11 @@ pub enum FinishReason {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The request got its sequence; `cached_tokens` of its prompt came from the prefix cache.
+    /// (Also in `Done`, which a receiver that stops early never reads.)
+    Started {
+        cached_tokens: usize,
+    },
     Token(SampledToken),
     Done {
         reason: FinishReason,
@@ -80,15 +90,31 @@ pub enum Event {
 pub struct EngineOptions {
     /// Prompt tokens processed per step of one sequence.
     pub prefill_chunk: usize,
+    /// Tokens per batch: every decode step, then prefill chunks up to this many tokens in all
+    /// (at least one chunk per batch, so prompts always advance).
+    pub batch_tokens: usize,
     /// Sequences holding state at once; more requests wait in a queue.
     pub max_sequences: usize,
+    /// Bytes of sequence state (KV entries and recurrent state) that running requests may
+    /// reserve, each `Backend::sequence_bytes(prompt + max_tokens)`; `None`: no limit beyond
+    /// `max_sequences` and the backend's own slots.
+    pub memory_budget: Option<u64>,
+    /// Bytes the prefix cache may hold; 0 turns it off.
+    pub prefix_cache_bytes: u64,
+    /// The prefix cache saves a prompt's state every this many prompt tokens (at the end of the
+    /// chunk that reaches the mark), besides the end of the prompt and of the turn.
+    pub snapshot_interval: usize,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             prefill_chunk: 512,
+            batch_tokens: 2048,
             max_sequences: 64,
+            memory_budget: None,
+            prefix_cache_bytes: 0,
+            snapshot_interval: 2048,
         }
     }
 }
@@ -96,13 +122,13 @@ impl Default for EngineOptions {
 /// A handle to the engine thread; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
-    tx: mpsc::Sender<(GenerateRequest, UnboundedSender<Event>)>,
+    tx: mpsc::Sender<scheduler::Submission>,
     config: Arc<ModelConfig>,
     device: Arc<String>,
     stats: Arc<EngineStats>,
 }
 
-/// Counters for `/metrics` and admission.
+/// Counters for `/metrics`, admission and tests (updated after every engine iteration).
 #[derive(Debug, Default)]
 pub struct EngineStats {
     pub running: AtomicUsize,
@@ -110,26 +136,43 @@ pub struct EngineStats {
     pub prompt_tokens_total: AtomicU64,
     pub generation_tokens_total: AtomicU64,
     pub requests_finished: AtomicU64,
+    /// Prompt tokens restored from the prefix cache instead of computed.
+    pub cached_tokens_total: AtomicU64,
+    /// State bytes reserved by running requests (see `EngineOptions::memory_budget`).
+    pub reserved_bytes: AtomicU64,
+    /// Entries and bytes held by the prefix cache.
+    pub prefix_cache_entries: AtomicUsize,
+    pub prefix_cache_bytes: AtomicU64,
 }
 
 impl Engine {
     /// Starts the engine thread over `backend`.
     pub fn start(backend: Box<dyn Backend>, options: EngineOptions) -> Engine {
+        Engine::spawn(backend, options).0
+    }
+
+    /// Starts the engine thread; the thread hands the backend back (with every sequence and
+    /// snapshot freed) once every handle to the engine is dropped and its work is done.
+    pub fn spawn(
+        backend: Box<dyn Backend>,
+        options: EngineOptions,
+    ) -> (Engine, JoinHandle<Box<dyn Backend>>) {
         let config = Arc::new(backend.config().clone());
         let device = Arc::new(backend.device_name());
         let stats = Arc::new(EngineStats::default());
         let (tx, rx) = mpsc::channel();
         let loop_stats = stats.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("lily-engine".into())
-            .spawn(move || EngineLoop::new(backend, options, loop_stats).run(rx))
+            .spawn(move || scheduler::EngineLoop::new(backend, options, loop_stats).run(rx))
             .expect("spawn the engine thread");
-        Engine {
+        let engine = Engine {
             tx,
             config,
             device,
             stats,
-        }
+        };
+        (engine, thread)
     }
 
     /// Queues a request; events arrive on the returned receiver. Dropping the receiver
@@ -150,218 +193,6 @@ impl Engine {
     }
     pub fn stats(&self) -> &EngineStats {
         &self.stats
-    }
-}
-
-/// One sequence being served.
-struct Active {
-    seq: SeqId,
-    request: GenerateRequest,
-    events: UnboundedSender<Event>,
-    /// Prompt tokens already run through the model.
-    prefilled: usize,
-    generated: Vec<u32>,
-    /// What the last forward pass left for choosing the next token.
-    next: Option<Next>,
-}
-
-enum Next {
-    /// Logits of the last position, waiting for the request's sampler.
-    Logits(Vec<f32>),
-    /// The token the backend sampled (see [`DeviceSampler`]).
-    Sampled(u32),
-}
-
-enum Step {
-    Continue,
-    Finished(FinishReason),
-}
-
-struct EngineLoop {
-    backend: Box<dyn Backend>,
-    options: EngineOptions,
-    stats: Arc<EngineStats>,
-    next_seq: SeqId,
-    waiting: VecDeque<(GenerateRequest, UnboundedSender<Event>)>,
-    active: VecDeque<Active>,
-}
-
-impl EngineLoop {
-    fn new(
-        backend: Box<dyn Backend>,
-        options: EngineOptions,
-        stats: Arc<EngineStats>,
-    ) -> EngineLoop {
-        EngineLoop {
-            backend,
-            options,
-            stats,
-            next_seq: 0,
-            waiting: VecDeque::new(),
-            active: VecDeque::new(),
-        }
-    }
-
-    fn run(mut self, rx: mpsc::Receiver<(GenerateRequest, UnboundedSender<Event>)>) {
-        loop {
-            // Block only when there is nothing to do.
-            if self.active.is_empty() && self.waiting.is_empty() {
-                match rx.recv() {
-                    Ok(item) => self.waiting.push_back(item),
-                    Err(_) => return, // every Engine handle is gone
-                }
-            }
-            while let Ok(item) = rx.try_recv() {
-                self.waiting.push_back(item);
-            }
-            self.admit();
-            if let Some(mut a) = self.active.pop_front() {
-                let outcome = catch_unwind(AssertUnwindSafe(|| self.step(&mut a)));
-                match outcome {
-                    Ok(Ok(Step::Continue)) => self.active.push_back(a),
-                    Ok(Ok(Step::Finished(reason))) => self.finish(a, reason),
-                    Ok(Err(e)) => self.fail(a, format!("{e:#}")),
-                    Err(panic) => {
-                        let msg = panic
-                            .downcast_ref::<String>()
-                            .cloned()
-                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()));
-                        self.fail(
-                            a,
-                            format!("internal error: {}", msg.unwrap_or_else(|| "panic".into())),
-                        );
-                    }
-                }
-            }
-            self.stats
-                .running
-                .store(self.active.len(), Ordering::Relaxed);
-            self.stats
-                .waiting
-                .store(self.waiting.len(), Ordering::Relaxed);
-        }
-    }
-
-    fn admit(&mut self) {
-        while self.active.len() < self.options.max_sequences {
-            let Some((request, events)) = self.waiting.pop_front() else {
-                break;
-            };
-            if events.is_closed() {
-                continue; // cancelled while queued
-            }
-            let seq = self.next_seq;
-            self.next_seq += 1;
-            if request.prompt.is_empty() {
-                let _ = events.send(Event::Error("the prompt is empty".into()));
-                continue;
-            }
-            if let Err(e) = self.backend.create_sequence(seq) {
-                if !self.active.is_empty() {
-                    // The backend is full (a GPU has a fixed number of state slots): wait at
-                    // the head of the queue until a running sequence frees its state.
-                    tracing::debug!("the backend cannot take another sequence yet: {e:#}");
-                    self.waiting.push_front((request, events));
-                    break;
-                }
-                let _ = events.send(Event::Error(format!("cannot start the sequence: {e:#}")));
-                continue;
-            }
-            self.stats
-                .prompt_tokens_total
-                .fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
-            self.active.push_back(Active {
-                seq,
-                request,
-                events,
-                prefilled: 0,
-                generated: Vec::new(),
-                next: None,
-            });
-        }
-    }
-
-    /// One unit of work for one sequence: a prefill chunk, or sampling plus one decode step.
-    fn step(&mut self, a: &mut Active) -> anyhow::Result<Step> {
-        if a.events.is_closed() {
-            return Ok(Step::Finished(FinishReason::Cancelled));
-        }
-        if a.prefilled < a.request.prompt.len() {
-            let end = (a.prefilled + self.options.prefill_chunk).min(a.request.prompt.len());
-            // Only the last chunk's logits give a token.
-            let device = match end == a.request.prompt.len() {
-                true => a.request.device_sampler.as_mut(),
-                false => None,
-            };
-            let tokens = &a.request.prompt[a.prefilled..end];
-            a.next = Some(forward_next(&mut *self.backend, a.seq, tokens, device)?);
-            a.prefilled = end;
-            return Ok(Step::Continue);
-        }
-        if a.request.max_tokens == 0 {
-            return Ok(Step::Finished(FinishReason::Length));
-        }
-        let token = match a
-            .next
-            .take()
-            .expect("a forward pass after prefill or decode")
-        {
-            Next::Logits(mut logits) => (a.request.sampler)(&mut logits, &a.generated),
-            Next::Sampled(id) => match &mut a.request.device_sampler {
-                Some(device) => device.accept(id),
-                None => unreachable!("only a device sampler samples on the backend"),
-            },
-        };
-        let id = token.id;
-        a.generated.push(id);
-        self.stats
-            .generation_tokens_total
-            .fetch_add(1, Ordering::Relaxed);
-        if a.events.send(Event::Token(token)).is_err() {
-            return Ok(Step::Finished(FinishReason::Cancelled));
-        }
-        if a.request.stop_token_ids.contains(&id) {
-            return Ok(Step::Finished(FinishReason::Stop));
-        }
-        if a.generated.len() >= a.request.max_tokens {
-            return Ok(Step::Finished(FinishReason::Length));
-        }
-        let device = a.request.device_sampler.as_mut();
-        a.next = Some(forward_next(&mut *self.backend, a.seq, &[id], device)?);
-        Ok(Step::Continue)
-    }
-
-    fn finish(&mut self, a: Active, reason: FinishReason) {
-        self.backend.free_sequence(a.seq);
-        self.stats.requests_finished.fetch_add(1, Ordering::Relaxed);
-        let _ = a.events.send(Event::Done {
-            reason,
-            prompt_tokens: a.request.prompt.len(),
-            completion_tokens: a.generated.len(),
-            cached_tokens: 0,
-        });
-    }
-
-    fn fail(&mut self, a: Active, message: String) {
-        tracing::error!(seq = a.seq, "request failed: {message}");
-        self.backend.free_sequence(a.seq);
-        let _ = a.events.send(Event::Error(message));
-    }
-}
-
-/// Runs `tokens` of sequence `seq`: sampled on the backend when the device sampler can take this
-/// step, else bringing back the logits.
-fn forward_next(
-    backend: &mut dyn Backend,
-    seq: SeqId,
-    tokens: &[u32],
-    device: Option<&mut Box<dyn DeviceSampler>>,
-) -> anyhow::Result<Next> {
-    match device.and_then(|d| d.device_step()) {
-        Some((sampling, u)) => Ok(Next::Sampled(
-            backend.forward_sample(seq, tokens, &sampling, u)?,
-        )),
-        None => Ok(Next::Logits(backend.forward(seq, tokens)?)),
     }
 }
 

@@ -6,6 +6,7 @@ pub mod state;
 pub mod weights;
 
 use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 pub use state::SequenceState;
 pub use weights::Weights;
@@ -16,8 +17,31 @@ use crate::sampling::DeviceSampling;
 /// Identifies one sequence's state inside a backend.
 pub type SeqId = u64;
 
+/// Identifies a saved copy of a sequence's state inside a backend (see [`Backend::snapshot`]).
+pub type SnapshotId = u64;
+
+/// A snapshot just taken: its id and the memory it holds (what a prefix cache accounts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Snapshot {
+    pub id: SnapshotId,
+    pub bytes: u64,
+}
+
 /// A device that runs the model. It owns the per-sequence states (KV caches and recurrent
 /// states live where the compute is), addressed by [`SeqId`].
+///
+/// Snapshots (for prefix reuse) follow this contract:
+/// * [`snapshot`](Backend::snapshot) copies the whole state of a sequence as it is now (conv
+///   windows, recurrent states, KV entries of every token so far, the position); the sequence
+///   itself is unchanged and runs on.
+/// * [`restore`](Backend::restore) overwrites the state of an existing sequence (typically one
+///   just created) with a copy of the snapshot; the sequence then continues from the snapshot's
+///   position. A snapshot can be restored any number of times, into any sequence.
+/// * a snapshot lives until [`drop_snapshot`](Backend::drop_snapshot), independent of the
+///   sequence it was taken from; its memory is the `bytes` reported when it was taken.
+///
+/// Backends without snapshots keep the defaults (`can_snapshot` false); the engine then caches
+/// nothing.
 pub trait Backend: Send {
     fn config(&self) -> &ModelConfig;
     /// A short description for logs and `/v1/models` ("cpu", "cuda:0 NVIDIA H200", ...).
@@ -46,11 +70,57 @@ pub trait Backend: Send {
         let logits = self.forward(seq, tokens)?;
         Ok(sampling.sample(&logits, u)?)
     }
+    /// Runs one step for each of several sequences (a prefill chunk or a decode token each, each
+    /// sequence at most once) and returns the logits of each step's last token, in order. A
+    /// failed step fails only its own sequence. The default runs the steps one by one (a panic
+    /// in one becomes that step's error); devices override it to batch them.
+    fn forward_batch(&mut self, steps: &[(SeqId, &[u32])]) -> Vec<anyhow::Result<Vec<f32>>> {
+        steps
+            .iter()
+            .map(|&(seq, tokens)| {
+                catch_unwind(AssertUnwindSafe(|| self.forward(seq, tokens))).unwrap_or_else(
+                    |panic| Err(anyhow::anyhow!("internal error: {}", panic_message(panic))),
+                )
+            })
+            .collect()
+    }
+    /// Bytes of state a sequence of `tokens` tokens holds (recurrent state and KV entries):
+    /// what admission by memory reserves for a request.
+    fn sequence_bytes(&self, tokens: usize) -> u64 {
+        SequenceState::bytes(self.config(), tokens)
+    }
+    /// Whether [`snapshot`](Backend::snapshot) and [`restore`](Backend::restore) work here.
+    fn can_snapshot(&self) -> bool {
+        false
+    }
+    /// Saves a copy of `seq`'s state; see the trait's documentation.
+    fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        let _ = seq;
+        anyhow::bail!("{} cannot snapshot sequence states", self.device_name())
+    }
+    /// Replaces `seq`'s state with a copy of `snapshot`; returns the position it resumes at.
+    fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
+        let _ = (snapshot, seq);
+        anyhow::bail!("{} cannot restore sequence states", self.device_name())
+    }
+    /// Frees a snapshot; unknown ids are ignored.
+    fn drop_snapshot(&mut self, snapshot: SnapshotId) {
+        let _ = snapshot;
+    }
     /// Peak device memory in use since the last reset, where the device can tell.
     fn peak_memory(&self) -> Option<u64> {
         None
     }
     fn reset_peak_memory(&mut self) {}
+}
+
+/// The message of a caught panic.
+pub fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "panic".into())
 }
 
 /// Index of the largest value; the lowest index on ties.
@@ -68,6 +138,8 @@ pub fn argmax(values: &[f32]) -> u32 {
 pub struct CpuBackend {
     weights: Weights,
     states: HashMap<SeqId, SequenceState>,
+    snapshots: HashMap<SnapshotId, SequenceState>,
+    next_snapshot: SnapshotId,
 }
 
 impl CpuBackend {
@@ -75,7 +147,15 @@ impl CpuBackend {
         CpuBackend {
             weights,
             states: HashMap::new(),
+            snapshots: HashMap::new(),
+            next_snapshot: 0,
         }
+    }
+
+    fn state(&mut self, seq: SeqId) -> anyhow::Result<&mut SequenceState> {
+        self.states
+            .get_mut(&seq)
+            .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))
     }
 }
 
@@ -109,5 +189,29 @@ impl Backend for CpuBackend {
             state,
             cpu::Logits::Last,
         ))
+    }
+    fn can_snapshot(&self) -> bool {
+        true
+    }
+    fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        let copy = self.state(seq)?.clone();
+        let bytes = copy.bytes_held();
+        let id = self.next_snapshot;
+        self.next_snapshot += 1;
+        self.snapshots.insert(id, copy);
+        Ok(Snapshot { id, bytes })
+    }
+    fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
+        let copy = self
+            .snapshots
+            .get(&snapshot)
+            .ok_or_else(|| anyhow::anyhow!("unknown snapshot {snapshot}"))?
+            .clone();
+        let position = copy.position;
+        *self.state(seq)? = copy;
+        Ok(position)
+    }
+    fn drop_snapshot(&mut self, snapshot: SnapshotId) {
+        self.snapshots.remove(&snapshot);
     }
 }

@@ -59,3 +59,32 @@ impl SequenceState {
         }
     }
 }
+
+impl SequenceState {
+    /// Bytes this state holds in memory (f32 values).
+    pub fn bytes_held(&self) -> u64 {
+        let values: usize = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::DeltaNet(d) => d.conv.len() + d.ssm.len(),
+                LayerState::Attention(kv) => kv.keys.len() + kv.values.len(),
+            })
+            .sum();
+        (values * std::mem::size_of::<f32>()) as u64
+    }
+
+    /// Bytes the state of a sequence of `tokens` tokens holds, for any backend that stores it
+    /// in f32 as this one does.
+    pub fn bytes(c: &ModelConfig, tokens: usize) -> u64 {
+        let per_layer = |kind: &LayerKind| match kind {
+            LayerKind::LinearAttention => {
+                (c.linear_conv_kernel_dim - 1) * c.conv_dim()
+                    + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+            }
+            LayerKind::FullAttention => 2 * tokens * c.num_key_value_heads * c.head_dim,
+        };
+        let values: usize = c.layer_types.iter().map(per_layer).sum();
+        (values * std::mem::size_of::<f32>()) as u64
+    }
+}

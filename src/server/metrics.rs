@@ -72,8 +72,17 @@ impl Metrics {
                 .set(stats.waiting.load(Ordering::Relaxed) as f64);
             counter!("vllm:prompt_tokens_total", "model_name" => label.clone())
                 .absolute(stats.prompt_tokens_total.load(Ordering::Relaxed));
-            counter!("vllm:generation_tokens_total", "model_name" => label)
+            counter!("vllm:generation_tokens_total", "model_name" => label.clone())
                 .absolute(stats.generation_tokens_total.load(Ordering::Relaxed));
+            // Prompt tokens looked up in the prefix cache, and those found there.
+            counter!("vllm:prefix_cache_queries_total", "model_name" => label.clone())
+                .absolute(stats.prompt_tokens_total.load(Ordering::Relaxed));
+            counter!("vllm:prefix_cache_hits_total", "model_name" => label.clone())
+                .absolute(stats.cached_tokens_total.load(Ordering::Relaxed));
+            gauge!("lily:prefix_cache_bytes", "model_name" => label.clone())
+                .set(stats.prefix_cache_bytes.load(Ordering::Relaxed) as f64);
+            gauge!("lily:reserved_state_bytes", "model_name" => label)
+                .set(stats.reserved_bytes.load(Ordering::Relaxed) as f64);
         }
         handle()
             .as_ref()

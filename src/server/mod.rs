@@ -88,6 +88,8 @@ pub struct ServeOptions {
     pub scripted: Option<PathBuf>,
     /// How long in-flight requests may take to finish after SIGINT/SIGTERM.
     pub shutdown_grace: Duration,
+    /// Batching, admission and prefix-cache settings of the engine.
+    pub engine: EngineOptions,
 }
 
 /// A loaded model, ready to serve.
@@ -143,7 +145,15 @@ impl AppState {
 
     /// Makes the model available; the server is ready from now on.
     pub fn set_model(&self, model: ServedModel) {
+        let ready = format!(
+            "ready: serving `{}` ({}), max_model_len {}",
+            model.name,
+            model.meta["description"].as_str().unwrap_or(""),
+            model.max_model_len
+        );
         let _ = self.model.set(Arc::new(model));
+        // Logged only now: scripts and tests take this line to mean that requests are served.
+        tracing::info!("{ready}");
     }
 
     /// Counts a request in flight until the returned guard is dropped; `None` when the server
@@ -322,7 +332,7 @@ pub fn load(options: &ServeOptions) -> anyhow::Result<ServedModel> {
         options.max_model_len,
         backend.config().max_position_embeddings,
     )?;
-    let engine = Engine::start(backend, EngineOptions::default());
+    let engine = Engine::start(backend, options.engine.clone());
     let meta = json!({
         "description": description,
         "demo": options.source == ModelSource::Demo && options.scripted.is_none(),
@@ -330,10 +340,6 @@ pub fn load(options: &ServeOptions) -> anyhow::Result<ServedModel> {
         "source": source,
         "device": engine.device_name(),
     });
-    tracing::info!(
-        "ready: serving `{}` ({description}), max_model_len {max_model_len}",
-        options.served_model_name
-    );
     Ok(ServedModel {
         name: options.served_model_name.clone(),
         aliases: options.aliases.clone(),

@@ -78,6 +78,8 @@ pub struct ChatCompletionRequest {
     /// vLLM's name for the thinking budget; `thinking_budget` is SGLang's.
     pub thinking_token_budget: Option<i64>,
     pub thinking_budget: Option<i64>,
+    /// Saved prompt states are shared only among requests with the same key.
+    pub prompt_cache_key: Option<String>,
 }
 
 /// `POST /v1/completions`: a raw prompt, no chat template.
@@ -109,6 +111,8 @@ pub struct CompletionRequest {
     /// Legacy completions logprobs: the number of alternatives (0..=20) per token.
     pub logprobs: Option<i64>,
     pub response_format: Option<Value>,
+    /// Saved prompt states are shared only among requests with the same key.
+    pub prompt_cache_key: Option<String>,
 }
 
 /// Parses a request body, turning serde's complaint into a 400 that names the field.

@@ -187,6 +187,7 @@ pub fn prepare_chat(
             banned_tokens: banned_tokens.clone(),
             single_tool_call,
             raw: false,
+            prompt_cache_key: req.prompt_cache_key.clone(),
         })
         .collect();
     Ok(PreparedChat {
@@ -273,6 +274,7 @@ pub fn prepare_completion(
             banned_tokens: Vec::new(),
             single_tool_call: false,
             raw: true,
+            prompt_cache_key: req.prompt_cache_key.clone(),
         })
         .collect();
     Ok(PreparedCompletion {

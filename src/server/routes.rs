@@ -548,6 +548,7 @@ mod tests {
             max_in_flight: 1,
             scripted: None,
             shutdown_grace: std::time::Duration::ZERO,
+            engine: crate::engine::EngineOptions::default(),
         }))
     }
 

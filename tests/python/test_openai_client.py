@@ -65,7 +65,10 @@ def test_streaming_and_whole_give_the_same_text_under_greedy(demo, thinking):
     assert reasoning == (message.model_extra.get("reasoning_content") or "")
     assert message.model_extra.get("reasoning") == message.model_extra.get("reasoning_content")
     assert finish == [whole.choices[0].finish_reason]
-    assert usage == whole.usage
+    counts = lambda u: (u.prompt_tokens, u.completion_tokens, u.total_tokens)
+    assert counts(usage) == counts(whole.usage)
+    # The second request resumes from the state the first saved before its prompt's last token.
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
     assert usage.completion_tokens == 40 or finish == ["stop"]
 
 

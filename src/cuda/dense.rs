@@ -1,0 +1,175 @@
+//! Dense projections of long prefill chunks through cuBLAS: an MLX affine weight matrix is
+//! dequantised into a bf16 scratch matrix (dense.cu), then one cuBLAS bf16 GEMM with fp32
+//! accumulation computes `y = x · Wᵀ`. For thousands of rows cuBLAS's Hopper kernels (wgmma, TMA)
+//! run far above our mma.sync GEMM (gemm_prefill.rs), and writing a layer's 25M dequantised values
+//! costs ~15 µs against a GEMM of ~0.3 ms at 4096 tokens. Short chunks keep the fused kernel.
+//!
+//! The weights the product sees are rounded to bf16 once (the fused kernels apply scale and bias
+//! in fp32): ≤ 2⁻⁹ relative per weight, below the bf16 rounding of the output.
+
+use std::sync::Arc;
+
+use cudarc::cublas::{sys as blas, CudaBlas};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use half::bf16;
+
+use super::gemm::{Matrices, WeightData, GROUP};
+use super::{
+    as_i32, ensure, launch, Context, CudaDevice, CudaError, CudaFunction, CudaStream, CudaView,
+    CudaViewMut, Result,
+};
+
+/// Chunks of at least this many tokens take the cuBLAS path (forward.rs).
+pub const MIN_TOKENS: usize = 512;
+
+pub struct DenseGemm {
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    dequant: CudaFunction,
+    /// Room for the largest dequantised matrix.
+    scratch: CudaSlice<bf16>,
+}
+
+impl DenseGemm {
+    /// `max_values`: the most values (rows × cols) of a quantised matrix this will multiply.
+    pub fn new(dev: &CudaDevice, max_values: usize) -> Result<Self> {
+        let stream = dev.stream().clone();
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| CudaError::Shape(format!("creating a cuBLAS handle: {e}")))?;
+        let scratch = stream
+            .alloc_zeros::<bf16>(max_values.max(8))
+            .during(|| format!("{max_values} values of dequantisation scratch"))?;
+        Ok(Self {
+            dequant: dev.function("dense", "dequant_affine")?,
+            stream,
+            blas,
+            scratch,
+        })
+    }
+
+    /// `y = x · Wᵀ` for matrix 0 of `w` (bf16, or 4/8-bit affine): x `[t][cols]`, y `[t][rows]`.
+    pub fn gemm(
+        &mut self,
+        w: &Matrices,
+        x: &CudaView<bf16>,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let (rows, cols) = (w.rows, w.cols);
+        ensure!(
+            cols > 0 && cols % GROUP == 0 && x.len() % cols == 0,
+            "dense gemm: x has {} values, not whole rows of {cols} (a multiple of {GROUP})",
+            x.len()
+        );
+        let t = x.len() / cols;
+        ensure!(
+            y.len() == t * rows,
+            "dense gemm: y has {} values, expected {t}×{rows}",
+            y.len()
+        );
+        let n = rows * cols;
+        let stream = self.stream.clone();
+        let stream = &*stream;
+        let weights = match &w.data {
+            WeightData::Bf16(v) => {
+                ensure!(
+                    v.len() >= n,
+                    "dense gemm: bf16 weights shorter than {rows}×{cols}"
+                );
+                v.device_ptr(stream).0
+            }
+            WeightData::Affine {
+                bits,
+                packed,
+                scales,
+                biases,
+            } => {
+                ensure!(
+                    matches!(bits, 4 | 8),
+                    "dense gemm: {bits}-bit weights (4 or 8 supported)"
+                );
+                ensure!(
+                    n <= self.scratch.len(),
+                    "dense gemm: a {rows}×{cols} matrix exceeds the scratch of {} values",
+                    self.scratch.len()
+                );
+                let bits_n = *bits as usize;
+                ensure!(
+                    packed.len() >= n * bits_n / 32 && scales.len() >= n / GROUP,
+                    "dense gemm: affine data shorter than {rows}×{cols}"
+                );
+                self.dequantise(packed, scales, biases, n, cols, bits_n)?;
+                self.scratch.device_ptr(stream).0
+            }
+        };
+        let xp = x.device_ptr(stream).0;
+        let yp = y.device_ptr_mut(stream).0;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (m, nn, k) = (
+            as_i32(rows, "rows")?,
+            as_i32(t, "tokens")?,
+            as_i32(cols, "cols")?,
+        );
+        // Column-major view: Y is [rows × t] (ld rows) = W [cols × rows]ᵀ (ld cols) · X [cols × t].
+        // SAFETY: the pointers are live device buffers of the sizes checked above; cuBLAS runs on
+        // lily's stream, ordered with the kernels around it.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                blas::cublasOperation_t::CUBLAS_OP_T,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                m,
+                nn,
+                k,
+                (&alpha as *const f32).cast(),
+                weights as *const _,
+                blas::cudaDataType::CUDA_R_16BF,
+                k,
+                xp as *const _,
+                blas::cudaDataType::CUDA_R_16BF,
+                k,
+                (&beta as *const f32).cast(),
+                yp as *mut _,
+                blas::cudaDataType::CUDA_R_16BF,
+                m,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| CudaError::Shape(format!("cuBLAS GEMM [{t}×{cols}]·[{rows}×{cols}]ᵀ: {e}")))
+    }
+
+    fn dequantise(
+        &mut self,
+        packed: &CudaView<u32>,
+        scales: &CudaView<bf16>,
+        biases: &CudaView<bf16>,
+        n: usize,
+        cols: usize,
+        bits: usize,
+    ) -> Result<()> {
+        let vectors = (n / 8) as u64;
+        let cfg = LaunchConfig {
+            grid_dim: ((vectors as u32).div_ceil(256).min(132 * 16), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (cols, bits) = (as_i32(cols, "cols")?, bits as i32);
+        let mut out = self.scratch.slice_mut(..n);
+        // SAFETY: the kernel writes vectors·8 = n scratch values and reads the n values' codes,
+        // scales and biases, all checked in `gemm`.
+        unsafe {
+            launch!(
+                self.stream,
+                &self.dequant,
+                cfg,
+                packed,
+                scales,
+                biases,
+                &mut out,
+                &vectors,
+                &cols,
+                &bits
+            )
+        }
+    }
+}

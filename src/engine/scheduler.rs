@@ -1,0 +1,509 @@
+//! The engine thread's loop: admission, continuous batching, prefix reuse and cancellation.
+//!
+//! Each iteration:
+//! 1. new requests join the waiting queue; requests whose receiver is gone leave the queue, and
+//!    running ones free their state;
+//! 2. admission in arrival order: the request at the head of the queue starts when a sequence
+//!    slot is free (`max_sequences`, and the backend accepts a new sequence) and the state it
+//!    can grow to (`Backend::sequence_bytes(prompt + max_tokens)`) fits in the memory budget.
+//!    Later requests never overtake it, so a large request is not starved by small ones. A
+//!    starting request restores the longest cached state of its prompt's prefix;
+//! 3. sampling: every sequence with logits waiting picks its next token and sends it;
+//! 4. one batch through `Backend::forward_batch`: a decode step for each sequence that sampled
+//!    and goes on, and prefill chunks of sequences still reading their prompt, taken
+//!    round-robin from where the previous batch stopped, up to `batch_tokens` (at least one
+//!    chunk per batch), so every prompt advances;
+//! 5. states worth keeping are saved in the prefix cache: every `snapshot_interval` prompt
+//!    tokens, before the prompt's last token (the prefill stops there for it), and at the end
+//!    of the turn.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::prefix_cache::PrefixCache;
+use super::{EngineOptions, EngineStats, Event, FinishReason, GenerateRequest};
+use crate::model::{panic_message, Backend, SeqId};
+use crate::sampling::DeviceSampling;
+
+/// A request as the engine thread receives it: the request and where its events go.
+pub type Submission = (GenerateRequest, UnboundedSender<Event>);
+
+/// One sequence being served.
+struct Running {
+    seq: SeqId,
+    request: GenerateRequest,
+    events: UnboundedSender<Event>,
+    /// Prompt tokens already in the sequence's state (restored or run through the model).
+    prefilled: usize,
+    /// Prompt tokens restored from the prefix cache.
+    cached: usize,
+    generated: Vec<u32>,
+    /// What the last forward pass left for choosing the next token.
+    next: Option<Next>,
+    /// State bytes reserved at admission.
+    reserved: u64,
+}
+
+impl Running {
+    fn prefilling(&self) -> bool {
+        self.prefilled < self.request.prompt.len()
+    }
+}
+
+enum Next {
+    /// Logits of the last position, waiting for the request's sampler.
+    Logits(Vec<f32>),
+    /// The token the backend sampled (see [`DeviceSampler`](super::DeviceSampler)).
+    Sampled(u32),
+}
+
+/// What a running sequence does in this iteration's batch.
+enum Work {
+    /// Prompt tokens `[from, to)`.
+    Prefill { from: usize, to: usize },
+    /// Feeds back the token it just sampled.
+    Decode(u32),
+}
+
+pub(super) struct EngineLoop {
+    backend: Box<dyn Backend>,
+    options: EngineOptions,
+    stats: Arc<EngineStats>,
+    next_seq: SeqId,
+    waiting: VecDeque<Submission>,
+    running: Vec<Running>,
+    /// Bytes reserved by `running`.
+    reserved: u64,
+    /// Index in `running` of the first sequence offered a prefill chunk next time.
+    prefill_turn: usize,
+    /// `None` when off, or when the backend has no snapshots.
+    cache: Option<PrefixCache>,
+}
+
+impl EngineLoop {
+    pub(super) fn new(
+        backend: Box<dyn Backend>,
+        options: EngineOptions,
+        stats: Arc<EngineStats>,
+    ) -> EngineLoop {
+        let cache = (options.prefix_cache_bytes > 0 && backend.can_snapshot())
+            .then(|| PrefixCache::new(options.prefix_cache_bytes));
+        EngineLoop {
+            backend,
+            options,
+            stats,
+            next_seq: 0,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            reserved: 0,
+            prefill_turn: 0,
+            cache,
+        }
+    }
+
+    /// Serves requests until every sender is gone and the work is done; returns the backend
+    /// with every sequence and snapshot freed.
+    pub(super) fn run(mut self, rx: mpsc::Receiver<Submission>) -> Box<dyn Backend> {
+        loop {
+            // Block only when there is nothing to do.
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match rx.recv() {
+                    Ok(item) => self.waiting.push_back(item),
+                    Err(_) => break, // every Engine handle is gone
+                }
+            }
+            while let Ok(item) = rx.try_recv() {
+                self.waiting.push_back(item);
+            }
+            self.drop_cancelled();
+            self.admit();
+            self.iterate();
+            self.publish_stats();
+        }
+        if let Some(cache) = &mut self.cache {
+            for id in cache.clear() {
+                self.backend.drop_snapshot(id);
+            }
+        }
+        self.publish_stats();
+        self.backend
+    }
+
+    fn drop_cancelled(&mut self) {
+        self.waiting.retain(|(_, events)| !events.is_closed());
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].events.is_closed() {
+                let r = self.remove(i);
+                self.finish(r, FinishReason::Cancelled);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn admit(&mut self) {
+        while self.running.len() < self.options.max_sequences {
+            let Some((request, events)) = self.waiting.pop_front() else {
+                break;
+            };
+            if request.prompt.is_empty() {
+                let _ = events.send(Event::Error("the prompt is empty".into()));
+                continue;
+            }
+            let need = self
+                .backend
+                .sequence_bytes(request.prompt.len() + request.max_tokens);
+            if let Some(budget) = self.options.memory_budget {
+                if need > budget {
+                    let _ = events.send(Event::Error(format!(
+                        "the request needs {} MiB of sequence state, more than the engine's \
+                         memory budget of {} MiB",
+                        need.div_ceil(1 << 20),
+                        budget >> 20
+                    )));
+                    continue;
+                }
+                if self.reserved + need > budget {
+                    // Wait at the head of the queue until running requests free memory.
+                    self.waiting.push_front((request, events));
+                    break;
+                }
+            }
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            if let Err(e) = self.backend.create_sequence(seq) {
+                if !self.running.is_empty() {
+                    // The backend is full (a GPU has a fixed number of state slots): wait at
+                    // the head of the queue until a running sequence frees its state.
+                    tracing::debug!("the backend cannot take another sequence yet: {e:#}");
+                    self.waiting.push_front((request, events));
+                    break;
+                }
+                let _ = events.send(Event::Error(format!("cannot start the sequence: {e:#}")));
+                continue;
+            }
+            let cached = self.restore_prefix(seq, &request);
+            self.stats
+                .prompt_tokens_total
+                .fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
+            self.stats
+                .cached_tokens_total
+                .fetch_add(cached as u64, Ordering::Relaxed);
+            let _ = events.send(Event::Started {
+                cached_tokens: cached,
+            });
+            self.reserved += need;
+            self.running.push(Running {
+                seq,
+                request,
+                events,
+                prefilled: cached,
+                cached,
+                generated: Vec::new(),
+                next: None,
+                reserved: need,
+            });
+        }
+    }
+
+    /// Restores the longest cached prefix of the prompt into `seq`; returns its length (0 for
+    /// none). At least the prompt's last token is left to run, for the logits.
+    fn restore_prefix(&mut self, seq: SeqId, request: &GenerateRequest) -> usize {
+        let key = request.prompt_cache_key.as_deref();
+        let max = request.prompt.len() - 1;
+        let Some(hit) = self
+            .cache
+            .as_mut()
+            .and_then(|c| c.lookup(key, &request.prompt, max))
+        else {
+            return 0;
+        };
+        match self.backend.restore(hit.snapshot, seq) {
+            Ok(position) if position == hit.tokens => hit.tokens,
+            outcome => {
+                // The sequence may be half overwritten: start it again from nothing.
+                tracing::warn!("restoring a cached prefix failed ({outcome:?}); not using it");
+                self.backend.free_sequence(seq);
+                if let Err(e) = self.backend.create_sequence(seq) {
+                    tracing::error!("recreating sequence {seq} failed: {e:#}");
+                }
+                0
+            }
+        }
+    }
+
+    /// Sampling, one batch, and the snapshots that follow it.
+    fn iterate(&mut self) {
+        let mut work = Vec::new(); // (index in running, work)
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].prefilling() || self.running[i].next.is_none() {
+                i += 1;
+                continue;
+            }
+            match self.sample(i) {
+                Ok(None) => {
+                    let token = *self.running[i].generated.last().expect("just sampled");
+                    work.push((i, Work::Decode(token)));
+                    i += 1;
+                }
+                Ok(Some(reason)) => {
+                    let r = self.remove(i);
+                    self.finish(r, reason);
+                }
+                Err(message) => {
+                    let r = self.remove(i);
+                    self.fail(r, message);
+                }
+            }
+        }
+        self.plan_prefill(&mut work);
+        if work.is_empty() {
+            return;
+        }
+        // Steps that end with a token the backend can sample run through `forward_sample`, one
+        // by one (the others' default batch does no better); the rest as one batch.
+        let sampling: Vec<Option<(DeviceSampling, f64)>> = work
+            .iter()
+            .map(|(i, w)| {
+                let r = &mut self.running[*i];
+                let gives_token = match w {
+                    Work::Prefill { to, .. } => *to == r.request.prompt.len(),
+                    Work::Decode(_) => true,
+                };
+                let device = r.request.device_sampler.as_mut().filter(|_| gives_token)?;
+                device.device_step()
+            })
+            .collect();
+        let mut sampled: Vec<Option<anyhow::Result<Next>>> = Vec::with_capacity(work.len());
+        let mut steps: Vec<(SeqId, &[u32])> = Vec::new();
+        for ((i, w), device) in work.iter().zip(&sampling) {
+            let r = &self.running[*i];
+            let tokens = match w {
+                Work::Prefill { from, to } => &r.request.prompt[*from..*to],
+                Work::Decode(token) => std::slice::from_ref(token),
+            };
+            let Some((sampling, u)) = device else {
+                steps.push((r.seq, tokens));
+                sampled.push(None);
+                continue;
+            };
+            let backend = &mut self.backend;
+            let result = catch_unwind(AssertUnwindSafe(|| {
+                backend.forward_sample(r.seq, tokens, sampling, *u)
+            }))
+            .unwrap_or_else(|panic| {
+                Err(anyhow::anyhow!("internal error: {}", panic_message(panic)))
+            });
+            sampled.push(Some(result.map(Next::Sampled)));
+        }
+        let backend = &mut self.backend;
+        let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward_batch(&steps)));
+        let batched = match outcome {
+            Ok(results) if results.len() == steps.len() => results,
+            // Every step of the batch fails: which states the backend changed is unknown.
+            outcome => {
+                let why = match outcome {
+                    Ok(results) => format!(
+                        "the backend returned {} results for {} steps",
+                        results.len(),
+                        steps.len()
+                    ),
+                    Err(panic) => panic_message(panic),
+                };
+                steps
+                    .iter()
+                    .map(|_| Err(anyhow::anyhow!("internal error: {why}")))
+                    .collect()
+            }
+        };
+        let mut batched = batched.into_iter().map(|r| r.map(Next::Logits));
+        let results: Vec<anyhow::Result<Next>> = sampled
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| batched.next().expect("one result per batched step")))
+            .collect();
+        let mut failed = Vec::new();
+        for ((i, w), result) in work.into_iter().zip(results) {
+            match result {
+                Ok(next) => {
+                    if let Work::Prefill { from, to } = w {
+                        self.running[i].prefilled = to;
+                        self.save_prompt_state(i, from, to);
+                    }
+                    // Logits inside the prompt are of no use; after it, they are sampled next.
+                    if !self.running[i].prefilling() {
+                        self.running[i].next = Some(next);
+                    }
+                }
+                Err(e) => failed.push((i, format!("{e:#}"))),
+            }
+        }
+        // Highest index first, so the others stay valid.
+        failed.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, message) in failed {
+            let r = self.remove(i);
+            self.fail(r, message);
+        }
+    }
+
+    /// Samples the next token of `running[i]` and sends it. `Some(reason)` when the sequence is
+    /// done; an error when the sampler panicked.
+    fn sample(&mut self, i: usize) -> Result<Option<FinishReason>, String> {
+        let r = &mut self.running[i];
+        if r.request.max_tokens == 0 {
+            return Ok(Some(FinishReason::Length));
+        }
+        let next = r
+            .next
+            .take()
+            .expect("called with a token or logits waiting");
+        let request = &mut r.request;
+        let generated = &r.generated;
+        let token = catch_unwind(AssertUnwindSafe(|| match next {
+            Next::Logits(mut logits) => (request.sampler)(&mut logits, generated),
+            Next::Sampled(id) => match &mut request.device_sampler {
+                Some(device) => device.accept(id),
+                None => unreachable!("only a device sampler samples on the backend"),
+            },
+        }))
+        .map_err(|panic| format!("internal error: {}", panic_message(panic)))?;
+        let id = token.id;
+        r.generated.push(id);
+        self.stats
+            .generation_tokens_total
+            .fetch_add(1, Ordering::Relaxed);
+        if r.events.send(Event::Token(token)).is_err() {
+            return Ok(Some(FinishReason::Cancelled));
+        }
+        if r.request.stop_token_ids.contains(&id) {
+            return Ok(Some(FinishReason::Stop));
+        }
+        if r.generated.len() >= r.request.max_tokens {
+            return Ok(Some(FinishReason::Length));
+        }
+        Ok(None)
+    }
+
+    /// Adds prefill chunks to `work`, round-robin over the sequences still reading their prompt,
+    /// within the batch's token budget.
+    fn plan_prefill(&mut self, work: &mut Vec<(usize, Work)>) {
+        let n = self.running.len();
+        if n == 0 {
+            return;
+        }
+        let mut budget = self.options.batch_tokens.saturating_sub(work.len());
+        let mut planned_any = false;
+        let start = self.prefill_turn % n;
+        for k in 0..n {
+            let i = (start + k) % n;
+            let r = &self.running[i];
+            if !r.prefilling() {
+                continue;
+            }
+            if budget == 0 && planned_any {
+                // Next batch starts with this one.
+                self.prefill_turn = i;
+                return;
+            }
+            let mut end = r.request.prompt.len();
+            if self.cache.is_some() && r.prefilled + 1 < end {
+                // Stop one token short of the end, to save the state there: a later request
+                // with the same prompt, or one that extends it, resumes from it (the last
+                // token must run for the logits anyway).
+                end -= 1;
+            }
+            let len = (end - r.prefilled).min(self.options.prefill_chunk.max(1));
+            let len = if planned_any { len.min(budget) } else { len };
+            work.push((
+                i,
+                Work::Prefill {
+                    from: r.prefilled,
+                    to: r.prefilled + len,
+                },
+            ));
+            budget = budget.saturating_sub(len);
+            planned_any = true;
+        }
+        self.prefill_turn = start + 1;
+    }
+
+    /// After the prompt chunk `[from, to)` of `running[i]`: saves the state if the chunk reached
+    /// a multiple of the snapshot interval or the prompt's last token.
+    fn save_prompt_state(&mut self, i: usize, from: usize, to: usize) {
+        let interval = self.options.snapshot_interval.max(1);
+        let r = &self.running[i];
+        if self.cache.is_none() {
+            return;
+        }
+        if to / interval > from / interval || to + 1 == r.request.prompt.len() {
+            let (seq, tokens) = (r.seq, r.request.prompt[..to].to_vec());
+            let key = r.request.prompt_cache_key.clone();
+            self.save_state(seq, key.as_deref(), tokens);
+        }
+    }
+
+    /// Saves `seq`'s state, which covers `tokens`, in the prefix cache (unless it is there).
+    fn save_state(&mut self, seq: SeqId, key: Option<&str>, tokens: Vec<u32>) {
+        let Some(cache) = &mut self.cache else {
+            return;
+        };
+        if cache.contains(key, &tokens) {
+            return;
+        }
+        match self.backend.snapshot(seq) {
+            Ok(snapshot) => {
+                for id in cache.insert(key, tokens, snapshot) {
+                    self.backend.drop_snapshot(id);
+                }
+            }
+            // Out of device memory, say: the sequence goes on, only this state is not kept.
+            Err(e) => tracing::warn!("cannot save a state for the prefix cache: {e:#}"),
+        }
+    }
+
+    fn remove(&mut self, i: usize) -> Running {
+        let r = self.running.remove(i);
+        self.reserved -= r.reserved;
+        r
+    }
+
+    fn finish(&mut self, r: Running, reason: FinishReason) {
+        let worth_saving = reason != FinishReason::Cancelled && r.generated.len() > 1;
+        if self.cache.is_some() && worth_saving && !r.prefilling() {
+            // The end of the turn: the state covers the prompt and every generated token but
+            // the last (sampled, never fed). The next turn's prompt usually starts with these.
+            let mut tokens = r.request.prompt.clone();
+            tokens.extend_from_slice(&r.generated[..r.generated.len() - 1]);
+            self.save_state(r.seq, r.request.prompt_cache_key.as_deref(), tokens);
+        }
+        self.backend.free_sequence(r.seq);
+        self.stats.requests_finished.fetch_add(1, Ordering::Relaxed);
+        let _ = r.events.send(Event::Done {
+            reason,
+            prompt_tokens: r.request.prompt.len(),
+            completion_tokens: r.generated.len(),
+            cached_tokens: r.cached,
+        });
+    }
+
+    fn fail(&mut self, r: Running, message: String) {
+        tracing::error!(seq = r.seq, "request failed: {message}");
+        self.backend.free_sequence(r.seq);
+        let _ = r.events.send(Event::Error(message));
+    }
+
+    fn publish_stats(&self) {
+        let s = &self.stats;
+        s.running.store(self.running.len(), Ordering::Relaxed);
+        s.waiting.store(self.waiting.len(), Ordering::Relaxed);
+        s.reserved_bytes.store(self.reserved, Ordering::Relaxed);
+        let (entries, bytes) = self.cache.as_ref().map_or((0, 0), |c| (c.len(), c.bytes()));
+        s.prefix_cache_entries.store(entries, Ordering::Relaxed);
+        s.prefix_cache_bytes.store(bytes, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,321 @@
+//! `lily bench --serve`: the engine under many users, in process (no HTTP). Three
+//! measurements, each on a fresh engine over the same backend:
+//!
+//! * throughput: N streams with P-token prompts and M output tokens submitted at once; output
+//!   and total (prompt + output) tokens per second of wall time;
+//! * an agent conversation: T turns, each prompt the previous prompt plus the previous answer
+//!   plus a new message, growing to about C tokens; time to first token per turn without and
+//!   with the prefix cache;
+//! * decode scaling: the decode speed of one stream alone and per stream among K concurrent.
+//!
+//! Requests are greedy with no stop token, so every one generates exactly M tokens.
+
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::bench::synthetic_prompt;
+use crate::engine::{greedy_sampler, Engine, EngineOptions, Event, GenerateRequest};
+use crate::model::Backend;
+
+#[derive(Debug, Clone)]
+pub struct ServeBenchOptions {
+    /// Concurrent streams of the throughput measurement.
+    pub streams: usize,
+    pub prompt_tokens: usize,
+    /// Tokens generated per request (every measurement).
+    pub output_tokens: usize,
+    pub turns: usize,
+    /// The conversation's length at its last turn, about.
+    pub conversation_tokens: usize,
+    /// Concurrent streams of the decode-scaling measurement.
+    pub decode_streams: usize,
+    /// Engine settings; the conversation runs once with `prefix_cache_bytes` 0 and once with
+    /// this (which must not be 0).
+    pub engine: EngineOptions,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Throughput {
+    pub seconds: f64,
+    pub output_tok_s: f64,
+    pub total_tok_s: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Turn {
+    pub prompt_tokens: usize,
+    pub ttft_cold_s: f64,
+    pub ttft_cached_s: f64,
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeScaling {
+    pub alone_tok_s: f64,
+    /// Mean over the concurrent streams.
+    pub per_stream_tok_s: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeReport {
+    pub throughput: Throughput,
+    pub turns: Vec<Turn>,
+    pub decode: DecodeScaling,
+}
+
+/// What one request saw.
+struct Timing {
+    first_token: Duration,
+    last_token: Duration,
+    tokens: Vec<u32>,
+    cached_tokens: usize,
+}
+
+impl Timing {
+    /// Decode tokens per second after the first token.
+    fn decode_tok_s(&self) -> f64 {
+        let steps = self.tokens.len().saturating_sub(1) as f64;
+        steps / (self.last_token - self.first_token).as_secs_f64().max(1e-9)
+    }
+}
+
+/// Runs the three measurements; returns the report and the backend. `progress` gets a line per
+/// finished step.
+pub fn run(
+    backend: Box<dyn Backend>,
+    o: &ServeBenchOptions,
+    mut progress: impl FnMut(&str),
+) -> anyhow::Result<(ServeReport, Box<dyn Backend>)> {
+    anyhow::ensure!(
+        o.streams > 0 && o.decode_streams > 0 && o.turns > 0,
+        "streams and turns must be positive"
+    );
+    anyhow::ensure!(o.prompt_tokens > 0, "prompts need at least one token");
+    anyhow::ensure!(
+        o.engine.prefix_cache_bytes > 0,
+        "the prefix cache needs memory"
+    );
+    let vocab = backend.config().vocab_size;
+    let prompt = |seed| synthetic_prompt(o.prompt_tokens, vocab, seed);
+    let no_cache = EngineOptions {
+        prefix_cache_bytes: 0,
+        ..o.engine.clone()
+    };
+
+    // Warm-up (a CUDA backend captures its decode graph on the first step).
+    let (backend, _) = with_engine(backend, &no_cache, |e| {
+        concurrent(e, vec![prompt(u64::MAX)], o.output_tokens.min(4))
+    })?;
+
+    let (backend, elapsed) = with_engine(backend, &no_cache, |e| {
+        let start = Instant::now();
+        concurrent(
+            e,
+            (0..o.streams as u64).map(prompt).collect(),
+            o.output_tokens,
+        )?;
+        Ok(start.elapsed())
+    })?;
+    let seconds = elapsed.as_secs_f64();
+    let output = (o.streams * o.output_tokens) as f64;
+    let throughput = Throughput {
+        seconds,
+        output_tok_s: output / seconds,
+        total_tok_s: (output + (o.streams * o.prompt_tokens) as f64) / seconds,
+    };
+    progress(&format!(
+        "{} streams × {} + {} tokens: {:.1} output tok/s, {:.1} total tok/s",
+        o.streams,
+        o.prompt_tokens,
+        o.output_tokens,
+        throughput.output_tok_s,
+        throughput.total_tok_s
+    ));
+
+    // Each turn adds a message and an answer of `output_tokens`.
+    let message = (o.conversation_tokens / o.turns)
+        .saturating_sub(o.output_tokens)
+        .max(1);
+    let (backend, cold) = with_engine(backend, &no_cache, |e| {
+        conversation(e, o.turns, message, o.output_tokens, vocab)
+    })?;
+    let (backend, cached) = with_engine(backend, &o.engine, |e| {
+        conversation(e, o.turns, message, o.output_tokens, vocab)
+    })?;
+    let turns: Vec<Turn> = cold
+        .iter()
+        .zip(&cached)
+        .map(|((len, c), (_, w))| Turn {
+            prompt_tokens: *len,
+            ttft_cold_s: c.first_token.as_secs_f64(),
+            ttft_cached_s: w.first_token.as_secs_f64(),
+            cached_tokens: w.cached_tokens,
+        })
+        .collect();
+    for (i, t) in turns.iter().enumerate() {
+        progress(&format!(
+            "turn {:>2}: {:>6} prompt tokens, first token after {:.3} s cold, {:.3} s cached ({} tokens reused)",
+            i + 1,
+            t.prompt_tokens,
+            t.ttft_cold_s,
+            t.ttft_cached_s,
+            t.cached_tokens
+        ));
+    }
+
+    let (backend, alone) = with_engine(backend, &no_cache, |e| {
+        concurrent(e, vec![prompt(1000)], o.output_tokens)
+    })?;
+    let (backend, together) = with_engine(backend, &no_cache, |e| {
+        let prompts = (0..o.decode_streams as u64)
+            .map(|i| prompt(2000 + i))
+            .collect();
+        concurrent(e, prompts, o.output_tokens)
+    })?;
+    let decode = DecodeScaling {
+        alone_tok_s: alone[0].decode_tok_s(),
+        per_stream_tok_s: together.iter().map(Timing::decode_tok_s).sum::<f64>()
+            / together.len() as f64,
+    };
+    progress(&format!(
+        "decode: {:.1} tok/s alone, {:.1} tok/s per stream with {} streams",
+        decode.alone_tok_s, decode.per_stream_tok_s, o.decode_streams
+    ));
+    let report = ServeReport {
+        throughput,
+        turns,
+        decode,
+    };
+    Ok((report, backend))
+}
+
+/// Runs `f` on a fresh engine over `backend` and takes the backend back.
+fn with_engine<T>(
+    backend: Box<dyn Backend>,
+    options: &EngineOptions,
+    f: impl FnOnce(&Engine) -> anyhow::Result<T>,
+) -> anyhow::Result<(Box<dyn Backend>, T)> {
+    let (engine, thread) = Engine::spawn(backend, options.clone());
+    let result = f(&engine);
+    drop(engine);
+    let backend = thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
+    Ok((backend, result?))
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        max_tokens,
+        stop_token_ids: Vec::new(),
+        sampler: greedy_sampler(),
+        prompt_cache_key: None,
+        device_sampler: None,
+    }
+}
+
+/// Submits all prompts at once and waits for every answer.
+fn concurrent(
+    engine: &Engine,
+    prompts: Vec<Vec<u32>>,
+    max_tokens: usize,
+) -> anyhow::Result<Vec<Timing>> {
+    let start = Instant::now();
+    let receivers: Vec<_> = prompts
+        .into_iter()
+        .map(|p| engine.submit(request(p, max_tokens)))
+        .collect();
+    std::thread::scope(|s| {
+        let readers: Vec<_> = receivers
+            .into_iter()
+            .map(|rx| s.spawn(move || follow(rx, start)))
+            .collect();
+        readers
+            .into_iter()
+            .map(|r| r.join().expect("a reader thread"))
+            .collect()
+    })
+}
+
+/// A conversation of `turns` turns; returns (prompt length, timing) per turn.
+fn conversation(
+    engine: &Engine,
+    turns: usize,
+    message: usize,
+    max_tokens: usize,
+    vocab: usize,
+) -> anyhow::Result<Vec<(usize, Timing)>> {
+    let mut prompt = Vec::new();
+    let mut out = Vec::with_capacity(turns);
+    for turn in 0..turns {
+        prompt.extend(synthetic_prompt(message, vocab, 5000 + turn as u64));
+        let start = Instant::now();
+        let timing = follow(engine.submit(request(prompt.clone(), max_tokens)), start)?;
+        let len = prompt.len();
+        prompt.extend(&timing.tokens);
+        out.push((len, timing));
+    }
+    Ok(out)
+}
+
+/// Reads one request's events to the end.
+fn follow(mut rx: UnboundedReceiver<Event>, start: Instant) -> anyhow::Result<Timing> {
+    let mut timing = Timing {
+        first_token: Duration::ZERO,
+        last_token: Duration::ZERO,
+        tokens: Vec::new(),
+        cached_tokens: 0,
+    };
+    while let Some(event) = rx.blocking_recv() {
+        match event {
+            Event::Token(t) => {
+                let now = start.elapsed();
+                if timing.tokens.is_empty() {
+                    timing.first_token = now;
+                }
+                timing.last_token = now;
+                timing.tokens.push(t.id);
+            }
+            Event::Started { cached_tokens } => timing.cached_tokens = cached_tokens,
+            Event::Done { .. } => return Ok(timing),
+            Event::Error(e) => anyhow::bail!("a benchmark request failed: {e}"),
+        }
+    }
+    anyhow::bail!("the engine stopped")
+}
+
+/// The report as markdown tables.
+pub fn to_markdown(o: &ServeBenchOptions, r: &ServeReport) -> String {
+    let mut md = format!(
+        "### {} concurrent streams, {} prompt + {} output tokens each\n\n\
+         | wall s | output tok/s | total tok/s |\n|---:|---:|---:|\n| {:.2} | {:.1} | {:.1} |\n\n",
+        o.streams,
+        o.prompt_tokens,
+        o.output_tokens,
+        r.throughput.seconds,
+        r.throughput.output_tok_s,
+        r.throughput.total_tok_s
+    );
+    md += &format!(
+        "### Agent conversation, {} turns, time to first token\n\n\
+         | turn | prompt tokens | TTFT cold s | TTFT cached s | reused tokens |\n|---:|---:|---:|---:|---:|\n",
+        r.turns.len()
+    );
+    for (i, t) in r.turns.iter().enumerate() {
+        md += &format!(
+            "| {} | {} | {:.3} | {:.3} | {} |\n",
+            i + 1,
+            t.prompt_tokens,
+            t.ttft_cold_s,
+            t.ttft_cached_s,
+            t.cached_tokens
+        );
+    }
+    md += &format!(
+        "\n### Decode speed per stream\n\n| 1 stream tok/s | per stream with {} tok/s |\n|---:|---:|\n| {:.1} | {:.1} |\n",
+        o.decode_streams, r.decode.alone_tok_s, r.decode.per_stream_tok_s
+    );
+    md
+}

@@ -1,0 +1,43 @@
+//! `lily bench --serve` on the CPU with the tiny fixture model: every measurement runs, the
+//! conversation grows as asked and its later turns reuse the earlier ones through the cache.
+
+mod common;
+
+use lily::engine::EngineOptions;
+use lily::model::CpuBackend;
+use lily::serve_bench::{run, to_markdown, ServeBenchOptions};
+
+#[test]
+fn the_serve_benchmark_runs_small_on_the_cpu() {
+    let weights = lily::checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
+    let options = ServeBenchOptions {
+        streams: 3,
+        prompt_tokens: 24,
+        output_tokens: 6,
+        turns: 4,
+        conversation_tokens: 200,
+        decode_streams: 3,
+        engine: EngineOptions {
+            prefill_chunk: 16,
+            prefix_cache_bytes: 16 << 20,
+            ..EngineOptions::default()
+        },
+    };
+    let mut lines = 0;
+    let (report, _backend) = run(Box::new(CpuBackend::new(weights)), &options, |_| lines += 1)
+        .expect("the benchmark runs");
+    assert_eq!(lines, 1 + 4 + 1, "a line per measurement and per turn");
+    assert!(report.throughput.output_tok_s > 0.0);
+    assert!(report.throughput.total_tok_s > report.throughput.output_tok_s);
+    // Each turn adds a 44-token message (200 / 4 − 6) and the 6-token answer.
+    let lengths: Vec<usize> = report.turns.iter().map(|t| t.prompt_tokens).collect();
+    assert_eq!(lengths, vec![44, 94, 144, 194]);
+    assert_eq!(report.turns[0].cached_tokens, 0);
+    for (i, t) in report.turns.iter().enumerate().skip(1) {
+        // The previous turn's state after all but the last answer token.
+        assert_eq!(t.cached_tokens, lengths[i - 1] + 5, "turn {i}");
+    }
+    assert!(report.decode.alone_tok_s > 0.0 && report.decode.per_stream_tok_s > 0.0);
+    let md = to_markdown(&options, &report);
+    assert_eq!(md.matches("\n| 4 | 194 |").count(), 1, "{md}");
+}
