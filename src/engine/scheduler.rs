@@ -8,11 +8,13 @@
 //!    can grow to (`Backend::sequence_bytes(prompt + max_tokens)`) fits in the memory budget.
 //!    Later requests never overtake it, so a large request is not starved by small ones. A
 //!    starting request restores the longest cached state of its prompt's prefix;
-//! 3. sampling: every sequence with logits waiting picks its next token and sends it;
+//! 3. sampling: every sequence with logits waiting picks its next token and sends it (or sends
+//!    the token the backend sampled, see [`DeviceSampler`](super::DeviceSampler));
 //! 4. one batch through `Backend::forward_batch`: a decode step for each sequence that sampled
 //!    and goes on, and prefill chunks of sequences still reading their prompt, taken
 //!    round-robin from where the previous batch stopped, up to `batch_tokens` (at least one
-//!    chunk per batch), so every prompt advances;
+//!    chunk per batch), so every prompt advances. A step whose token the request's device
+//!    sampler can pick runs through `Backend::forward_sample` instead, bringing back the token;
 //! 5. states worth keeping are saved in the prefix cache: every `snapshot_interval` prompt
 //!    tokens, before the prompt's last token (the prefill stops there for it), and at the end
 //!    of the turn.
