@@ -516,10 +516,12 @@ pub struct TokenLogprobs {
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
-    /// How often each token occurs in the output so far (presence / frequency penalties).
-    output_counts: FxHashMap<u32, u32>,
-    /// Every token of prompt and output (repetition penalty); left empty when that penalty is off.
-    seen: FxHashSet<u32>,
+    /// The tokens the penalties act on, as (token, occurrences in the output so far): every output
+    /// token, and every prompt token (count 0) when the repetition penalty is on. One list for both
+    /// samplers: the CPU walks it, the device sampler gets it as it is ([`DeviceSampling`]).
+    history: Vec<(u32, u32)>,
+    /// Where each token of `history` is.
+    history_index: FxHashMap<u32, usize>,
     /// Scratch buffers reused across steps so that a step allocates nothing vocabulary-sized.
     work: Vec<f32>,
     candidates: Vec<RankKey>,
@@ -531,19 +533,20 @@ impl Sampler {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => rand::make_rng(),
         };
-        let seen = if params.repetition_penalty != 1.0 {
-            prompt.iter().copied().collect()
-        } else {
-            FxHashSet::default()
-        };
-        Self {
+        let mut sampler = Self {
             params: params.clone(),
             rng,
-            output_counts: FxHashMap::default(),
-            seen,
+            history: Vec::new(),
+            history_index: FxHashMap::default(),
             work: Vec::new(),
             candidates: Vec::new(),
+        };
+        if params.repetition_penalty != 1.0 {
+            for &token in prompt {
+                sampler.history_entry(token);
+            }
         }
+        sampler
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -557,11 +560,64 @@ impl Sampler {
             self.prepare(logits)?;
             argmax(&self.work)
         } else {
-            self.prepare_distribution(logits)?;
-            let probs = self.candidate_probs();
-            self.draw(&probs)
+            let distribution = self.distribution(logits)?;
+            draw(&distribution, self.next_uniform())
         };
         self.finish_step(token, logits)
+    }
+
+    /// This step's sampling for the device sampler, when the device can do all of it (no logit
+    /// bias, no logprobs), with the uniform number its draw uses. The RNG advances exactly as
+    /// [`sample`](Self::sample) would advance it, so a seed gives the same tokens on both
+    /// samplers. Report the token the device chose with [`record`](Self::record).
+    pub fn device_step(&mut self, vocab_limit: usize) -> Option<(DeviceSampling, f64)> {
+        let p = &self.params;
+        if !p.logit_bias.is_empty() || p.top_logprobs.is_some() {
+            return None;
+        }
+        let u = if p.is_greedy() {
+            0.0
+        } else {
+            self.rng.random()
+        };
+        let p = &self.params;
+        let penalised =
+            p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
+        let step = DeviceSampling {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repetition_penalty: p.repetition_penalty,
+            frequency_penalty: p.frequency_penalty,
+            presence_penalty: p.presence_penalty,
+            vocab_limit,
+            history: if penalised {
+                self.history.clone()
+            } else {
+                Vec::new()
+            },
+        };
+        Some((step, u))
+    }
+
+    /// Record a token chosen elsewhere (by the device sampler) in the penalty history.
+    pub fn record(&mut self, token: u32) {
+        self.history_entry(token).1 += 1;
+    }
+
+    /// The uniform number in [0, 1) a draw uses: the request's RNG, one number per sampled step.
+    fn next_uniform(&mut self) -> f64 {
+        self.rng.random()
+    }
+
+    fn history_entry(&mut self, token: u32) -> &mut (u32, u32) {
+        let next = self.history.len();
+        let i = *self.history_index.entry(token).or_insert(next);
+        if i == next {
+            self.history.push((token, 0));
+        }
+        &mut self.history[i]
     }
 
     /// Record a token the engine chose without sampling (a forced `</think>`), so the penalties
@@ -577,21 +633,22 @@ impl Sampler {
     }
 
     /// The distribution the next draw would use: (token, probability) pairs after bias,
-    /// penalties, temperature, min-p, top-k and top-p; probabilities sum to 1. Greedy requests give
-    /// the argmax with probability 1. Exposed for tests and for checking the device sampler.
+    /// penalties, temperature, min-p, top-k and top-p, in the order the draw walks them
+    /// (ascending token id); probabilities sum to 1. Greedy requests give the argmax with
+    /// probability 1. Exposed for tests and for checking the device sampler.
     pub fn distribution(&mut self, logits: &[f32]) -> Result<Vec<(u32, f64)>, SampleError> {
-        if self.params.is_greedy() {
-            self.prepare(logits)?;
+        self.prepare(logits)?;
+        let p = &self.params;
+        if p.is_greedy() {
             return Ok(vec![(argmax(&self.work), 1.0)]);
         }
-        self.prepare_distribution(logits)?;
-        let probs = self.candidate_probs();
-        Ok(self
-            .candidates
-            .iter()
-            .map(|&k| key_token(k))
-            .zip(probs)
-            .collect())
+        let filters = Filters {
+            temperature: p.temperature,
+            min_p: p.min_p,
+            top_k: p.top_k,
+            top_p: p.top_p,
+        };
+        Ok(filters.distribution(&self.work, &mut self.candidates))
     }
 
     /// Copy the logits into the work buffer and apply bias and penalties (vLLM applies the logit
@@ -602,76 +659,26 @@ impl Sampler {
         }
         self.work.clear();
         self.work.extend(logits.iter().copied().map(sanitize));
-        let work = &mut self.work;
-
         for &(token, bias) in &self.params.logit_bias {
-            if let Some(l) = work.get_mut(token as usize) {
+            if let Some(l) = self.work.get_mut(token as usize) {
                 *l += bias;
             }
         }
-        let r = self.params.repetition_penalty;
-        if r != 1.0 {
-            for &token in &self.seen {
-                if let Some(l) = work.get_mut(token as usize) {
-                    // HF / vLLM: shrink positive logits, push negative ones further down.
-                    *l = if *l > 0.0 { *l / r } else { *l * r };
-                }
-            }
-        }
-        let (freq, pres) = (self.params.frequency_penalty, self.params.presence_penalty);
-        if freq != 0.0 || pres != 0.0 {
-            for (&token, &count) in &self.output_counts {
-                if let Some(l) = work.get_mut(token as usize) {
-                    // OpenAI: mu[j] -= c[j] * alpha_frequency + (c[j] > 0) * alpha_presence.
-                    *l -= count as f32 * freq + pres;
-                }
-            }
-        }
-        if work.iter().all(|&l| l == f32::NEG_INFINITY) {
+        let p = &self.params;
+        let penalties = Penalties {
+            repetition: p.repetition_penalty,
+            frequency: p.frequency_penalty,
+            presence: p.presence_penalty,
+        };
+        penalties.apply(&mut self.work, &self.history);
+        if self.work.iter().all(|&l| l == f32::NEG_INFINITY) {
             return Err(SampleError::NoFiniteLogits);
         }
         Ok(())
     }
 
-    /// `prepare`, then fill `candidates` with the tokens that survive min-p, top-k and top-p.
-    fn prepare_distribution(&mut self, logits: &[f32]) -> Result<(), SampleError> {
-        self.prepare(logits)?;
-        let p = &self.params;
-        select_candidates(
-            &self.work,
-            p.temperature,
-            p.min_p,
-            p.top_k,
-            p.top_p,
-            &mut self.candidates,
-        );
-        Ok(())
-    }
-
-    /// Softmax at the request's temperature over the current candidates, in candidate order.
-    fn candidate_probs(&self) -> Vec<f64> {
-        softmax_over(&self.work, &self.candidates, self.params.temperature)
-    }
-
-    /// Inverse-CDF draw over the candidates (in their deterministic order).
-    fn draw(&mut self, probs: &[f64]) -> u32 {
-        let u: f64 = self.rng.random();
-        let mut acc = 0.0;
-        for (&key, &p) in self.candidates.iter().zip(probs) {
-            acc += p;
-            if u < acc {
-                return key_token(key);
-            }
-        }
-        // Rounding can leave the total a hair below 1; the last candidate takes the remainder.
-        self.candidates.last().map_or(0, |&k| key_token(k))
-    }
-
     fn finish_step(&mut self, token: u32, logits: &[f32]) -> Result<Sampled, SampleError> {
-        *self.output_counts.entry(token).or_insert(0) += 1;
-        if self.params.repetition_penalty != 1.0 {
-            self.seen.insert(token);
-        }
+        self.record(token);
         let logprobs = match self.params.top_logprobs {
             Some(n) => Some(raw_logprobs(logits, token, n, &mut self.candidates)?),
             None => None,
@@ -732,50 +739,187 @@ fn keep_top(keys: &mut Vec<RankKey>, n: usize) {
     keys.sort_unstable();
 }
 
-/// Fill `out` with the tokens that survive min-p, then top-k, then top-p — vLLM's order
-/// (min-p is an "argmax-invariant logits processor" applied before its top-k/top-p sampler).
-///
-/// All three are decided on logits, never on a full softmax, so a step costs O(vocab) plus a sort
-/// of only the tokens top-p has to look at:
-/// * min-p keeps p_i >= min_p * p_max, i.e. l_i >= l_max + T * ln(min_p) in logit space.
-/// * top-k keeps every token whose logit is >= the k-th largest (ties at the boundary all stay,
-///   as in vLLM and HF), found by partial selection.
-/// * top-p keeps the most likely tokens until the mass *before* a token reaches top_p (the token
-///   that crosses the line stays), renormalised over what min-p and top-k left.
-fn select_candidates(
-    logits: &[f32],
+/// The penalties of one request (vLLM's semantics; 1, 0, 0 switch them off).
+struct Penalties {
+    repetition: f32,
+    frequency: f32,
+    presence: f32,
+}
+
+impl Penalties {
+    /// Apply the penalties to `work` for every (token, output count) of `history` (see
+    /// [`Sampler`]): repetition first, then frequency and presence. sample.cu does the same
+    /// arithmetic in the same order (f32, no fused multiply-add), so both samplers agree bit for bit.
+    fn apply(&self, work: &mut [f32], history: &[(u32, u32)]) {
+        let repeat = self.repetition != 1.0;
+        let count_based = self.frequency != 0.0 || self.presence != 0.0;
+        if !repeat && !count_based {
+            return;
+        }
+        for &(token, count) in history {
+            let Some(l) = work.get_mut(token as usize) else {
+                continue;
+            };
+            if repeat {
+                // HF / vLLM: shrink positive logits, push negative ones further down.
+                *l = if *l > 0.0 {
+                    *l / self.repetition
+                } else {
+                    *l * self.repetition
+                };
+            }
+            if count_based && count > 0 {
+                // OpenAI: mu[j] -= c[j] * alpha_frequency + (c[j] > 0) * alpha_presence.
+                *l -= count as f32 * self.frequency + self.presence;
+            }
+        }
+    }
+}
+
+/// Temperature and the three filters, applied to penalised logits.
+struct Filters {
     temperature: f32,
     min_p: f32,
     top_k: Option<usize>,
     top_p: f32,
-    out: &mut Vec<RankKey>,
-) {
-    let l_max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let threshold = if min_p > 0.0 {
-        l_max + temperature * min_p.ln()
-    } else {
-        f32::NEG_INFINITY
-    };
-    out.clear();
-    out.extend(
-        logits
-            .iter()
-            .zip(0u32..)
-            .filter(|&(&l, _)| l > f32::NEG_INFINITY && l >= threshold)
-            .map(|(&l, t)| rank_key(l, t)),
-    );
+}
 
-    if let Some(k) = top_k {
-        if k < out.len() {
-            out.select_nth_unstable(k - 1);
-            // The upper half of a key is the logit: keep everything tied with the k-th.
-            let kth_logit = out[k - 1] >> 32;
-            out.retain(|&key| key >> 32 <= kth_logit);
+impl Filters {
+    /// The candidates and their probabilities, in ascending token order (the order a draw walks:
+    /// the device sampler can walk it without sorting). `cands` is scratch.
+    fn distribution(&self, work: &[f32], cands: &mut Vec<RankKey>) -> Vec<(u32, f64)> {
+        self.select(work, cands);
+        if self.top_k.is_some() || self.top_p < 1.0 {
+            // Selection reordered them; min-p alone keeps the vocabulary's order.
+            cands.sort_unstable_by_key(|&k| key_token(k));
         }
+        let probs = softmax_over(work, cands, self.temperature);
+        cands.iter().map(|&k| key_token(k)).zip(probs).collect()
     }
 
-    if top_p < 1.0 {
-        truncate_top_p(logits, temperature, top_p, out);
+    /// Fill `out` with the tokens that survive min-p, then top-k, then top-p — vLLM's order
+    /// (min-p is an "argmax-invariant logits processor" applied before its top-k/top-p sampler).
+    ///
+    /// All three are decided on logits, never on a full softmax, so a step costs O(vocab) plus a
+    /// sort of only the tokens top-p has to look at:
+    /// * min-p keeps p_i >= min_p * p_max, i.e. l_i >= l_max + T * ln(min_p) in logit space.
+    /// * top-k keeps every token whose logit is >= the k-th largest (ties at the boundary all
+    ///   stay, as in vLLM and HF), found by partial selection.
+    /// * top-p keeps the most likely tokens (ties: lower id first) until the mass *before* a token
+    ///   reaches top_p (the token that crosses the line stays), renormalised over what min-p and
+    ///   top-k left.
+    fn select(&self, logits: &[f32], out: &mut Vec<RankKey>) {
+        let l_max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let threshold = if self.min_p > 0.0 {
+            l_max + self.temperature * self.min_p.ln()
+        } else {
+            f32::NEG_INFINITY
+        };
+        out.clear();
+        out.extend(
+            logits
+                .iter()
+                .zip(0u32..)
+                .filter(|&(&l, _)| l > f32::NEG_INFINITY && l >= threshold)
+                .map(|(&l, t)| rank_key(l, t)),
+        );
+
+        if let Some(k) = self.top_k {
+            if k < out.len() {
+                out.select_nth_unstable(k - 1);
+                // The upper half of a key is the logit: keep everything tied with the k-th.
+                let kth_logit = out[k - 1] >> 32;
+                out.retain(|&key| key >> 32 <= kth_logit);
+            }
+        }
+
+        if self.top_p < 1.0 {
+            truncate_top_p(logits, self.temperature, self.top_p, out);
+        }
+    }
+}
+
+/// Inverse-CDF draw: the first token of `distribution` (in its order) whose cumulative
+/// probability exceeds `u` (uniform in [0, 1)). Both samplers draw this way, with `u` from the
+/// request's RNG, so a seed picks the same token on either.
+pub fn draw(distribution: &[(u32, f64)], u: f64) -> u32 {
+    let mut acc = 0.0;
+    for &(token, p) in distribution {
+        acc += p;
+        if u < acc {
+            return token;
+        }
+    }
+    // Rounding can leave the total a hair below 1; the last candidate takes the remainder.
+    distribution.last().map_or(0, |&(t, _)| t)
+}
+
+/// One step's sampling as the device sampler takes it (from [`Sampler::device_step`]): everything
+/// but the logit bias and logprobs, which stay on the CPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceSampling {
+    /// Below [`GREEDY_TEMPERATURE`]: the argmax of the penalised logits.
+    pub temperature: f32,
+    pub top_k: Option<usize>,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// Ids at or past this are never chosen: the model's vocabulary can be longer than the
+    /// tokenizer's (padding rows).
+    pub vocab_limit: usize,
+    /// (token, occurrences in the output) for each token the penalties act on; empty when they
+    /// are off. No token appears twice.
+    pub history: Vec<(u32, u32)>,
+}
+
+impl DeviceSampling {
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < GREEDY_TEMPERATURE
+    }
+
+    /// The distribution a draw uses (as [`Sampler::distribution`]): the reference the device
+    /// sampler is tested against, and the host side of backends without one.
+    pub fn distribution(&self, logits: &[f32]) -> Result<Vec<(u32, f64)>, SampleError> {
+        if logits.is_empty() {
+            return Err(SampleError::EmptyLogits);
+        }
+        let mut work: Vec<f32> = logits
+            .iter()
+            .enumerate()
+            .map(|(t, &l)| {
+                if t < self.vocab_limit {
+                    sanitize(l)
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        let penalties = Penalties {
+            repetition: self.repetition_penalty,
+            frequency: self.frequency_penalty,
+            presence: self.presence_penalty,
+        };
+        penalties.apply(&mut work, &self.history);
+        if work.iter().all(|&l| l == f32::NEG_INFINITY) {
+            return Err(SampleError::NoFiniteLogits);
+        }
+        if self.is_greedy() {
+            return Ok(vec![(argmax(&work), 1.0)]);
+        }
+        let filters = Filters {
+            temperature: self.temperature,
+            min_p: self.min_p,
+            top_k: self.top_k,
+            top_p: self.top_p,
+        };
+        Ok(filters.distribution(&work, &mut Vec::new()))
+    }
+
+    /// The token a draw at `u` picks from `logits` (the host version of the device sampler).
+    pub fn sample(&self, logits: &[f32], u: f64) -> Result<u32, SampleError> {
+        Ok(draw(&self.distribution(logits)?, u))
     }
 }
 

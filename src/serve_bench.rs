@@ -212,6 +212,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
         stop_token_ids: Vec::new(),
         sampler: greedy_sampler(),
         prompt_cache_key: None,
+        device_sampler: None,
     }
 }
 

@@ -154,6 +154,7 @@ fn the_engine_reuses_prompts_on_the_gpu() {
             stop_token_ids: vec![],
             sampler: greedy_sampler(),
             prompt_cache_key: None,
+            device_sampler: None,
         });
         let mut ids = vec![];
         loop {

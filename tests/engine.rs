@@ -10,9 +10,13 @@ use std::sync::{Arc, Mutex};
 
 use common::fixture_dir;
 use lily::checkpoint;
-use lily::engine::{greedy_sampler, Engine, EngineOptions, Event, FinishReason, GenerateRequest};
+use lily::engine::{
+    greedy_sampler, DeviceSampler, Engine, EngineOptions, Event, FinishReason, GenerateRequest,
+    SampledToken,
+};
 use lily::model::cpu::{forward, Logits};
 use lily::model::{Backend, CpuBackend, SeqId, SequenceState, Snapshot, SnapshotId};
+use lily::sampling::{DeviceSampling, Sampler, SamplingParams};
 use rand::RngExt;
 
 fn weights() -> lily::model::Weights {
@@ -39,6 +43,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize, key: Option<&str>) -> GenerateReq
         stop_token_ids: vec![],
         sampler: greedy_sampler(),
         prompt_cache_key: key.map(str::to_string),
+        device_sampler: None,
     }
 }
 
@@ -100,6 +105,7 @@ fn interleaved_requests_match_each_run_alone() {
                 stop_token_ids: vec![],
                 sampler: greedy_sampler(),
                 prompt_cache_key: None,
+                device_sampler: None,
             })
         })
         .collect();
@@ -124,6 +130,7 @@ fn stop_tokens_end_generation() {
         stop_token_ids: vec![stop],
         sampler: greedy_sampler(),
         prompt_cache_key: None,
+        device_sampler: None,
     }));
     assert_eq!(reason, Some(FinishReason::Stop));
     assert_eq!(ids, expected[..=first]);
@@ -138,6 +145,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         stop_token_ids: vec![],
         sampler: greedy_sampler(),
         prompt_cache_key: None,
+        device_sampler: None,
     });
     let bad = engine.submit(GenerateRequest {
         prompt: vec![1, 999_999],
@@ -145,6 +153,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         stop_token_ids: vec![],
         sampler: greedy_sampler(),
         prompt_cache_key: None,
+        device_sampler: None,
     });
     let panicking = engine.submit(GenerateRequest {
         prompt: vec![2, 3],
@@ -152,6 +161,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         stop_token_ids: vec![],
         sampler: Box::new(|_: &mut [f32], _: &[u32]| panic!("sampler bug")),
         prompt_cache_key: None,
+        device_sampler: None,
     });
     let good = engine.submit(GenerateRequest {
         prompt: vec![7, 8, 9],
@@ -159,6 +169,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         stop_token_ids: vec![],
         sampler: greedy_sampler(),
         prompt_cache_key: None,
+        device_sampler: None,
     });
     drop(dropped);
     let (_, _, err) = collect(bad);
@@ -457,4 +468,73 @@ fn a_request_larger_than_the_memory_budget_is_refused() {
         (ids.len(), reason, err),
         (10, Some(FinishReason::Length), None)
     );
+}
+/// A request's sampler shared by its CPU half and a device half that takes every other step, so
+/// both paths and the hand-over between them run.
+struct Alternating {
+    sampler: Arc<Mutex<Sampler>>,
+    steps: usize,
+}
+
+impl DeviceSampler for Alternating {
+    fn device_step(&mut self) -> Option<(DeviceSampling, f64)> {
+        self.steps += 1;
+        if self.steps % 2 == 0 {
+            return None;
+        }
+        self.sampler.lock().unwrap().device_step(usize::MAX)
+    }
+    fn accept(&mut self, token: u32) -> SampledToken {
+        self.sampler.lock().unwrap().record(token);
+        SampledToken {
+            id: token,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        }
+    }
+}
+
+fn cpu_sampler(sampler: Arc<Mutex<Sampler>>) -> lily::engine::Sampler {
+    Box::new(move |logits: &mut [f32], _: &[u32]| SampledToken {
+        id: sampler.lock().unwrap().sample(logits).unwrap().token,
+        logprob: None,
+        top_logprobs: Vec::new(),
+    })
+}
+
+/// Sampling through `Backend::forward_sample` (the device path) draws what the CPU sampler draws:
+/// same seed, same tokens, penalties included.
+#[test]
+fn device_sampling_steps_give_the_cpu_samplers_tokens() {
+    let (engine, _) = engine(5);
+    let prompt: Vec<u32> = (0..23).map(|j| (j * 37 % 256) as u32).collect();
+    let params = SamplingParams {
+        temperature: 1.5,
+        top_k: Some(50),
+        top_p: 0.95,
+        repetition_penalty: 1.2,
+        presence_penalty: 0.5,
+        seed: Some(rand::random()),
+        ..SamplingParams::default()
+    };
+    let run = |device: bool| {
+        let sampler = Arc::new(Mutex::new(Sampler::new(&params, &prompt)));
+        let device_sampler: Option<Box<dyn DeviceSampler>> = device.then(|| {
+            Box::new(Alternating {
+                sampler: sampler.clone(),
+                steps: 0,
+            }) as Box<dyn DeviceSampler>
+        });
+        collect(engine.submit(GenerateRequest {
+            prompt: prompt.clone(),
+            max_tokens: 24,
+            stop_token_ids: vec![],
+            sampler: cpu_sampler(sampler),
+            prompt_cache_key: None,
+            device_sampler,
+        }))
+    };
+    let (cpu, reason, _) = run(false);
+    assert_eq!(reason, Some(FinishReason::Length));
+    assert_eq!(run(true).0, cpu);
 }

@@ -773,3 +773,71 @@ fn thinking_off_unless_the_model_opens_think() {
     let (_, b) = drive(true, None, &[100, 1, 101]);
     assert_eq!(b.reasoning_tokens(), 1);
 }
+
+/// The device path (`device_step`, the backend's draw, `record`) is the CPU path step for step:
+/// the same distribution, the same draws from the same seed, the same penalty history after.
+#[test]
+fn device_steps_reproduce_cpu_sampling() {
+    let mut rng = StdRng::seed_from_u64(rand::random());
+    let vocab = 4096;
+    let prompt: Vec<u32> = (0..300)
+        .map(|_| rng.random_range(0..vocab as u32))
+        .collect();
+    for case in 0..12 {
+        let p = SamplingParams {
+            temperature: [0.0, 0.5, 1.0][case % 3],
+            top_k: [None, Some(40)][case % 2],
+            top_p: [1.0, 0.9][(case / 2) % 2],
+            min_p: [0.0, 0.05][(case / 4) % 2],
+            repetition_penalty: [1.0, 1.3][(case / 3) % 2],
+            frequency_penalty: 0.2,
+            presence_penalty: [0.0, 0.5][(case / 6) % 2],
+            seed: Some(rng.random()),
+            ..SamplingParams::default()
+        };
+        let (mut cpu, mut dev) = (Sampler::new(&p, &prompt), Sampler::new(&p, &prompt));
+        for step in 0..40 {
+            let logits = random_logits(&mut rng, vocab, 4.0);
+            let want = cpu.distribution(&logits).unwrap();
+            let token = cpu.sample(&logits).unwrap().token;
+            let (sampling, u) = dev.device_step(vocab).expect("nothing needs the CPU here");
+            assert_eq!(sampling.distribution(&logits).unwrap(), want, "case {case}");
+            assert_eq!(
+                sampling.sample(&logits, u).unwrap(),
+                token,
+                "case {case} step {step}"
+            );
+            dev.record(token);
+        }
+    }
+}
+
+#[test]
+fn device_step_leaves_bias_and_logprobs_to_the_cpu() {
+    let bias = SamplingParams {
+        logit_bias: vec![(3, 1.0)],
+        ..SamplingParams::default()
+    };
+    let logprobs = SamplingParams {
+        top_logprobs: Some(0),
+        ..SamplingParams::default()
+    };
+    for p in [bias, logprobs] {
+        assert!(Sampler::new(&p, &[]).device_step(10).is_none());
+    }
+}
+
+/// Ids at or past the vocabulary limit (the model's padding rows) are never candidates.
+#[test]
+fn device_sampling_masks_ids_past_the_limit() {
+    let mut logits = vec![0.0f32; 100];
+    logits[95] = 50.0;
+    let (sampling, _) = Sampler::new(&params(1.0, None, 1.0, 0.0), &[])
+        .device_step(90)
+        .unwrap();
+    let dist = sampling.distribution(&logits).unwrap();
+    assert_eq!(dist.len(), 90);
+    assert!(dist.iter().all(|&(t, _)| t < 90));
+    // In token order, which the draw walks.
+    assert!(dist.windows(2).all(|w| w[0].0 < w[1].0));
+}

@@ -29,6 +29,7 @@ use super::weights::DeviceMatrices;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::{Backend, SeqId, Snapshot, SnapshotId};
+use crate::sampling::DeviceSampling;
 
 /// How much the backend allocates up front.
 #[derive(Debug, Clone)]
@@ -658,6 +659,32 @@ impl Backend for CudaBackend {
             .clone_dtoh(&self.s.next)
             .during(|| "copying the next token".into())?;
         Ok(next[0] as u32)
+    }
+    fn forward_sample(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        sampling: &DeviceSampling,
+        u: f64,
+    ) -> anyhow::Result<u32> {
+        // Plain greedy is the argmax the forward pass already ends with.
+        let vocab = self.model.config.vocab_size;
+        if sampling.is_greedy() && sampling.history.is_empty() && sampling.vocab_limit >= vocab {
+            return self.forward_greedy(seq, tokens);
+        }
+        self.step(seq, tokens)?;
+        self.k.sample.sample(
+            &self.s.logits.as_view(),
+            sampling,
+            u,
+            &mut self.s.next.as_view_mut(),
+        )?;
+        let next: Vec<i32> = self
+            .dev
+            .stream()
+            .clone_dtoh(&self.s.next)
+            .during(|| "copying the sampled token".into())?;
+        u32::try_from(next[0]).map_err(|_| anyhow::anyhow!("no logit is finite (all NaN or -inf)"))
     }
 }
 

@@ -1,9 +1,12 @@
-//! Greedy sampling on the device (sample.cu).
+//! Sampling on the device (sample.cu): greedy argmax over rows of logits, and the full sampler
+//! (penalties, temperature, min-p, top-k, top-p, a draw) for one row, matching src/sampling.rs.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use half::bf16;
+
+use crate::sampling::DeviceSampling;
 
 use super::{
     as_i32, ensure, launch, Context, CudaDevice, CudaFunction, CudaStream, CudaView, CudaViewMut,
@@ -13,6 +16,105 @@ use super::{
 /// Blocks of the first pass per row (each reduces a slice of the vocabulary).
 const PARTS: usize = 64;
 
+/// Blocks of the sampler's grid launches (`SAMPLE_BLOCKS` in sample.cu).
+const SAMPLE_BLOCKS: usize = 128;
+/// Threads per block of the grid launches.
+const GRID_THREADS: u32 = 512;
+/// Threads of the final walk through one slice (`WALK_THREADS` in sample.cu).
+const WALK_THREADS: u32 = 1024;
+/// Bins of one radix-select round (`RADIX_BINS` in sample.cu).
+const RADIX_BINS: usize = 2048;
+/// Bytes reserved for sample.cu's `SampleState` (it needs under 100).
+const STATE_BYTES: usize = 256;
+
+/// sample.cu's `SampleParams`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct Params {
+    temperature: f32,
+    top_p: f32,
+    log_min_p: f32,
+    repetition: f32,
+    frequency: f32,
+    presence: f32,
+    top_k: i32,
+    min_p_on: i32,
+    greedy: i32,
+    vocab_limit: i32,
+    history_len: i32,
+    pad: i32,
+    u: f64,
+}
+
+// SAFETY: plain old data with the C layout sample.cu declares.
+unsafe impl DeviceRepr for Params {}
+
+impl Params {
+    fn new(s: &DeviceSampling, u: f64, n: usize) -> Result<Self> {
+        ensure!(
+            (0.0..1.0).contains(&u),
+            "sampling: the draw {u} is not in [0, 1)"
+        );
+        // top-k at or past the vocabulary keeps everything: off, as the CPU sampler has it.
+        let top_k = match s.top_k {
+            Some(k) if k < n => as_i32(k, "top_k")?,
+            _ => 0,
+        };
+        Ok(Self {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            // The same f32 ln as the CPU's min-p threshold.
+            log_min_p: if s.min_p > 0.0 { s.min_p.ln() } else { 0.0 },
+            repetition: s.repetition_penalty,
+            frequency: s.frequency_penalty,
+            presence: s.presence_penalty,
+            top_k,
+            min_p_on: (s.min_p > 0.0) as i32,
+            greedy: s.is_greedy() as i32,
+            vocab_limit: as_i32(s.vocab_limit.min(n), "vocab_limit")?,
+            history_len: as_i32(s.history.len(), "penalty history")?,
+            pad: 0,
+            u,
+        })
+    }
+}
+
+/// The sampler's device memory for one vocabulary size, allocated on first use.
+struct SamplerBuffers {
+    n: usize,
+    params: CudaSlice<Params>,
+    /// (token, output count) pairs; grows with the longest history seen.
+    history: CudaSlice<u32>,
+    work: CudaSlice<f32>,
+    /// `SampleState`; zero at allocation, and every launch leaves its counter at zero.
+    state: CudaSlice<u8>,
+    hist_count: CudaSlice<u32>,
+    hist_mass: CudaSlice<f64>,
+    block_v: CudaSlice<f32>,
+    block_i: CudaSlice<i32>,
+    block_mass: CudaSlice<f64>,
+    block_ties: CudaSlice<u32>,
+}
+
+impl SamplerBuffers {
+    fn new(stream: &Arc<CudaStream>, n: usize) -> Result<Self> {
+        let during = || "sampler buffers".to_string();
+        Ok(Self {
+            n,
+            params: stream.clone_htod(&[Params::default()]).during(during)?,
+            history: stream.alloc_zeros(2).during(during)?,
+            work: stream.alloc_zeros(n).during(during)?,
+            state: stream.alloc_zeros(STATE_BYTES).during(during)?,
+            hist_count: stream.alloc_zeros(RADIX_BINS).during(during)?,
+            hist_mass: stream.alloc_zeros(RADIX_BINS).during(during)?,
+            block_v: stream.alloc_zeros(SAMPLE_BLOCKS).during(during)?,
+            block_i: stream.alloc_zeros(SAMPLE_BLOCKS).during(during)?,
+            block_mass: stream.alloc_zeros(SAMPLE_BLOCKS).during(during)?,
+            block_ties: stream.alloc_zeros(SAMPLE_BLOCKS).during(during)?,
+        })
+    }
+}
+
 pub struct SampleKernels {
     stream: Arc<CudaStream>,
     partial: CudaFunction,
@@ -20,6 +122,12 @@ pub struct SampleKernels {
     part_v: CudaSlice<f32>,
     part_i: CudaSlice<i32>,
     max_rows: usize,
+    load: CudaFunction,
+    max: CudaFunction,
+    select: CudaFunction,
+    draw_mass: CudaFunction,
+    draw: CudaFunction,
+    sampler: Option<SamplerBuffers>,
 }
 
 impl SampleKernels {
@@ -39,7 +147,118 @@ impl SampleKernels {
             part_v,
             part_i,
             max_rows,
+            load: dev.function("sample", "sample_load")?,
+            max: dev.function("sample", "sample_max")?,
+            select: dev.function("sample", "sample_select")?,
+            draw_mass: dev.function("sample", "sample_draw_mass")?,
+            draw: dev.function("sample", "sample_draw")?,
+            sampler: None,
         })
+    }
+
+    /// `out[0]` = the token `sampling` picks from one row of `logits` with the draw at `u`, as
+    /// [`DeviceSampling::sample`] picks it on the host; -1 when no logit is finite. Only the
+    /// parameters and the penalty history are copied up; nothing waits for the device.
+    pub fn sample(
+        &mut self,
+        logits: &CudaView<bf16>,
+        sampling: &DeviceSampling,
+        u: f64,
+        out: &mut CudaViewMut<i32>,
+    ) -> Result<()> {
+        let n = logits.len();
+        ensure!(
+            n > 0 && out.len() == 1,
+            "sample: {n} logits, out {}",
+            out.len()
+        );
+        let params = Params::new(sampling, u, n)?;
+        let stream = self.stream.clone();
+        if self.sampler.as_ref().is_none_or(|b| b.n != n) {
+            self.sampler = Some(SamplerBuffers::new(&stream, n)?);
+        }
+        let b = self.sampler.as_mut().expect("allocated above");
+        let history: Vec<u32> = sampling.history.iter().flat_map(|&(t, c)| [t, c]).collect();
+        if history.len() > b.history.len() {
+            b.history = stream
+                .alloc_zeros(history.len().next_power_of_two())
+                .during(|| "penalty history".into())?;
+        }
+        if !history.is_empty() {
+            stream
+                .memcpy_htod(&history, &mut b.history)
+                .during(|| "copying the penalty history".into())?;
+        }
+        stream
+            .memcpy_htod(&[params], &mut b.params)
+            .during(|| "copying the sampling parameters".into())?;
+
+        let ni = as_i32(n, "vocabulary")?;
+        let grid = LaunchConfig {
+            grid_dim: (SAMPLE_BLOCKS as u32, 1, 1),
+            block_dim: (GRID_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe {
+            launch!(
+                stream,
+                &self.load,
+                grid,
+                logits,
+                &ni,
+                &b.params,
+                &b.history,
+                &mut b.work,
+                &mut b.state
+            )?;
+            launch!(
+                stream,
+                &self.max,
+                grid,
+                &b.work,
+                &ni,
+                &b.params,
+                &mut b.state,
+                &mut b.block_v,
+                &mut b.block_i,
+                &mut *out
+            )?;
+            // top-k (mode 0), then top-p (mode 1), three rounds each.
+            for mode in 0i32..2 {
+                for round in 0i32..3 {
+                    launch!(
+                        stream,
+                        &self.select,
+                        grid,
+                        &b.work,
+                        &ni,
+                        &b.params,
+                        &mut b.state,
+                        &mut b.hist_count,
+                        &mut b.hist_mass,
+                        &mode,
+                        &round
+                    )?;
+                }
+            }
+            launch!(
+                stream,
+                &self.draw_mass,
+                grid,
+                &b.work,
+                &ni,
+                &b.params,
+                &mut b.state,
+                &mut b.block_mass,
+                &mut b.block_ties
+            )?;
+            let walk = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (WALK_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(stream, &self.draw, walk, &b.work, &ni, &b.params, &b.state, out)
+        }
     }
 
     /// `out[r]` = index of the largest of `logits[r]` (`[rows][n]`), lowest index on ties.

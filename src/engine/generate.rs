@@ -16,19 +16,21 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{self, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::{Engine, Event, FinishReason as EngineFinish, GenerateRequest, SampledToken};
+use super::{
+    DeviceSampler, Engine, Event, FinishReason as EngineFinish, GenerateRequest, SampledToken,
+};
 use crate::chat::template::ChatTemplate;
 use crate::chat::tools::{OutputEvent, OutputParser, ToolSchemas};
 use crate::sampling::{
-    FinishReason, GenerationDefaults, Sampler, SamplingParams, StopChecker, ThinkTokens,
-    ThinkingBudget,
+    DeviceSampling, FinishReason, GenerationDefaults, Sampler, SamplingParams, StopChecker,
+    ThinkTokens, ThinkingBudget,
 };
 use crate::tokenizer::{IncrementalDecoder, Tokenizer, ADDED_TOKENS};
 
@@ -190,11 +192,13 @@ impl TextModel {
             stop_tokens: plan.params.stop_token_ids.clone(),
             im_end: self.special.im_end,
         };
+        let (sampler, device_sampler) = picker.into_samplers();
         let request = GenerateRequest {
             prompt: plan.prompt.clone(),
             max_tokens: plan.params.max_tokens.unwrap_or(0),
             stop_token_ids: plan.params.stop_token_ids.clone(),
-            sampler: picker.into_sampler(),
+            sampler,
+            device_sampler: Some(device_sampler),
             prompt_cache_key: plan.prompt_cache_key.clone(),
         };
         let events = engine.submit(request);
@@ -347,8 +351,37 @@ struct TokenPicker {
 }
 
 impl TokenPicker {
-    fn into_sampler(mut self) -> super::Sampler {
-        Box::new(move |logits: &mut [f32], _generated: &[u32]| self.pick(logits))
+    /// The request's two samplers over this one picker: the CPU one, and the device one for the
+    /// steps that need nothing the device sampler lacks. Both run on the engine thread, one
+    /// after the other, so the lock is never contended.
+    fn into_samplers(self) -> (super::Sampler, Box<dyn DeviceSampler>) {
+        let shared = Arc::new(Mutex::new(self));
+        let cpu = shared.clone();
+        (
+            Box::new(move |logits: &mut [f32], _generated: &[u32]| lock(&cpu).pick(logits)),
+            Box::new(DevicePicker(shared)),
+        )
+    }
+
+    /// This step's sampling for the backend, unless it needs a mask (grammar, banned tokens) or
+    /// forces a token (thinking budget), or the sampler needs the logits (logprobs, logit bias).
+    fn device_step(&mut self) -> Option<(DeviceSampling, f64)> {
+        let forced = self.budget.as_ref().and_then(ThinkingBudget::forced_token);
+        if self.grammar.is_some() || !self.banned.is_empty() || forced.is_some() {
+            return None;
+        }
+        self.sampler.device_step(self.vocab)
+    }
+
+    /// Records a token the backend sampled, as [`pick`](Self::pick) records its own.
+    fn accept(&mut self, token: u32) -> SampledToken {
+        self.sampler.record(token);
+        self.observe(token);
+        SampledToken {
+            id: token,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        }
     }
 
     fn pick(&mut self, logits: &mut [f32]) -> SampledToken {
@@ -448,6 +481,26 @@ impl TokenPicker {
             self.answer_started = true;
         }
     }
+}
+
+/// The device half of a [`TokenPicker`] shared with its CPU half.
+struct DevicePicker(Arc<Mutex<TokenPicker>>);
+
+impl DeviceSampler for DevicePicker {
+    fn device_step(&mut self) -> Option<(DeviceSampling, f64)> {
+        lock(&self.0).device_step()
+    }
+    fn accept(&mut self, token: u32) -> SampledToken {
+        lock(&self.0).accept(token)
+    }
+}
+
+/// A panic inside the picker fails its request (the engine catches it); the request is over, so
+/// a poisoned lock can only be met by a later call for the same request, which may go on.
+fn lock(picker: &Mutex<TokenPicker>) -> std::sync::MutexGuard<'_, TokenPicker> {
+    picker
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 // ---------------------------------------------------------------------------------------------

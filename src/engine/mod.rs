@@ -19,6 +19,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::config::ModelConfig;
 use crate::model::Backend;
+use crate::sampling::DeviceSampling;
 
 /// What the sampler returns for one step.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,6 +44,19 @@ pub struct GenerateRequest {
     /// Saved prompt states are shared only among requests with the same key (OpenAI's
     /// `prompt_cache_key`); requests without one share theirs with each other.
     pub prompt_cache_key: Option<String>,
+    /// Set when the request's sampling can run on the backend, next to the logits.
+    pub device_sampler: Option<Box<dyn DeviceSampler>>,
+}
+
+/// The backend half of a request's sampler. Before each forward pass whose logits give the next
+/// token, the engine asks it whether that token can be sampled by the backend
+/// ([`Backend::forward_sample`]): then only the token comes back, not the logits.
+pub trait DeviceSampler: Send {
+    /// The next token's sampling and the uniform number its draw uses, or `None` when this step
+    /// needs the logits (`sampler` then picks the token).
+    fn device_step(&mut self) -> Option<(DeviceSampling, f64)>;
+    /// The token the backend chose, recorded as `sampler` records its own picks.
+    fn accept(&mut self, token: u32) -> SampledToken;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,11 +8,13 @@
 //!    can grow to (`Backend::sequence_bytes(prompt + max_tokens)`) fits in the memory budget.
 //!    Later requests never overtake it, so a large request is not starved by small ones. A
 //!    starting request restores the longest cached state of its prompt's prefix;
-//! 3. sampling: every sequence with logits waiting picks its next token and sends it;
+//! 3. sampling: every sequence with logits waiting picks its next token and sends it (or sends
+//!    the token the backend sampled, see [`DeviceSampler`](super::DeviceSampler));
 //! 4. one batch through `Backend::forward_batch`: a decode step for each sequence that sampled
 //!    and goes on, and prefill chunks of sequences still reading their prompt, taken
 //!    round-robin from where the previous batch stopped, up to `batch_tokens` (at least one
-//!    chunk per batch), so every prompt advances;
+//!    chunk per batch), so every prompt advances. A step whose token the request's device
+//!    sampler can pick runs through `Backend::forward_sample` instead, bringing back the token;
 //! 5. states worth keeping are saved in the prefix cache: every `snapshot_interval` prompt
 //!    tokens, before the prompt's last token (the prefill stops there for it), and at the end
 //!    of the turn.
@@ -27,6 +29,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::prefix_cache::PrefixCache;
 use super::{EngineOptions, EngineStats, Event, FinishReason, GenerateRequest};
 use crate::model::{panic_message, Backend, SeqId};
+use crate::sampling::DeviceSampling;
 
 /// A request as the engine thread receives it: the request and where its events go.
 pub type Submission = (GenerateRequest, UnboundedSender<Event>);
@@ -41,8 +44,8 @@ struct Running {
     /// Prompt tokens restored from the prefix cache.
     cached: usize,
     generated: Vec<u32>,
-    /// Logits of the last position, waiting to be sampled.
-    logits: Option<Vec<f32>>,
+    /// What the last forward pass left for choosing the next token.
+    next: Option<Next>,
     /// State bytes reserved at admission.
     reserved: u64,
 }
@@ -51,6 +54,13 @@ impl Running {
     fn prefilling(&self) -> bool {
         self.prefilled < self.request.prompt.len()
     }
+}
+
+enum Next {
+    /// Logits of the last position, waiting for the request's sampler.
+    Logits(Vec<f32>),
+    /// The token the backend sampled (see [`DeviceSampler`](super::DeviceSampler)).
+    Sampled(u32),
 }
 
 /// What a running sequence does in this iteration's batch.
@@ -197,7 +207,7 @@ impl EngineLoop {
                 prefilled: cached,
                 cached,
                 generated: Vec::new(),
-                logits: None,
+                next: None,
                 reserved: need,
             });
         }
@@ -234,7 +244,7 @@ impl EngineLoop {
         let mut work = Vec::new(); // (index in running, work)
         let mut i = 0;
         while i < self.running.len() {
-            if self.running[i].prefilling() || self.running[i].logits.is_none() {
+            if self.running[i].prefilling() || self.running[i].next.is_none() {
                 i += 1;
                 continue;
             }
@@ -258,19 +268,45 @@ impl EngineLoop {
         if work.is_empty() {
             return;
         }
-        let steps: Vec<(SeqId, &[u32])> = work
+        // Steps that end with a token the backend can sample run through `forward_sample`, one
+        // by one (the others' default batch does no better); the rest as one batch.
+        let sampling: Vec<Option<(DeviceSampling, f64)>> = work
             .iter()
             .map(|(i, w)| {
-                let r = &self.running[*i];
-                match w {
-                    Work::Prefill { from, to } => (r.seq, &r.request.prompt[*from..*to]),
-                    Work::Decode(token) => (r.seq, std::slice::from_ref(token)),
-                }
+                let r = &mut self.running[*i];
+                let gives_token = match w {
+                    Work::Prefill { to, .. } => *to == r.request.prompt.len(),
+                    Work::Decode(_) => true,
+                };
+                let device = r.request.device_sampler.as_mut().filter(|_| gives_token)?;
+                device.device_step()
             })
             .collect();
+        let mut sampled: Vec<Option<anyhow::Result<Next>>> = Vec::with_capacity(work.len());
+        let mut steps: Vec<(SeqId, &[u32])> = Vec::new();
+        for ((i, w), device) in work.iter().zip(&sampling) {
+            let r = &self.running[*i];
+            let tokens = match w {
+                Work::Prefill { from, to } => &r.request.prompt[*from..*to],
+                Work::Decode(token) => std::slice::from_ref(token),
+            };
+            let Some((sampling, u)) = device else {
+                steps.push((r.seq, tokens));
+                sampled.push(None);
+                continue;
+            };
+            let backend = &mut self.backend;
+            let result = catch_unwind(AssertUnwindSafe(|| {
+                backend.forward_sample(r.seq, tokens, sampling, *u)
+            }))
+            .unwrap_or_else(|panic| {
+                Err(anyhow::anyhow!("internal error: {}", panic_message(panic)))
+            });
+            sampled.push(Some(result.map(Next::Sampled)));
+        }
         let backend = &mut self.backend;
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward_batch(&steps)));
-        let results = match outcome {
+        let batched = match outcome {
             Ok(results) if results.len() == steps.len() => results,
             // Every step of the batch fails: which states the backend changed is unknown.
             outcome => {
@@ -288,17 +324,22 @@ impl EngineLoop {
                     .collect()
             }
         };
+        let mut batched = batched.into_iter().map(|r| r.map(Next::Logits));
+        let results: Vec<anyhow::Result<Next>> = sampled
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| batched.next().expect("one result per batched step")))
+            .collect();
         let mut failed = Vec::new();
         for ((i, w), result) in work.into_iter().zip(results) {
             match result {
-                Ok(logits) => {
+                Ok(next) => {
                     if let Work::Prefill { from, to } = w {
                         self.running[i].prefilled = to;
                         self.save_prompt_state(i, from, to);
                     }
                     // Logits inside the prompt are of no use; after it, they are sampled next.
                     if !self.running[i].prefilling() {
-                        self.running[i].logits = Some(logits);
+                        self.running[i].next = Some(next);
                     }
                 }
                 Err(e) => failed.push((i, format!("{e:#}"))),
@@ -319,10 +360,20 @@ impl EngineLoop {
         if r.request.max_tokens == 0 {
             return Ok(Some(FinishReason::Length));
         }
-        let mut logits = r.logits.take().expect("called with logits waiting");
-        let (sampler, generated) = (&mut r.request.sampler, &r.generated);
-        let token = catch_unwind(AssertUnwindSafe(|| sampler(&mut logits, generated)))
-            .map_err(|panic| format!("internal error: {}", panic_message(panic)))?;
+        let next = r
+            .next
+            .take()
+            .expect("called with a token or logits waiting");
+        let request = &mut r.request;
+        let generated = &r.generated;
+        let token = catch_unwind(AssertUnwindSafe(|| match next {
+            Next::Logits(mut logits) => (request.sampler)(&mut logits, generated),
+            Next::Sampled(id) => match &mut request.device_sampler {
+                Some(device) => device.accept(id),
+                None => unreachable!("only a device sampler samples on the backend"),
+            },
+        }))
+        .map_err(|panic| format!("internal error: {}", panic_message(panic)))?;
         let id = token.id;
         r.generated.push(id);
         self.stats

@@ -13,6 +13,7 @@ pub use state::SequenceState;
 pub use weights::Weights;
 
 use crate::config::ModelConfig;
+use crate::sampling::DeviceSampling;
 
 /// Identifies one sequence's state inside a backend.
 pub type SeqId = u64;
@@ -56,6 +57,19 @@ pub trait Backend: Send {
     fn forward_greedy(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<u32> {
         let logits = self.forward(seq, tokens)?;
         Ok(argmax(&logits))
+    }
+    /// Runs `tokens` and samples the next token as `sampling` says, the draw at `u` (uniform in
+    /// [0, 1), from the request's RNG). Devices override this to sample where the logits are and
+    /// bring back one id; this default is the reference they must match.
+    fn forward_sample(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        sampling: &DeviceSampling,
+        u: f64,
+    ) -> anyhow::Result<u32> {
+        let logits = self.forward(seq, tokens)?;
+        Ok(sampling.sample(&logits, u)?)
     }
     /// Runs one step for each of several sequences (a prefill chunk or a decode token each, each
     /// sequence at most once) and returns the logits of each step's last token, in order. A
