@@ -1,6 +1,6 @@
 //! The benchmark sweep (the protocol of Perplexity's Lily): batch 1, prompt length = context,
-//! a warm-up, then per round one measured prefill followed by N greedy decode steps; the median
-//! of the rounds is reported. Works on any [`Backend`].
+//! a warm-up at that context, then per round one measured prefill followed by N greedy decode
+//! steps; the median of the rounds is reported. Works on any [`Backend`].
 
 use std::time::Instant;
 
@@ -82,15 +82,13 @@ pub fn sweep(
 ) -> anyhow::Result<Vec<BenchPoint>> {
     anyhow::ensure!(options.rounds >= 1, "at least one round");
     let mut seq: SeqId = 1 << 40;
-    // Warm-up: module loading, allocations, graph capture stay out of the numbers.
-    one_round(
-        backend,
-        seq,
-        options.contexts.first().copied().unwrap_or(256).min(1024),
-        options.decode_steps.min(8),
-    )?;
     let mut points = Vec::new();
     for &context in &options.contexts {
+        // Warm-up at the exact shape, as the peers' scripts do: module loading, allocations,
+        // graph capture and a library's first use of a shape (cuBLAS from 512 tokens on) stay
+        // out of the numbers.
+        seq += 1;
+        one_round(backend, seq, context, options.decode_steps.min(8))?;
         backend.reset_peak_memory();
         let mut prefills = Vec::new();
         let mut decodes = Vec::new();

@@ -126,7 +126,7 @@ fn serve(backend: Box<dyn Backend>, args: &BenchArgs) -> anyhow::Result<()> {
         engine: EngineOptions {
             max_sequences: args.streams.max(args.decode_streams),
             prefix_cache_bytes: args.prefix_cache_mb << 20,
-            ..EngineOptions::default()
+            ..EngineOptions::for_device(&backend.device_name())
         },
     };
     eprintln!("device: {}; in-process engine", backend.device_name());

@@ -77,7 +77,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         "--shutdown-grace must be a number of seconds"
     );
     let device = super::device::resolve(args.device.as_deref());
-    let on_gpu = device.starts_with("cuda");
+    let device_name = device.clone();
     server::run(ServeOptions {
         source,
         served_model_name: args.served_model_name.unwrap_or(default_name),
@@ -96,17 +96,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         engine: EngineOptions {
             prefix_cache_bytes: args.prefix_cache_mb << 20,
             memory_budget: args.state_memory_mb.map(|mb| mb << 20),
-            // The GPU's prefill GEMMs want long chunks (each expert then sees ~chunk/32 rows;
-            // bench/NOTES.md v1.3); the CPU reference keeps short ones for fair interleaving.
-            ..if on_gpu {
-                EngineOptions {
-                    prefill_chunk: 4096,
-                    batch_tokens: 4096,
-                    ..EngineOptions::default()
-                }
-            } else {
-                EngineOptions::default()
-            }
+            ..EngineOptions::for_device(&device_name)
         },
     })
 }

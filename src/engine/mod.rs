@@ -106,6 +106,23 @@ pub struct EngineOptions {
     pub snapshot_interval: usize,
 }
 
+impl EngineOptions {
+    /// The defaults for a backend on `device` (`cpu`, `cuda...`): the GPU's prefill GEMMs want
+    /// long chunks (each expert then sees ~chunk/32 rows; bench/NOTES.md v1.3), the CPU reference
+    /// keeps short ones for fair interleaving.
+    pub fn for_device(device: &str) -> Self {
+        if device.starts_with("cuda") {
+            EngineOptions {
+                prefill_chunk: 4096,
+                batch_tokens: 4096,
+                ..EngineOptions::default()
+            }
+        } else {
+            EngineOptions::default()
+        }
+    }
+}
+
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
