@@ -13,7 +13,8 @@
 #                                      under $OUT (or ./gpu-out); exits non-zero if a test failed.
 #
 # Set GPU_CHECK_CONTEXTS (comma-separated) to change the benchmark's contexts, or to "none" to skip
-# it; GPU_CHECK_SERVE=none skips the `lily bench --serve` run. The GPU tests are every
+# it; GPU_CHECK_SERVE=none skips the `lily bench --serve` run; GPU_CHECK_AGREE=1 adds the full-size
+# `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time). The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
 # (src/cuda/mod.rs), so no LD_LIBRARY_PATH is set here.
@@ -96,6 +97,21 @@ PY
         echo "cuda: $gpu"; echo "cpu:  $cpu"
         echo "generate cuda vs cpu: $([[ -n "$gpu" && "$gpu" == "$cpu" ]] && echo "identical" || echo "differ (see logs; near-ties possible)")" >> "$summary"
         rm -rf "$model"
+    fi
+    if [[ "${GPU_CHECK_AGREE:-}" == 1 && -x "$dir/lily" ]]; then
+        # The full-size Q4 model, written to disk so that the CPU can load it too: 256 greedy
+        # tokens after a 4K prompt on the GPU, the CPU teacher-forced on them (src/agree.rs).
+        # About 20 GB of disk and minutes of CPU time.
+        echo "=== agree (full size, cuda vs cpu)"
+        full="$(mktemp -d)"
+        "$dir/lily" synth --config qwen3.6-35b-a3b --quant q4 --out "$full" > "$logs/agree.log" 2>&1
+        timeout 480 "$dir/lily" agree --model "$full" --device cuda --prompt-tokens 4096 --tokens 256 \
+            --out "$out/agree.md" >> "$logs/agree.log" 2>&1
+        rc=$?
+        tail -5 "$logs/agree.log"
+        echo "agree (full size): $([[ $rc == 0 ]] && echo "no unexplained divergence" || echo "FAIL (exit $rc)")" >> "$summary"
+        [[ $rc == 0 ]] || failed=1
+        rm -rf "$full"
     fi
     contexts="${GPU_CHECK_CONTEXTS:-256,1024,4096,16384,32768}"
     if [[ "$contexts" != none && -x "$dir/lily" ]]; then

@@ -4,6 +4,7 @@
 //! The path of one request: server → chat template → tokenizer → engine → backend forward →
 //! sampler → detokenizer → reasoning / tool-call parsers → server. See `../shared/DESIGN.md`.
 
+pub mod agree;
 pub mod bench;
 pub mod chat;
 pub mod checkpoint;

@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod agree;
 mod bench;
 mod device;
 mod generate;
@@ -21,6 +22,8 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 pub enum Command {
+    /// Check greedy decoding on a device against the CPU reference, token by token.
+    Agree(agree::AgreeArgs),
     /// Measure prefill and decode speed over a sweep of contexts.
     Bench(bench::BenchArgs),
     /// Generate tokens from a prompt.
@@ -41,6 +44,7 @@ pub enum Command {
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Agree(a) => agree::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Inspect(a) => inspect::run(a),

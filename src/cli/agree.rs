@@ -1,0 +1,62 @@
+//! `lily agree`: greedy decoding on a device against the CPU reference (src/agree.rs).
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use lily::agree;
+use lily::bench::synthetic_prompt;
+use lily::checkpoint;
+
+#[derive(Args)]
+pub struct AgreeArgs {
+    /// Model directory or GGUF file.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The device checked against the CPU: cuda or cuda:N (cpu checks the comparison itself).
+    #[arg(long, default_value = "cuda")]
+    pub device: String,
+    /// Prompt length (synthetic token ids, as `lily bench` makes them).
+    #[arg(long, default_value_t = 4096)]
+    pub prompt_tokens: usize,
+    /// Greedy tokens compared.
+    #[arg(long, default_value_t = 256)]
+    pub tokens: usize,
+    /// Also write the report here (markdown).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.prompt_tokens > 0 && args.tokens > 0,
+        "--prompt-tokens and --tokens must be positive"
+    );
+    // The device first, then the CPU on a second copy of the weights (the device backend keeps
+    // what it needs on the GPU).
+    let weights = checkpoint::load(&args.model)?;
+    let prompt = synthetic_prompt(args.prompt_tokens, weights.config.vocab_size, 7);
+    let context = args.prompt_tokens + args.tokens + 1;
+    let mut backend = super::device::backend(&args.device, weights, context, Some(1))?;
+    let device = backend.device_name();
+    eprintln!(
+        "{device}: {} greedy tokens after {} prompt tokens",
+        args.tokens, args.prompt_tokens
+    );
+    let steps = agree::device_run(backend.as_mut(), &prompt, args.tokens)?;
+    drop(backend);
+    eprintln!("CPU reference, teacher-forced on the device's tokens");
+    let weights = checkpoint::load(&args.model)?;
+    let report = agree::compare(&weights, device, &prompt, &steps);
+    let md = report.to_markdown();
+    print!("{md}");
+    if let Some(out) = &args.out {
+        std::fs::write(out, &md)?;
+    }
+    anyhow::ensure!(
+        report.unexplained() == 0,
+        "{} divergences are not near-ties",
+        report.unexplained()
+    );
+    Ok(())
+}
