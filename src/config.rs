@@ -333,7 +333,7 @@ impl ModelConfig {
                 return Err(field_err(&p(name), "> 0", "0"));
             }
         }
-        if !(self.rms_norm_eps > 0.0) {
+        if self.rms_norm_eps.is_nan() || self.rms_norm_eps <= 0.0 {
             return Err(field_err(
                 &p("rms_norm_eps"),
                 "> 0",

@@ -9,6 +9,7 @@
 //!   reference rounds nothing. Two GPU paths compared with each other: 4e-2 (each within 1.6%).
 //! * fp32 recurrent state: max |gpu − ref| ≤ 1e-4 · max |ref| per sequence.
 //! * bf16 conv state: bit-exact (it is a copy of inputs).
+//!
 //! Every output is poisoned with NaN before a launch, so an element never written fails.
 //!
 //! Seeds are fresh each run and printed; set LILY_TEST_SEED to repeat one.
