@@ -667,18 +667,28 @@ impl Backend for CudaBackend {
         sampling: &DeviceSampling,
         u: f64,
     ) -> anyhow::Result<u32> {
-        // Plain greedy is the argmax the forward pass already ends with.
+        // Plain greedy is the argmax the forward pass already ends with; greedy over the
+        // tokenizer's ids only (a real checkpoint's padding rows masked) the argmax of that prefix.
         let vocab = self.model.config.vocab_size;
-        if sampling.is_greedy() && sampling.history.is_empty() && sampling.vocab_limit >= vocab {
+        let limit = sampling.vocab_limit.min(vocab);
+        if sampling.is_greedy() && sampling.history.is_empty() && limit == vocab {
             return self.forward_greedy(seq, tokens);
         }
         self.step(seq, tokens)?;
-        self.k.sample.sample(
-            &self.s.logits.as_view(),
-            sampling,
-            u,
-            &mut self.s.next.as_view_mut(),
-        )?;
+        if sampling.is_greedy() && sampling.history.is_empty() && limit > 0 {
+            self.k.sample.argmax(
+                &self.s.logits.slice(..limit),
+                limit,
+                &mut self.s.next.as_view_mut(),
+            )?;
+        } else {
+            self.k.sample.sample(
+                &self.s.logits.as_view(),
+                sampling,
+                u,
+                &mut self.s.next.as_view_mut(),
+            )?;
+        }
         let next: Vec<i32> = self
             .dev
             .stream()
