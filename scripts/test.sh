@@ -27,6 +27,9 @@ venv="${LILY_GGUF_VENV:-target/gguf-venv}"
 "$venv/bin/pip" install -q -r tools/requirements-gguf.txt
 "$venv/bin/python" tools/check_gguf.py
 
+echo "== peer benchmark scripts: time cap, outputs, collect (stdlib only)"
+python3 tools/peers/test_peers.py
+
 echo "== lily serve against the pinned openai client and raw HTTP"
 venv="${LILY_CLIENT_VENV:-target/client-venv}"
 [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
