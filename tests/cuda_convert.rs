@@ -21,31 +21,17 @@ use lily::model::convert;
 use lily::model::weights::{Matrix, WeightFormat};
 use lily::model::{Backend, CpuBackend};
 use rand::RngExt;
-use serde_json::json;
 
 /// As tests/cuda_forward.rs: measured 1.6–3.6e-2 for bf16 activations over 4 random layers.
 const TOLERANCE: f32 = 8e-2;
 
 fn config() -> serde_json::Value {
-    let mut c = synth::preset("qwen3.6-35b-a3b").unwrap();
-    let t = c["text_config"].as_object_mut().unwrap();
-    t.insert("hidden_size".into(), json!(512));
-    t.insert("num_hidden_layers".into(), json!(4));
-    t.insert(
-        "layer_types".into(),
-        json!([
-            "linear_attention",
-            "linear_attention",
-            "linear_attention",
-            "full_attention"
-        ]),
-    );
-    t.insert("num_experts".into(), json!(16));
-    t.insert("moe_intermediate_size".into(), json!(256));
-    t.insert("shared_expert_intermediate_size".into(), json!(256));
-    t.insert("vocab_size".into(), json!(2048));
-    t.insert("mtp_num_hidden_layers".into(), json!(0));
-    c
+    common::real_shaped_config([
+        "linear_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+    ])
 }
 
 /// `m` as ggml Q8_0 blocks: `{f16 d; i8 q[32]}` with `d = max|w| / 127`.

@@ -12,6 +12,9 @@
 //! Outputs are poisoned with NaN before each launch, so an element the kernel skips fails.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::Rng;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream};
@@ -29,47 +32,6 @@ const HIDDEN: usize = 2048;
 
 fn device() -> CudaDevice {
     CudaDevice::open("cuda").unwrap_or_else(|e| panic!("these tests need a GPU: {e}"))
-}
-
-/// splitmix64: fast, good enough for test data, and reproducible from one printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn new(test: &str) -> Self {
-        let seed = std::env::var("LILY_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-            });
-        println!("{test}: seed {seed}");
-        Rng(seed)
-    }
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    fn bf16s(&mut self, n: usize, scale: f32) -> Vec<bf16> {
-        (0..n)
-            .map(|_| bf16::from_f32(self.unit() * scale))
-            .collect()
-    }
-    fn words(&mut self, n: usize) -> Vec<u32> {
-        (0..n).map(|_| self.next_u64() as u32).collect()
-    }
 }
 
 fn upload<T: cudarc::driver::DeviceRepr>(stream: &Arc<CudaStream>, v: &[T]) -> CudaSlice<T> {

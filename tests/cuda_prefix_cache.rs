@@ -8,6 +8,8 @@
 //! chunks from the same state, so their logits must agree exactly, not just to bf16 accuracy.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use lily::checkpoint::{self, synth, tensor::DType};
 use lily::cuda::forward::{CudaBackend, CudaOptions};
 use lily::cuda::model::CudaModel;
@@ -15,28 +17,14 @@ use lily::cuda::CudaDevice;
 use lily::engine::{greedy_sampler, Engine, EngineOptions, Event, GenerateRequest};
 use lily::model::{argmax, Backend};
 use rand::RngExt;
-use serde_json::json;
 
 fn config() -> serde_json::Value {
-    let mut c = synth::preset("qwen3.6-35b-a3b").unwrap();
-    let t = c["text_config"].as_object_mut().unwrap();
-    t.insert("hidden_size".into(), json!(512));
-    t.insert("num_hidden_layers".into(), json!(4));
-    t.insert(
-        "layer_types".into(),
-        json!([
-            "linear_attention",
-            "full_attention",
-            "linear_attention",
-            "full_attention"
-        ]),
-    );
-    t.insert("num_experts".into(), json!(16));
-    t.insert("moe_intermediate_size".into(), json!(256));
-    t.insert("shared_expert_intermediate_size".into(), json!(256));
-    t.insert("vocab_size".into(), json!(2048));
-    t.insert("mtp_num_hidden_layers".into(), json!(0));
-    c
+    common::real_shaped_config([
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "full_attention",
+    ])
 }
 
 fn backend(max_sequences: usize) -> CudaBackend {

@@ -12,6 +12,9 @@
 //! right). Wrong filtering or a wrong order moves whole candidates, which is far larger.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::Rng;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -28,46 +31,6 @@ const BOUNDARY: f64 = 1e-9;
 
 fn device() -> CudaDevice {
     CudaDevice::open("cuda").unwrap_or_else(|e| panic!("these tests need a GPU: {e}"))
-}
-
-/// splitmix64, reproducible from one printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn new(test: &str) -> Self {
-        let seed = std::env::var("LILY_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_nanos() as u64
-            });
-        println!("{test}: seed {seed}");
-        Rng(seed)
-    }
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1), 53 bits as the samplers' draws.
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    fn normal(&mut self) -> f64 {
-        let (a, b) = (self.uniform().max(1e-300), self.uniform());
-        (-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()
-    }
-    fn pick<T: Copy>(&mut self, options: &[T]) -> T {
-        options[self.below(options.len())]
-    }
 }
 
 /// Logits shaped like a language model's: a wide normal bulk, a few strong candidates, runs of

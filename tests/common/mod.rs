@@ -118,3 +118,77 @@ pub fn rewrite(file: &Path, edit: impl Fn(&mut Vec<(String, DType, Vec<usize>, V
     edit(&mut list);
     lily::checkpoint::safetensors::write_file(file, &list).unwrap();
 }
+
+/// A config with Qwen3.6-35B-A3B's GDN and attention head shapes (what the CUDA kernels are built
+/// for) but 4 layers of the given kinds, 16 experts, hidden 512 and a 2048-token vocabulary: small
+/// enough for the CPU reference, and every kernel of the real model runs.
+pub fn real_shaped_config(layer_types: [&str; 4]) -> serde_json::Value {
+    let mut c = lily::checkpoint::synth::preset("qwen3.6-35b-a3b").unwrap();
+    let t = c["text_config"].as_object_mut().unwrap();
+    t.insert("hidden_size".into(), serde_json::json!(512));
+    t.insert("num_hidden_layers".into(), serde_json::json!(4));
+    t.insert("layer_types".into(), serde_json::json!(layer_types));
+    t.insert("num_experts".into(), serde_json::json!(16));
+    t.insert("moe_intermediate_size".into(), serde_json::json!(256));
+    t.insert(
+        "shared_expert_intermediate_size".into(),
+        serde_json::json!(256),
+    );
+    t.insert("vocab_size".into(), serde_json::json!(2048));
+    t.insert("mtp_num_hidden_layers".into(), serde_json::json!(0));
+    c
+}
+
+/// splitmix64 for test data: fast, and reproducible from the seed it prints (fresh each run;
+/// LILY_TEST_SEED repeats one).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(test: &str) -> Self {
+        let seed = std::env::var("LILY_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
+        println!("{test}: seed {seed}");
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1), 53 bits (as the samplers' draws).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Uniform in [-1, 1).
+    pub fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    /// Standard normal (Box–Muller).
+    pub fn normal(&mut self) -> f64 {
+        let (a, b) = (self.uniform().max(1e-300), self.uniform());
+        (-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()
+    }
+    pub fn pick<T: Copy>(&mut self, options: &[T]) -> T {
+        options[self.below(options.len())]
+    }
+    pub fn bf16s(&mut self, n: usize, scale: f32) -> Vec<half::bf16> {
+        (0..n)
+            .map(|_| half::bf16::from_f32(self.unit() * scale))
+            .collect()
+    }
+    pub fn words(&mut self, n: usize) -> Vec<u32> {
+        (0..n).map(|_| self.next_u64() as u32).collect()
+    }
+}
