@@ -66,6 +66,7 @@ impl DenseGemm {
             "dense gemm: y has {} values, expected {t}×{rows}",
             y.len()
         );
+        w.check_lengths("dense gemm")?;
         let n = rows * cols;
         let stream = self.stream.clone();
         let stream = &*stream;
@@ -92,12 +93,7 @@ impl DenseGemm {
                     "dense gemm: a {rows}×{cols} matrix exceeds the scratch of {} values",
                     self.scratch.len()
                 );
-                let bits_n = *bits as usize;
-                ensure!(
-                    packed.len() >= n * bits_n / 32 && scales.len() >= n / GROUP,
-                    "dense gemm: affine data shorter than {rows}×{cols}"
-                );
-                self.dequantise(packed, scales, biases, n, cols, bits_n)?;
+                self.dequantise(packed, scales, biases, n, cols, *bits as usize)?;
                 self.scratch.device_ptr(stream).0
             }
         };

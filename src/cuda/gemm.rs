@@ -47,6 +47,38 @@ pub struct Matrices<'a> {
 }
 
 impl Matrices<'_> {
+    /// Checks that the buffers hold exactly `count` matrices of `rows × cols` in their format
+    /// (the kernels index them from the shape alone); `op` names the caller in the error.
+    pub(crate) fn check_lengths(&self, op: &str) -> Result<()> {
+        let n = self.count * self.rows * self.cols;
+        match &self.data {
+            WeightData::Bf16(v) => ensure!(
+                v.len() == n,
+                "{op}: bf16 weights have {} values, expected {n}",
+                v.len()
+            ),
+            WeightData::Affine {
+                bits,
+                packed,
+                scales,
+                biases,
+            } => {
+                let words = n * *bits as usize / 32;
+                ensure!(
+                    packed.len() == words,
+                    "{op}: packed weights have {} words, expected {words}",
+                    packed.len()
+                );
+                let groups = n / GROUP;
+                ensure!(
+                    scales.len() == groups && biases.len() == groups,
+                    "{op}: scales/biases need {groups} values each"
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Device addresses of the weights, scales and biases (0 for bf16's absent scales and
     /// biases), for a kernel's argument struct; see [`addr`].
     pub(crate) fn addrs<'a>(
@@ -438,31 +470,6 @@ fn check_matrices(w: &Matrices) -> Result<Format> {
         "gemv: cols = {} must be a multiple of {step}",
         w.cols
     );
-    let n = w.count * w.rows * w.cols;
-    let words = n * format.bits() / 32;
-    match &w.data {
-        WeightData::Bf16(v) => ensure!(
-            v.len() == n,
-            "gemv: bf16 weights have {} values, expected {n}",
-            v.len()
-        ),
-        WeightData::Affine {
-            packed,
-            scales,
-            biases,
-            ..
-        } => {
-            ensure!(
-                packed.len() == words,
-                "gemv: packed weights have {} words, expected {words}",
-                packed.len()
-            );
-            let groups = n / GROUP;
-            ensure!(
-                scales.len() == groups && biases.len() == groups,
-                "gemv: scales/biases need {groups} values each"
-            );
-        }
-    }
+    w.check_lengths("gemv")?;
     Ok(format)
 }

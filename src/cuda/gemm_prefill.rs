@@ -380,31 +380,6 @@ fn check_matrices(w: &Matrices) -> Result<Format> {
         "gemm: cols = {} must be a multiple of {GROUP}",
         w.cols
     );
-    let n = w.count * w.rows * w.cols;
-    match &w.data {
-        WeightData::Bf16(v) => ensure!(
-            v.len() == n,
-            "gemm: bf16 weights have {} values, expected {n}",
-            v.len()
-        ),
-        WeightData::Affine {
-            packed,
-            scales,
-            biases,
-            ..
-        } => {
-            let words = n * format.bits() / 32;
-            ensure!(
-                packed.len() == words,
-                "gemm: packed weights have {} words, expected {words}",
-                packed.len()
-            );
-            let groups = n / GROUP;
-            ensure!(
-                scales.len() == groups && biases.len() == groups,
-                "gemm: scales/biases need {groups} values each"
-            );
-        }
-    }
+    w.check_lengths("gemm")?;
     Ok(format)
 }

@@ -49,7 +49,7 @@ impl DeviceMoe {
     /// Copies one layer's MoE weights to the device in this layout.
     pub fn upload(s: &Arc<CudaStream>, c: &ModelConfig, m: &MoeWeights) -> Result<Self> {
         let shared = &m.shared_expert;
-        check_shared_expert(c, shared.down.format == m.experts[0].down.format)?;
+        check_shared_expert(c)?;
         let experts = || m.experts.iter().chain([shared]);
         let gate_ups: Vec<_> = experts().map(|e| vec![&e.gate, &e.up]).collect();
         let downs: Vec<_> = experts().map(|e| vec![&e.down]).collect();
@@ -184,7 +184,7 @@ impl CudaModel {
                     }
                 }
             };
-            check_shared_expert(c, true)?;
+            check_shared_expert(c)?;
             let (e, inter) = (c.num_experts + 1, c.moe_intermediate_size);
             let moe = DeviceMoe {
                 router: k.matrices(small_bits, 1, e, h, next())?,
@@ -229,16 +229,16 @@ impl CudaModel {
     }
 }
 
-/// The shared expert joins the routed experts' stacks (DeviceMoe), so it must have their shape and
-/// format, as Qwen3.6-35B-A3B's does (512 wide, quantised alike).
-fn check_shared_expert(c: &ModelConfig, same_format: bool) -> Result<()> {
+/// The shared expert joins the routed experts' stacks (DeviceMoe), so it must have their width, as
+/// Qwen3.6-35B-A3B's does (512); formats are made common by `convert` before upload, and the
+/// stack itself rejects a mismatch.
+fn check_shared_expert(c: &ModelConfig) -> Result<()> {
     ensure!(
-        c.shared_expert_intermediate_size == c.moe_intermediate_size && same_format,
-        "the CUDA backend runs the shared expert beside the routed ones: it needs their width ({}) \
-         and weight format, the checkpoint has width {}{}",
+        c.shared_expert_intermediate_size == c.moe_intermediate_size,
+        "the CUDA backend runs the shared expert beside the routed ones: it needs their width ({}), \
+         the checkpoint has {}",
         c.moe_intermediate_size,
-        c.shared_expert_intermediate_size,
-        if same_format { "" } else { " and another format" }
+        c.shared_expert_intermediate_size
     );
     Ok(())
 }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{DevicePtr, LaunchConfig};
 use half::bf16;
 
 use super::{
@@ -107,37 +107,23 @@ impl NormKernels {
             shared_mem_bytes: 0,
         };
         let (rows, n, k) = (as_i32(rows, "rows")?, as_i32(n, "n")?, as_i32(k, "k")?);
+        // No weights: a null pointer, which the kernel reads as weight 1 for the one part.
+        let weights_ptr = weights.map_or(0u64, |wt| wt.device_ptr(&self.stream).0);
         unsafe {
-            match weights {
-                Some(wt) => launch!(
-                    self.stream,
-                    &self.residual_rmsnorm,
-                    cfg,
-                    h,
-                    parts,
-                    wt,
-                    &k,
-                    w,
-                    y,
-                    &rows,
-                    &n,
-                    &eps
-                ),
-                None => launch!(
-                    self.stream,
-                    &self.residual_rmsnorm,
-                    cfg,
-                    h,
-                    parts,
-                    &0u64, // null: no weights
-                    &k,
-                    w,
-                    y,
-                    &rows,
-                    &n,
-                    &eps
-                ),
-            }
+            launch!(
+                self.stream,
+                &self.residual_rmsnorm,
+                cfg,
+                h,
+                parts,
+                &weights_ptr,
+                &k,
+                w,
+                y,
+                &rows,
+                &n,
+                &eps
+            )
         }
     }
 
