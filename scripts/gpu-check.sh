@@ -13,7 +13,8 @@
 #                                      under $OUT (or ./gpu-out); exits non-zero if a test failed.
 #
 # Set GPU_CHECK_CONTEXTS (comma-separated) to change the benchmark's contexts, or to "none" to skip
-# it; GPU_CHECK_SERVE=none skips the `lily bench --serve` run; GPU_CHECK_AGREE=1 adds the full-size
+# it; GPU_CHECK_SERVE=none skips the `lily bench --serve` run (GPU_CHECK_SERVE_ARGS replaces its
+# stream settings); GPU_CHECK_AGREE=1 adds the full-size
 # `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time). The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
@@ -123,10 +124,14 @@ PY
         echo "bench: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
     fi
     if [[ "${GPU_CHECK_SERVE:-1}" != none && -x "$dir/lily" ]]; then
-        # The engine under load: 8 streams, a 10-turn conversation growing to 32K tokens with and
-        # without the prefix cache, decode speed per stream (serve.md).
+        # The engine under load (issue 10's settings): 64 streams of 1K-token prompts and 128
+        # output tokens, decode steps batched; a 10-turn conversation growing to 32K tokens with
+        # and without the prefix cache; decode speed per stream among 8 (serve.md).
+        # GPU_CHECK_SERVE_ARGS replaces the stream settings.
         echo "=== bench --serve"
+        # shellcheck disable=SC2086
         timeout 400 "$dir/lily" bench --serve --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+            ${GPU_CHECK_SERVE_ARGS:---batch-decode --streams 64 --prompt-tokens 1024 --output-tokens 128} \
             --out "$out" > "$logs/bench-serve.log" 2>&1
         rc=$?
         tail -30 "$logs/bench-serve.log"

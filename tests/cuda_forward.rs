@@ -15,7 +15,8 @@ use lily::checkpoint::{self, synth, tensor::DType};
 use lily::cuda::forward::{CudaBackend, CudaOptions};
 use lily::cuda::model::CudaModel;
 use lily::cuda::CudaDevice;
-use lily::model::{argmax, Backend, CpuBackend, Weights};
+use lily::model::{argmax, Backend, CpuBackend, Step, StepOutput, Weights};
+use lily::sampling::DeviceSampling;
 
 /// Logit error bound relative to the logit range. The GPU rounds activations to bf16 (8 bits of
 /// mantissa) after every projection, as the reference implementation does; the CPU keeps f32.
@@ -55,6 +56,7 @@ fn compare(weights: Weights, label: &str, tolerance: f32) {
         max_context: 4096,
         prefill_chunk: 256,
         cuda_graphs: true,
+        batch_decode: false,
     };
     let mut gpu = CudaBackend::new(dev, model, options).unwrap();
 
@@ -168,6 +170,7 @@ fn greedy_on_device_equals_argmax_of_logits() {
             max_context: 512,
             prefill_chunk: 256,
             cuda_graphs: true,
+            batch_decode: false,
         },
     )
     .unwrap();
@@ -181,6 +184,7 @@ fn greedy_on_device_equals_argmax_of_logits() {
             max_context: 512,
             prefill_chunk: 256,
             cuda_graphs: false,
+            batch_decode: false,
         },
     )
     .unwrap();
@@ -193,4 +197,161 @@ fn greedy_on_device_equals_argmax_of_logits() {
         logits = b.forward(0, &[tok]).unwrap();
         tok = a.forward_greedy(0, &[tok]).unwrap();
     }
+}
+
+fn q4_weights(seed: u64) -> Weights {
+    let bf16 = tempfile::tempdir().unwrap();
+    let q4 = tempfile::tempdir().unwrap();
+    synth::write_checkpoint(
+        &config(),
+        bf16.path(),
+        seed,
+        DType::BF16,
+        synth::SHARD_BYTES,
+        false,
+    )
+    .unwrap();
+    lily::checkpoint::mlx_write::quantize_dir(
+        bf16.path(),
+        q4.path(),
+        lily::quant::Affine {
+            bits: 4,
+            group_size: 64,
+        },
+        false,
+    )
+    .unwrap();
+    checkpoint::load(q4.path()).unwrap()
+}
+
+fn gpu_backend(weights: &Weights, max_sequences: usize, batch_decode: bool) -> CudaBackend {
+    let dev = CudaDevice::new(0).expect("a CUDA GPU");
+    let model = CudaModel::upload(&dev, weights).unwrap();
+    let options = CudaOptions {
+        max_sequences,
+        max_context: 1024,
+        prefill_chunk: 256,
+        cuda_graphs: true,
+        batch_decode,
+    };
+    CudaBackend::new(dev, model, options).unwrap()
+}
+
+/// How a step of the batched test asks for its next token: logits back, or a token picked on
+/// the device by plain greedy, greedy over a vocabulary prefix, or top-1 sampling (the sampler's
+/// whole pipeline) — each reading its own row of the pass.
+fn way(seq: usize, vocab: usize) -> Option<DeviceSampling> {
+    let greedy = DeviceSampling {
+        temperature: 0.0,
+        top_k: None,
+        top_p: 1.0,
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        vocab_limit: vocab,
+        history: Vec::new(),
+    };
+    match seq % 4 {
+        0 => None,
+        1 => Some(greedy),
+        2 => Some(DeviceSampling {
+            vocab_limit: vocab - 7,
+            ..greedy
+        }),
+        _ => Some(DeviceSampling {
+            temperature: 0.7,
+            top_k: Some(1),
+            ..greedy
+        }),
+    }
+}
+
+/// Decode steps of many sequences as one pass (`batch_decode`) against the same steps one by one:
+/// passes of 12 rows (the experts' grouped GEMM, the dense GEMM), then 5 and 2 (GEMVs), each
+/// sequence at its own position with prompts across a prefill-chunk boundary. Logits agree to
+/// bf16 accuracy (the two paths round in different orders), picked tokens up to near-ties. A step
+/// for an unknown sequence or a bad token in the same batch fails alone.
+#[test]
+fn batched_decode_equals_one_by_one() {
+    let weights = q4_weights(6);
+    let vocab = weights.config.vocab_size;
+    let n = 12;
+    let mut batched = gpu_backend(&weights, n, true);
+    let mut alone = gpu_backend(&weights, n, false);
+    let mut last = Vec::new();
+    for seq in 0..n {
+        let p = prompt([1, 2, 5, 40, 255, 257, 300][seq % 7] + seq, seq as u32);
+        batched.create_sequence(seq as u64).unwrap();
+        alone.create_sequence(seq as u64).unwrap();
+        batched.forward(seq as u64, &p).unwrap();
+        last.push(argmax(&alone.forward(seq as u64, &p).unwrap()));
+    }
+    let ways: Vec<Option<DeviceSampling>> = (0..n).map(|s| way(s, vocab)).collect();
+    let mut checked = 0;
+    for (step, live) in [12usize, 12, 5, 5, 2, 2, 12].into_iter().enumerate() {
+        let mut steps: Vec<Step> = (0..live)
+            .map(|seq| Step {
+                seq: seq as u64,
+                tokens: std::slice::from_ref(&last[seq]),
+                sample: ways[seq].as_ref().map(|s| (s, 0.5)),
+            })
+            .collect();
+        let bad_token = [vocab as u32 + 3];
+        steps.push(Step {
+            seq: 999,
+            tokens: &last[..1],
+            sample: None,
+        });
+        if live < n {
+            steps.push(Step {
+                seq: live as u64,
+                tokens: &bad_token,
+                sample: None,
+            });
+        }
+        let outputs = batched.forward_batch(&steps);
+        assert_eq!(outputs.len(), steps.len());
+        assert!(outputs[live].is_err(), "an unknown sequence fails");
+        if live < n {
+            assert!(
+                outputs[live + 1].is_err(),
+                "a token outside the vocabulary fails"
+            );
+        }
+        let mut next = Vec::new();
+        for (seq, out) in outputs.into_iter().take(live).enumerate() {
+            let reference = alone.forward(seq as u64, &[last[seq]]).unwrap();
+            let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let limit = ways[seq].as_ref().map_or(vocab, |s| s.vocab_limit);
+            let expected = argmax(&reference[..limit]);
+            match out.unwrap_or_else(|e| panic!("step {step}, sequence {seq}: {e:#}")) {
+                StepOutput::Logits(logits) => {
+                    assert!(ways[seq].is_none(), "sequence {seq} asked for a token");
+                    let err = rel(&logits, &reference);
+                    assert!(
+                        err <= TOLERANCE,
+                        "step {step} ({live} rows), sequence {seq}: logits differ by {err:.2e}"
+                    );
+                }
+                StepOutput::Token(token) => {
+                    assert!(ways[seq].is_some(), "sequence {seq} asked for logits");
+                    assert!(
+                        (token as usize) < limit,
+                        "token {token} past the limit {limit}"
+                    );
+                    let gap = (reference[expected as usize] - reference[token as usize]) / scale;
+                    assert!(
+                        gap <= TOLERANCE,
+                        "step {step} ({live} rows), sequence {seq}: picked {token}, \
+                         one by one {expected} (gap {gap:.2e}: not a near-tie)"
+                    );
+                }
+            }
+            checked += 1;
+            next.push(expected);
+        }
+        last[..live].copy_from_slice(&next);
+    }
+    println!("batched decode: {checked} steps agree with one-by-one decoding");
 }

@@ -37,7 +37,11 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
     let weights = checkpoint::load(&args.model)?;
     let prompt = synthetic_prompt(args.prompt_tokens, weights.config.vocab_size, 7);
     let context = args.prompt_tokens + args.tokens + 1;
-    let mut backend = super::device::backend(&args.device, weights, context, Some(1))?;
+    let gpu = super::device::GpuOptions {
+        slots: Some(1),
+        batch_decode: false,
+    };
+    let mut backend = super::device::backend(&args.device, weights, context, gpu)?;
     let device = backend.device_name();
     eprintln!(
         "{device}: {} greedy tokens after {} prompt tokens",

@@ -11,6 +11,8 @@ use lily::engine::EngineOptions;
 use lily::model::Backend;
 use lily::serve_bench::{self, ServeBenchOptions};
 
+use super::device::GpuOptions;
+
 #[derive(Args)]
 pub struct BenchArgs {
     /// Model directory.
@@ -61,24 +63,31 @@ pub struct BenchArgs {
     /// --serve: memory of the prefix cache in MiB.
     #[arg(long, default_value_t = 4096)]
     pub prefix_cache_mb: u64,
+    /// --serve on a GPU: decode steps of several sequences run as one pass (see `lily serve`).
+    #[arg(long)]
+    pub batch_decode: bool,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let device = super::device::resolve(args.device.as_deref());
-    let (max_context, slots) = if args.serve {
+    let (max_context, gpu) = if args.serve {
         let longest = (args.prompt_tokens.max(args.conversation_tokens)) + args.output_tokens;
         // The last turn's prompt can exceed the target by up to one turn's share.
         let longest = longest + args.conversation_tokens / args.turns.max(1) + 16;
-        (longest, Some(args.streams.max(args.decode_streams)))
+        let gpu = GpuOptions {
+            slots: Some(args.streams.max(args.decode_streams)),
+            batch_decode: args.batch_decode,
+        };
+        (longest, gpu)
     } else {
         let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps + 16;
-        (longest, None)
+        (longest, GpuOptions::default())
     };
     let backend = match (&args.model, &args.synthetic) {
         (Some(dir), _) => {
-            super::device::backend(&device, checkpoint::load(dir)?, max_context, slots)?
+            super::device::backend(&device, checkpoint::load(dir)?, max_context, gpu)?
         }
-        (None, Some(name)) => synthetic_backend(name, args.quant, &device, max_context, slots)?,
+        (None, Some(name)) => synthetic_backend(name, args.quant, &device, max_context, gpu)?,
         (None, None) => anyhow::bail!("give --model DIR or --synthetic PRESET"),
     };
     if args.serve {
@@ -154,16 +163,14 @@ fn synthetic_backend(
     quant: Quant,
     device: &str,
     max_context: usize,
-    slots: Option<usize>,
+    gpu: GpuOptions,
 ) -> anyhow::Result<Box<dyn Backend>> {
     let cfg = checkpoint::synth::preset(name)
         .ok_or_else(|| anyhow::anyhow!("unknown preset `{name}` (tiny, qwen3.6-35b-a3b)"))?;
     if device.starts_with("cuda") {
         #[cfg(feature = "cuda")]
         {
-            use lily::cuda::{
-                forward::CudaBackend, forward::CudaOptions, model::CudaModel, CudaDevice,
-            };
+            use lily::cuda::{forward::CudaBackend, model::CudaModel, CudaDevice};
             let bits = match quant {
                 Quant::Bf16 => None,
                 Quant::Q4 => Some(4),
@@ -178,12 +185,7 @@ fn synthetic_backend(
                 model.bytes() as f64 / 1e9,
                 t.elapsed().as_secs_f64()
             );
-            let defaults = CudaOptions::default();
-            let options = CudaOptions {
-                max_context,
-                max_sequences: slots.unwrap_or(defaults.max_sequences),
-                ..defaults
-            };
+            let options = super::device::cuda_options(max_context, gpu);
             return Ok(Box::new(CudaBackend::new(dev, model, options)?));
         }
     }
@@ -199,5 +201,5 @@ fn synthetic_backend(
     )?;
     let weights = checkpoint::load(&dir);
     let _ = std::fs::remove_dir_all(&dir); // the weights stay mapped until dropped
-    super::device::backend(device, weights?, max_context, slots)
+    super::device::backend(device, weights?, max_context, gpu)
 }

@@ -23,13 +23,34 @@ fn gpu_present() -> bool {
     }
 }
 
-/// A backend for `weights` on `device`, holding sequences of up to `max_context` tokens; on a
-/// GPU, `slots` sequences at once (default: the backend's).
+/// How a GPU backend is sized and run (`--max-sequences`, `--batch-decode`); the CPU backend
+/// needs neither.
+#[derive(Debug, Clone, Copy, Default)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub struct GpuOptions {
+    /// Sequences holding state at once (default: the backend's).
+    pub slots: Option<usize>,
+    /// Decode steps of several sequences run as one pass.
+    pub batch_decode: bool,
+}
+
+#[cfg(feature = "cuda")]
+pub fn cuda_options(max_context: usize, gpu: GpuOptions) -> lily::cuda::forward::CudaOptions {
+    let defaults = lily::cuda::forward::CudaOptions::default();
+    lily::cuda::forward::CudaOptions {
+        max_context,
+        max_sequences: gpu.slots.unwrap_or(defaults.max_sequences),
+        batch_decode: gpu.batch_decode,
+        ..defaults
+    }
+}
+
+/// A backend for `weights` on `device`, holding sequences of up to `max_context` tokens.
 pub fn backend(
     device: &str,
     weights: Weights,
     max_context: usize,
-    slots: Option<usize>,
+    gpu: GpuOptions,
 ) -> anyhow::Result<Box<dyn Backend>> {
     if device == "cpu" {
         return Ok(Box::new(CpuBackend::new(weights)));
@@ -39,23 +60,19 @@ pub fn backend(
     }
     #[cfg(feature = "cuda")]
     {
-        use lily::cuda::{
-            forward::CudaBackend, forward::CudaOptions, model::CudaModel, CudaDevice,
-        };
+        use lily::cuda::{forward::CudaBackend, model::CudaModel, CudaDevice};
         let dev = CudaDevice::open(device)?;
         let model = CudaModel::upload(&dev, &weights)?;
         drop(weights);
-        let defaults = CudaOptions::default();
-        let options = CudaOptions {
-            max_context,
-            max_sequences: slots.unwrap_or(defaults.max_sequences),
-            ..defaults
-        };
-        Ok(Box::new(CudaBackend::new(dev, model, options)?))
+        Ok(Box::new(CudaBackend::new(
+            dev,
+            model,
+            cuda_options(max_context, gpu),
+        )?))
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (max_context, slots);
+        let _ = (max_context, gpu);
         anyhow::bail!(
             "this build of lily has no CUDA support: rebuild with `--features cuda` (see README)"
         )

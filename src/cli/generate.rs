@@ -17,6 +17,8 @@ use lily::checkpoint;
 use lily::engine::generate::{Output, TextModel};
 use lily::engine::{Engine, EngineOptions};
 use lily::model::Weights;
+
+use super::device::GpuOptions;
 use lily::server::request::{prepare_chat, prepare_completion};
 use lily::server::{load_model, openai, ModelSource};
 
@@ -130,7 +132,7 @@ fn generate_text(
             &device,
             weights,
             prompt_tokens + plan.params.max_tokens.unwrap_or(0),
-            None,
+            GpuOptions::default(),
         )?,
         EngineOptions::default(),
     );
@@ -191,7 +193,7 @@ fn generate_ids(args: &GenerateArgs, weights: Weights) -> anyhow::Result<()> {
     }
     let device = super::device::resolve(args.device.as_deref());
     let context = args.prompt_ids.len() + args.max_tokens + 1;
-    let mut backend = super::device::backend(&device, weights, context, None)?;
+    let mut backend = super::device::backend(&device, weights, context, GpuOptions::default())?;
     backend.create_sequence(0)?;
     let t0 = Instant::now();
     let mut next = backend.forward_greedy(0, &args.prompt_ids)?;

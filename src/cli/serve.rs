@@ -51,6 +51,14 @@ pub struct ServeArgs {
     /// limit besides the device's sequence slots.
     #[arg(long)]
     pub state_memory_mb: Option<u64>,
+    /// GPU: sequences holding state at once (each with KV room for --max-model-len tokens);
+    /// more requests wait in a queue.
+    #[arg(long, default_value_t = 4)]
+    pub max_sequences: usize,
+    /// GPU: run the decode steps of concurrent requests as one pass (their weights read once per
+    /// step) instead of one after another.
+    #[arg(long)]
+    pub batch_decode: bool,
     /// Test only: reply from this script instead of running a model.
     #[arg(long, hide = true)]
     pub scripted_tokens: Option<PathBuf>,
@@ -78,6 +86,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     let device = super::device::resolve(args.device.as_deref());
     let device_name = device.clone();
+    anyhow::ensure!(args.max_sequences > 0, "--max-sequences must be at least 1");
+    let gpu = super::device::GpuOptions {
+        slots: Some(args.max_sequences),
+        batch_decode: args.batch_decode,
+    };
     server::run(ServeOptions {
         source,
         served_model_name: args.served_model_name.unwrap_or(default_name),
@@ -87,7 +100,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         api_key: args.api_key.filter(|k| !k.is_empty()),
         max_model_len: args.max_model_len,
         backend: Arc::new(move |weights, max_context| {
-            super::device::backend(&device, weights, max_context, None)
+            super::device::backend(&device, weights, max_context, gpu)
         }),
         max_body_bytes: args.max_body_bytes,
         max_in_flight: args.max_in_flight,

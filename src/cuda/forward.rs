@@ -2,11 +2,14 @@
 //!
 //! Activations are bf16 `[tokens][width]` rows, norms and the recurrent state fp32. A call runs
 //! one sequence's next tokens: prompts in chunks of up to [`CudaOptions::prefill_chunk`] tokens
-//! (chunked GDN, flash attention), single tokens through the decode kernels. Up to 8 tokens, the
+//! (chunked GDN, flash attention), single tokens through the decode kernels; a decode pass can
+//! also take one token of each of several sequences (rows of one batch). Up to 8 rows, the
 //! projections and the experts are GEMVs; longer chunks use the tensor-core GEMM for the dense
 //! projections and, for the experts, group their (token, slot) pairs by expert on the device and
 //! run one grouped GEMM for gate‖up (SwiGLU fused) and one for down. Routing, expert selection
 //! and greedy sampling stay on the device; a greedy step brings back one token id.
+
+mod backend;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,12 +27,11 @@ use super::model::{CudaModel, DeviceMixer};
 use super::moe::{ExpertGroups, MoeKernels};
 use super::norm::NormKernels;
 use super::sample::SampleKernels;
-use super::snapshot::{SnapshotPool, StatePools};
+use super::snapshot::SnapshotPool;
 use super::weights::DeviceMatrices;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
-use crate::model::{Backend, SeqId, Snapshot, SnapshotId};
-use crate::sampling::DeviceSampling;
+use crate::model::SeqId;
 
 /// How much the backend allocates up front.
 #[derive(Debug, Clone)]
@@ -41,8 +43,12 @@ pub struct CudaOptions {
     /// Prompt tokens per forward chunk. Long chunks keep the tensor cores busy (each expert sees
     /// ~chunk/32 rows); the workspaces grow with it (~100 KiB per token).
     pub prefill_chunk: usize,
-    /// Replay decode steps from a captured CUDA graph.
+    /// Replay decode steps from captured CUDA graphs (one per batch size).
     pub cuda_graphs: bool,
+    /// [`forward_batch`](crate::model::Backend::forward_batch) runs the decode steps of several sequences as one pass (their
+    /// weights read once) instead of one by one. Off by default until its H200 test
+    /// (tests/cuda_forward.rs, `batched_decode_equals_one_by_one`) has passed.
+    pub batch_decode: bool,
 }
 
 impl Default for CudaOptions {
@@ -52,6 +58,7 @@ impl Default for CudaOptions {
             max_context: 32768,
             prefill_chunk: 4096,
             cuda_graphs: true,
+            batch_decode: false,
         }
     }
 }
@@ -68,7 +75,8 @@ struct Kernels {
     attn: AttentionKernels,
 }
 
-/// Activation buffers for one chunk of up to `rows` tokens, allocated once.
+/// Activation buffers for one chunk of up to `rows` tokens (or a decode pass of up to `rows`
+/// sequences), allocated once.
 struct Scratch {
     rows: usize,
     ids: CudaSlice<i32>,
@@ -89,10 +97,31 @@ struct Scratch {
     /// `[tokens][slots][hidden]`: each slot's expert output, before weighting.
     routed: CudaSlice<bf16>,
     groups: ExpertGroups,
+    /// `[batch][vocab]`: the logits of each decode row (of a prefill chunk's last token: row 0).
     logits: CudaSlice<bf16>,
+    /// `[batch]`: the token picked after each row.
     next: CudaSlice<i32>,
-    slot: CudaSlice<i32>,
-    position: CudaSlice<i32>,
+    /// `[batch]`: each decode row's sequence slot and position.
+    slots: CudaSlice<i32>,
+    positions: CudaSlice<i32>,
+}
+
+/// What one pass over the layers runs, on `t` rows whose token ids are in `s.ids`.
+#[derive(Debug, Clone, Copy)]
+enum Pass {
+    /// `t` prompt tokens of the sequence in `slot`, from position `start`.
+    Prefill { slot: usize, start: usize },
+    /// One token of each of `t` sequences, their slots and positions in `s.slots` and
+    /// `s.positions`.
+    Decode,
+}
+
+/// One row of a decode pass.
+#[derive(Debug, Clone, Copy)]
+struct DecodeRow {
+    slot: usize,
+    position: usize,
+    token: u32,
 }
 
 struct Sequence {
@@ -114,14 +143,15 @@ pub struct CudaBackend {
     attn_ws: AttentionWorkspace,
     sequences: HashMap<SeqId, Sequence>,
     free_slots: Vec<usize>,
-    decode_graph: Option<DecodeGraph>,
+    /// Captured decode passes, by batch size.
+    decode_graphs: HashMap<usize, DecodeGraph>,
     /// Saved sequence states for the prefix cache (snapshot.rs).
     snapshots: SnapshotPool,
     /// Most device memory seen in use after a forward call since the last reset (bytes).
     peak_memory: u64,
 }
 
-/// The captured decode step.
+/// A captured decode pass.
 struct DecodeGraph(CudaGraph);
 
 // SAFETY: a CUDA graph may be launched from any thread once its context is bound, which
@@ -153,11 +183,12 @@ impl CudaBackend {
             dense: DenseGemm::new(&dev, largest_dense_matrix(&model))?,
             embed: EmbedKernels::load(&dev)?,
             moe: MoeKernels::load(&dev)?,
-            sample: SampleKernels::load(&dev, 1)?,
+            sample: SampleKernels::load(&dev, batch_rows(&options))?,
             gdn: GdnKernels::load(&dev)?,
             attn: AttentionKernels::load(&dev, &c)?,
         };
-        let rows = options.prefill_chunk.max(1);
+        let rows = options.prefill_chunk.max(batch_rows(&options)).max(1);
+        let batch = batch_rows(&options);
         let h = c.hidden_size;
         // The shared expert is one more expert (DeviceMoe): one more router row and slot.
         let (e, slots, inter) = (
@@ -183,10 +214,10 @@ impl CudaBackend {
             act: alloc(&st, rows * slots * inter)?,
             routed: alloc(&st, rows * slots * h)?,
             groups: ExpertGroups::new(&st, rows, slots, e, TILE_ROWS)?,
-            logits: alloc(&st, c.vocab_size)?,
-            next: alloc(&st, 1)?,
-            slot: alloc(&st, 1)?,
-            position: alloc(&st, 1)?,
+            logits: alloc(&st, batch * c.vocab_size)?,
+            next: alloc(&st, batch)?,
+            slots: alloc(&st, batch)?,
+            positions: alloc(&st, batch)?,
         };
         let n_gdn = c
             .layer_types
@@ -203,7 +234,7 @@ impl CudaBackend {
         }
         let kv = KvCache::new(&st, slots, n_attn.max(1), options.max_context)?;
         let gdn_ws = GdnWorkspace::new(&st, rows)?;
-        let attn_ws = AttentionWorkspace::new(&k.attn, rows, 1, options.max_context)?;
+        let attn_ws = AttentionWorkspace::new(&k.attn, rows, batch, options.max_context)?;
         Ok(CudaBackend {
             dev,
             model,
@@ -216,7 +247,7 @@ impl CudaBackend {
             attn_ws,
             sequences: HashMap::new(),
             free_slots: (0..slots).rev().collect(),
-            decode_graph: None,
+            decode_graphs: HashMap::new(),
             snapshots: SnapshotPool::default(),
             peak_memory: 0,
             options,
@@ -228,7 +259,7 @@ impl CudaBackend {
     }
 
     /// Runs `tokens` of the sequence in `slot` from `position`; leaves the last token's logits
-    /// in `s.logits`.
+    /// in row 0 of `s.logits` and its greedy successor in `s.next[0]`.
     fn run(&mut self, slot: usize, position: usize, tokens: &[u32]) -> Result<()> {
         let vocab = self.model.config.vocab_size;
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
@@ -245,51 +276,81 @@ impl CudaBackend {
         let chunk = self.s.rows;
         let mut pos = position;
         for part in tokens.chunks(chunk) {
-            self.run_chunk(slot, pos, part)?;
+            if let [token] = *part {
+                self.decode(&[DecodeRow {
+                    slot,
+                    position: pos,
+                    token,
+                }])?;
+            } else {
+                self.prefill_chunk(slot, pos, part)?;
+            }
             pos += part.len();
         }
         Ok(())
     }
 
-    fn run_chunk(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
-        let t = tokens.len();
-        let st = self.dev.stream().clone();
+    fn prefill_chunk(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
         let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
-        st.memcpy_htod(&ids, &mut self.s.ids.slice_mut(..t))
+        self.dev
+            .stream()
+            .memcpy_htod(&ids, &mut self.s.ids.slice_mut(..ids.len()))
             .during(|| "copying token ids".into())?;
-        st.memcpy_htod(&[slot as i32], &mut self.s.slot)
-            .during(|| "copying the slot".into())?;
-        st.memcpy_htod(&[start as i32], &mut self.s.position)
-            .during(|| "copying the position".into())?;
-        if t > 1 || !self.options.cuda_graphs {
-            return self.body(slot, start, t);
+        self.body(Pass::Prefill { slot, start }, tokens.len())
+    }
+
+    /// One decode pass over `rows` (distinct sequences, checked by the caller): leaves each
+    /// row's logits in `s.logits` and its greedy successor in `s.next`.
+    fn decode(&mut self, rows: &[DecodeRow]) -> Result<()> {
+        let b = rows.len();
+        ensure!(
+            (1..=batch_rows(&self.options)).contains(&b),
+            "a decode pass of {b} rows (1..={})",
+            batch_rows(&self.options)
+        );
+        let st = self.dev.stream().clone();
+        let column =
+            |f: fn(&DecodeRow) -> usize| -> Vec<i32> { rows.iter().map(|r| f(r) as i32).collect() };
+        st.memcpy_htod(
+            &column(|r| r.token as usize),
+            &mut self.s.ids.slice_mut(..b),
+        )
+        .during(|| "copying token ids".into())?;
+        st.memcpy_htod(&column(|r| r.slot), &mut self.s.slots.slice_mut(..b))
+            .during(|| "copying the slots".into())?;
+        st.memcpy_htod(
+            &column(|r| r.position),
+            &mut self.s.positions.slice_mut(..b),
+        )
+        .during(|| "copying the positions".into())?;
+        if !self.options.cuda_graphs {
+            return self.body(Pass::Decode, b);
         }
-        // A decode step reads its token, slot and position from device memory, so one captured
-        // graph serves every step of every sequence: ~600 launches become one.
-        if self.decode_graph.is_none() {
+        // A decode pass reads its tokens, slots and positions from device memory, so one
+        // captured graph per batch size serves every step: ~600 launches become one.
+        if !self.decode_graphs.contains_key(&b) {
             st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .during(|| "starting the decode graph capture".into())?;
-            let captured = self.body(slot, start, 1);
+            let captured = self.body(Pass::Decode, b);
             let graph = st
                 .end_capture(sys::CUgraphInstantiate_flags(0))
                 .during(|| "capturing the decode graph".into());
             captured?;
-            self.decode_graph =
-                Some(DecodeGraph(graph?.ok_or_else(|| {
-                    CudaError::Shape("the decode graph capture was empty".into())
-                })?));
+            let graph = graph?
+                .ok_or_else(|| CudaError::Shape("the decode graph capture was empty".into()))?;
+            self.decode_graphs.insert(b, DecodeGraph(graph));
         }
-        let graph = self.decode_graph.as_ref().expect("captured above");
-        graph
+        self.decode_graphs[&b]
             .0
             .launch()
             .during(|| "replaying the decode graph".into())
     }
 
-    /// Every launch of one forward chunk of `t` tokens whose ids, slot and position are already
-    /// in device memory; ends with the greedy next token in `s.next`. No host synchronisation
-    /// and no allocation, so the decode step can be captured as a graph.
-    fn body(&mut self, slot: usize, start: usize, t: usize) -> Result<()> {
+    /// Every launch of one pass over `t` rows whose inputs are already in device memory; ends
+    /// with the logits and the greedy next token of each decode row (of a prefill chunk: its
+    /// last token) in `s.logits` and `s.next`. No host synchronisation and no allocation, so a
+    /// decode pass can be captured as a graph.
+    fn body(&mut self, pass: Pass, t: usize) -> Result<()> {
         let c = self.model.config.clone();
         let hd = c.hidden_size;
         let m = &self.model;
@@ -336,16 +397,7 @@ impl CudaBackend {
                     };
                     let vd = c.linear_value_dim();
                     let mut y = s.mixed.slice_mut(..t * vd);
-                    if t == 1 {
-                        k.gdn.decode(
-                            &w,
-                            &inputs,
-                            &s.slot.as_view(),
-                            &mut self.ssm[gdn_i].as_view_mut(),
-                            &mut self.conv[gdn_i].as_view_mut(),
-                            &mut y,
-                        )?;
-                    } else {
+                    if let Pass::Prefill { slot, .. } = pass {
                         let mut ssm = self.ssm[gdn_i]
                             .slice_mut(slot * gdn::SSM_STATE_LEN..(slot + 1) * gdn::SSM_STATE_LEN);
                         let mut conv = self.conv[gdn_i].slice_mut(
@@ -358,6 +410,15 @@ impl CudaBackend {
                             &mut ssm,
                             &mut conv,
                             &mut self.gdn_ws,
+                            &mut y,
+                        )?;
+                    } else {
+                        k.gdn.decode(
+                            &w,
+                            &inputs,
+                            &s.slots.slice(..t),
+                            &mut self.ssm[gdn_i].as_view_mut(),
+                            &mut self.conv[gdn_i].as_view_mut(),
                             &mut y,
                         )?;
                     }
@@ -386,19 +447,7 @@ impl CudaBackend {
                     let od = c.num_attention_heads * c.head_dim;
                     let proj = s.proj.slice(..t * QKV_WIDTH);
                     let mut out = s.mixed.slice_mut(..t * od);
-                    if t == 1 {
-                        k.attn.decode(
-                            &proj,
-                            &q_norm.as_view(),
-                            &k_norm.as_view(),
-                            &mut self.kv,
-                            attn_i,
-                            &s.slot.as_view(),
-                            &s.position.as_view(),
-                            &mut self.attn_ws,
-                            &mut out,
-                        )?;
-                    } else {
+                    if let Pass::Prefill { slot, start } = pass {
                         k.attn.prefill(
                             &proj,
                             &q_norm.as_view(),
@@ -407,6 +456,18 @@ impl CudaBackend {
                             attn_i,
                             slot,
                             start,
+                            &mut self.attn_ws,
+                            &mut out,
+                        )?;
+                    } else {
+                        k.attn.decode(
+                            &proj,
+                            &q_norm.as_view(),
+                            &k_norm.as_view(),
+                            &mut self.kv,
+                            attn_i,
+                            &s.slots.slice(..t),
+                            &s.positions.slice(..t),
                             &mut self.attn_ws,
                             &mut out,
                         )?;
@@ -447,11 +508,16 @@ impl CudaBackend {
                 c.rms_norm_eps,
             )?;
         }
-        // Logits of the last token only.
-        let last = s.xn.slice((t - 1) * hd..t * hd);
-        gemv_rows(k, &m.lm_head, &last, &mut s.logits.as_view_mut(), 1)?;
+        // Logits of every decode row; of a prefill chunk, of its last token only.
+        let (first, n) = match pass {
+            Pass::Prefill { .. } => (t - 1, 1),
+            Pass::Decode => (0, t),
+        };
+        let v = c.vocab_size;
+        let rows = s.xn.slice(first * hd..(first + n) * hd);
+        gemv_rows(k, &m.lm_head, &rows, &mut s.logits.slice_mut(..n * v), n)?;
         k.sample
-            .argmax(&s.logits.as_view(), c.vocab_size, &mut s.next.as_view_mut())
+            .argmax(&s.logits.slice(..n * v), v, &mut s.next.slice_mut(..n))
     }
 }
 
@@ -569,156 +635,10 @@ fn gemv_rows(
     Ok(())
 }
 
-impl Backend for CudaBackend {
-    fn config(&self) -> &ModelConfig {
-        &self.model.config
-    }
-    fn device_name(&self) -> String {
-        format!("cuda ({})", self.dev.name())
-    }
-    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
-        let slot = self.free_slots.pop().ok_or_else(|| {
-            anyhow::anyhow!(
-                "all {} GPU sequence slots are in use",
-                self.options.max_sequences
-            )
-        })?;
-        let st = self.dev.stream().clone();
-        st.memcpy_htod(&[slot as i32], &mut self.s.slot)
-            .during(|| "copying the slot".into())?;
-        for (ssm, conv) in self.ssm.iter_mut().zip(self.conv.iter_mut()) {
-            self.k.gdn.zero(
-                &mut ssm.as_view_mut(),
-                &mut conv.as_view_mut(),
-                Some(&self.s.slot.as_view()),
-            )?;
-        }
-        self.sequences.insert(seq, Sequence { slot, position: 0 });
-        Ok(())
-    }
-    fn free_sequence(&mut self, seq: SeqId) {
-        if let Some(s) = self.sequences.remove(&seq) {
-            self.free_slots.push(s.slot);
-        }
-    }
-    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
-        self.step(seq, tokens)?;
-        let st = self.dev.stream().clone();
-        let logits: Vec<bf16> = st
-            .clone_dtoh(&self.s.logits)
-            .during(|| "copying logits".into())?;
-        Ok(logits.iter().map(|x| x.to_f32()).collect())
-    }
-    fn sequence_bytes(&self, tokens: usize) -> u64 {
-        let gdn = gdn::SSM_STATE_LEN * size_of::<f32>() + gdn::CONV_STATE_LEN * size_of::<bf16>();
-        (self.ssm.len() * gdn + tokens * self.kv.bytes_per_token()) as u64
-    }
-    fn can_snapshot(&self) -> bool {
-        true
-    }
-    fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
-        let s = self.sequence(seq)?;
-        let (slot, position) = (s.slot, s.position);
-        let pools = StatePools {
-            ssm: &mut self.ssm,
-            conv: &mut self.conv,
-            kv: &mut self.kv,
-        };
-        Ok(self
-            .snapshots
-            .take(self.dev.stream(), pools, slot, position)?)
-    }
-    fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
-        let slot = self.sequence(seq)?.slot;
-        let pools = StatePools {
-            ssm: &mut self.ssm,
-            conv: &mut self.conv,
-            kv: &mut self.kv,
-        };
-        let position = self
-            .snapshots
-            .restore(self.dev.stream(), pools, snapshot, slot)?;
-        if let Some(s) = self.sequences.get_mut(&seq) {
-            s.position = position;
-        }
-        Ok(position)
-    }
-    fn drop_snapshot(&mut self, snapshot: SnapshotId) {
-        self.snapshots.drop_snapshot(snapshot);
-    }
-    fn peak_memory(&self) -> Option<u64> {
-        Some(self.peak_memory)
-    }
-    fn reset_peak_memory(&mut self) {
-        self.peak_memory = 0;
-    }
-    fn forward_greedy(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<u32> {
-        self.step(seq, tokens)?;
-        let st = self.dev.stream().clone();
-        let next: Vec<i32> = st
-            .clone_dtoh(&self.s.next)
-            .during(|| "copying the next token".into())?;
-        Ok(next[0] as u32)
-    }
-    fn forward_sample(
-        &mut self,
-        seq: SeqId,
-        tokens: &[u32],
-        sampling: &DeviceSampling,
-        u: f64,
-    ) -> anyhow::Result<u32> {
-        // Plain greedy is the argmax the forward pass already ends with; greedy over the
-        // tokenizer's ids only (a real checkpoint's padding rows masked) the argmax of that prefix.
-        let vocab = self.model.config.vocab_size;
-        let limit = sampling.vocab_limit.min(vocab);
-        if sampling.is_greedy() && sampling.history.is_empty() && limit == vocab {
-            return self.forward_greedy(seq, tokens);
-        }
-        self.step(seq, tokens)?;
-        if sampling.is_greedy() && sampling.history.is_empty() && limit > 0 {
-            self.k.sample.argmax(
-                &self.s.logits.slice(..limit),
-                limit,
-                &mut self.s.next.as_view_mut(),
-            )?;
-        } else {
-            self.k.sample.sample(
-                &self.s.logits.as_view(),
-                sampling,
-                u,
-                &mut self.s.next.as_view_mut(),
-            )?;
-        }
-        let next: Vec<i32> = self
-            .dev
-            .stream()
-            .clone_dtoh(&self.s.next)
-            .during(|| "copying the sampled token".into())?;
-        u32::try_from(next[0]).map_err(|_| anyhow::anyhow!("no logit is finite (all NaN or -inf)"))
-    }
-}
-
-impl CudaBackend {
-    fn step(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<()> {
-        anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
-        let (slot, position) = {
-            let s = self
-                .sequences
-                .get(&seq)
-                .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
-            (s.slot, s.position)
-        };
-        self.run(slot, position, tokens)?;
-        if let Some(s) = self.sequences.get_mut(&seq) {
-            s.position += tokens.len();
-        }
-        // Everything lily allocates is allocated up front, so the device's memory in use after
-        // a call is its peak for that call (other processes on the GPU would count too).
-        if let Ok((free, total)) = cudarc::driver::result::mem_get_info() {
-            self.peak_memory = self.peak_memory.max((total - free) as u64);
-        }
-        Ok(())
-    }
+/// The most rows of one decode pass: every sequence slot, below the rows where the dense
+/// projections would switch to cuBLAS (whose graph capture we do not rely on).
+fn batch_rows(options: &CudaOptions) -> usize {
+    options.max_sequences.clamp(1, dense::MIN_TOKENS - 1)
 }
 
 /// The most values of one dense (non-expert) matrix: the size of the cuBLAS path's scratch.
@@ -733,12 +653,4 @@ fn largest_dense_matrix(m: &CudaModel) -> usize {
         mixer.into_iter().chain([&l.moe.router])
     });
     mats.map(|w| w.rows * w.cols).max().unwrap_or(0)
-}
-
-impl CudaBackend {
-    fn sequence(&self, seq: SeqId) -> anyhow::Result<&Sequence> {
-        self.sequences
-            .get(&seq)
-            .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))
-    }
 }

@@ -14,7 +14,7 @@
 //!    and goes on, and prefill chunks of sequences still reading their prompt, taken
 //!    round-robin from where the previous batch stopped, up to `batch_tokens` (at least one
 //!    chunk per batch), so every prompt advances. A step whose token the request's device
-//!    sampler can pick runs through `Backend::forward_sample` instead, bringing back the token;
+//!    sampler can pick brings back the token instead of the logits;
 //! 5. states worth keeping are saved in the prefix cache: every `snapshot_interval` prompt
 //!    tokens, before the prompt's last token (the prefill stops there for it), and at the end
 //!    of the turn.
@@ -28,7 +28,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::prefix_cache::PrefixCache;
 use super::{EngineOptions, EngineStats, Event, FinishReason, GenerateRequest};
-use crate::model::{panic_message, Backend, SeqId};
+use crate::model::{panic_message, Backend, SeqId, Step, StepOutput};
 use crate::sampling::DeviceSampling;
 
 /// A request as the engine thread receives it: the request and where its events go.
@@ -268,8 +268,8 @@ impl EngineLoop {
         if work.is_empty() {
             return;
         }
-        // Steps that end with a token the backend can sample run through `forward_sample`, one
-        // by one (the others' default batch does no better); the rest as one batch.
+        // Steps that end with a token the request's device sampler can pick bring back the
+        // token; the others the logits.
         let sampling: Vec<Option<(DeviceSampling, f64)>> = work
             .iter()
             .map(|(i, w)| {
@@ -282,32 +282,34 @@ impl EngineLoop {
                 device.device_step()
             })
             .collect();
-        let mut sampled: Vec<Option<anyhow::Result<Next>>> = Vec::with_capacity(work.len());
-        let mut steps: Vec<(SeqId, &[u32])> = Vec::new();
-        for ((i, w), device) in work.iter().zip(&sampling) {
-            let r = &self.running[*i];
-            let tokens = match w {
-                Work::Prefill { from, to } => &r.request.prompt[*from..*to],
-                Work::Decode(token) => std::slice::from_ref(token),
-            };
-            let Some((sampling, u)) = device else {
-                steps.push((r.seq, tokens));
-                sampled.push(None);
-                continue;
-            };
-            let backend = &mut self.backend;
-            let result = catch_unwind(AssertUnwindSafe(|| {
-                backend.forward_sample(r.seq, tokens, sampling, *u)
-            }))
-            .unwrap_or_else(|panic| {
-                Err(anyhow::anyhow!("internal error: {}", panic_message(panic)))
-            });
-            sampled.push(Some(result.map(Next::Sampled)));
-        }
+        let steps: Vec<Step> = work
+            .iter()
+            .zip(&sampling)
+            .map(|((i, w), device)| {
+                let r = &self.running[*i];
+                let tokens = match w {
+                    Work::Prefill { from, to } => &r.request.prompt[*from..*to],
+                    Work::Decode(token) => std::slice::from_ref(token),
+                };
+                Step {
+                    seq: r.seq,
+                    tokens,
+                    sample: device.as_ref().map(|(s, u)| (s, *u)),
+                }
+            })
+            .collect();
         let backend = &mut self.backend;
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward_batch(&steps)));
-        let batched = match outcome {
-            Ok(results) if results.len() == steps.len() => results,
+        let results: Vec<anyhow::Result<Next>> = match outcome {
+            Ok(results) if results.len() == steps.len() => results
+                .into_iter()
+                .map(|r| {
+                    r.map(|out| match out {
+                        StepOutput::Logits(logits) => Next::Logits(logits),
+                        StepOutput::Token(token) => Next::Sampled(token),
+                    })
+                })
+                .collect(),
             // Every step of the batch fails: which states the backend changed is unknown.
             outcome => {
                 let why = match outcome {
@@ -324,11 +326,6 @@ impl EngineLoop {
                     .collect()
             }
         };
-        let mut batched = batched.into_iter().map(|r| r.map(Next::Logits));
-        let results: Vec<anyhow::Result<Next>> = sampled
-            .into_iter()
-            .map(|s| s.unwrap_or_else(|| batched.next().expect("one result per batched step")))
-            .collect();
         let mut failed = Vec::new();
         for ((i, w), result) in work.into_iter().zip(results) {
             match result {

@@ -72,18 +72,28 @@ pub trait Backend: Send {
         Ok(sampling.sample(&logits, u)?)
     }
     /// Runs one step for each of several sequences (a prefill chunk or a decode token each, each
-    /// sequence at most once) and returns the logits of each step's last token, in order. A
-    /// failed step fails only its own sequence. The default runs the steps one by one (a panic
-    /// in one becomes that step's error); devices override it to batch them.
-    fn forward_batch(&mut self, steps: &[(SeqId, &[u32])]) -> Vec<anyhow::Result<Vec<f32>>> {
+    /// sequence at most once) and returns, in order, what each step asked for: the logits of
+    /// its last token, or the token sampled after it. A failed step fails only its own sequence.
+    /// The default runs the steps one by one (a panic in one becomes that step's error); devices
+    /// override it to batch them.
+    fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
         steps
             .iter()
-            .map(|&(seq, tokens)| {
-                catch_unwind(AssertUnwindSafe(|| self.forward(seq, tokens))).unwrap_or_else(
-                    |panic| Err(anyhow::anyhow!("internal error: {}", panic_message(panic))),
-                )
+            .map(|step| {
+                catch_unwind(AssertUnwindSafe(|| self.forward_step(step))).unwrap_or_else(|panic| {
+                    Err(anyhow::anyhow!("internal error: {}", panic_message(panic)))
+                })
             })
             .collect()
+    }
+    /// One step alone: [`forward`](Backend::forward) or [`forward_sample`](Backend::forward_sample).
+    fn forward_step(&mut self, step: &Step) -> anyhow::Result<StepOutput> {
+        match step.sample {
+            Some((sampling, u)) => self
+                .forward_sample(step.seq, step.tokens, sampling, u)
+                .map(StepOutput::Token),
+            None => self.forward(step.seq, step.tokens).map(StepOutput::Logits),
+        }
     }
     /// Bytes of state a sequence of `tokens` tokens holds (recurrent state and KV entries):
     /// what admission by memory reserves for a request.
@@ -113,6 +123,25 @@ pub trait Backend: Send {
         None
     }
     fn reset_peak_memory(&mut self) {}
+}
+
+/// One step of a batch ([`Backend::forward_batch`]): the next tokens of one sequence, and
+/// what comes back after them.
+#[derive(Debug, Clone, Copy)]
+pub struct Step<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    /// `Some((sampling, u))`: the backend picks the next token as
+    /// [`Backend::forward_sample`] does and only the token comes back; `None`: the logits of
+    /// the last token come back.
+    pub sample: Option<(&'a DeviceSampling, f64)>,
+}
+
+/// What one step of a batch gives back.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepOutput {
+    Logits(Vec<f32>),
+    Token(u32),
 }
 
 /// The message of a caught panic.
