@@ -168,3 +168,140 @@ fn assert_states_close(a: &SequenceState, b: &SequenceState) {
         );
     }
 }
+
+/// Several sequences as one batch (their rows through the projections and experts together)
+/// give each exactly the logits and state it gets alone: prompts, a mid-prompt chunk and decode
+/// tokens mixed, at different positions.
+#[test]
+fn a_batch_of_sequences_equals_each_alone() {
+    use rand::RngExt;
+    let weights = checkpoint::load(&fixture_dir("tiny-a")).unwrap();
+    let vocab = weights.config.vocab_size as u32;
+    let mut rng = rand::rng();
+    let mut random =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
+    // Each sequence first reads a different history alone, then all take one batched step.
+    let histories = [random(0), random(3), random(70), random(1)];
+    let steps = [random(9), random(1), random(1), random(130)];
+    for which in [Logits::Last, Logits::All] {
+        let mut states: Vec<SequenceState> = histories
+            .iter()
+            .map(|h| {
+                let mut s = SequenceState::new(&weights.config);
+                if !h.is_empty() {
+                    forward(&weights, h, &mut s, Logits::Last);
+                }
+                s
+            })
+            .collect();
+        let mut alone_states = states.clone();
+        let mut batch: Vec<(&[u32], &mut SequenceState)> = steps
+            .iter()
+            .map(|s| s.as_slice())
+            .zip(states.iter_mut())
+            .collect();
+        let batched = lily::model::cpu::forward_batch(&weights, &mut batch, which);
+        for (i, (step, state)) in steps.iter().zip(alone_states.iter_mut()).enumerate() {
+            let alone = forward(&weights, step, state, which);
+            assert_eq!(batched[i], alone, "sequence {i} ({which:?}): logits");
+            assert_eq!(states[i], *state, "sequence {i} ({which:?}): state");
+        }
+    }
+}
+
+/// `CpuBackend::forward_batch`: the valid steps of a batch give exactly what each gives alone
+/// (logits, or the token its sampling picks); a bad step (unknown sequence, token outside the
+/// vocabulary, no tokens, a sequence twice) fails alone and leaves its sequence as it was.
+#[test]
+fn backend_batch_steps_equal_each_alone_and_bad_steps_fail_alone() {
+    use lily::model::{Backend, CpuBackend, Step};
+    use lily::sampling::DeviceSampling;
+    use rand::RngExt;
+    let weights = checkpoint::load(&fixture_dir("tiny-a")).unwrap();
+    let vocab = weights.config.vocab_size;
+    let mut rng = rand::rng();
+    let mut random =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab as u32)).collect() };
+    let mut batched = CpuBackend::new(weights.clone());
+    let mut alone = CpuBackend::new(weights);
+    for seq in 0..5u64 {
+        let history = random(1 + 20 * seq as usize);
+        for b in [&mut batched, &mut alone] {
+            b.create_sequence(seq).unwrap();
+            b.forward(seq, &history).unwrap();
+        }
+    }
+    let sampled = DeviceSampling {
+        temperature: 1.0,
+        top_k: Some(40),
+        top_p: 0.9,
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        vocab_limit: vocab,
+        history: Vec::new(),
+    };
+    let greedy = DeviceSampling {
+        temperature: 0.0,
+        ..sampled.clone()
+    };
+    let (one, chunk, two) = (random(1), random(9), random(1));
+    let u: f64 = rand::random();
+    let bad_token = [vocab as u32];
+    let steps = [
+        Step {
+            seq: 0,
+            tokens: &one,
+            sample: None,
+        },
+        Step {
+            seq: 1,
+            tokens: &one,
+            sample: Some((&sampled, u)),
+        },
+        Step {
+            seq: 2,
+            tokens: &chunk,
+            sample: Some((&greedy, 0.0)),
+        },
+        Step {
+            seq: 3,
+            tokens: &bad_token,
+            sample: None,
+        },
+        Step {
+            seq: 77,
+            tokens: &one,
+            sample: None,
+        },
+        Step {
+            seq: 4,
+            tokens: &[],
+            sample: None,
+        },
+        Step {
+            seq: 0,
+            tokens: &two,
+            sample: None,
+        },
+    ];
+    let got = batched.forward_batch(&steps);
+    assert_eq!(got.len(), steps.len());
+    for (i, result) in got.into_iter().enumerate() {
+        let want = alone.forward_step(&steps[i]);
+        match (result, want) {
+            (Ok(g), Ok(w)) => assert_eq!(g, w, "step {i}"),
+            (Err(_), Err(_)) => assert!((3..=5).contains(&i), "step {i} failed"),
+            (g, w) => panic!("step {i}: batched {g:?}, alone {w:?}"),
+        }
+    }
+    // The sequences of the failed steps run on as before.
+    for seq in [3u64, 4] {
+        let (g, w) = (
+            batched.forward(seq, &two).unwrap(),
+            alone.forward(seq, &two).unwrap(),
+        );
+        assert_eq!(g, w, "sequence {seq} after its failed step");
+    }
+}

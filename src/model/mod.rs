@@ -205,6 +205,7 @@ impl Backend for CpuBackend {
         self.states.remove(&seq);
     }
     fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
         let vocab = self.weights.config.vocab_size;
         if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
             anyhow::bail!("token id {bad} is outside the model's vocabulary ({vocab})");
@@ -219,6 +220,64 @@ impl Backend for CpuBackend {
             state,
             cpu::Logits::Last,
         ))
+    }
+    /// The steps a batch can take (a known sequence once, tokens in the vocabulary) run as one
+    /// [`cpu::forward_batch`]; the others one by one, which reports what is wrong with them.
+    fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
+        let vocab = self.weights.config.vocab_size;
+        // (index in steps, sequence, its state taken out of the map for the batch)
+        let mut taken: Vec<(usize, SeqId, SequenceState)> = Vec::new();
+        for (i, step) in steps.iter().enumerate() {
+            let fits = !step.tokens.is_empty()
+                && step.tokens.iter().all(|&t| (t as usize) < vocab)
+                && taken.iter().all(|(_, seq, _)| *seq != step.seq);
+            if let Some(state) = fits.then(|| self.states.remove(&step.seq)).flatten() {
+                taken.push((i, step.seq, state));
+            }
+        }
+        let mut results: Vec<Option<anyhow::Result<StepOutput>>> =
+            steps.iter().map(|_| None).collect();
+        let weights = &self.weights;
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            let mut seqs: Vec<(&[u32], &mut SequenceState)> = taken
+                .iter_mut()
+                .map(|(i, _, state)| (steps[*i].tokens, state))
+                .collect();
+            cpu::forward_batch(weights, &mut seqs, cpu::Logits::Last)
+        }));
+        match outcome {
+            Ok(all_logits) => {
+                for ((i, ..), logits) in taken.iter().zip(all_logits) {
+                    results[*i] = Some(match steps[*i].sample {
+                        Some((sampling, u)) => sampling
+                            .sample(&logits, u)
+                            .map(StepOutput::Token)
+                            .map_err(anyhow::Error::from),
+                        None => Ok(StepOutput::Logits(logits)),
+                    });
+                }
+            }
+            Err(panic) => {
+                let why = panic_message(panic);
+                for (i, ..) in &taken {
+                    results[*i] = Some(Err(anyhow::anyhow!("internal error: {why}")));
+                }
+            }
+        }
+        for (_, seq, state) in taken {
+            self.states.insert(seq, state);
+        }
+        steps
+            .iter()
+            .zip(results)
+            .map(|(step, done)| {
+                done.unwrap_or_else(|| {
+                    catch_unwind(AssertUnwindSafe(|| self.forward_step(step))).unwrap_or_else(
+                        |panic| Err(anyhow::anyhow!("internal error: {}", panic_message(panic))),
+                    )
+                })
+            })
+            .collect()
     }
     fn can_snapshot(&self) -> bool {
         true

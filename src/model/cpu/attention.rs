@@ -17,10 +17,57 @@ pub fn forward(
     start: usize,
     cache: &mut KvCache,
 ) -> Vec<f32> {
+    forward_spans(c, w, x, &mut [(t, start, cache)])
+}
+
+/// Attention over the rows of several sequences, one after another in `x`: `spans` gives each
+/// sequence's row count, first position and cache. The projections run once over all rows;
+/// norms, RoPE and attention per sequence.
+pub fn forward_spans(
+    c: &ModelConfig,
+    w: &AttentionWeights,
+    x: &[f32],
+    spans: &mut [(usize, usize, &mut KvCache)],
+) -> Vec<f32> {
+    let rows: usize = spans.iter().map(|(t, ..)| t).sum();
+    let qg = matmul(&w.q_proj, x, rows);
+    let k = matmul(&w.k_proj, x, rows);
+    let v = matmul(&w.v_proj, x, rows);
     let (nq, nkv, dh) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-    let qg = matmul(&w.q_proj, x, t);
-    let k = matmul(&w.k_proj, x, t);
-    let v = matmul(&w.v_proj, x, t);
+    let mut o = Vec::with_capacity(rows * nq * dh);
+    let mut r = 0;
+    for (t, start, cache) in spans.iter_mut() {
+        let t = *t;
+        let projected = Projected {
+            qg: &qg[r * 2 * nq * dh..(r + t) * 2 * nq * dh],
+            k: &k[r * nkv * dh..(r + t) * nkv * dh],
+            v: &v[r * nkv * dh..(r + t) * nkv * dh],
+        };
+        o.extend(attend(c, w, &projected, t, *start, cache));
+        r += t;
+    }
+    matmul(&w.o_proj, &o, rows)
+}
+
+/// One sequence's projections: q‖gate `[t, heads, 2·head_dim]`, k and v `[t, kv_heads, head_dim]`.
+struct Projected<'a> {
+    qg: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+}
+
+/// Norms, RoPE, the cache append and gated attention for one sequence's `t` rows: the input of
+/// o_proj, `[t, heads · head_dim]`.
+fn attend(
+    c: &ModelConfig,
+    w: &AttentionWeights,
+    p: &Projected,
+    t: usize,
+    start: usize,
+    cache: &mut KvCache,
+) -> Vec<f32> {
+    let (nq, nkv, dh) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let (qg, k, v) = (p.qg, p.k, p.v);
 
     let mut q = vec![0f32; t * nq * dh];
     let mut gate = vec![0f32; t * nq * dh];
@@ -74,5 +121,5 @@ pub fn forward(
         let g = &gate[i * dh..(i + 1) * dh];
         out.iter_mut().zip(g).for_each(|(o, &g)| *o *= sigmoid(g));
     });
-    matmul(&w.o_proj, &o, t)
+    o
 }

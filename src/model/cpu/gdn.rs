@@ -19,18 +19,65 @@ pub fn forward(
     t: usize,
     state: &mut DeltaNetState,
 ) -> Vec<f32> {
+    forward_spans(c, w, x, &mut [(t, state)])
+}
+
+/// The mixer over the rows of several sequences, one after another in `x`: `spans` gives each
+/// sequence's row count and state. The projections run once over all rows (each row's result
+/// is the same as alone); the conv and the delta rule run per sequence.
+pub fn forward_spans(
+    c: &ModelConfig,
+    w: &DeltaNetWeights,
+    x: &[f32],
+    spans: &mut [(usize, &mut DeltaNetState)],
+) -> Vec<f32> {
+    let rows: usize = spans.iter().map(|(t, _)| t).sum();
+    let qkv = matmul(&w.in_proj_qkv, x, rows);
+    let z = matmul(&w.in_proj_z, x, rows);
+    let b = matmul(&w.in_proj_b, x, rows);
+    let a = matmul(&w.in_proj_a, x, rows);
+    let (conv_dim, value_dim, hv) = (c.conv_dim(), c.linear_value_dim(), c.linear_num_value_heads);
+    let mut y = Vec::with_capacity(rows * value_dim);
+    let mut r = 0;
+    for (t, state) in spans.iter_mut() {
+        let t = *t;
+        let projected = Projected {
+            qkv: &qkv[r * conv_dim..(r + t) * conv_dim],
+            z: &z[r * value_dim..(r + t) * value_dim],
+            b: &b[r * hv..(r + t) * hv],
+            a: &a[r * hv..(r + t) * hv],
+        };
+        y.extend(mix(c, w, &projected, t, state));
+        r += t;
+    }
+    matmul(&w.out_proj, &y, rows)
+}
+
+/// One sequence's input projections: `[t, width]` each.
+struct Projected<'a> {
+    qkv: &'a [f32],
+    z: &'a [f32],
+    b: &'a [f32],
+    a: &'a [f32],
+}
+
+/// Conv, gates, the delta rule and the gated norm over one sequence's `t` projected rows:
+/// the input of out_proj, `[t, value_dim]`.
+fn mix(
+    c: &ModelConfig,
+    w: &DeltaNetWeights,
+    p: &Projected,
+    t: usize,
+    state: &mut DeltaNetState,
+) -> Vec<f32> {
     let conv_dim = c.conv_dim();
     let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
     let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
     let key_dim = c.linear_key_dim();
-
-    let qkv = matmul(&w.in_proj_qkv, x, t);
-    let z = matmul(&w.in_proj_z, x, t);
-    let b = matmul(&w.in_proj_b, x, t);
-    let a = matmul(&w.in_proj_a, x, t);
+    let (qkv, z, b, a) = (p.qkv, p.z, p.b, p.a);
 
     let mixed = causal_conv(
-        &qkv,
+        qkv,
         t,
         conv_dim,
         c.linear_conv_kernel_dim,
@@ -108,7 +155,7 @@ pub fn forward(
             out.iter_mut().zip(zj).for_each(|(o, &z)| *o *= silu(z));
         }
     }
-    matmul(&w.out_proj, &y, t)
+    y
 }
 
 /// Depthwise causal conv over `t` new rows with `kernel-1` rows of history from `conv_state`

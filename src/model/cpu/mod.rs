@@ -22,33 +22,90 @@ pub enum Logits {
 /// Runs `tokens` (new tokens of one sequence) through the model, advancing `state`.
 /// Returns logits `[n, vocab]` for the positions chosen by `which`.
 pub fn forward(w: &Weights, tokens: &[u32], state: &mut SequenceState, which: Logits) -> Vec<f32> {
+    forward_batch(w, &mut [(tokens, state)], which)
+        .pop()
+        .expect("one sequence in, one out")
+}
+
+/// Runs the new tokens of several sequences as one batch: their rows go through every
+/// projection and the experts together (each weight row decoded once for all of them), the
+/// conv, delta rule and attention per sequence. Each sequence's logits are exactly what
+/// [`forward`] alone would give.
+pub fn forward_batch(
+    w: &Weights,
+    seqs: &mut [(&[u32], &mut SequenceState)],
+    which: Logits,
+) -> Vec<Vec<f32>> {
     let c = &w.config;
-    let (t, hd) = (tokens.len(), c.hidden_size);
-    assert!(t > 0, "forward needs at least one token");
+    let hd = c.hidden_size;
+    assert!(
+        seqs.iter().all(|(tokens, _)| !tokens.is_empty()),
+        "forward needs at least one token per sequence"
+    );
+    fn mismatch() -> ! {
+        panic!("sequence state does not match the model's layer kinds")
+    }
+    let t: usize = seqs.iter().map(|(tokens, _)| tokens.len()).sum();
     let mut h = vec![0f32; t * hd];
-    for (s, &tok) in tokens.iter().enumerate() {
+    let ids = seqs.iter().flat_map(|(tokens, _)| tokens.iter());
+    for (s, &tok) in ids.enumerate() {
         w.embed.row_into(tok as usize, &mut h[s * hd..(s + 1) * hd]);
     }
-    for (layer, st) in w.layers.iter().zip(state.layers.iter_mut()) {
+    for (li, layer) in w.layers.iter().enumerate() {
         let x = rms_norm_rows(&h, &layer.input_norm, c.rms_norm_eps);
-        let r = match (&layer.mixer, st) {
-            (Mixer::DeltaNet(m), LayerState::DeltaNet(s)) => gdn::forward(c, m, &x, t, s),
-            (Mixer::Attention(m), LayerState::Attention(kv)) => {
-                attention::forward(c, m, &x, t, state.position, kv)
+        let r = match &layer.mixer {
+            Mixer::DeltaNet(m) => {
+                let mut spans: Vec<_> = seqs
+                    .iter_mut()
+                    .map(|(tokens, st)| match &mut st.layers[li] {
+                        LayerState::DeltaNet(s) => (tokens.len(), s),
+                        _ => mismatch(),
+                    })
+                    .collect();
+                gdn::forward_spans(c, m, &x, &mut spans)
             }
-            _ => panic!("sequence state does not match the model's layer kinds"),
+            Mixer::Attention(m) => {
+                let mut spans: Vec<_> = seqs
+                    .iter_mut()
+                    .map(|(tokens, st)| {
+                        let start = st.position;
+                        match &mut st.layers[li] {
+                            LayerState::Attention(kv) => (tokens.len(), start, kv),
+                            _ => mismatch(),
+                        }
+                    })
+                    .collect();
+                attention::forward_spans(c, m, &x, &mut spans)
+            }
         };
         h.iter_mut().zip(&r).for_each(|(h, r)| *h += r);
         let m = rms_norm_rows(&h, &layer.post_attention_norm, c.rms_norm_eps);
         let y = moe::forward(c, &layer.moe, &m, t);
         h.iter_mut().zip(&y).for_each(|(h, y)| *h += y);
     }
-    state.position += t;
-    let rows = match which {
-        Logits::All => &h[..],
-        Logits::Last => &h[(t - 1) * hd..],
-    };
-    let n = rows.len() / hd;
-    let normed = rms_norm_rows(rows, &w.final_norm, c.rms_norm_eps);
-    matmul(&w.lm_head, &normed, n)
+    // The rows whose logits are wanted, per sequence.
+    let mut rows = Vec::new();
+    let mut counts = Vec::with_capacity(seqs.len());
+    let mut end = 0;
+    for (tokens, st) in seqs.iter_mut() {
+        st.position += tokens.len();
+        end += tokens.len();
+        let first = match which {
+            Logits::All => end - tokens.len(),
+            Logits::Last => end - 1,
+        };
+        rows.extend_from_slice(&h[first * hd..end * hd]);
+        counts.push(end - first);
+    }
+    let normed = rms_norm_rows(&rows, &w.final_norm, c.rms_norm_eps);
+    let logits = matmul(&w.lm_head, &normed, rows.len() / hd);
+    let v = c.vocab_size;
+    let mut at = 0;
+    counts
+        .into_iter()
+        .map(|n| {
+            at += n;
+            logits[(at - n) * v..at * v].to_vec()
+        })
+        .collect()
 }
