@@ -60,7 +60,8 @@ PY
         echo "call $n: carry [${list%, }]: $(awk "BEGIN { printf \"%.1f\", $total / 1048576 }") MiB of 64"
         ((total <= LIMIT)) || { echo "  over the 64 MiB a call carries"; over=1; }
     done
-    echo "each call: command 'bash scripts/bench-all.sh run', timeout_s 600, back to back (tools/peers/README.md)"
+    cmd="bash scripts/bench-all.sh run$([[ "$dir" == carry-bench ]] || echo " --lily $dir/lily")"
+    echo "each call: command '$cmd', timeout_s 600, back to back (tools/peers/README.md)"
     exit $over
     ;;
 run)

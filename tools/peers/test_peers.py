@@ -271,10 +271,11 @@ class BenchAllTest(unittest.TestCase):
         self.log.write_text("")
         out = self.d / f"out{n}"
         env = dict(os.environ, FAKE_LOG=str(self.log), READY_DIR=str(self.d / "ready"))
-        subprocess.run([sys.executable, str(HERE / "bench_all.py"), "--lily", "carry-bench/lily",
-                        "--peer-cmd", f"{sys.executable} fake_peer.py", "--state", str(self.d / "state"),
+        # Through the wrapper, as on the GPU machine (it runs from the repo root: absolute paths here).
+        subprocess.run(["bash", str(ROOT / "scripts" / "bench-all.sh"), "run", "--lily", str(self.lily),
+                        "--peer-cmd", f"{sys.executable} {self.d / 'fake_peer.py'}", "--state", str(self.d / "state"),
                         "--out", str(out), "--budget", str(budget), *extra],
-                       cwd=self.d, env=env, check=True, capture_output=True, text=True)
+                       env=env, check=True, capture_output=True, text=True)
         with tarfile.open(out / "bench-all.tar") as tar:
             tar.extractall(self.d / f"unpacked{n}", filter="data")
         (run_dir,) = (self.d / f"unpacked{n}").iterdir()
