@@ -30,7 +30,7 @@ nvcc_version() {  # the nvcc that build.rs takes, looked for in its order
     [[ -z "$nvcc" && -n "${CUDA_HOME:-}" && -x "$CUDA_HOME/bin/nvcc" ]] && nvcc="$CUDA_HOME/bin/nvcc"
     [[ -z "$nvcc" ]] && nvcc="$(ls .venv-cuda/lib/*/site-packages/nvidia/cu13/bin/nvcc 2>/dev/null | head -1)"
     [[ -z "$nvcc" ]] && nvcc="$(command -v nvcc)"
-    [[ -n "$nvcc" ]] && "$nvcc" --version | grep -o 'V[0-9.]*' | tr -d V || echo unknown
+    [[ -n "$nvcc" ]] && "$nvcc" --version | grep -o 'V[0-9][0-9.]*' | tr -d V || echo unknown
 }
 
 case "${1:-}" in
@@ -46,7 +46,7 @@ path, commit, rustc, nvcc = sys.argv[1:]
 json.dump({"commit": commit, "built": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "rustc": rustc,
            "nvcc": nvcc, "profile": "release"}, open(path, "w"), indent=2)
 PY
-    echo "lily: $(du -h "$dir/lily" | cut -f1), $(cat "$dir/build.json" | tr -d '\n ')"
+    echo "lily: $(du -h "$dir/lily" | cut -f1), $dir/build.json: $(tr -d '\n' < "$dir/build.json" | tr -s ' ')"
     # What travels in every call: tracked files and untracked ones git does not ignore.
     tree=$(git ls-files -z -co --exclude-standard | xargs -0 -r stat -c %s 2>/dev/null | awk '{ s += $1 } END { print s + 0 }')
     over=0

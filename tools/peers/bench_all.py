@@ -197,6 +197,10 @@ def run(args):
         result = state["jobs"][name]
         skipped = f", its cap skipped {result['skipped']}" if result.get("skipped") else ""
         call.log(f"{name}: {result['status']} in {result['seconds']} s{skipped}")
+        if result["status"] != "done":  # the end of its log, for the call's output
+            log = run_dir / result["dirs"][-1] / "log.txt"
+            for line in (log if log.is_file() else run_dir / "output.log").read_text().splitlines()[-8:]:
+                call.log(f"  | {line}")
         this_call["ran"].append(f"{name}{' (second pass)' if contexts else ''}: {result['status']}")
         save()
 

@@ -233,6 +233,9 @@ if sys.argv[1] == "ready":
     path = os.path.join(os.environ["READY_DIR"], sys.argv[2])
     sys.exit(int(open(path).read()) if os.path.exists(path) else 1)
 peer, out, cap = sys.argv[1:4]
+if os.environ.get("FAKE_FAIL") == peer:
+    print(f"{{peer}} broke at {{os.environ['FAKE_FAIL_WHY']}}")
+    sys.exit(1)
 given = os.environ.get("PEERS_CONTEXTS")
 contexts = [int(c) for c in given.split(",")] if given else sweep.CONTEXTS
 log.write(f"{{peer}} cap={{cap}} contexts={{given or 'all'}}\\n")
@@ -266,11 +269,11 @@ class BenchAllTest(unittest.TestCase):
             path = self.d / "ready" / peer.replace("_", "-")
             path.unlink(missing_ok=True) if code is None else path.write_text(str(code))
 
-    def call(self, n, *extra, budget=3000):
-        """One device call; returns (the lines the fakes logged in it, the state in its archive)."""
+    def call(self, n, *extra, budget=3000, env=None):
+        """One device call; returns (the lines the fakes logged in it, its archive's folder, its state)."""
         self.log.write_text("")
         out = self.d / f"out{n}"
-        env = dict(os.environ, FAKE_LOG=str(self.log), READY_DIR=str(self.d / "ready"))
+        env = dict(os.environ, FAKE_LOG=str(self.log), READY_DIR=str(self.d / "ready"), **(env or {}))
         # Through the wrapper, as on the GPU machine (it runs from the repo root: absolute paths here).
         subprocess.run(["bash", str(ROOT / "scripts" / "bench-all.sh"), "run", "--lily", str(self.lily),
                         "--peer-cmd", f"{sys.executable} {self.d / 'fake_peer.py'}", "--state", str(self.d / "state"),
@@ -336,6 +339,18 @@ class BenchAllTest(unittest.TestCase):
         self.assertEqual(bench_all.next_job(jobs, state, readiness, 200), ("llama", None, 200))
         self.assertEqual(bench_all.next_job(jobs, state, readiness, 140), ("transformers", skipped, 140))
         self.assertIsNone(bench_all.next_job(jobs, state, readiness, 100))
+
+    def test_a_failed_peer_is_reported_and_not_retried(self):
+        self.ready(transformers=0, llama=0)
+        why = f"context {random.choice(sweep.CONTEXTS)}"
+        ran, run_dir, state = self.call(1, "--skip", "lily", env={"FAKE_FAIL": "llama", "FAKE_FAIL_WHY": why})
+        self.assertEqual(state["jobs"]["llama"]["status"], "failed (exit 1)")
+        self.assertIn(f"llama broke at {why}", (self.d / "out1" / "summary.txt").read_text())
+        ran, _, _ = self.call(2, "--skip", "lily")
+        self.assertEqual(ran, ["setup"], "neither pass of a failed job runs again")
+        _, engines = collect.read_run(run_dir)
+        self.assertEqual({e.label: e.missing for e in engines if e.label in ("llama", "lily")},
+                         {"llama": "no results: failed (exit 1)", "lily": "not run: skipped (--skip)"})
 
     def test_a_new_lily_build_starts_a_new_series(self):
         self.ready()
