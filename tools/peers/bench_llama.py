@@ -120,6 +120,7 @@ def main():
     sweep.write_results(args.out, rows, args.decode_steps, {
         "engine": "llama.cpp",
         "weights": f"GGUF {info.get('model_type', '?')} ({info.get('model_size', 0) / 1e9:.2f} GB)",
+        "dtypes": f"Q4_K/Q6_K weights, F32 norms and small tensors; KV cache {info.get('type_k')}/{info.get('type_v')}",
         "versions": {"llama.cpp": f"{info.get('build_commit', '?')} (build {info.get('build_number', '?')})"},
         "gpu": info.get("gpu_info"), "backends": info.get("backends"),
         "flash_attn": info.get("flash_attn"), "n_batch": info.get("n_batch"), "n_ubatch": info.get("n_ubatch"),

@@ -92,6 +92,7 @@ def main():
     sweep.write_results(args.out, rows, args.decode_steps, {
         "engine": "mlx-lm",
         "weights": "MLX Q4 g64 (router, shared-expert gate Q8)",
+        "dtypes": "Q4 g64 weights with bf16 scales; bf16 activations and KV cache",
         "weights_bytes": nbytes,
         "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__},
         "backend": backend, "config": args.config,

@@ -116,7 +116,7 @@ def main():
     peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
     sweep.write_results(args.out, rows, args.decode_steps, {
         "engine": "transformers" + ("" if uses_fla else " (no fla)"),
-        "weights": "bf16",
+        "weights": "bf16", "dtypes": "bf16 weights, activations and KV cache",
         "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
                      "fla": _version("flash-linear-attention") if uses_fla else None},
         "config": args.config, "parameters": n_params, "kernel_paths": paths,

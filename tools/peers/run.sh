@@ -2,7 +2,10 @@
 # Runs one peer's context sweep on the GPU machine (tools/peers/README.md gives the call sequence).
 #
 #   tools/peers/run.sh PEER OUTDIR [TIME_CAP_S]
-#   PEER: transformers | transformers-nofla | mlx | llama | setup
+#   PEER: transformers | transformers-nofla | mlx | llama
+#   tools/peers/run.sh setup          only the set-up below
+#   tools/peers/run.sh ready PEER     whether PEER can run in this call (after setup): exit 0 yes, 3 yes
+#                                     but it first waits for the llama.cpp build, 1 no (it says why)
 #
 # Every PEER first runs `setup`, which is idempotent and keeps its state in /tmp/peers (it lives as
 # long as the machine stays warm between back-to-back calls):
@@ -55,6 +58,22 @@ setup() {
     fi
 }
 
+ready() {  # the inputs each peer needs, as set-up leaves them (scripts/bench-all.sh asks before each peer)
+    case "$1" in
+        transformers) [ -d "$state/site-fla" ] || { log "fla is not installed: carry .peers/carry"; return 1; } ;;
+        transformers-nofla) ;;
+        mlx) [ -d "$state/site-mlx" ] ||
+            { log "mlx is not installed: carry .peers/mlx-cuda-1 and then .peers/mlx-cuda-2 in back-to-back calls"; return 1; } ;;
+        llama)
+            [ -d "$state/llama.cpp" ] || { log "no llama.cpp source in $state: carry .peers/carry (a fresh machine lost it)"; return 1; }
+            if grep -q "FAILED" "$state/llama-build.log" 2>/dev/null; then
+                tail -30 "$state/llama-build.log"; return 1
+            fi
+            [ -f "$state/model.gguf" ] || { log "the llama.cpp build or the GGUF is still running"; return 3; } ;;
+        *) echo "unknown peer '$1': transformers | transformers-nofla | mlx | llama" >&2; return 2 ;;
+    esac
+}
+
 llama_build() {  # background job started by setup: build, then the GGUF
     local t0=$SECONDS
     cmake -S "$state/llama.cpp" -B "$state/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -72,6 +91,7 @@ llama_build() {  # background job started by setup: build, then the GGUF
 case "$peer" in
     llama-build) llama_build; exit ;;
     setup) setup; exit ;;
+    ready) ready "$out"; exit ;;
 esac
 [ -n "$out" ] || { echo "usage: run.sh PEER OUTDIR [TIME_CAP_S]" >&2; exit 2; }
 mkdir -p "$out"
@@ -86,7 +106,7 @@ case "$peer" in
     transformers-nofla)
         python3 tools/peers/bench_transformers.py --no-fla --out "$out" --time-cap "$(left)" "${contexts[@]}" ;;
     mlx)
-        [ -d "$state/site-mlx" ] || { log "mlx is not installed: carry .peers/mlx-cuda-1 and then .peers/mlx-cuda-2 in back-to-back calls"; exit 1; }
+        ready mlx || exit 1
         # NVRTC (MLX's JIT kernels) needs the CUDA headers; the library path is a fallback to the RPATH link.
         nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
         export CUDA_PATH=${CUDA_PATH:-${CUDA_HOME:-$(dirname "$(dirname "$nvcc")")}}
@@ -94,14 +114,11 @@ case "$peer" in
         log "CUDA_PATH=$CUDA_PATH"
         PYTHONPATH=$state/site-mlx python3 tools/peers/bench_mlx.py --out "$out" --time-cap "$(left)" "${contexts[@]}" ;;
     llama)
-        [ -d "$state/llama.cpp" ] || { log "no llama.cpp source in $state: carry .peers/carry (a fresh machine lost it)"; exit 1; }
         log "waiting for the llama.cpp build and the GGUF"
-        while [ ! -f "$state/model.gguf" ]; do
-            if grep -q "FAILED" "$state/llama-build.log" 2>/dev/null || [ "$(left)" -le 0 ]; then
-                tail -30 "$state/llama-build.log"; exit 1
-            fi
-            sleep 5
-        done
+        while ready llama > /dev/null; rc=$?; [ $rc = 3 ] && [ "$(left)" -gt 0 ]; do sleep 5; done
+        if [ $rc != 0 ]; then
+            ready llama; [ $rc = 3 ] && tail -30 "$state/llama-build.log"; exit 1
+        fi
         cp "$state/build-time.txt" "$out/build.txt"
         python3 tools/peers/bench_llama.py --llama-bench "$state/build/bin/llama-bench" --model "$state/model.gguf" \
             --out "$out" --time-cap "$(left)" "${contexts[@]}" ${LLAMA_BENCH_EXTRA:+--extra "$LLAMA_BENCH_EXTRA"} ;;
