@@ -131,7 +131,7 @@ PY
         echo "=== bench --serve"
         # shellcheck disable=SC2086
         timeout 400 "$dir/lily" bench --serve --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
-            ${GPU_CHECK_SERVE_ARGS:---batch-decode --streams 64 --prompt-tokens 1024 --output-tokens 128} \
+            ${GPU_CHECK_SERVE_ARGS:---batch-steps --streams 64 --prompt-tokens 1024 --output-tokens 128} \
             --out "$out" > "$logs/bench-serve.log" 2>&1
         rc=$?
         tail -30 "$logs/bench-serve.log"

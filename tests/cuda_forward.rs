@@ -56,7 +56,7 @@ fn compare(weights: Weights, label: &str, tolerance: f32) {
         max_context: 4096,
         prefill_chunk: 256,
         cuda_graphs: true,
-        batch_decode: false,
+        batch_steps: false,
     };
     let mut gpu = CudaBackend::new(dev, model, options).unwrap();
 
@@ -170,7 +170,7 @@ fn greedy_on_device_equals_argmax_of_logits() {
             max_context: 512,
             prefill_chunk: 256,
             cuda_graphs: true,
-            batch_decode: false,
+            batch_steps: false,
         },
     )
     .unwrap();
@@ -184,7 +184,7 @@ fn greedy_on_device_equals_argmax_of_logits() {
             max_context: 512,
             prefill_chunk: 256,
             cuda_graphs: false,
-            batch_decode: false,
+            batch_steps: false,
         },
     )
     .unwrap();
@@ -224,7 +224,7 @@ fn q4_weights(seed: u64) -> Weights {
     checkpoint::load(q4.path()).unwrap()
 }
 
-fn gpu_backend(weights: &Weights, max_sequences: usize, batch_decode: bool) -> CudaBackend {
+fn gpu_backend(weights: &Weights, max_sequences: usize, batch_steps: bool) -> CudaBackend {
     let dev = CudaDevice::new(0).expect("a CUDA GPU");
     let model = CudaModel::upload(&dev, weights).unwrap();
     let options = CudaOptions {
@@ -232,7 +232,7 @@ fn gpu_backend(weights: &Weights, max_sequences: usize, batch_decode: bool) -> C
         max_context: 1024,
         prefill_chunk: 256,
         cuda_graphs: true,
-        batch_decode,
+        batch_steps,
     };
     CudaBackend::new(dev, model, options).unwrap()
 }
@@ -267,40 +267,49 @@ fn way(seq: usize, vocab: usize) -> Option<DeviceSampling> {
     }
 }
 
-/// Decode steps of many sequences as one pass (`batch_decode`) against the same steps one by one:
-/// passes of 12 rows (the experts' grouped GEMM, the dense GEMM), then 5 and 2 (GEMVs), each
-/// sequence at its own position with prompts across a prefill-chunk boundary. Logits agree to
-/// bf16 accuracy (the two paths round in different orders), picked tokens up to near-ties. A step
-/// for an unknown sequence or a bad token in the same batch fails alone.
+/// The steps of many sequences as shared passes (`batch_steps`) against the same steps one by
+/// one: the prompts themselves as one batch (chunks up to the pass's 256 rows as spans, longer
+/// prompts alone), then passes of 12 decode rows (the experts' grouped GEMM, the dense GEMM), 5
+/// and 2 (GEMVs), and passes mixing decode rows with new prompt chunks. Logits agree to bf16
+/// accuracy (the paths round in different orders), picked tokens up to near-ties. A step for an
+/// unknown sequence or with a bad token in the same batch fails alone.
 #[test]
-fn batched_decode_equals_one_by_one() {
+fn batched_steps_equal_one_by_one() {
     let weights = q4_weights(6);
     let vocab = weights.config.vocab_size;
     let n = 12;
     let mut batched = gpu_backend(&weights, n, true);
     let mut alone = gpu_backend(&weights, n, false);
-    let mut last = Vec::new();
-    for seq in 0..n {
-        let p = prompt([1, 2, 5, 40, 255, 257, 300][seq % 7] + seq, seq as u32);
-        batched.create_sequence(seq as u64).unwrap();
-        alone.create_sequence(seq as u64).unwrap();
-        batched.forward(seq as u64, &p).unwrap();
-        last.push(argmax(&alone.forward(seq as u64, &p).unwrap()));
-    }
     let ways: Vec<Option<DeviceSampling>> = (0..n).map(|s| way(s, vocab)).collect();
+    for seq in 0..n as u64 {
+        batched.create_sequence(seq).unwrap();
+        alone.create_sequence(seq).unwrap();
+    }
+    let mut inputs: Vec<Vec<u32>> = (0..n)
+        .map(|seq| prompt([1, 2, 5, 40, 255, 257, 300][seq % 7] + seq, seq as u32))
+        .collect();
     let mut checked = 0;
-    for (step, live) in [12usize, 12, 5, 5, 2, 2, 12].into_iter().enumerate() {
+    for (step, live) in [12usize, 12, 12, 5, 5, 2, 2, 12, 12]
+        .into_iter()
+        .enumerate()
+    {
+        // Step 3 and 7: every third sequence gets a new prompt chunk instead of a decode token.
+        if step == 3 || step == 7 {
+            for seq in (0..live).step_by(3) {
+                inputs[seq] = prompt(7 + seq, (100 + step + seq) as u32);
+            }
+        }
         let mut steps: Vec<Step> = (0..live)
             .map(|seq| Step {
                 seq: seq as u64,
-                tokens: std::slice::from_ref(&last[seq]),
+                tokens: &inputs[seq],
                 sample: ways[seq].as_ref().map(|s| (s, 0.5)),
             })
             .collect();
         let bad_token = [vocab as u32 + 3];
         steps.push(Step {
             seq: 999,
-            tokens: &last[..1],
+            tokens: &inputs[0],
             sample: None,
         });
         if live < n {
@@ -321,37 +330,36 @@ fn batched_decode_equals_one_by_one() {
         }
         let mut next = Vec::new();
         for (seq, out) in outputs.into_iter().take(live).enumerate() {
-            let reference = alone.forward(seq as u64, &[last[seq]]).unwrap();
+            let what = format!("step {step} ({live} sequences), sequence {seq}");
+            let reference = alone.forward(seq as u64, &inputs[seq]).unwrap();
             let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
             let limit = ways[seq].as_ref().map_or(vocab, |s| s.vocab_limit);
             let expected = argmax(&reference[..limit]);
-            match out.unwrap_or_else(|e| panic!("step {step}, sequence {seq}: {e:#}")) {
+            match out.unwrap_or_else(|e| panic!("{what}: {e:#}")) {
                 StepOutput::Logits(logits) => {
-                    assert!(ways[seq].is_none(), "sequence {seq} asked for a token");
+                    assert!(ways[seq].is_none(), "{what} asked for a token");
                     let err = rel(&logits, &reference);
-                    assert!(
-                        err <= TOLERANCE,
-                        "step {step} ({live} rows), sequence {seq}: logits differ by {err:.2e}"
-                    );
+                    assert!(err <= TOLERANCE, "{what}: logits differ by {err:.2e}");
                 }
                 StepOutput::Token(token) => {
-                    assert!(ways[seq].is_some(), "sequence {seq} asked for logits");
+                    assert!(ways[seq].is_some(), "{what} asked for logits");
                     assert!(
                         (token as usize) < limit,
-                        "token {token} past the limit {limit}"
+                        "{what}: token {token} past {limit}"
                     );
                     let gap = (reference[expected as usize] - reference[token as usize]) / scale;
                     assert!(
                         gap <= TOLERANCE,
-                        "step {step} ({live} rows), sequence {seq}: picked {token}, \
-                         one by one {expected} (gap {gap:.2e}: not a near-tie)"
+                        "{what}: picked {token}, one by one {expected} (gap {gap:.2e}: not a near-tie)"
                     );
                 }
             }
             checked += 1;
             next.push(expected);
         }
-        last[..live].copy_from_slice(&next);
+        for (seq, token) in next.into_iter().enumerate() {
+            inputs[seq] = vec![token];
+        }
     }
-    println!("batched decode: {checked} steps agree with one-by-one decoding");
+    println!("batched steps: {checked} steps agree with one-by-one");
 }

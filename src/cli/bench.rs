@@ -63,9 +63,9 @@ pub struct BenchArgs {
     /// --serve: memory of the prefix cache in MiB.
     #[arg(long, default_value_t = 4096)]
     pub prefix_cache_mb: u64,
-    /// --serve on a GPU: decode steps of several sequences run as one pass (see `lily serve`).
+    /// --serve on a GPU: the steps of several sequences run as shared passes (see `lily serve`).
     #[arg(long)]
-    pub batch_decode: bool,
+    pub batch_steps: bool,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -76,7 +76,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let longest = longest + args.conversation_tokens / args.turns.max(1) + 16;
         let gpu = GpuOptions {
             slots: Some(args.streams.max(args.decode_streams)),
-            batch_decode: args.batch_decode,
+            batch_steps: args.batch_steps,
         };
         (longest, gpu)
     } else {

@@ -23,15 +23,15 @@ fn gpu_present() -> bool {
     }
 }
 
-/// How a GPU backend is sized and run (`--max-sequences`, `--batch-decode`); the CPU backend
+/// How a GPU backend is sized and run (`--max-sequences`, `--batch-steps`); the CPU backend
 /// needs neither.
 #[derive(Debug, Clone, Copy, Default)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub struct GpuOptions {
     /// Sequences holding state at once (default: the backend's).
     pub slots: Option<usize>,
-    /// Decode steps of several sequences run as one pass.
-    pub batch_decode: bool,
+    /// The steps of several sequences run as shared passes.
+    pub batch_steps: bool,
 }
 
 #[cfg(feature = "cuda")]
@@ -40,7 +40,7 @@ pub fn cuda_options(max_context: usize, gpu: GpuOptions) -> lily::cuda::forward:
     lily::cuda::forward::CudaOptions {
         max_context,
         max_sequences: gpu.slots.unwrap_or(defaults.max_sequences),
-        batch_decode: gpu.batch_decode,
+        batch_steps: gpu.batch_steps,
         ..defaults
     }
 }

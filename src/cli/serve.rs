@@ -55,10 +55,10 @@ pub struct ServeArgs {
     /// more requests wait in a queue.
     #[arg(long, default_value_t = 4)]
     pub max_sequences: usize,
-    /// GPU: run the decode steps of concurrent requests as one pass (their weights read once per
-    /// step) instead of one after another.
+    /// GPU: run the steps of concurrent requests (prompt chunks and decode tokens) as shared
+    /// passes, each weight read once per pass, instead of one after another.
     #[arg(long)]
-    pub batch_decode: bool,
+    pub batch_steps: bool,
     /// Test only: reply from this script instead of running a model.
     #[arg(long, hide = true)]
     pub scripted_tokens: Option<PathBuf>,
@@ -89,7 +89,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.max_sequences > 0, "--max-sequences must be at least 1");
     let gpu = super::device::GpuOptions {
         slots: Some(args.max_sequences),
-        batch_decode: args.batch_decode,
+        batch_steps: args.batch_steps,
     };
     server::run(ServeOptions {
         source,

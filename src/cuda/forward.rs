@@ -2,8 +2,10 @@
 //!
 //! Activations are bf16 `[tokens][width]` rows, norms and the recurrent state fp32. A call runs
 //! one sequence's next tokens: prompts in chunks of up to [`CudaOptions::prefill_chunk`] tokens
-//! (chunked GDN, flash attention), single tokens through the decode kernels; a decode pass can
-//! also take one token of each of several sequences (rows of one batch). Up to 8 rows, the
+//! (chunked GDN, flash attention), single tokens through the decode kernels. A pass can also take
+//! the steps of several sequences as rows of one batch: prompt spans, then one decode token each;
+//! the projections and experts run over all rows at once, GDN and attention per span and for all
+//! decode rows together. Up to 8 rows, the
 //! projections and the experts are GEMVs; longer chunks use the tensor-core GEMM for the dense
 //! projections and, for the experts, group their (token, slot) pairs by expert on the device and
 //! run one grouped GEMM for gate‖up (SwiGLU fused) and one for down. Routing, expert selection
@@ -45,10 +47,11 @@ pub struct CudaOptions {
     pub prefill_chunk: usize,
     /// Replay decode steps from captured CUDA graphs (one per batch size).
     pub cuda_graphs: bool,
-    /// [`forward_batch`](crate::model::Backend::forward_batch) runs the decode steps of several sequences as one pass (their
-    /// weights read once) instead of one by one. Off by default until its H200 test
-    /// (tests/cuda_forward.rs, `batched_decode_equals_one_by_one`) has passed.
-    pub batch_decode: bool,
+    /// [`forward_batch`](crate::model::Backend::forward_batch) runs the steps of several
+    /// sequences (prompt chunks and decode tokens) as shared passes, each weight read once per
+    /// pass, instead of one by one. Off by default until its H200 test (tests/cuda_forward.rs,
+    /// `batched_steps_equal_one_by_one`) has passed.
+    pub batch_steps: bool,
 }
 
 impl Default for CudaOptions {
@@ -58,7 +61,7 @@ impl Default for CudaOptions {
             max_context: 32768,
             prefill_chunk: 4096,
             cuda_graphs: true,
-            batch_decode: false,
+            batch_steps: false,
         }
     }
 }
@@ -75,8 +78,7 @@ struct Kernels {
     attn: AttentionKernels,
 }
 
-/// Activation buffers for one chunk of up to `rows` tokens (or a decode pass of up to `rows`
-/// sequences), allocated once.
+/// Activation buffers for a pass of up to `rows` rows, allocated once.
 struct Scratch {
     rows: usize,
     ids: CudaSlice<i32>,
@@ -97,23 +99,49 @@ struct Scratch {
     /// `[tokens][slots][hidden]`: each slot's expert output, before weighting.
     routed: CudaSlice<bf16>,
     groups: ExpertGroups,
-    /// `[batch][vocab]`: the logits of each decode row (of a prefill chunk's last token: row 0).
+    /// `[batch][hidden]`: the final-norm rows the logits are taken of, gathered when they are
+    /// not one run of rows.
+    last: CudaSlice<bf16>,
+    /// `[batch][vocab]`: the logits of each span's last token, then of each decode row.
     logits: CudaSlice<bf16>,
-    /// `[batch]`: the token picked after each row.
+    /// `[batch]`: the token picked after each logits row.
     next: CudaSlice<i32>,
     /// `[batch]`: each decode row's sequence slot and position.
     slots: CudaSlice<i32>,
     positions: CudaSlice<i32>,
 }
 
-/// What one pass over the layers runs, on `t` rows whose token ids are in `s.ids`.
+/// What one pass over the layers runs: prompt spans (rows first), then `decode` rows of one
+/// token each; the token ids of all rows in `s.ids`, the decode rows' slots and positions in
+/// `s.slots` and `s.positions`.
+#[derive(Debug, Clone, Default)]
+struct Pass {
+    spans: Vec<Span>,
+    decode: usize,
+}
+
+/// Prompt tokens of one sequence in a pass: rows `first .. first + len` (at least 2), at
+/// positions `start ..`.
 #[derive(Debug, Clone, Copy)]
-enum Pass {
-    /// `t` prompt tokens of the sequence in `slot`, from position `start`.
-    Prefill { slot: usize, start: usize },
-    /// One token of each of `t` sequences, their slots and positions in `s.slots` and
-    /// `s.positions`.
-    Decode,
+struct Span {
+    slot: usize,
+    start: usize,
+    first: usize,
+    len: usize,
+}
+
+impl Pass {
+    /// The first decode row (the rows of the spans come before).
+    fn decode_row(&self) -> usize {
+        self.spans.last().map_or(0, |s| s.first + s.len)
+    }
+    fn rows(&self) -> usize {
+        self.decode_row() + self.decode
+    }
+    /// Rows of logits: each span's last token, then each decode row.
+    fn logit_rows(&self) -> usize {
+        self.spans.len() + self.decode
+    }
 }
 
 /// One row of a decode pass.
@@ -214,6 +242,7 @@ impl CudaBackend {
             act: alloc(&st, rows * slots * inter)?,
             routed: alloc(&st, rows * slots * h)?,
             groups: ExpertGroups::new(&st, rows, slots, e, TILE_ROWS)?,
+            last: alloc(&st, batch * h)?,
             logits: alloc(&st, batch * c.vocab_size)?,
             next: alloc(&st, batch)?,
             slots: alloc(&st, batch)?,
@@ -291,47 +320,70 @@ impl CudaBackend {
     }
 
     fn prefill_chunk(&mut self, slot: usize, start: usize, tokens: &[u32]) -> Result<()> {
-        let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
-        self.dev
-            .stream()
-            .memcpy_htod(&ids, &mut self.s.ids.slice_mut(..ids.len()))
-            .during(|| "copying token ids".into())?;
-        self.body(Pass::Prefill { slot, start }, tokens.len())
+        self.pass(&[(slot, start, tokens)], &[])
     }
 
     /// One decode pass over `rows` (distinct sequences, checked by the caller): leaves each
     /// row's logits in `s.logits` and its greedy successor in `s.next`.
     fn decode(&mut self, rows: &[DecodeRow]) -> Result<()> {
-        let b = rows.len();
+        self.pass(&[], rows)
+    }
+
+    /// One pass over prompt spans `(slot, start, tokens)` (at least 2 tokens each) and decode
+    /// rows, all of distinct sequences (checked by the caller): leaves the logits of each span's
+    /// last token, then of each decode row, in `s.logits` and the greedy successors in `s.next`.
+    fn pass(&mut self, spans: &[(usize, usize, &[u32])], rows: &[DecodeRow]) -> Result<()> {
+        let mut pass = Pass {
+            spans: Vec::with_capacity(spans.len()),
+            decode: rows.len(),
+        };
+        let mut ids: Vec<i32> = Vec::new();
+        for &(slot, start, tokens) in spans {
+            ensure!(
+                tokens.len() >= 2,
+                "a prompt span of {} tokens",
+                tokens.len()
+            );
+            pass.spans.push(Span {
+                slot,
+                start,
+                first: ids.len(),
+                len: tokens.len(),
+            });
+            ids.extend(tokens.iter().map(|&x| x as i32));
+        }
+        ids.extend(rows.iter().map(|r| r.token as i32));
+        let (t, b, n) = (pass.rows(), pass.decode, pass.logit_rows());
         ensure!(
-            (1..=batch_rows(&self.options)).contains(&b),
-            "a decode pass of {b} rows (1..={})",
+            t >= 1 && t <= self.s.rows && n <= batch_rows(&self.options),
+            "a pass of {t} rows and {n} logits rows (at most {} and {})",
+            self.s.rows,
             batch_rows(&self.options)
         );
         let st = self.dev.stream().clone();
-        let column =
-            |f: fn(&DecodeRow) -> usize| -> Vec<i32> { rows.iter().map(|r| f(r) as i32).collect() };
-        st.memcpy_htod(
-            &column(|r| r.token as usize),
-            &mut self.s.ids.slice_mut(..b),
-        )
-        .during(|| "copying token ids".into())?;
-        st.memcpy_htod(&column(|r| r.slot), &mut self.s.slots.slice_mut(..b))
-            .during(|| "copying the slots".into())?;
-        st.memcpy_htod(
-            &column(|r| r.position),
-            &mut self.s.positions.slice_mut(..b),
-        )
-        .during(|| "copying the positions".into())?;
-        if !self.options.cuda_graphs {
-            return self.body(Pass::Decode, b);
+        st.memcpy_htod(&ids, &mut self.s.ids.slice_mut(..t))
+            .during(|| "copying token ids".into())?;
+        if b > 0 {
+            let column = |f: fn(&DecodeRow) -> usize| -> Vec<i32> {
+                rows.iter().map(|r| f(r) as i32).collect()
+            };
+            st.memcpy_htod(&column(|r| r.slot), &mut self.s.slots.slice_mut(..b))
+                .during(|| "copying the slots".into())?;
+            st.memcpy_htod(
+                &column(|r| r.position),
+                &mut self.s.positions.slice_mut(..b),
+            )
+            .during(|| "copying the positions".into())?;
+        }
+        if !pass.spans.is_empty() || !self.options.cuda_graphs {
+            return self.body(&pass);
         }
         // A decode pass reads its tokens, slots and positions from device memory, so one
         // captured graph per batch size serves every step: ~600 launches become one.
         if !self.decode_graphs.contains_key(&b) {
             st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .during(|| "starting the decode graph capture".into())?;
-            let captured = self.body(Pass::Decode, b);
+            let captured = self.body(&pass);
             let graph = st
                 .end_capture(sys::CUgraphInstantiate_flags(0))
                 .during(|| "capturing the decode graph".into());
@@ -346,11 +398,12 @@ impl CudaBackend {
             .during(|| "replaying the decode graph".into())
     }
 
-    /// Every launch of one pass over `t` rows whose inputs are already in device memory; ends
-    /// with the logits and the greedy next token of each decode row (of a prefill chunk: its
-    /// last token) in `s.logits` and `s.next`. No host synchronisation and no allocation, so a
-    /// decode pass can be captured as a graph.
-    fn body(&mut self, pass: Pass, t: usize) -> Result<()> {
+    /// Every launch of one pass whose inputs are already in device memory; ends with the logits
+    /// and the greedy next token of each span's last token and each decode row in `s.logits`
+    /// and `s.next`. No host synchronisation and no allocation, so a decode pass can be
+    /// captured as a graph.
+    fn body(&mut self, pass: &Pass) -> Result<()> {
+        let (t, d, b) = (pass.rows(), pass.decode_row(), pass.decode);
         let c = self.model.config.clone();
         let hd = c.hidden_size;
         let m = &self.model;
@@ -386,8 +439,6 @@ impl CudaBackend {
                         &mut s.proj.slice_mut(..t * width),
                         t,
                     )?;
-                    let proj = s.proj.slice(..t * width);
-                    let inputs = GdnInputs::fused(&proj, width)?;
                     let w = GdnWeights {
                         conv_w: conv_w.as_view(),
                         a_log: a_log.as_view(),
@@ -396,8 +447,11 @@ impl CudaBackend {
                         eps: c.rms_norm_eps,
                     };
                     let vd = c.linear_value_dim();
-                    let mut y = s.mixed.slice_mut(..t * vd);
-                    if let Pass::Prefill { slot, .. } = pass {
+                    for span in &pass.spans {
+                        let (a, z) = (span.first, span.first + span.len);
+                        let proj = s.proj.slice(a * width..z * width);
+                        let inputs = GdnInputs::fused(&proj, width)?;
+                        let slot = span.slot;
                         let mut ssm = self.ssm[gdn_i]
                             .slice_mut(slot * gdn::SSM_STATE_LEN..(slot + 1) * gdn::SSM_STATE_LEN);
                         let mut conv = self.conv[gdn_i].slice_mut(
@@ -406,20 +460,22 @@ impl CudaBackend {
                         k.gdn.prefill(
                             &w,
                             &inputs,
-                            t,
+                            span.len,
                             &mut ssm,
                             &mut conv,
                             &mut self.gdn_ws,
-                            &mut y,
+                            &mut s.mixed.slice_mut(a * vd..z * vd),
                         )?;
-                    } else {
+                    }
+                    if b > 0 {
+                        let proj = s.proj.slice(d * width..t * width);
                         k.gdn.decode(
                             &w,
-                            &inputs,
-                            &s.slots.slice(..t),
+                            &GdnInputs::fused(&proj, width)?,
+                            &s.slots.slice(..b),
                             &mut self.ssm[gdn_i].as_view_mut(),
                             &mut self.conv[gdn_i].as_view_mut(),
-                            &mut y,
+                            &mut s.mixed.slice_mut(d * vd..t * vd),
                         )?;
                     }
                     gemv_rows(
@@ -445,31 +501,31 @@ impl CudaBackend {
                         t,
                     )?;
                     let od = c.num_attention_heads * c.head_dim;
-                    let proj = s.proj.slice(..t * QKV_WIDTH);
-                    let mut out = s.mixed.slice_mut(..t * od);
-                    if let Pass::Prefill { slot, start } = pass {
+                    for span in &pass.spans {
+                        let (a, z) = (span.first, span.first + span.len);
                         k.attn.prefill(
-                            &proj,
+                            &s.proj.slice(a * QKV_WIDTH..z * QKV_WIDTH),
                             &q_norm.as_view(),
                             &k_norm.as_view(),
                             &mut self.kv,
                             attn_i,
-                            slot,
-                            start,
+                            span.slot,
+                            span.start,
                             &mut self.attn_ws,
-                            &mut out,
+                            &mut s.mixed.slice_mut(a * od..z * od),
                         )?;
-                    } else {
+                    }
+                    if b > 0 {
                         k.attn.decode(
-                            &proj,
+                            &s.proj.slice(d * QKV_WIDTH..t * QKV_WIDTH),
                             &q_norm.as_view(),
                             &k_norm.as_view(),
                             &mut self.kv,
                             attn_i,
-                            &s.slots.slice(..t),
-                            &s.positions.slice(..t),
+                            &s.slots.slice(..b),
+                            &s.positions.slice(..b),
                             &mut self.attn_ws,
-                            &mut out,
+                            &mut s.mixed.slice_mut(d * od..t * od),
                         )?;
                     }
                     gemv_rows(
@@ -508,13 +564,33 @@ impl CudaBackend {
                 c.rms_norm_eps,
             )?;
         }
-        // Logits of every decode row; of a prefill chunk, of its last token only.
-        let (first, n) = match pass {
-            Pass::Prefill { .. } => (t - 1, 1),
-            Pass::Decode => (0, t),
-        };
+        // Logits of each span's last token and each decode row: rows of `xn` as they are when
+        // they are one run (decode rows only, or one span), else gathered into `last`.
+        let n = pass.logit_rows();
         let v = c.vocab_size;
-        let rows = s.xn.slice(first * hd..(first + n) * hd);
+        let rows = match pass.spans.as_slice() {
+            [] => s.xn.slice(..t * hd),
+            [span] if b == 0 => s.xn.slice((span.first + span.len - 1) * hd..t * hd),
+            spans => {
+                let st = self.dev.stream();
+                for (i, span) in spans.iter().enumerate() {
+                    let row = span.first + span.len - 1;
+                    st.memcpy_dtod(
+                        &s.xn.slice(row * hd..(row + 1) * hd),
+                        &mut s.last.slice_mut(i * hd..(i + 1) * hd),
+                    )
+                    .during(|| "gathering the rows of the logits".into())?;
+                }
+                if b > 0 {
+                    st.memcpy_dtod(
+                        &s.xn.slice(d * hd..t * hd),
+                        &mut s.last.slice_mut(spans.len() * hd..n * hd),
+                    )
+                    .during(|| "gathering the rows of the logits".into())?;
+                }
+                s.last.slice(..n * hd)
+            }
+        };
         gemv_rows(k, &m.lm_head, &rows, &mut s.logits.slice_mut(..n * v), n)?;
         k.sample
             .argmax(&s.logits.slice(..n * v), v, &mut s.next.slice_mut(..n))

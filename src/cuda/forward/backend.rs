@@ -1,5 +1,5 @@
-//! The [`Backend`] face of the CUDA backend: sequences in state slots, steps, batches of decode
-//! steps as one pass, and snapshots.
+//! The [`Backend`] face of the CUDA backend: sequences in state slots, steps, batches of steps
+//! as shared passes, and snapshots.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -12,6 +12,14 @@ use crate::cuda::snapshot::StatePools;
 use crate::cuda::{Context, Result};
 use crate::model::{panic_message, Backend, SeqId, Snapshot, SnapshotId, Step, StepOutput};
 use crate::sampling::DeviceSampling;
+
+/// A step placed in a shared pass: its index in the batch, its sequence's slot and position.
+#[derive(Debug, Clone, Copy)]
+struct PassStep {
+    index: usize,
+    slot: usize,
+    position: usize,
+}
 
 impl Backend for CudaBackend {
     fn config(&self) -> &ModelConfig {
@@ -70,32 +78,32 @@ impl Backend for CudaBackend {
         self.pick(0, sampling, u)?;
         Ok(self.next_tokens(1)?[0])
     }
-    /// With [`CudaOptions::batch_decode`](super::CudaOptions), the decode steps (one token each)
-    /// run as passes of up to `max_sequences` rows; prefill chunks, and any step a pass would
-    /// refuse, run one by one, so a bad step fails alone.
+    /// With [`CudaOptions::batch_steps`](super::CudaOptions), the steps run as shared passes
+    /// (prompt chunks and decode tokens of up to `max_sequences` sequences, up to
+    /// `prefill_chunk` rows); a step no pass can take, or alone in its pass, runs by itself, so a
+    /// bad step fails alone.
     fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
         let mut results: Vec<Option<anyhow::Result<StepOutput>>> =
             steps.iter().map(|_| None).collect();
-        if self.options.batch_decode {
-            let rows = self.decode_rows(steps);
-            for pass in rows.chunks(batch_rows(&self.options)) {
+        if self.options.batch_steps {
+            for pass in self.plan_passes(steps) {
                 if pass.len() < 2 {
                     continue;
                 }
-                let outcome = catch_unwind(AssertUnwindSafe(|| self.decode_steps(steps, pass)))
+                let outcome = catch_unwind(AssertUnwindSafe(|| self.run_pass(steps, &pass)))
                     .unwrap_or_else(|panic| {
                         Err(anyhow::anyhow!("internal error: {}", panic_message(panic)))
                     });
                 match outcome {
                     Ok(outputs) => {
-                        for ((i, ..), out) in pass.iter().zip(outputs) {
-                            results[*i] = Some(Ok(out));
+                        for (p, out) in pass.iter().zip(outputs) {
+                            results[p.index] = Some(Ok(out));
                         }
                     }
                     Err(e) => {
                         let why = format!("{e:#}");
-                        for (i, ..) in pass {
-                            results[*i] = Some(Err(anyhow::anyhow!("{why}")));
+                        for p in &pass {
+                            results[p.index] = Some(Err(anyhow::anyhow!("{why}")));
                         }
                     }
                 }
@@ -187,65 +195,92 @@ impl CudaBackend {
         }
     }
 
-    /// The decode steps a pass can take, as (index in `steps`, sequence, row): one token, a
-    /// known sequence not already taken, a token id in the vocabulary, room in the context.
-    /// The others are left to the one-by-one path, which reports what is wrong with them.
-    fn decode_rows(&self, steps: &[Step]) -> Vec<(usize, SeqId, DecodeRow)> {
+    /// The steps that can share passes, grouped into passes in order: a known sequence not
+    /// already taken, token ids in the vocabulary, room in its context, at most a pass of rows;
+    /// a pass holds up to `s.rows` rows and `batch_rows` sequences. Steps in no pass are left
+    /// to the one-by-one path, which reports what is wrong with them.
+    fn plan_passes(&self, steps: &[Step]) -> Vec<Vec<PassStep>> {
         let vocab = self.model.config.vocab_size;
-        let mut rows: Vec<(usize, SeqId, DecodeRow)> = Vec::new();
+        let (max_rows, max_seqs) = (self.s.rows, batch_rows(&self.options));
+        let mut passes: Vec<Vec<PassStep>> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut rows = 0;
         for (i, step) in steps.iter().enumerate() {
-            let (&[token], Some(s)) = (step.tokens, self.sequences.get(&step.seq)) else {
+            let Some(s) = self.sequences.get(&step.seq) else {
                 continue;
             };
-            let fits = (token as usize) < vocab && s.position < self.options.max_context;
-            if fits && rows.iter().all(|(_, seq, _)| *seq != step.seq) {
-                let row = DecodeRow {
-                    slot: s.slot,
-                    position: s.position,
-                    token,
-                };
-                rows.push((i, step.seq, row));
+            let len = step.tokens.len();
+            let fits = (1..=max_rows).contains(&len)
+                && step.tokens.iter().all(|&t| (t as usize) < vocab)
+                && s.position + len <= self.options.max_context;
+            if !fits || !seen.insert(step.seq) {
+                continue;
             }
+            let full = passes
+                .last()
+                .is_none_or(|p| p.len() == max_seqs || rows + len > max_rows);
+            if full {
+                passes.push(Vec::new());
+                rows = 0;
+            }
+            rows += len;
+            passes.last_mut().expect("pushed above").push(PassStep {
+                index: i,
+                slot: s.slot,
+                position: s.position,
+            });
         }
-        rows
+        passes
     }
 
-    /// One decode pass over `pass` (from [`decode_rows`](Self::decode_rows)); each row's
-    /// token picked on the device or its logits copied back, as its step asks.
-    fn decode_steps(
-        &mut self,
-        steps: &[Step],
-        pass: &[(usize, SeqId, DecodeRow)],
-    ) -> anyhow::Result<Vec<StepOutput>> {
-        let rows: Vec<DecodeRow> = pass.iter().map(|(_, _, row)| *row).collect();
-        self.decode(&rows)?;
-        for (r, (i, ..)) in pass.iter().enumerate() {
-            if let Some((sampling, u)) = steps[*i].sample {
+    /// One shared pass over `pass` (from [`plan_passes`](Self::plan_passes)): prompt chunks as
+    /// spans, single tokens as decode rows; each step's token picked on the device or its logits
+    /// copied back, as it asks.
+    fn run_pass(&mut self, steps: &[Step], pass: &[PassStep]) -> anyhow::Result<Vec<StepOutput>> {
+        let (chunks, tokens): (Vec<&PassStep>, Vec<&PassStep>) =
+            pass.iter().partition(|p| steps[p.index].tokens.len() > 1);
+        let spans: Vec<(usize, usize, &[u32])> = chunks
+            .iter()
+            .map(|p| (p.slot, p.position, steps[p.index].tokens))
+            .collect();
+        let rows: Vec<DecodeRow> = tokens
+            .iter()
+            .map(|p| DecodeRow {
+                slot: p.slot,
+                position: p.position,
+                token: steps[p.index].tokens[0],
+            })
+            .collect();
+        self.pass(&spans, &rows)?;
+        // Logits rows: the spans' in order, then the decode rows'.
+        let order: Vec<&PassStep> = chunks.into_iter().chain(tokens).collect();
+        for (r, p) in order.iter().enumerate() {
+            if let Some((sampling, u)) = steps[p.index].sample {
                 self.pick(r, sampling, u)?;
             }
         }
-        let b = rows.len();
-        let next = self.next_tokens(b);
+        let n = order.len();
+        let next = self.next_tokens(n);
         let vocab = self.model.config.vocab_size;
-        let logits: Vec<bf16> = if pass.iter().any(|(i, ..)| steps[*i].sample.is_none()) {
+        let logits: Vec<bf16> = if order.iter().any(|p| steps[p.index].sample.is_none()) {
             self.dev
                 .stream()
-                .clone_dtoh(&self.s.logits.slice(..b * vocab))
+                .clone_dtoh(&self.s.logits.slice(..n * vocab))
                 .during(|| "copying logits".into())?
         } else {
             Vec::new()
         };
-        for (_, seq, _) in pass {
-            if let Some(s) = self.sequences.get_mut(seq) {
-                s.position += 1;
+        for p in &order {
+            let step = &steps[p.index];
+            if let Some(s) = self.sequences.get_mut(&step.seq) {
+                s.position += step.tokens.len();
             }
         }
         self.note_peak_memory();
         let next = next?;
-        Ok(pass
-            .iter()
-            .enumerate()
-            .map(|(r, (i, ..))| match steps[*i].sample {
+        let mut outputs: Vec<Option<StepOutput>> = pass.iter().map(|_| None).collect();
+        for (r, p) in order.iter().enumerate() {
+            let out = match steps[p.index].sample {
                 Some(_) => StepOutput::Token(next[r]),
                 None => StepOutput::Logits(
                     logits[r * vocab..(r + 1) * vocab]
@@ -253,7 +288,16 @@ impl CudaBackend {
                         .map(|x| x.to_f32())
                         .collect(),
                 ),
-            })
+            };
+            let at = pass
+                .iter()
+                .position(|q| q.index == p.index)
+                .expect("from pass");
+            outputs[at] = Some(out);
+        }
+        Ok(outputs
+            .into_iter()
+            .map(|o| o.expect("every step has a row"))
             .collect())
     }
 
