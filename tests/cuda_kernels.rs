@@ -534,8 +534,9 @@ fn gemv_expert_slots_match_reference() {
     let s = dev.stream();
     let mut rng = Rng::new("gemv experts");
     // One token's routed experts: gate_up [1024, 2048] of 8 experts chosen by id (one chosen
-    // twice) with the shared x, then down [2048, 512] with one x per slot. A stack of 16 experts
-    // stands in for the layer's 256 (same layout, less host work).
+    // twice) with the shared x, then down [2048, 512] with one x per slot; and two tokens of 4
+    // experts each, every token's x shared by its 4 slots. A stack of 16 experts stands in for
+    // the layer's 256 (same layout, less host work).
     let (experts, slots) = (16, 8);
     let ids: Vec<i32> = {
         let mut ids: Vec<i32> = (0..slots).map(|_| rng.below(experts) as i32).collect();
@@ -548,6 +549,7 @@ fn gemv_expert_slots_match_reference() {
         (1024, 2048, SlotInput::Shared),
         (2048, 512, SlotInput::PerSlot),
         (2048, 512, SlotInput::PerSlotSwiGlu),
+        (1024, 2048, SlotInput::PerGroup(4)),
     ] {
         let what = format!("gemv Q4 experts [{rows}×{cols}] ×{slots} slots, x {input:?}");
         let h = HostMatrices::random(&mut rng, 4, experts, rows, cols);
@@ -557,6 +559,7 @@ fn gemv_expert_slots_match_reference() {
             SlotInput::PerSlot => rng.bf16s(slots * cols, 1.0),
             // gate‖up pairs as the gate_up projection leaves them, with gates across SiLU's bend.
             SlotInput::PerSlotSwiGlu => rng.bf16s(slots * 2 * cols, 4.0),
+            SlotInput::PerGroup(n) => rng.bf16s(slots / n * cols, 1.0),
         };
         let (dx, mut dy) = (upload(s, &x), poisoned(s, slots * rows));
         k.gemv_slots(
@@ -577,6 +580,7 @@ fn gemv_expert_slots_match_reference() {
             let xs: Vec<bf16> = match input {
                 SlotInput::Shared => x.clone(),
                 SlotInput::PerSlot => x[slot * cols..(slot + 1) * cols].to_vec(),
+                SlotInput::PerGroup(n) => x[slot / n * cols..(slot / n + 1) * cols].to_vec(),
                 SlotInput::PerSlotSwiGlu => {
                     let gu = &x[slot * 2 * cols..(slot + 1) * 2 * cols];
                     (0..cols)

@@ -92,7 +92,7 @@ struct Scratch {
     /// `[tokens][slots]`, slots = top_k routed experts + the shared expert (DeviceMoe).
     expert_ids: CudaSlice<i32>,
     expert_weights: CudaSlice<f32>,
-    /// Decode: `[slots][2·I]`, each slot's gate‖up.
+    /// Up to 8 rows: `[rows][slots][2·I]`, each (row, slot)'s gate‖up.
     gu: CudaSlice<bf16>,
     /// Prefill: `[tokens·slots][I]` in expert-sorted order.
     act: CudaSlice<bf16>,
@@ -238,7 +238,7 @@ impl CudaBackend {
             router: alloc(&st, rows * e)?,
             expert_ids: alloc(&st, rows * slots)?,
             expert_weights: alloc(&st, rows * slots)?,
-            gu: alloc(&st, slots * 2 * inter)?,
+            gu: alloc(&st, MAX_TOKENS * slots * 2 * inter)?,
             act: alloc(&st, rows * slots * inter)?,
             routed: alloc(&st, rows * slots * h)?,
             groups: ExpertGroups::new(&st, rows, slots, e, TILE_ROWS)?,
@@ -650,28 +650,32 @@ fn moe_experts(
             &mut s.routed.slice_mut(..t * slots * hd),
         )
     } else {
-        for row in 0..t {
-            let ids = s.expert_ids.slice(row * slots..(row + 1) * slots);
-            let x = s.xn.slice(row * hd..(row + 1) * hd);
+        // Up to 8 rows at a time, every (row, slot) one slot of the launch: gate‖up with the
+        // row's x, then down through SwiGLU, into routed[row][slot].
+        let mut row = 0;
+        while row < t {
+            let n = MAX_TOKENS.min(t - row);
+            let pairs = row * slots..(row + n) * slots;
+            let ids = s.expert_ids.slice(pairs.clone());
             k.gemv.gemv_slots(
                 &w.gate_up.view(),
                 Some(&ids),
-                slots,
-                &x,
-                SlotInput::Shared,
+                n * slots,
+                &s.xn.slice(row * hd..(row + n) * hd),
+                SlotInput::PerGroup(slots),
                 1,
-                &mut s.gu.as_view_mut(),
+                &mut s.gu.slice_mut(..n * slots * 2 * inter),
             )?;
-            let mut out = s.routed.slice_mut(row * slots * hd..(row + 1) * slots * hd);
             k.gemv.gemv_slots(
                 &w.down.view(),
                 Some(&ids),
-                slots,
-                &s.gu.as_view(),
+                n * slots,
+                &s.gu.slice(..n * slots * 2 * inter),
                 SlotInput::PerSlotSwiGlu,
                 1,
-                &mut out,
+                &mut s.routed.slice_mut(pairs.start * hd..pairs.end * hd),
             )?;
+            row += n;
         }
         Ok(())
     }

@@ -82,13 +82,14 @@ struct GemvArgs {
     const u32* w;        // matrix m starts at w + m * w_mat_words; rows are K·bits/32 words
     const bf16* scales;  // [count][rows][K/64] (unused for bf16)
     const bf16* biases;  // [count][rows][K/64] (unused for bf16)
-    const bf16* x;       // slot s reads x + s·x_slot_stride, laid out [ntok][K]
+    const bf16* x;       // slot s reads x + (s / slots_per_x)·x_slot_stride, laid out [ntok][K]
     bf16* y;             // slot s writes y + s·ntok·rows, laid out [ntok][rows]
     const int* ids;      // matrix of each slot, clamped to [0, count); null: slot s uses matrix s
     i64 w_mat_words;
     i64 x_slot_stride;
     int rows, cols, ntok, tiles_per_block, warps_per_tile, count;
     int swiglu;          // x rows are gate‖up [2·cols]: the product takes bf16(silu(gate)·up)
+    int slots_per_x;     // consecutive slots sharing one x: slot s reads x block s / slots_per_x
 };
 
 namespace {
@@ -244,7 +245,7 @@ __device__ void gemv(const GemvArgs& a) {
     // group of 64, so Σx of a group is a shuffle over 8 lanes; all lanes run the same number of
     // steps so the shuffle never sees an inactive lane.
     {
-        const bf16* x = a.x + slot_id * a.x_slot_stride;
+        const bf16* x = a.x + (slot_id / a.slots_per_x) * a.x_slot_stride;
         const int vec_per_tok = K / 8, total = ntok * vec_per_tok;
         const int steps = (total + blockDim.x - 1) / blockDim.x;
         for (int s = 0; s < steps; ++s) {

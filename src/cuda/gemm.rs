@@ -121,6 +121,7 @@ struct GemvArgs {
     warps_per_tile: i32,
     count: i32,
     swiglu: i32,
+    slots_per_x: i32,
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
@@ -176,6 +177,9 @@ pub enum SlotInput {
     /// x `[slots][ntok][2·cols]`, each token's row gate‖up: the product takes
     /// `bf16(silu(gate) · up)`, the SwiGLU activation fused into the experts' down projection.
     PerSlotSwiGlu,
+    /// x `[slots / n][ntok][cols]`: each run of `n` consecutive slots shares one x (e.g. the
+    /// experts' gate‖up of several tokens, `n` experts per token).
+    PerGroup(usize),
 }
 
 /// How a launch cuts the work: warps sharing one 16-row tile along K, and tiles per block.
@@ -298,10 +302,17 @@ impl GemvKernels {
             "gemv: {ntok} tokens; one launch takes 1..={MAX_TOKENS}"
         );
         ensure!(slots > 0, "gemv: no slots");
-        let (x_slots, x_width) = match input {
-            SlotInput::Shared => (1, w.cols),
-            SlotInput::PerSlot => (slots, w.cols),
-            SlotInput::PerSlotSwiGlu => (slots, 2 * w.cols),
+        let (x_slots, x_width, slots_per_x) = match input {
+            SlotInput::Shared => (1, w.cols, slots),
+            SlotInput::PerSlot => (slots, w.cols, 1),
+            SlotInput::PerSlotSwiGlu => (slots, 2 * w.cols, 1),
+            SlotInput::PerGroup(n) => {
+                ensure!(
+                    n > 0 && slots % n == 0,
+                    "gemv: {slots} slots are not groups of {n}"
+                );
+                (slots / n, w.cols, n)
+            }
         };
         ensure!(
             x.len() == x_slots * ntok * x_width,
@@ -368,6 +379,7 @@ impl GemvKernels {
             warps_per_tile: warps_per_tile as i32,
             count: as_i32(w.count, "count")?,
             swiglu: (input == SlotInput::PerSlotSwiGlu) as i32,
+            slots_per_x: as_i32(slots_per_x, "slots per x")?,
         };
         let func = match format {
             Format::Q4 => &self.q4,
