@@ -140,19 +140,24 @@ fn kquant_gguf_is_close_to_its_source() {
     }
     // Logits: as close to the source's as those of the source quantised to MLX Q4 g64 (9 %
     // error per matrix, a little more than this mix) — this random model amplifies weight
-    // errors (~20 % on the logits), so the bound is relative.
+    // errors (~20 % on the logits), so the bound is relative. Measured over 80 positions of
+    // three prompts together: one flipped expert choice of the tiny random router at one
+    // position must not decide the test.
     let q4 = quantized_q4(&want);
+    let (mut reference, mut in_file, mut in_q4) = (Vec::new(), Vec::new(), Vec::new());
     for len in [1, 9, 70] {
         let ids = random_prompt(want.config.vocab_size, len);
-        let reference = logits(&want, &ids);
-        let err = rel_rms(&logits(&got, &ids), &reference);
-        let q4_err = rel_rms(&logits(&q4, &ids), &reference);
-        println!("{len} tokens: logits rel. RMS error {err:.4} (source in Q4 g64: {q4_err:.4})");
-        assert!(
-            err <= 1.5 * q4_err,
-            "{len} tokens: logits rel. RMS error {err:.4}, Q4 g64 gives {q4_err:.4}"
-        );
+        reference.extend(logits(&want, &ids));
+        in_file.extend(logits(&got, &ids));
+        in_q4.extend(logits(&q4, &ids));
     }
+    let err = rel_rms(&in_file, &reference);
+    let q4_err = rel_rms(&in_q4, &reference);
+    println!("logits rel. RMS error {err:.4} (source in Q4 g64: {q4_err:.4})");
+    assert!(
+        err <= 1.5 * q4_err,
+        "logits rel. RMS error {err:.4}, Q4 g64 gives {q4_err:.4}"
+    );
 }
 
 /// `w` with every matrix quantised to MLX affine Q4, group 64.
