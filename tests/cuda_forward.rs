@@ -268,35 +268,39 @@ fn way(seq: usize, vocab: usize) -> Option<DeviceSampling> {
 }
 
 /// The steps of many sequences as shared passes (`batch_steps`) against the same steps one by
-/// one: the prompts themselves as one batch (chunks up to the pass's 256 rows as spans, longer
-/// prompts alone), then passes of 12 decode rows (the experts' grouped GEMM, the dense GEMM), 5
-/// and 2 (GEMVs), and passes mixing decode rows with new prompt chunks. Logits agree to bf16
-/// accuracy (the paths round in different orders), picked tokens up to near-ties. A step for an
-/// unknown sequence or with a bad token in the same batch fails alone.
+/// one: the prompts themselves as one batch (three passes under the 256-row limit, chunks as
+/// spans; a longer prompt alone), then passes of 12 decode rows (the experts' grouped GEMM, the
+/// dense GEMM), 5 and 2 (GEMVs), and passes mixing decode rows with new prompt chunks (8 rows:
+/// GEMVs; 22 rows). Logits agree to bf16 accuracy (the paths round in different orders), picked
+/// tokens up to near-ties. Steps for an unknown sequence, with a bad token or with a draw outside
+/// [0, 1) in the same batch fail alone.
 #[test]
 fn batched_steps_equal_one_by_one() {
     let weights = q4_weights(6);
     let vocab = weights.config.vocab_size;
     let n = 12;
-    let mut batched = gpu_backend(&weights, n, true);
+    // Sequence n (batched only) takes a step with a bad draw every time.
+    let mut batched = gpu_backend(&weights, n + 1, true);
     let mut alone = gpu_backend(&weights, n, false);
     let ways: Vec<Option<DeviceSampling>> = (0..n).map(|s| way(s, vocab)).collect();
+    let bad_draw = way(3, vocab).expect("top-1 sampling");
     for seq in 0..n as u64 {
         batched.create_sequence(seq).unwrap();
         alone.create_sequence(seq).unwrap();
     }
+    batched.create_sequence(n as u64).unwrap();
     let mut inputs: Vec<Vec<u32>> = (0..n)
-        .map(|seq| prompt([1, 2, 5, 40, 255, 257, 300][seq % 7] + seq, seq as u32))
+        .map(|seq| prompt([1, 2, 5, 40, 120, 200, 300][seq % 7] + seq, seq as u32))
         .collect();
     let mut checked = 0;
     for (step, live) in [12usize, 12, 12, 5, 5, 2, 2, 12, 12]
         .into_iter()
         .enumerate()
     {
-        // Step 3 and 7: every third sequence gets a new prompt chunk instead of a decode token.
+        // Steps 3 and 7: every third sequence gets a new prompt chunk instead of a decode token.
         if step == 3 || step == 7 {
             for seq in (0..live).step_by(3) {
-                inputs[seq] = prompt(7 + seq, (100 + step + seq) as u32);
+                inputs[seq] = prompt(2 + seq / 3, (100 + step + seq) as u32);
             }
         }
         let mut steps: Vec<Step> = (0..live)
@@ -312,6 +316,11 @@ fn batched_steps_equal_one_by_one() {
             tokens: &inputs[0],
             sample: None,
         });
+        steps.push(Step {
+            seq: n as u64,
+            tokens: &inputs[1][..1],
+            sample: Some((&bad_draw, 1.5)),
+        });
         if live < n {
             steps.push(Step {
                 seq: live as u64,
@@ -319,12 +328,18 @@ fn batched_steps_equal_one_by_one() {
                 sample: None,
             });
         }
+        let passes = batched.shared_passes();
         let outputs = batched.forward_batch(&steps);
+        assert!(
+            batched.shared_passes() > passes,
+            "step {step}: no shared pass ran"
+        );
         assert_eq!(outputs.len(), steps.len());
         assert!(outputs[live].is_err(), "an unknown sequence fails");
+        assert!(outputs[live + 1].is_err(), "a draw outside [0, 1) fails");
         if live < n {
             assert!(
-                outputs[live + 1].is_err(),
+                outputs[live + 2].is_err(),
                 "a token outside the vocabulary fails"
             );
         }
@@ -361,5 +376,8 @@ fn batched_steps_equal_one_by_one() {
             inputs[seq] = vec![token];
         }
     }
-    println!("batched steps: {checked} steps agree with one-by-one");
+    println!(
+        "batched steps: {checked} steps in {} shared passes agree with one-by-one",
+        batched.shared_passes()
+    );
 }

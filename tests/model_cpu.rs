@@ -211,7 +211,8 @@ fn a_batch_of_sequences_equals_each_alone() {
 
 /// `CpuBackend::forward_batch`: the valid steps of a batch give exactly what each gives alone
 /// (logits, or the token its sampling picks); a bad step (unknown sequence, token outside the
-/// vocabulary, no tokens, a sequence twice) fails alone and leaves its sequence as it was.
+/// vocabulary, no tokens) fails alone and leaves its sequence as it was; a sequence's second
+/// step runs after its first.
 #[test]
 fn backend_batch_steps_equal_each_alone_and_bad_steps_fail_alone() {
     use lily::model::{Backend, CpuBackend, Step};

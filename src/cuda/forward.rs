@@ -177,6 +177,8 @@ pub struct CudaBackend {
     snapshots: SnapshotPool,
     /// Most device memory seen in use after a forward call since the last reset (bytes).
     peak_memory: u64,
+    /// Shared passes run by `forward_batch` (backend.rs).
+    shared_passes: usize,
 }
 
 /// A captured decode pass.
@@ -279,6 +281,7 @@ impl CudaBackend {
             decode_graphs: HashMap::new(),
             snapshots: SnapshotPool::default(),
             peak_memory: 0,
+            shared_passes: 0,
             options,
         })
     }

@@ -156,6 +156,11 @@ impl SampleKernels {
         })
     }
 
+    /// Whether [`sample`](Self::sample) takes these parameters for a row of `n` logits.
+    pub fn accepts(sampling: &DeviceSampling, u: f64, n: usize) -> bool {
+        Params::new(sampling, u, n).is_ok()
+    }
+
     /// `out[0]` = the token `sampling` picks from one row of `logits` with the draw at `u`, as
     /// [`DeviceSampling::sample`] picks it on the host; -1 when no logit is finite. Only the
     /// parameters and the penalty history are copied up; nothing waits for the device.

@@ -73,9 +73,10 @@ pub trait Backend: Send {
     }
     /// Runs one step for each of several sequences (a prefill chunk or a decode token each, each
     /// sequence at most once) and returns, in order, what each step asked for: the logits of
-    /// its last token, or the token sampled after it. A failed step fails only its own sequence.
-    /// The default runs the steps one by one (a panic in one becomes that step's error); devices
-    /// override it to batch them.
+    /// its last token, or the token sampled after it. An error is reported for its own step
+    /// only, except that a fault of a shared pass fails every step of it; a sequence whose step
+    /// failed may be left in any state (callers free it). The default runs the steps one by one
+    /// (a panic in one becomes that step's error); devices override it to batch them.
     fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
         steps
             .iter()

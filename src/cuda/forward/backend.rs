@@ -8,6 +8,7 @@ use half::bf16;
 use super::{batch_rows, CudaBackend, DecodeRow, Sequence};
 use crate::config::ModelConfig;
 use crate::cuda::gdn;
+use crate::cuda::sample::SampleKernels;
 use crate::cuda::snapshot::StatePools;
 use crate::cuda::{Context, Result};
 use crate::model::{panic_message, Backend, SeqId, Snapshot, SnapshotId, Step, StepOutput};
@@ -94,10 +95,11 @@ impl Backend for CudaBackend {
                     .unwrap_or_else(|panic| {
                         Err(anyhow::anyhow!("internal error: {}", panic_message(panic)))
                     });
+                self.shared_passes += 1;
                 match outcome {
                     Ok(outputs) => {
                         for (p, out) in pass.iter().zip(outputs) {
-                            results[p.index] = Some(Ok(out));
+                            results[p.index] = Some(out);
                         }
                     }
                     Err(e) => {
@@ -212,8 +214,13 @@ impl CudaBackend {
             let len = step.tokens.len();
             let fits = (1..=max_rows).contains(&len)
                 && step.tokens.iter().all(|&t| (t as usize) < vocab)
-                && s.position + len <= self.options.max_context;
-            if !fits || !seen.insert(step.seq) {
+                && s.position + len <= self.options.max_context
+                && step
+                    .sample
+                    .is_none_or(|(sampling, u)| SampleKernels::accepts(sampling, u, vocab));
+            // A sequence's first step decides: a later one must not run before it.
+            let first = seen.insert(step.seq);
+            if !fits || !first {
                 continue;
             }
             let full = passes
@@ -235,8 +242,13 @@ impl CudaBackend {
 
     /// One shared pass over `pass` (from [`plan_passes`](Self::plan_passes)): prompt chunks as
     /// spans, single tokens as decode rows; each step's token picked on the device or its logits
-    /// copied back, as it asks.
-    fn run_pass(&mut self, steps: &[Step], pass: &[PassStep]) -> anyhow::Result<Vec<StepOutput>> {
+    /// copied back, as it asks. An error of the pass fails all its steps; a step whose logits
+    /// have no finite value fails alone.
+    fn run_pass(
+        &mut self,
+        steps: &[Step],
+        pass: &[PassStep],
+    ) -> anyhow::Result<Vec<anyhow::Result<StepOutput>>> {
         let (chunks, tokens): (Vec<&PassStep>, Vec<&PassStep>) =
             pass.iter().partition(|p| steps[p.index].tokens.len() > 1);
         let spans: Vec<(usize, usize, &[u32])> = chunks
@@ -252,6 +264,14 @@ impl CudaBackend {
             })
             .collect();
         self.pass(&spans, &rows)?;
+        // Every sequence of the pass has advanced on the device.
+        for p in pass {
+            let step = &steps[p.index];
+            if let Some(s) = self.sequences.get_mut(&step.seq) {
+                s.position += step.tokens.len();
+            }
+        }
+        self.note_peak_memory();
         // Logits rows: the spans' in order, then the decode rows'.
         let order: Vec<&PassStep> = chunks.into_iter().chain(tokens).collect();
         for (r, p) in order.iter().enumerate() {
@@ -260,7 +280,7 @@ impl CudaBackend {
             }
         }
         let n = order.len();
-        let next = self.next_tokens(n);
+        let next = self.picked(n)?;
         let vocab = self.model.config.vocab_size;
         let logits: Vec<bf16> = if order.iter().any(|p| steps[p.index].sample.is_none()) {
             self.dev
@@ -270,24 +290,17 @@ impl CudaBackend {
         } else {
             Vec::new()
         };
-        for p in &order {
-            let step = &steps[p.index];
-            if let Some(s) = self.sequences.get_mut(&step.seq) {
-                s.position += step.tokens.len();
-            }
-        }
-        self.note_peak_memory();
-        let next = next?;
-        let mut outputs: Vec<Option<StepOutput>> = pass.iter().map(|_| None).collect();
+        let mut outputs: Vec<Option<anyhow::Result<StepOutput>>> =
+            pass.iter().map(|_| None).collect();
         for (r, p) in order.iter().enumerate() {
             let out = match steps[p.index].sample {
-                Some(_) => StepOutput::Token(next[r]),
-                None => StepOutput::Logits(
+                Some(_) => self.token(next[r]).map(StepOutput::Token),
+                None => Ok(StepOutput::Logits(
                     logits[r * vocab..(r + 1) * vocab]
                         .iter()
                         .map(|x| x.to_f32())
                         .collect(),
-                ),
+                )),
             };
             let at = pass
                 .iter()
@@ -322,18 +335,31 @@ impl CudaBackend {
         }
     }
 
-    /// The first `n` picked tokens; -1 (no finite logit) is an error.
-    fn next_tokens(&self, n: usize) -> anyhow::Result<Vec<u32>> {
-        let next: Vec<i32> = self
-            .dev
+    /// The first `n` picked tokens as the kernels left them.
+    fn picked(&self, n: usize) -> Result<Vec<i32>> {
+        self.dev
             .stream()
             .clone_dtoh(&self.s.next.slice(..n))
-            .during(|| "copying the picked tokens".into())?;
-        next.into_iter()
-            .map(|t| {
-                u32::try_from(t)
-                    .map_err(|_| anyhow::anyhow!("no logit is finite (all NaN or -inf)"))
-            })
-            .collect()
+            .during(|| "copying the picked tokens".into())
+    }
+
+    /// A picked token; none in the vocabulary (-1 from the sampler, or the argmax of a row of
+    /// NaNs) means no logit was finite.
+    fn token(&self, picked: i32) -> anyhow::Result<u32> {
+        u32::try_from(picked)
+            .ok()
+            .filter(|&t| (t as usize) < self.model.config.vocab_size)
+            .ok_or_else(|| anyhow::anyhow!("no logit is finite (all NaN or -inf)"))
+    }
+
+    /// The first `n` picked tokens; see [`token`](Self::token).
+    fn next_tokens(&self, n: usize) -> anyhow::Result<Vec<u32>> {
+        self.picked(n)?.into_iter().map(|t| self.token(t)).collect()
+    }
+
+    /// Passes [`forward_batch`](Backend::forward_batch) ran with more than one step (tests
+    /// check that batching happened).
+    pub fn shared_passes(&self) -> usize {
+        self.shared_passes
     }
 }
