@@ -160,6 +160,10 @@ pub struct EngineStats {
     /// Entries and bytes held by the prefix cache.
     pub prefix_cache_entries: AtomicUsize,
     pub prefix_cache_bytes: AtomicU64,
+    /// Batches run through the backend, and the time spent in them (what the engine's own
+    /// work adds to it is the rest of the wall time).
+    pub batches_total: AtomicU64,
+    pub backend_nanos_total: AtomicU64,
 }
 
 impl Engine {
@@ -211,6 +215,35 @@ impl Engine {
     pub fn stats(&self) -> &EngineStats {
         &self.stats
     }
+}
+
+/// Greedy picks on the device (what the server does for a plain greedy request): only the token
+/// comes back from the backend. `vocab_limit`: ids at or past it are never picked.
+pub fn greedy_device_sampler(vocab_limit: usize) -> Box<dyn DeviceSampler> {
+    struct Greedy(DeviceSampling);
+    impl DeviceSampler for Greedy {
+        fn device_step(&mut self) -> Option<(DeviceSampling, f64)> {
+            Some((self.0.clone(), 0.0))
+        }
+        fn accept(&mut self, token: u32) -> SampledToken {
+            SampledToken {
+                id: token,
+                logprob: None,
+                top_logprobs: Vec::new(),
+            }
+        }
+    }
+    Box::new(Greedy(DeviceSampling {
+        temperature: 0.0,
+        top_k: None,
+        top_p: 1.0,
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        vocab_limit,
+        history: Vec::new(),
+    }))
 }
 
 /// A greedy sampler (argmax, lowest index on ties) with no logprobs: tests and `generate`.

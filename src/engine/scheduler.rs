@@ -299,7 +299,19 @@ impl EngineLoop {
             })
             .collect();
         let backend = &mut self.backend;
+        let started = std::time::Instant::now();
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward_batch(&steps)));
+        let took = started.elapsed();
+        self.stats.batches_total.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .backend_nanos_total
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        tracing::debug!(
+            steps = steps.len(),
+            tokens = steps.iter().map(|s| s.tokens.len()).sum::<usize>(),
+            micros = took.as_micros() as u64,
+            "batch"
+        );
         let results: Vec<anyhow::Result<Next>> = match outcome {
             Ok(results) if results.len() == steps.len() => results
                 .into_iter()
