@@ -129,8 +129,9 @@ PY
         # and without the prefix cache; decode speed per stream among 8 (serve.md).
         # GPU_CHECK_SERVE_ARGS replaces the stream settings.
         echo "=== bench --serve"
+        # The log keeps one line per batch (steps, tokens, µs in the backend).
         # shellcheck disable=SC2086
-        timeout 400 "$dir/lily" bench --serve --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+        RUST_LOG=info,lily::engine::scheduler=debug timeout 400 "$dir/lily" bench --serve --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
             ${GPU_CHECK_SERVE_ARGS:---batch-steps --streams 64 --prompt-tokens 1024 --output-tokens 128} \
             --out "$out" > "$logs/bench-serve.log" 2>&1
         rc=$?
