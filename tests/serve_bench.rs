@@ -30,7 +30,10 @@ fn the_serve_benchmark_runs_small_on_the_cpu() {
     assert!(report.throughput.output_tok_s > 0.0);
     assert!(report.throughput.total_tok_s > report.throughput.output_tok_s);
     let t = &report.throughput;
-    assert!(t.backend_seconds > 0.0 && t.backend_seconds <= t.seconds, "{t:?}");
+    assert!(
+        t.backend_seconds > 0.0 && t.backend_seconds <= t.seconds,
+        "{t:?}"
+    );
     // Each turn adds a 44-token message (200 / 4 − 6) and the 6-token answer.
     let lengths: Vec<usize> = report.turns.iter().map(|t| t.prompt_tokens).collect();
     assert_eq!(lengths, vec![44, 94, 144, 194]);

@@ -3,12 +3,14 @@
 
 pub mod convert;
 pub mod cpu;
+pub mod passes;
 pub mod state;
 pub mod weights;
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use passes::PassLimits;
 pub use state::SequenceState;
 pub use weights::Weights;
 
@@ -222,20 +224,34 @@ impl Backend for CpuBackend {
             cpu::Logits::Last,
         ))
     }
-    /// The steps a batch can take (a known sequence once, tokens in the vocabulary) run as one
+    /// The steps a batch can take ([`passes::plan`], tokens in the vocabulary) run as one
     /// [`cpu::forward_batch`]; the others one by one, which reports what is wrong with them.
     fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
         let vocab = self.weights.config.vocab_size;
+        // One pass of any size; the CPU has no slots (0).
+        let unlimited = PassLimits {
+            rows: usize::MAX,
+            sequences: usize::MAX,
+        };
+        let planned = passes::plan(
+            steps,
+            unlimited,
+            |seq| self.states.get(&seq).map(|s| (0, s.position)),
+            |step, _| step.tokens.iter().all(|&t| (t as usize) < vocab),
+        );
         // (index in steps, sequence, its state taken out of the map for the batch)
-        let mut taken: Vec<(usize, SeqId, SequenceState)> = Vec::new();
-        for (i, step) in steps.iter().enumerate() {
-            let fits = !step.tokens.is_empty()
-                && step.tokens.iter().all(|&t| (t as usize) < vocab)
-                && taken.iter().all(|(_, seq, _)| *seq != step.seq);
-            if let Some(state) = fits.then(|| self.states.remove(&step.seq)).flatten() {
-                taken.push((i, step.seq, state));
-            }
-        }
+        let mut taken: Vec<(usize, SeqId, SequenceState)> = planned
+            .into_iter()
+            .flatten()
+            .map(|p| {
+                let seq = steps[p.index].seq;
+                let state = self
+                    .states
+                    .remove(&seq)
+                    .expect("planned steps have a state");
+                (p.index, seq, state)
+            })
+            .collect();
         let mut results: Vec<Option<anyhow::Result<StepOutput>>> =
             steps.iter().map(|_| None).collect();
         let weights = &self.weights;

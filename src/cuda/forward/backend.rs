@@ -11,16 +11,9 @@ use crate::cuda::gdn;
 use crate::cuda::sample::SampleKernels;
 use crate::cuda::snapshot::StatePools;
 use crate::cuda::{Context, Result};
+use crate::model::passes::{self, PassLimits, PassStep};
 use crate::model::{panic_message, Backend, SeqId, Snapshot, SnapshotId, Step, StepOutput};
 use crate::sampling::DeviceSampling;
-
-/// A step placed in a shared pass: its index in the batch, its sequence's slot and position.
-#[derive(Debug, Clone, Copy)]
-struct PassStep {
-    index: usize,
-    slot: usize,
-    position: usize,
-}
 
 impl Backend for CudaBackend {
     fn config(&self) -> &ModelConfig {
@@ -197,47 +190,24 @@ impl CudaBackend {
         }
     }
 
-    /// The steps that can share passes, grouped into passes in order: a known sequence not
-    /// already taken, token ids in the vocabulary, room in its context, at most a pass of rows;
-    /// a pass holds up to `s.rows` rows and `batch_rows` sequences. Steps in no pass are left
-    /// to the one-by-one path, which reports what is wrong with them.
+    /// The steps that can share passes ([`passes::plan`]): besides what `plan` checks, token
+    /// ids in the vocabulary, room in the context, and sampling parameters the sampler takes;
+    /// a pass holds up to `s.rows` rows and `batch_rows` sequences.
     fn plan_passes(&self, steps: &[Step]) -> Vec<Vec<PassStep>> {
         let vocab = self.model.config.vocab_size;
-        let (max_rows, max_seqs) = (self.s.rows, batch_rows(&self.options));
-        let mut passes: Vec<Vec<PassStep>> = Vec::new();
-        let mut seen = std::collections::HashSet::new();
-        let mut rows = 0;
-        for (i, step) in steps.iter().enumerate() {
-            let Some(s) = self.sequences.get(&step.seq) else {
-                continue;
-            };
-            let len = step.tokens.len();
-            let fits = (1..=max_rows).contains(&len)
-                && step.tokens.iter().all(|&t| (t as usize) < vocab)
-                && s.position + len <= self.options.max_context
+        let limits = PassLimits {
+            rows: self.s.rows,
+            sequences: batch_rows(&self.options),
+        };
+        let sequence = |seq| self.sequences.get(&seq).map(|s| (s.slot, s.position));
+        let runnable = |step: &Step, position: usize| {
+            step.tokens.iter().all(|&t| (t as usize) < vocab)
+                && position + step.tokens.len() <= self.options.max_context
                 && step
                     .sample
-                    .is_none_or(|(sampling, u)| SampleKernels::accepts(sampling, u, vocab));
-            // A sequence's first step decides: a later one must not run before it.
-            let first = seen.insert(step.seq);
-            if !fits || !first {
-                continue;
-            }
-            let full = passes
-                .last()
-                .is_none_or(|p| p.len() == max_seqs || rows + len > max_rows);
-            if full {
-                passes.push(Vec::new());
-                rows = 0;
-            }
-            rows += len;
-            passes.last_mut().expect("pushed above").push(PassStep {
-                index: i,
-                slot: s.slot,
-                position: s.position,
-            });
-        }
-        passes
+                    .is_none_or(|(sampling, u)| SampleKernels::accepts(sampling, u, vocab))
+        };
+        passes::plan(steps, limits, sequence, runnable)
     }
 
     /// One shared pass over `pass` (from [`plan_passes`](Self::plan_passes)): prompt chunks as
