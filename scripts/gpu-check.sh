@@ -13,8 +13,9 @@
 #                                      under $OUT (or ./gpu-out); exits non-zero if a test failed.
 #
 # Set GPU_CHECK_CONTEXTS (comma-separated) to change the benchmark's contexts, or to "none" to skip
-# it; GPU_CHECK_SERVE=none skips the `lily bench --serve` run (GPU_CHECK_SERVE_ARGS replaces its
-# stream settings); GPU_CHECK_AGREE=1 adds the full-size
+# it; GPU_CHECK_QUANTS (comma-separated, default q4) to sweep other weight formats too (q8: what GGUF
+# K-quants and FP8 checkpoints run as); GPU_CHECK_SERVE=none skips the `lily bench --serve` run
+# (GPU_CHECK_SERVE_ARGS replaces its stream settings); GPU_CHECK_AGREE=1 adds the full-size
 # `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time). The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
@@ -115,13 +116,20 @@ PY
         rm -rf "$full"
     fi
     contexts="${GPU_CHECK_CONTEXTS:-256,1024,4096,16384,32768}"
+    GPU_CHECK_QUANTS="${GPU_CHECK_QUANTS:-q4}"
     if [[ "$contexts" != none && -x "$dir/lily" ]]; then
-        echo "=== bench"
-        timeout 400 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
-            --contexts "$contexts" --decode-steps 64 --rounds 2 --out "$out" > "$logs/bench.log" 2>&1
-        rc=$?
-        tail -15 "$logs/bench.log"
-        echo "bench: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+        # GPU_CHECK_QUANTS (default q4): the weight formats to sweep; q4 writes to $OUT, the others
+        # to $OUT/<quant>.
+        for quant in ${GPU_CHECK_QUANTS//,/ }; do
+            echo "=== bench ($quant)"
+            dest="$out"
+            [[ "$quant" == q4 ]] || dest="$out/$quant"
+            timeout 400 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant "$quant" --device cuda \
+                --contexts "$contexts" --decode-steps 64 --rounds 2 --out "$dest" > "$logs/bench-$quant.log" 2>&1
+            rc=$?
+            tail -15 "$logs/bench-$quant.log"
+            echo "bench $quant: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+        done
     fi
     if [[ "${GPU_CHECK_SERVE:-1}" != none && -x "$dir/lily" ]]; then
         # The engine under load (issue 10's settings): 64 streams of 1K-token prompts and 128
