@@ -39,7 +39,7 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
     let context = args.prompt_tokens + args.tokens + 1;
     let gpu = super::device::GpuOptions {
         slots: Some(1),
-        batch_steps: false,
+        batch_steps: Some(false),
     };
     let mut backend = super::device::backend(&args.device, weights, context, gpu)?;
     let device = backend.device_name();

@@ -63,9 +63,10 @@ pub struct BenchArgs {
     /// --serve: memory of the prefix cache in MiB.
     #[arg(long, default_value_t = 4096)]
     pub prefix_cache_mb: u64,
-    /// --serve on a GPU: the steps of several sequences run as shared passes (see `lily serve`).
-    #[arg(long)]
-    pub batch_steps: bool,
+    /// --serve on a GPU: the steps of several sequences run as shared passes, or not (`false`);
+    /// default: the backend's (see `lily serve`).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub batch_steps: Option<bool>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {

@@ -30,8 +30,8 @@ fn gpu_present() -> bool {
 pub struct GpuOptions {
     /// Sequences holding state at once (default: the backend's).
     pub slots: Option<usize>,
-    /// The steps of several sequences run as shared passes.
-    pub batch_steps: bool,
+    /// The steps of several sequences run as shared passes (default: the backend's).
+    pub batch_steps: Option<bool>,
 }
 
 #[cfg(feature = "cuda")]
@@ -40,7 +40,7 @@ pub fn cuda_options(max_context: usize, gpu: GpuOptions) -> lily::cuda::forward:
     lily::cuda::forward::CudaOptions {
         max_context,
         max_sequences: gpu.slots.unwrap_or(defaults.max_sequences),
-        batch_steps: gpu.batch_steps,
+        batch_steps: gpu.batch_steps.unwrap_or(defaults.batch_steps),
         ..defaults
     }
 }

@@ -56,9 +56,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 4)]
     pub max_sequences: usize,
     /// GPU: run the steps of concurrent requests (prompt chunks and decode tokens) as shared
-    /// passes, each weight read once per pass, instead of one after another.
-    #[arg(long)]
-    pub batch_steps: bool,
+    /// passes, each weight read once per pass, instead of one after another (`--batch-steps
+    /// false`: one after another). Default: off until its H200 test has passed.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub batch_steps: Option<bool>,
     /// Test only: reply from this script instead of running a model.
     #[arg(long, hide = true)]
     pub scripted_tokens: Option<PathBuf>,
