@@ -109,7 +109,8 @@ impl ResponseUsage {
     pub fn new(counts: &Counts) -> ResponseUsage {
         ResponseUsage {
             input_tokens: counts.prompt_tokens,
-            input_tokens_details: json!({"cached_tokens": counts.cached_tokens}),
+            // Prompt states the engine saves are not counted as "cache writes": always 0.
+            input_tokens_details: json!({"cached_tokens": counts.cached_tokens, "cache_write_tokens": 0}),
             output_tokens: counts.completion_tokens,
             output_tokens_details: json!({"reasoning_tokens": counts.reasoning_tokens}),
             total_tokens: counts.prompt_tokens + counts.completion_tokens,
