@@ -6,7 +6,8 @@
 //! streamed as named SSE events (`event: response.output_text.delta` + `data: {...}`), numbered
 //! by `sequence_number`, from `response.created` to `response.completed` (or
 //! `response.incomplete` when `max_output_tokens` cut the answer, `response.failed` when the
-//! engine failed). As OpenAI does, the stream has no `[DONE]`.
+//! engine failed). As OpenAI does, the stream has no `[DONE]`. A panic while streaming ends it
+//! with `event: error` and `data: {"error": {...}}`, which openai-python raises as an `APIError`.
 //!
 //! Nothing is stored: `previous_response_id`, `conversation` and `background` are refused (400
 //! naming the field), `store` is accepted and the response says `store: false`.
