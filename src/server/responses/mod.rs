@@ -297,6 +297,7 @@ async fn write_stream(
                     _ => "the generation ended without a result".into(),
                 };
                 response.status = "failed";
+                response.output = builder.items().to_vec();
                 response.error = Some(json!({"code": "server_error", "message": message}));
                 json!({"type": "response.failed", "response": snapshot(&response)})
             }

@@ -183,15 +183,34 @@ impl OutputBuilder {
         &self.items
     }
 
+    /// The items so far (the last one possibly still open).
+    pub fn items(&self) -> &[OutputItem] {
+        &self.items
+    }
+
     /// Stream events made since the last call.
     pub fn take_events(&mut self) -> Vec<Value> {
         std::mem::take(&mut self.events)
     }
 
-    fn emit(&mut self, event: impl FnOnce() -> Value) {
-        if self.streaming {
-            self.events.push(event());
+    /// Records a stream event about the last item: `type`, `output_index`, `item_id` (unless
+    /// the event carries the item itself) and `fields`.
+    fn emit(&mut self, kind: &str, fields: Value) {
+        if !self.streaming {
+            return;
         }
+        let output_index = self.items.len().saturating_sub(1);
+        let mut event = json!({"type": kind, "output_index": output_index});
+        if let Value::Object(fields) = fields {
+            if !fields.contains_key("item") {
+                let id = self.items.last().map(OutputItem::id).unwrap_or_default();
+                event["item_id"] = json!(id);
+            }
+            if let Some(event) = event.as_object_mut() {
+                event.extend(fields);
+            }
+        }
+        self.events.push(event);
     }
 
     fn open_is(&self, kind: impl Fn(&OutputItem) -> bool) -> bool {
@@ -206,35 +225,37 @@ impl OutputBuilder {
         });
         if !same {
             self.close("completed");
-            self.open(match kind {
-                TextKind::Reasoning => OutputItem::Reasoning {
-                    id: new_id("rs_"),
-                    summary: Vec::new(),
-                    content: Vec::new(),
-                    status: "in_progress",
-                },
-                TextKind::Message => OutputItem::Message {
-                    id: new_id("msg_"),
-                    role: "assistant",
-                    status: "in_progress",
-                    content: Vec::new(),
-                },
-            });
-            let part = match kind {
-                TextKind::Reasoning => Part::ReasoningText {
-                    text: String::new(),
-                },
-                TextKind::Message => Part::OutputText {
-                    text: String::new(),
-                    annotations: Vec::new(),
-                    logprobs: Vec::new(),
-                },
+            let (item, part) = match kind {
+                TextKind::Reasoning => (
+                    OutputItem::Reasoning {
+                        id: new_id("rs_"),
+                        summary: Vec::new(),
+                        content: Vec::new(),
+                        status: "in_progress",
+                    },
+                    Part::ReasoningText {
+                        text: String::new(),
+                    },
+                ),
+                TextKind::Message => (
+                    OutputItem::Message {
+                        id: new_id("msg_"),
+                        role: "assistant",
+                        status: "in_progress",
+                        content: Vec::new(),
+                    },
+                    Part::OutputText {
+                        text: String::new(),
+                        annotations: Vec::new(),
+                        logprobs: Vec::new(),
+                    },
+                ),
             };
-            let (item_id, output_index) = self.position();
-            self.emit(|| {
-                json!({"type": "response.content_part.added", "item_id": item_id,
-                    "output_index": output_index, "content_index": 0, "part": part})
-            });
+            self.open(item);
+            self.emit(
+                "response.content_part.added",
+                json!({"content_index": 0, "part": part}),
+            );
             if let Some(
                 OutputItem::Reasoning { content, .. } | OutputItem::Message { content, .. },
             ) = self.items.last_mut()
@@ -242,47 +263,33 @@ impl OutputBuilder {
                 content.push(part);
             }
         }
-        let delta_type = match kind {
-            TextKind::Reasoning => "response.reasoning_text.delta",
-            TextKind::Message => "response.output_text.delta",
-        };
         if !text.is_empty() {
-            self.extend(text, delta_type);
+            match kind {
+                TextKind::Reasoning => self.extend(text, "response.reasoning_text.delta"),
+                TextKind::Message => self.extend(text, "response.output_text.delta"),
+            }
         }
     }
 
     fn open(&mut self, item: OutputItem) {
-        let output_index = self.items.len();
         let snapshot = item.to_json();
-        self.emit(|| {
-            json!({"type": "response.output_item.added", "output_index": output_index, "item": snapshot})
-        });
         self.items.push(item);
         self.open = true;
+        self.emit("response.output_item.added", json!({"item": snapshot}));
     }
 
-    /// The open item's id and index.
-    fn position(&self) -> (String, usize) {
-        let id = self.items.last().map(|i| i.id().to_string());
-        (id.unwrap_or_default(), self.items.len().saturating_sub(1))
-    }
-
-    fn extend(&mut self, delta: &str, event_type: &'static str) {
-        let (item_id, output_index) = self.position();
+    fn extend(&mut self, delta: &str, kind: &'static str) {
         if let Some(text) = self.items.last_mut().and_then(OutputItem::text_mut) {
             text.push_str(delta);
         }
-        self.emit(|| {
-            let mut event = json!({"type": event_type, "item_id": item_id,
-                "output_index": output_index, "delta": delta});
-            if event_type != "response.function_call_arguments.delta" {
-                event["content_index"] = json!(0);
+        let fields = match kind {
+            "response.output_text.delta" => {
+                json!({"content_index": 0, "delta": delta, "logprobs": []})
             }
-            if event_type == "response.output_text.delta" {
-                event["logprobs"] = json!([]);
-            }
-            event
-        });
+            "response.reasoning_text.delta" => json!({"content_index": 0, "delta": delta}),
+            _ => json!({"delta": delta}),
+        };
+        self.emit(kind, fields);
     }
 
     fn close(&mut self, status: &'static str) {
@@ -290,43 +297,36 @@ impl OutputBuilder {
             return;
         }
         self.open = false;
-        let (item_id, output_index) = self.position();
         let Some(item) = self.items.last_mut() else {
             return;
         };
         item.set_status(status);
         let item = item.clone();
-        let at = json!({"item_id": item_id, "output_index": output_index});
-        let with = |fields: Value| {
-            let mut event = at.clone();
-            if let (Some(event), Some(fields)) = (event.as_object_mut(), fields.as_object()) {
-                event.extend(fields.clone());
-            }
-            event
-        };
-        let mut events = Vec::new();
         match &item {
             OutputItem::Reasoning { content, .. } | OutputItem::Message { content, .. } => {
                 if let Some(part) = content.first() {
-                    events.push(with(match part {
-                        Part::ReasoningText { text } => {
-                            json!({"type": "response.reasoning_text.done", "content_index": 0, "text": text})
-                        }
-                        Part::OutputText { text, .. } => {
-                            json!({"type": "response.output_text.done", "content_index": 0, "text": text, "logprobs": []})
-                        }
-                    }));
-                    events.push(with(json!({"type": "response.content_part.done", "content_index": 0, "part": part})));
+                    match part {
+                        Part::ReasoningText { text } => self.emit(
+                            "response.reasoning_text.done",
+                            json!({"content_index": 0, "text": text}),
+                        ),
+                        Part::OutputText { text, .. } => self.emit(
+                            "response.output_text.done",
+                            json!({"content_index": 0, "text": text, "logprobs": []}),
+                        ),
+                    }
+                    self.emit(
+                        "response.content_part.done",
+                        json!({"content_index": 0, "part": part}),
+                    );
                 }
             }
-            OutputItem::FunctionCall { arguments, .. } => events.push(with(
-                json!({"type": "response.function_call_arguments.done", "arguments": arguments}),
-            )),
+            OutputItem::FunctionCall { arguments, .. } => self.emit(
+                "response.function_call_arguments.done",
+                json!({"arguments": arguments}),
+            ),
         }
-        events.push(json!({"type": "response.output_item.done", "output_index": output_index, "item": item.to_json()}));
-        for event in events {
-            self.emit(|| event);
-        }
+        self.emit("response.output_item.done", json!({"item": item.to_json()}));
     }
 }
 
