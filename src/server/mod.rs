@@ -6,6 +6,7 @@
 //! ```text
 //! routes.rs   handlers: parse + validate (request.rs) → start generations (engine::generate)
 //! stream.rs   SSE framing of chat / text completion chunks
+//! responses/  /v1/responses: translated to a chat request, output as Responses items and events
 //! openai.rs   the wire types          errors.rs   OpenAI error objects and status codes
 //! metrics.rs  /metrics (vLLM names)   scripted.rs test-only scripted backend
 //! ```
@@ -15,6 +16,7 @@ pub mod hub;
 pub mod metrics;
 pub mod openai;
 pub mod request;
+pub mod responses;
 pub mod routes;
 pub mod scripted;
 pub mod stream;

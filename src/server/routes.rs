@@ -43,6 +43,7 @@ pub fn router(state: Shared) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(super::responses::create_response))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/tokenize", post(tokenize))
@@ -171,7 +172,7 @@ fn body_bytes(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<B
 }
 
 /// Common start of the generation endpoints: ready, parsed, right model, admitted.
-fn accept<T: serde::de::DeserializeOwned>(
+pub(super) fn accept<T: serde::de::DeserializeOwned>(
     state: &Shared,
     body: Result<Bytes, BytesRejection>,
     model_of: impl Fn(&T) -> Option<&str>,
@@ -190,7 +191,7 @@ fn accept<T: serde::de::DeserializeOwned>(
 
 /// Runs `work` on the blocking pool: rendering a long prompt, tokenizing it and compiling a
 /// grammar take long enough to stall other requests if done on the async threads.
-async fn blocking<T: Send + 'static>(
+pub(super) async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(work).await.map_err(|e| {
@@ -198,21 +199,22 @@ async fn blocking<T: Send + 'static>(
     })?
 }
 
-fn new_id(prefix: &str) -> String {
+/// `prefix` followed by 24 random letters and digits (`prefix` ends in its separator).
+pub(super) fn new_id(prefix: &str) -> String {
     format!(
-        "{prefix}-{}",
+        "{prefix}{}",
         Alphanumeric.sample_string(&mut rand::rng(), 24)
     )
 }
 
-fn now() -> u64 {
+pub(super) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
 
 /// The client's `X-Request-Id` if it sent one (echoed back), else a fresh id.
-fn request_id(headers: &HeaderMap, prefix: &str) -> String {
+pub(super) fn request_id(headers: &HeaderMap, prefix: &str) -> String {
     headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
@@ -220,7 +222,7 @@ fn request_id(headers: &HeaderMap, prefix: &str) -> String {
         .map_or_else(|| new_id(prefix), str::to_string)
 }
 
-fn start(model: &ServedModel, plans: Vec<GenerationPlan>) -> Vec<Generation> {
+pub(super) fn start(model: &ServedModel, plans: Vec<GenerationPlan>) -> Vec<Generation> {
     plans
         .into_iter()
         .map(|plan| model.text.start(&model.engine, plan))
@@ -239,7 +241,7 @@ async fn chat_completions(
         blocking(move || prepare_chat(&prep_model.text, &request, prep_model.max_model_len))
             .await?;
     let head = ResponseHead {
-        id: request_id(&headers, "chatcmpl"),
+        id: request_id(&headers, "chatcmpl-"),
         created: now(),
         model: model.name.clone(),
     };
@@ -330,7 +332,7 @@ async fn completions(
         blocking(move || prepare_completion(&prep_model.text, &request, prep_model.max_model_len))
             .await?;
     let head = ResponseHead {
-        id: request_id(&headers, "cmpl"),
+        id: request_id(&headers, "cmpl-"),
         created: now(),
         model: model.name.clone(),
     };
@@ -386,14 +388,14 @@ async fn completions(
     Ok(with_request_id(Json(response).into_response(), &head.id))
 }
 
-fn with_request_id(mut response: Response, id: &str) -> Response {
+pub(super) fn with_request_id(mut response: Response, id: &str) -> Response {
     if let Ok(v) = header::HeaderValue::from_str(id) {
         response.headers_mut().insert("x-request-id", v);
     }
     response
 }
 
-/// Starts the task that writes a streamed response. It holds the admission guard until it ends.
+/// Starts the task that writes a streamed chat or text completion.
 fn spawn_stream(
     head: ResponseHead,
     api: Api,
@@ -403,13 +405,35 @@ fn spawn_stream(
     timer: super::metrics::RequestTimer,
     admitted: InFlight,
 ) -> Response {
-    let (tx, rx) = tokio::sync::mpsc::channel(32);
-    let response = stream::sse_response(rx, &head.id);
     let tokenizer = model.text.tokenizer.clone();
+    let id = head.id.clone();
+    spawn_sse(
+        &id,
+        admitted,
+        move |tx| stream::run_stream(head, api, generations, include_usage, tokenizer, timer, tx),
+        |error| {
+            vec![
+                stream::sse_data(&error.body()),
+                Bytes::from_static(b"data: [DONE]\n\n"),
+            ]
+        },
+    )
+}
+
+/// Starts the task that writes a streamed response with `write`; it holds the admission guard
+/// until it ends. Should `write` panic, `on_panic` gives the events that end the stream.
+pub(super) fn spawn_sse<W: std::future::Future<Output = ()> + Send + 'static>(
+    id: &str,
+    admitted: InFlight,
+    write: impl FnOnce(tokio::sync::mpsc::Sender<Bytes>) -> W,
+    on_panic: impl FnOnce(ApiError) -> Vec<Bytes> + Send + 'static,
+) -> Response {
+    let (tx, rx) = tokio::sync::mpsc::channel(32);
+    let response = stream::sse_response(rx, id);
+    let panic_tx = tx.clone();
+    let run = write(tx);
     tokio::spawn(async move {
         use futures_util::FutureExt;
-        let panic_tx = tx.clone();
-        let run = stream::run_stream(head, api, generations, include_usage, tokenizer, timer, tx);
         // A panic while streaming must end only this response, and visibly.
         if let Err(panic) = std::panic::AssertUnwindSafe(run).catch_unwind().await {
             let message = panic
@@ -420,8 +444,9 @@ fn spawn_stream(
                 "internal error while streaming: {}",
                 message.unwrap_or_else(|| "panic".into())
             ));
-            let _ = panic_tx.send(stream::sse_data(&error.body())).await;
-            let _ = panic_tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            for event in on_panic(error) {
+                let _ = panic_tx.send(event).await;
+            }
         }
         drop(admitted);
     });

@@ -64,6 +64,15 @@ pub fn sse_data<T: Serialize>(value: &T) -> Bytes {
 const DONE: &[u8] = b"data: [DONE]\n\n";
 const PING: &[u8] = b": ping\n\n";
 
+/// The keep-alive comment, and the timer for it (first tick after one period).
+pub fn ping() -> Bytes {
+    Bytes::from_static(PING)
+}
+
+pub fn ping_interval() -> tokio::time::Interval {
+    tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY)
+}
+
 /// A streaming response whose events come from `rx`.
 pub fn sse_response(rx: mpsc::Receiver<Bytes>, request_id: &str) -> Response {
     let body = Body::from_stream(
@@ -134,12 +143,12 @@ pub async fn run_stream(
     let mut outputs = stream::select_all(streams);
     let mut usage: Option<Usage> = None;
     let mut text_offsets = vec![0usize; n];
-    let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
+    let mut keep_alive = ping_interval();
     loop {
         let next = tokio::select! {
             next = outputs.next() => next,
-            _ = ping.tick() => {
-                if tx.send(Bytes::from_static(PING)).await.is_err() {
+            _ = keep_alive.tick() => {
+                if tx.send(ping()).await.is_err() {
                     return;
                 }
                 continue;
