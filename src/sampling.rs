@@ -1087,6 +1087,8 @@ pub struct StopChecker {
     /// The longest tail of the text seen so far that could still grow into a stop string.
     held: String,
     stopped: bool,
+    /// The stop string that ended the text (Anthropic's `stop_sequence` reports it).
+    matched: Option<String>,
 }
 
 impl StopChecker {
@@ -1098,7 +1100,13 @@ impl StopChecker {
             stop_strings: params.stop.clone(),
             held: String::new(),
             stopped: false,
+            matched: None,
         }
+    }
+
+    /// The stop string that matched, once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Tokens generated so far (every token passed to `check_token`).
@@ -1139,9 +1147,10 @@ impl StopChecker {
         let earliest = self
             .stop_strings
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
-        if let Some(start) = earliest {
+            .filter_map(|s| Some((self.held.find(s.as_str())?, s)))
+            .min_by_key(|&(start, _)| start);
+        if let Some((start, stop)) = earliest {
+            self.matched = Some(stop.clone());
             self.held.truncate(start);
             self.stopped = true;
             return StopText {

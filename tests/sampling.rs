@@ -677,6 +677,22 @@ fn stop_text_is_never_shown_while_pending() {
 }
 
 #[test]
+fn the_matched_stop_string_is_the_one_that_occurs_first() {
+    for pieces in all_splits("two: xyz then abc") {
+        let mut c = StopChecker::new(&stop_params(&["abc", "xyz", "nope"]));
+        assert_eq!(c.matched(), None);
+        for piece in pieces {
+            c.push_text(piece);
+        }
+        assert_eq!(c.matched(), Some("xyz"));
+    }
+    let mut c = StopChecker::new(&stop_params(&["abc"]));
+    c.push_text("no match here");
+    c.flush();
+    assert_eq!(c.matched(), None);
+}
+
+#[test]
 fn stop_tokens_and_max_tokens() {
     let p = SamplingParams {
         stop_token_ids: vec![7, 9],

@@ -164,7 +164,7 @@ fn generate_text(
                     stdout.flush()?;
                     stderr.flush()?;
                 }
-                Output::Done { finish, counts } => return Ok((finish, counts)),
+                Output::Done { finish, counts, .. } => return Ok((finish, counts)),
             }
         }
         anyhow::bail!("the generation ended without finishing")

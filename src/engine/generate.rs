@@ -536,6 +536,8 @@ pub enum Output {
     Done {
         finish: FinishReason,
         counts: Counts,
+        /// The request's stop string that ended the answer, if one did.
+        stop_sequence: Option<String>,
     },
 }
 
@@ -732,7 +734,12 @@ impl Generation {
                 .as_ref()
                 .map_or(0, ThinkingBudget::reasoning_tokens),
         };
-        self.ready.push_back(Output::Done { finish, counts });
+        let stop_sequence = self.stop.matched().map(str::to_string);
+        self.ready.push_back(Output::Done {
+            finish,
+            counts,
+            stop_sequence,
+        });
     }
 }
 

@@ -7,12 +7,14 @@
 //! routes.rs   handlers: parse + validate (request.rs) → start generations (engine::generate)
 //! stream.rs   SSE framing of chat / text completion chunks
 //! responses/  /v1/responses: translated to a chat request, output as Responses items and events
+//! messages/   /v1/messages (Anthropic): translated the same way, output as content blocks
 //! openai.rs   the wire types          errors.rs   OpenAI error objects and status codes
 //! metrics.rs  /metrics (vLLM names)   scripted.rs test-only scripted backend
 //! ```
 
 pub mod errors;
 pub mod hub;
+pub mod messages;
 pub mod metrics;
 pub mod openai;
 pub mod request;

@@ -44,6 +44,11 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(super::responses::create_response))
+        .route("/v1/messages", post(super::messages::create_message))
+        .route(
+            "/v1/messages/count_tokens",
+            post(super::messages::count_tokens),
+        )
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/tokenize", post(tokenize))
@@ -80,20 +85,31 @@ pub fn router(state: Shared) -> Router {
         .with_state(state)
 }
 
-/// `Authorization: Bearer KEY` when the server has a key.
+/// `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients send it, when the
+/// server has a key.
 async fn require_api_key(State(state): State<Shared>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let given = request
-            .headers()
+        let headers = request.headers();
+        let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+        let given = bearer.or(x_api_key).map(str::trim);
         if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-            return ApiError::unauthorized().into_response();
+            return api_error(request.uri(), ApiError::unauthorized());
         }
     }
     next.run(request).await
+}
+
+/// An error in the shape of the API the path belongs to.
+fn api_error(uri: &Uri, error: ApiError) -> Response {
+    if uri.path().starts_with("/v1/messages") {
+        super::messages::error_response(error)
+    } else {
+        error.into_response()
+    }
 }
 
 /// Compares without an early exit, so response timing does not reveal how much of a guessed
@@ -102,12 +118,15 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn not_found(method: Method, uri: Uri) -> ApiError {
-    ApiError::route_not_found(method.as_str(), uri.path())
+async fn not_found(method: Method, uri: Uri) -> Response {
+    api_error(&uri, ApiError::route_not_found(method.as_str(), uri.path()))
 }
 
-async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
-    ApiError::method_not_allowed(method.as_str(), uri.path())
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    api_error(
+        &uri,
+        ApiError::method_not_allowed(method.as_str(), uri.path()),
+    )
 }
 
 async fn health(State(state): State<Shared>) -> Response {
@@ -477,7 +496,7 @@ async fn collect(mut generation: Generation) -> Result<Outcome, ApiError> {
                     logprobs.get_or_insert_with(Vec::new).extend(tokens);
                 }
             }
-            Ok(Output::Done { finish, counts }) => {
+            Ok(Output::Done { finish, counts, .. }) => {
                 return Ok(Outcome {
                     parsed,
                     logprobs,

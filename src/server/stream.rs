@@ -201,7 +201,7 @@ pub async fn run_stream(
                     }
                 }
             }
-            Ok(Output::Done { finish, counts }) => {
+            Ok(Output::Done { finish, counts, .. }) => {
                 timer.finished(
                     finish.as_str(),
                     counts.prompt_tokens,

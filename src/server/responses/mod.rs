@@ -183,7 +183,7 @@ pub async fn create_response(
             Some(Ok(Output::Delta { events, .. })) => {
                 events.iter().for_each(|e| builder.push(e));
             }
-            Some(Ok(Output::Done { finish, counts })) => {
+            Some(Ok(Output::Done { finish, counts, .. })) => {
                 timer.finished(
                     finish.as_str(),
                     counts.prompt_tokens,
@@ -273,7 +273,7 @@ async fn write_stream(
                 }
                 continue;
             }
-            Some(Ok(Output::Done { finish, counts })) => {
+            Some(Ok(Output::Done { finish, counts, .. })) => {
                 timer.finished(
                     finish.as_str(),
                     counts.prompt_tokens,
