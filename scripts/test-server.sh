@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The server against real clients: starts two `lily serve` processes on free loopback ports
 # (the built-in demo model, and the test-only scripted backend with an API key), runs the
-# Python tests in tests/python against them (the pinned openai client and raw HTTP), stops them.
+# Python tests in tests/python against them (the pinned openai and anthropic clients, raw HTTP),
+# stops them.
 #
 # Needs the clients: python3 -m pip install -r tests/python/requirements.txt
 set -euo pipefail

@@ -2,6 +2,7 @@
 
 import os
 
+import anthropic
 import openai
 import pytest
 
@@ -31,3 +32,15 @@ def scripted():
 @pytest.fixture
 def scripted_async():
     return openai.AsyncOpenAI(base_url=_need(SCRIPTED_URL) + "/v1", api_key=SCRIPTED_KEY, max_retries=0)
+
+
+@pytest.fixture
+def claude_demo():
+    """The demo model through the Anthropic client (POST /v1/messages)."""
+    return anthropic.Anthropic(base_url=_need(DEMO_URL), api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def claude_scripted():
+    """Scripted replies through the Anthropic client, which sends the key as `x-api-key`."""
+    return anthropic.Anthropic(base_url=_need(SCRIPTED_URL), api_key=SCRIPTED_KEY, max_retries=0)
