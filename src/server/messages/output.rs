@@ -164,7 +164,7 @@ impl ContentBuilder {
         let snapshot = block.to_json();
         self.blocks.push(block);
         self.open = true;
-        self.emit(json!({"type": "content_block_start", "content_block": snapshot}));
+        self.emit("content_block_start", json!({"content_block": snapshot}));
     }
 
     fn close(&mut self) {
@@ -181,19 +181,23 @@ impl ContentBuilder {
                 *input = parsed;
             }
         }
-        self.emit(json!({"type": "content_block_stop"}));
+        self.emit("content_block_stop", json!({}));
     }
 
     fn emit_delta(&mut self, delta: Value) {
-        self.emit(json!({"type": "content_block_delta", "delta": delta}));
+        self.emit("content_block_delta", json!({"delta": delta}));
     }
 
-    /// Records a stream event about the last block (`index` is its position).
-    fn emit(&mut self, mut event: Value) {
-        if self.streaming {
-            event["index"] = json!(self.blocks.len().saturating_sub(1));
-            self.events.push(event);
+    /// Records a stream event about the last block: `type`, `index` (its position), `fields`.
+    fn emit(&mut self, kind: &str, fields: Value) {
+        if !self.streaming {
+            return;
         }
+        let mut event = json!({"type": kind, "index": self.blocks.len().saturating_sub(1)});
+        if let (Some(event), Value::Object(fields)) = (event.as_object_mut(), fields) {
+            event.extend(fields);
+        }
+        self.events.push(event);
     }
 }
 
