@@ -523,12 +523,12 @@ async fn count_tokens_matches_the_rendered_prompt() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_disconnect_stops_the_generation() {
+async fn a_full_server_is_overloaded_and_a_disconnect_stops_the_generation() {
     let long = "word ".repeat(5000);
-    let server = TestServer::scripted(
-        json!({"replies": [{"when": "long", "text": long}], "token_delay_ms": 2}),
-    )
-    .await;
+    let mut opts = options();
+    opts.max_in_flight = 1;
+    let script = json!({"replies": [{"when": "long", "text": long}], "token_delay_ms": 2});
+    let server = TestServer::start(opts, Some(script)).await;
     let body = json!({"max_tokens": 8000, "stream": true, "thinking": {"type": "disabled"},
         "messages": [{"role": "user", "content": "long please"}]});
     let mut socket = TcpStream::connect(server.addr).await.expect("connect");
@@ -554,6 +554,13 @@ async fn a_disconnect_stops_the_generation() {
         1.0,
         "generating"
     );
+    let hi = json!({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]});
+    let busy = server.post("/v1/messages", &hi).await;
+    assert_eq!(
+        (busy.status, busy.header("retry-after").as_deref()),
+        (503, Some("1"))
+    );
+    assert_eq!(busy.json()["error"]["type"], "overloaded_error");
     drop(socket);
     assert!(
         idle(&server, Duration::from_secs(3)).await,
