@@ -122,28 +122,7 @@ fn bf16_model_matches_cpu() {
 
 #[test]
 fn q4_model_matches_cpu() {
-    let bf16 = tempfile::tempdir().unwrap();
-    let q4 = tempfile::tempdir().unwrap();
-    synth::write_checkpoint(
-        &config(),
-        bf16.path(),
-        4,
-        DType::BF16,
-        synth::SHARD_BYTES,
-        false,
-    )
-    .unwrap();
-    lily::checkpoint::mlx_write::quantize_dir(
-        bf16.path(),
-        q4.path(),
-        lily::quant::Affine {
-            bits: 4,
-            group_size: 64,
-        },
-        false,
-    )
-    .unwrap();
-    compare(checkpoint::load(q4.path()).unwrap(), "q4", TOLERANCE);
+    compare(q4_weights(4), "q4", TOLERANCE);
 }
 
 /// Graph replay with the on-device argmax (a) against plain launches returning logits (b).

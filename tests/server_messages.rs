@@ -41,19 +41,8 @@ async fn create_stream(server: &TestServer, mut body: Value) -> Vec<Value> {
         r.header("content-type").as_deref(),
         Some("text/event-stream")
     );
-    r.text()
-        .split("\n\n")
-        .filter(|b| !b.is_empty())
-        .map(|block| {
-            let (name, data) = block
-                .strip_prefix("event: ")
-                .and_then(|b| b.split_once("\ndata: "))
-                .unwrap_or_else(|| panic!("not a named SSE event: {block:?}"));
-            let event: Value =
-                serde_json::from_str(data).unwrap_or_else(|e| panic!("bad JSON ({e}): {data}"));
-            assert_eq!(event["type"], name, "event name and type agree");
-            event
-        })
+    named_sse_events(&r.text())
+        .into_iter()
         .filter(|event| event["type"] != "ping")
         .collect()
 }

@@ -38,21 +38,9 @@ async fn create_stream(server: &TestServer, mut body: Value) -> Vec<Value> {
         r.header("content-type").as_deref(),
         Some("text/event-stream")
     );
-    let mut events = Vec::new();
-    for block in r
-        .text()
-        .split("\n\n")
-        .filter(|b| !b.is_empty() && !b.starts_with(':'))
-    {
-        let (name, data) = block
-            .strip_prefix("event: ")
-            .and_then(|b| b.split_once("\ndata: "))
-            .unwrap_or_else(|| panic!("not a named SSE event: {block:?}"));
-        let event: Value =
-            serde_json::from_str(data).unwrap_or_else(|e| panic!("bad JSON ({e}): {data}"));
-        assert_eq!(event["type"], name, "event name and type agree");
-        assert_eq!(event["sequence_number"], json!(events.len()), "{event}");
-        events.push(event);
+    let events = named_sse_events(&r.text());
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event["sequence_number"], json!(i), "{event}");
     }
     events
 }

@@ -24,6 +24,40 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// An error of the chat path for a request that was translated into a chat request
+    /// (Responses, Messages), renamed to the fields the client sent: each `(chat, field)` of
+    /// `renames` in the message's backticked names and in `param`; params under `messages` (which
+    /// do not map one to one) become `messages_as`; `tools[i].function<rest>` becomes
+    /// `tool_param(i, rest)`.
+    pub fn renamed_from_chat(
+        mut self,
+        renames: &[(&str, &str)],
+        messages_as: &str,
+        tool_param: impl Fn(&str, &str) -> String,
+    ) -> ApiError {
+        for (chat, field) in renames {
+            self.message = self
+                .message
+                .replace(&format!("`{chat}`"), &format!("`{field}`"));
+        }
+        self.param = self.param.map(|param| {
+            if param.starts_with("messages") {
+                return messages_as.to_string();
+            }
+            if let Some((tool, rest)) = param
+                .strip_prefix("tools[")
+                .and_then(|rest| rest.split_once("].function"))
+            {
+                return tool_param(tool, rest);
+            }
+            renames
+                .iter()
+                .find(|(chat, _)| param == *chat)
+                .map_or(param.clone(), |(_, field)| field.to_string())
+        });
+        self
+    }
+
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
         ApiError {
             status,

@@ -279,6 +279,24 @@ pub fn sse_events(body: &str) -> Vec<Value> {
     events
 }
 
+/// The events of a named-event SSE body (Responses, Messages), checking the framing: blocks of
+/// `event: TYPE` + `data: JSON` whose `type` is TYPE, no `[DONE]`, comments allowed.
+pub fn named_sse_events(body: &str) -> Vec<Value> {
+    body.split("\n\n")
+        .filter(|b| !b.is_empty() && !b.starts_with(':'))
+        .map(|block| {
+            let (name, data) = block
+                .strip_prefix("event: ")
+                .and_then(|b| b.split_once("\ndata: "))
+                .unwrap_or_else(|| panic!("not a named SSE event: {block:?}"));
+            let event: Value =
+                serde_json::from_str(data).unwrap_or_else(|e| panic!("bad JSON ({e}): {data}"));
+            assert_eq!(event["type"], name, "event name and type agree");
+            event
+        })
+        .collect()
+}
+
 pub fn demo_tokenizer() -> Tokenizer {
     Tokenizer::byte_level_demo().expect("demo tokenizer")
 }

@@ -243,16 +243,28 @@ impl CudaBackend {
         }
         self.note_peak_memory();
         // Logits rows: the spans' in order, then the decode rows'.
-        let order: Vec<&PassStep> = chunks.into_iter().chain(tokens).collect();
-        for (r, p) in order.iter().enumerate() {
+        let (mut span_row, mut decode_row) = (0, spans.len());
+        let row_of: Vec<usize> = pass
+            .iter()
+            .map(|p| {
+                let row = if steps[p.index].tokens.len() > 1 {
+                    &mut span_row
+                } else {
+                    &mut decode_row
+                };
+                *row += 1;
+                *row - 1
+            })
+            .collect();
+        for (p, &r) in pass.iter().zip(&row_of) {
             if let Some((sampling, u)) = steps[p.index].sample {
                 self.pick(r, sampling, u)?;
             }
         }
-        let n = order.len();
+        let n = pass.len();
         let next = self.picked(n)?;
         let vocab = self.model.config.vocab_size;
-        let logits: Vec<bf16> = if order.iter().any(|p| steps[p.index].sample.is_none()) {
+        let logits: Vec<bf16> = if pass.iter().any(|p| steps[p.index].sample.is_none()) {
             self.dev
                 .stream()
                 .clone_dtoh(&self.s.logits.slice(..n * vocab))
@@ -260,10 +272,10 @@ impl CudaBackend {
         } else {
             Vec::new()
         };
-        let mut outputs: Vec<Option<anyhow::Result<StepOutput>>> =
-            pass.iter().map(|_| None).collect();
-        for (r, p) in order.iter().enumerate() {
-            let out = match steps[p.index].sample {
+        Ok(pass
+            .iter()
+            .zip(&row_of)
+            .map(|(p, &r)| match steps[p.index].sample {
                 Some(_) => self.token(next[r]).map(StepOutput::Token),
                 None => Ok(StepOutput::Logits(
                     logits[r * vocab..(r + 1) * vocab]
@@ -271,16 +283,7 @@ impl CudaBackend {
                         .map(|x| x.to_f32())
                         .collect(),
                 )),
-            };
-            let at = pass
-                .iter()
-                .position(|q| q.index == p.index)
-                .expect("from pass");
-            outputs[at] = Some(out);
-        }
-        Ok(outputs
-            .into_iter()
-            .map(|o| o.expect("every step has a row"))
+            })
             .collect())
     }
 

@@ -348,36 +348,19 @@ fn thinking(config: Option<&Value>) -> Result<(Option<bool>, Option<i64>), ApiEr
 }
 
 /// An error of the chat path, renamed to the Messages field it came from.
-pub fn messages_param(mut error: ApiError) -> ApiError {
+pub fn messages_param(error: ApiError) -> ApiError {
     let renames = [
         ("max_completion_tokens", "max_tokens"),
         ("thinking_token_budget", "thinking.budget_tokens"),
         ("stop", "stop_sequences"),
         ("parameters", "input_schema"),
     ];
-    for (chat, messages) in renames {
-        error.message = error
-            .message
-            .replace(&format!("`{chat}`"), &format!("`{messages}`"));
-    }
-    error.param = error.param.map(|param| {
-        // Chat messages do not map one to one onto Messages turns.
-        if param.starts_with("messages") {
-            return "messages".to_string();
-        }
-        if let Some((tool, field)) = param
-            .strip_prefix("tools[")
-            .and_then(|rest| rest.split_once("].function"))
-        {
-            let field = field.replace(".parameters", ".input_schema");
-            return format!("tools.{tool}{field}");
-        }
-        renames
-            .iter()
-            .find(|(chat, _)| param == *chat)
-            .map_or(param.clone(), |(_, messages)| messages.to_string())
-    });
-    error
+    error.renamed_from_chat(&renames, "messages", |tool, rest| {
+        format!(
+            "tools.{tool}{}",
+            rest.replace(".parameters", ".input_schema")
+        )
+    })
 }
 
 #[cfg(test)]

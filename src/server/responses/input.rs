@@ -412,35 +412,16 @@ fn text_format(text: Option<&Value>) -> Result<Option<Value>, ApiError> {
 }
 
 /// An error of the chat path, renamed to the Responses field it came from.
-pub fn responses_param(mut error: ApiError) -> ApiError {
+pub fn responses_param(error: ApiError) -> ApiError {
     let renames = [
         ("max_completion_tokens", "max_output_tokens"),
         ("response_format.json_schema.schema", "text.format.schema"),
         ("json_schema.schema", "text.format.schema"),
         ("response_format", "text.format"),
     ];
-    for (chat, responses) in renames {
-        error.message = error
-            .message
-            .replace(&format!("`{chat}`"), &format!("`{responses}`"));
-    }
-    error.param = error.param.map(|param| {
-        // Messages do not map one to one onto input items.
-        if param.starts_with("messages") {
-            return "input".to_string();
-        }
-        if let Some((tool, field)) = param
-            .strip_prefix("tools[")
-            .and_then(|rest| rest.split_once("].function"))
-        {
-            return format!("tools[{tool}]{field}");
-        }
-        renames
-            .iter()
-            .find(|(chat, _)| param == *chat)
-            .map_or(param.clone(), |(_, responses)| responses.to_string())
-    });
-    error
+    error.renamed_from_chat(&renames, "input", |tool, rest| {
+        format!("tools[{tool}]{rest}")
+    })
 }
 
 #[cfg(test)]
