@@ -9,7 +9,7 @@
 #   bash DIR/gpu-check.sh run [DIR]    on the GPU machine, from the repo root: runs every test
 #                                      binary in DIR, then `lily bench` and `lily bench --serve` on
 #                                      the full-size synthetic Q4 model; writes summary.txt, logs.tar
-#                                      and the bench files
+#                                      and the bench files (with profile.md: the time per op)
 #                                      under $OUT (or ./gpu-out); exits non-zero if a test failed.
 #
 # Set GPU_CHECK_CONTEXTS (comma-separated) to change the benchmark's contexts, or to "none" to skip
@@ -123,9 +123,10 @@ PY
         for quant in ${GPU_CHECK_QUANTS//,/ }; do
             echo "=== bench ($quant)"
             dest="$out"
-            [[ "$quant" == q4 ]] || dest="$out/$quant"
+            profile=(--profile)  # q4 only: where each op's time goes (profile.md)
+            [[ "$quant" == q4 ]] || { dest="$out/$quant"; profile=(); }
             timeout 400 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant "$quant" --device cuda \
-                --contexts "$contexts" --decode-steps 64 --rounds 2 --out "$dest" > "$logs/bench-$quant.log" 2>&1
+                --contexts "$contexts" --decode-steps 64 --rounds 2 "${profile[@]}" --out "$dest" > "$logs/bench-$quant.log" 2>&1
             rc=$?
             tail -15 "$logs/bench-$quant.log"
             echo "bench $quant: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use crate::model::{Backend, SeqId};
+use crate::model::{Backend, OpTime, SeqId};
 
 /// The contexts of the standard sweep.
 pub const CONTEXTS: [usize; 10] = [
@@ -111,6 +111,110 @@ pub fn sweep(
         points.push(point);
     }
     Ok(points)
+}
+
+/// Where the time of one prefill of `context` tokens and of the decode steps after it goes, op by
+/// op (`lily bench --profile`; see [`Backend::set_op_timing`]).
+#[derive(Debug, Clone)]
+pub struct ProfilePoint {
+    pub context: usize,
+    pub decode_steps: usize,
+    pub prefill: Vec<OpTime>,
+    pub decode: Vec<OpTime>,
+}
+
+/// Times the ops of one prefill and `steps` decode steps at each context, or None where the
+/// backend cannot time its ops. Run it after the sweep: it takes the sweep's shapes as warm.
+pub fn profile(
+    backend: &mut dyn Backend,
+    contexts: &[usize],
+    steps: usize,
+) -> anyhow::Result<Option<Vec<ProfilePoint>>> {
+    if !backend.set_op_timing(true) {
+        return Ok(None);
+    }
+    let mut seq: SeqId = 1 << 41;
+    let mut points = Vec::new();
+    let vocab = backend.config().vocab_size;
+    for &context in contexts {
+        seq += 1;
+        backend.create_sequence(seq)?;
+        let mut run = || -> anyhow::Result<ProfilePoint> {
+            backend.take_op_times();
+            let prompt = synthetic_prompt(context, vocab, context as u64);
+            let mut next = backend.forward_greedy(seq, &prompt)?;
+            let prefill = backend.take_op_times();
+            for _ in 0..steps {
+                next = backend.forward_greedy(seq, &[next])?;
+            }
+            Ok(ProfilePoint {
+                context,
+                decode_steps: steps,
+                prefill,
+                decode: backend.take_op_times(),
+            })
+        };
+        let point = run();
+        backend.free_sequence(seq);
+        points.push(point?);
+    }
+    backend.set_op_timing(false);
+    Ok(Some(points))
+}
+
+/// Tables of a profile: time per section of the forward pass, then per kernel; prefill in ms
+/// for the whole prompt, decode in µs per step.
+pub fn profile_markdown(points: &[ProfilePoint]) -> String {
+    let mut s = String::new();
+    for p in points {
+        let total = |ops: &[OpTime]| ops.iter().map(|o| o.ms).sum::<f64>();
+        let (pf, dc) = (total(&p.prefill), total(&p.decode));
+        let steps = p.decode_steps.max(1) as f64;
+        s += &format!(
+            "### context {}: prefill {:.1} ms, decode {:.0} µs per step (profiled: each op timed by events, decode without its CUDA graph)\n\n",
+            p.context,
+            pf,
+            dc * 1e3 / steps
+        );
+        let share = |ms: f64, all: f64| if all > 0.0 { 100.0 * ms / all } else { 0.0 };
+        let mut table = |title: &str, key: fn(&OpTime) -> String| {
+            // Rows in order of prefill time, then decode-only rows in order of decode time.
+            let mut rows: Vec<(String, f64, f64)> = Vec::new();
+            for (ops, is_prefill) in [(&p.prefill, true), (&p.decode, false)] {
+                for o in ops.iter() {
+                    let k = key(o);
+                    let i = match rows.iter().position(|r| r.0 == k) {
+                        Some(i) => i,
+                        None => {
+                            rows.push((k, 0.0, 0.0));
+                            rows.len() - 1
+                        }
+                    };
+                    if is_prefill {
+                        rows[i].1 += o.ms;
+                    } else {
+                        rows[i].2 += o.ms;
+                    }
+                }
+            }
+            rows.sort_by(|a, b| b.1.total_cmp(&a.1).then(b.2.total_cmp(&a.2)));
+            s += &format!("| {title} | prefill ms | share | decode µs/step | share |\n|---|---:|---:|---:|---:|\n");
+            for (k, a, b) in rows {
+                s += &format!(
+                    "| {k} | {a:.2} | {:.1} % | {:.1} | {:.1} % |\n",
+                    share(a, pf),
+                    b * 1e3 / steps,
+                    share(b, dc)
+                );
+            }
+            s += "\n";
+        };
+        table("section", |o| o.section.clone());
+        table("section: kernel", |o| {
+            format!("{}: {}", o.section, o.kernel)
+        });
+    }
+    s
 }
 
 pub fn to_csv(points: &[BenchPoint]) -> String {

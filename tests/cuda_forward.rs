@@ -360,3 +360,74 @@ fn batched_steps_equal_one_by_one() {
         batched.shared_passes()
     );
 }
+
+/// Op timing (`lily bench --profile`) changes no result: a timed backend's logits after a
+/// prompt (two chunks) and 8 decode steps (uncaptured while timed) equal an untimed one's bit for
+/// bit; the times name the sections of the pass, are finite and positive, and sum to no more
+/// than the calls took on the host.
+#[test]
+fn op_timing_changes_nothing_and_names_the_sections() {
+    let weights = q4_weights(7);
+    let mut plain = gpu_backend(&weights, 1, false);
+    let mut timed = gpu_backend(&weights, 1, false);
+    assert!(timed.set_op_timing(true));
+    plain.create_sequence(0).unwrap();
+    timed.create_sequence(0).unwrap();
+    let p = prompt(300, 11);
+    let t0 = std::time::Instant::now();
+    let mut logits = timed.forward(0, &p).unwrap();
+    let prefill_wall = t0.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(logits, plain.forward(0, &p).unwrap());
+    let prefill = timed.take_op_times();
+    let mut decode_wall = 0.0;
+    for _ in 0..8 {
+        let tok = argmax(&logits);
+        let t0 = std::time::Instant::now();
+        logits = timed.forward(0, &[tok]).unwrap();
+        decode_wall += t0.elapsed().as_secs_f64() * 1e3;
+        assert_eq!(logits, plain.forward(0, &[tok]).unwrap());
+    }
+    let decode = timed.take_op_times();
+    for (ops, wall, what) in [
+        (&prefill, prefill_wall, "prefill"),
+        (&decode, decode_wall, "decode"),
+    ] {
+        let sum: f64 = ops.iter().map(|o| o.ms).sum();
+        assert!(
+            ops.iter()
+                .all(|o| o.ms.is_finite() && o.ms >= 0.0 && o.calls > 0),
+            "{what}: {ops:?}"
+        );
+        assert!(
+            sum > 0.0 && sum <= wall,
+            "{what}: op times sum to {sum} ms, the calls took {wall} ms"
+        );
+        for section in [
+            "embed",
+            "gdn in_proj",
+            "gdn mixer",
+            "gdn out_proj",
+            "attn qkv",
+            "attn mixer",
+            "attn o_proj",
+            "norms",
+            "moe router",
+            "moe experts",
+            "lm_head",
+            "argmax",
+        ] {
+            assert!(
+                ops.iter().any(|o| o.section == section),
+                "{what}: no time for {section}: {ops:?}"
+            );
+        }
+    }
+    // The three kernels of the chunked GDN rule are told apart.
+    for kernel in ["gdn prep", "gdn state", "gdn out"] {
+        assert!(
+            prefill.iter().any(|o| o.kernel == kernel),
+            "no {kernel}: {prefill:?}"
+        );
+    }
+    assert!(timed.take_op_times().is_empty(), "take starts over");
+}

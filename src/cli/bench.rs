@@ -35,9 +35,14 @@ pub struct BenchArgs {
     /// cpu, cuda or cuda:N (default: cuda when available).
     #[arg(long)]
     pub device: Option<String>,
-    /// Directory for bench.csv, bench.md, prefill.png and decode.png (with --serve: serve.md).
+    /// Directory for bench.csv, bench.md, prefill.png and decode.png (with --profile also
+    /// profile.md; with --serve: serve.md).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// After the sweep, time each op of one prefill and of the decode steps at every context
+    /// (GPU only; writes profile.md with --out).
+    #[arg(long, conflicts_with = "serve")]
+    pub profile: bool,
     /// Measure the engine under load instead: concurrent streams, a multi-turn conversation
     /// with and without the prefix cache, decode speed per stream (the flags below).
     #[arg(long)]
@@ -95,6 +100,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         return serve(backend, &args);
     }
     let mut backend = backend;
+    anyhow::ensure!(
+        !args.profile || backend.set_op_timing(false),
+        "--profile: {} cannot time its ops (the CUDA backend can)",
+        backend.device_name()
+    );
     let options = BenchOptions {
         contexts: args.contexts.clone(),
         decode_steps: args.decode_steps,
@@ -121,6 +131,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let engines = vec![(format!("lily ({})", backend.device_name()), points.clone())];
         std::fs::write(out.join("prefill.png"), bench::to_png(&engines, "prefill"))?;
         std::fs::write(out.join("decode.png"), bench::to_png(&engines, "decode"))?;
+    }
+    if args.profile {
+        match bench::profile(backend.as_mut(), &args.contexts, args.decode_steps)? {
+            Some(profile) => {
+                let md = bench::profile_markdown(&profile);
+                println!("{md}");
+                if let Some(out) = &args.out {
+                    std::fs::write(out.join("profile.md"), md)?;
+                }
+            }
+            None => anyhow::bail!("--profile: op timing stopped working"),
+        }
     }
     Ok(())
 }

@@ -131,7 +131,8 @@ impl DenseGemm {
                 blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| CudaError::Shape(format!("cuBLAS GEMM [{t}×{cols}]·[{rows}×{cols}]ᵀ: {e}")))
+        .map_err(|e| CudaError::Shape(format!("cuBLAS GEMM [{t}×{cols}]·[{rows}×{cols}]ᵀ: {e}")))?;
+        super::profile::after_launch(stream, "dense cublas")
     }
 
     fn dequantise(

@@ -28,6 +28,7 @@ use super::gemm_prefill::{GemmKernels, TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::{ExpertGroups, MoeKernels};
 use super::norm::NormKernels;
+use super::profile::{self, OpProfile};
 use super::sample::SampleKernels;
 use super::snapshot::SnapshotPool;
 use super::weights::DeviceMatrices;
@@ -179,6 +180,8 @@ pub struct CudaBackend {
     peak_memory: u64,
     /// Shared passes run by `forward_batch` (backend.rs).
     shared_passes: usize,
+    /// Op timing (`lily bench --profile`): passes run uncaptured, each op timed (profile.rs).
+    profile: Option<OpProfile>,
 }
 
 /// A captured decode pass.
@@ -282,6 +285,7 @@ impl CudaBackend {
             snapshots: SnapshotPool::default(),
             peak_memory: 0,
             shared_passes: 0,
+            profile: None,
             options,
         })
     }
@@ -378,6 +382,11 @@ impl CudaBackend {
             )
             .during(|| "copying the positions".into())?;
         }
+        if let Some(mut timing) = self.profile.take() {
+            let timed = timing.time(&st, || self.body(&pass));
+            self.profile = Some(timing);
+            return timed;
+        }
         if !pass.spans.is_empty() || !self.options.cuda_graphs {
             return self.body(&pass);
         }
@@ -412,6 +421,9 @@ impl CudaBackend {
         let m = &self.model;
         let k = &mut self.k;
         let s = &mut self.s;
+        let st = self.dev.stream().clone();
+        let section = |name| profile::section(&st, name);
+        section("embed")?;
         k.embed.gather(
             &m.embed.view(),
             &s.ids.slice(..t),
@@ -435,6 +447,7 @@ impl CudaBackend {
                     norm,
                 } => {
                     let width = in_proj.rows;
+                    section("gdn in_proj")?;
                     gemv_rows(
                         k,
                         in_proj,
@@ -450,6 +463,7 @@ impl CudaBackend {
                         eps: c.rms_norm_eps,
                     };
                     let vd = c.linear_value_dim();
+                    section("gdn mixer")?;
                     for span in &pass.spans {
                         let (a, z) = (span.first, span.first + span.len);
                         let proj = s.proj.slice(a * width..z * width);
@@ -481,6 +495,7 @@ impl CudaBackend {
                             &mut s.mixed.slice_mut(d * vd..t * vd),
                         )?;
                     }
+                    section("gdn out_proj")?;
                     gemv_rows(
                         k,
                         out_proj,
@@ -496,6 +511,7 @@ impl CudaBackend {
                     q_norm,
                     k_norm,
                 } => {
+                    section("attn qkv")?;
                     gemv_rows(
                         k,
                         qkv,
@@ -504,6 +520,7 @@ impl CudaBackend {
                         t,
                     )?;
                     let od = c.num_attention_heads * c.head_dim;
+                    section("attn mixer")?;
                     for span in &pass.spans {
                         let (a, z) = (span.first, span.first + span.len);
                         k.attn.prefill(
@@ -531,6 +548,7 @@ impl CudaBackend {
                             &mut s.mixed.slice_mut(d * od..t * od),
                         )?;
                     }
+                    section("attn o_proj")?;
                     gemv_rows(
                         k,
                         o_proj,
@@ -542,6 +560,7 @@ impl CudaBackend {
                 }
             }
             // h += mixer output; m = norm(h).
+            section("norms")?;
             k.norm.residual_rmsnorm(
                 &mut s.h.slice_mut(..t * hd),
                 &s.r.slice(..t * hd),
@@ -550,7 +569,7 @@ impl CudaBackend {
                 &mut s.xn.slice_mut(..t * hd),
                 c.rms_norm_eps,
             )?;
-            moe_experts(&c, k, &layer.moe, s, t)?;
+            moe_experts(&c, k, &layer.moe, s, t, &section)?;
             // h += the experts' outputs weighted (the MoE combine); the next layer's input norm
             // (or the final norm).
             let next_norm = m
@@ -558,6 +577,7 @@ impl CudaBackend {
                 .get(li + 1)
                 .map_or(&m.final_norm, |l| &l.input_norm);
             let slots = c.num_experts_per_tok + 1;
+            section("norms")?;
             k.norm.residual_rmsnorm(
                 &mut s.h.slice_mut(..t * hd),
                 &s.routed.slice(..t * slots * hd),
@@ -571,6 +591,7 @@ impl CudaBackend {
         // they are one run (decode rows only, or one span), else gathered into `last`.
         let n = pass.logit_rows();
         let v = c.vocab_size;
+        section("lm_head")?;
         let rows = match pass.spans.as_slice() {
             [] => s.xn.slice(..t * hd),
             [span] if b == 0 => s.xn.slice((span.first + span.len - 1) * hd..t * hd),
@@ -595,6 +616,7 @@ impl CudaBackend {
             }
         };
         gemv_rows(k, &m.lm_head, &rows, &mut s.logits.slice_mut(..n * v), n)?;
+        section("argmax")?;
         k.sample
             .argmax(&s.logits.slice(..n * v), v, &mut s.next.slice_mut(..n))
     }
@@ -609,6 +631,7 @@ fn moe_experts(
     w: &super::model::DeviceMoe,
     s: &mut Scratch,
     t: usize,
+    section: &impl Fn(&'static str) -> Result<()>,
 ) -> Result<()> {
     let (hd, e, topk, inter) = (
         c.hidden_size,
@@ -617,6 +640,7 @@ fn moe_experts(
         c.moe_intermediate_size,
     );
     let slots = topk + 1;
+    section("moe router")?;
     gemv_rows(
         k,
         &w.router,
@@ -635,6 +659,7 @@ fn moe_experts(
     let grouped = t > MAX_TOKENS
         && GemmKernels::supports(&w.gate_up.view())
         && GemmKernels::supports(&w.down.view());
+    section("moe experts")?;
     if grouped {
         // Pairs sorted by expert, then one grouped GEMM per projection; routed[token][slot] as below.
         k.moe

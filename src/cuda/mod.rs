@@ -17,6 +17,7 @@ pub mod model;
 pub mod moe;
 pub mod norm;
 pub mod pdl;
+pub mod profile;
 pub mod sample;
 pub mod snapshot;
 pub mod synth;
@@ -95,6 +96,7 @@ pub(crate) use ensure;
 ///
 /// Safety: the caller checks that the arguments match the kernel and that every index the kernel
 /// computes from them stays inside the buffers. The typed wrappers in this module do that.
+/// Under `lily bench --profile` each launch is also timed (profile.rs).
 macro_rules! launch {
     ($stream:expr, $func:expr, $cfg:expr $(, $arg:expr)* $(,)?) => {{
         let stream: &$crate::cuda::CudaStream = &$stream;
@@ -102,6 +104,9 @@ macro_rules! launch {
         $( $crate::cuda::pdl::KernelArg::push_to($arg, &mut params, stream); )*
         let launched = $crate::cuda::pdl::launch(stream, $func, $cfg, &mut params);
         $crate::cuda::Context::during(launched, || format!("launch of {}", stringify!($func)))
+            .and_then(|()| {
+                $crate::cuda::profile::after_launch(stream, concat!(module_path!(), " ", stringify!($func)))
+            })
     }};
 }
 pub(crate) use launch;

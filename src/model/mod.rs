@@ -30,6 +30,18 @@ pub struct Snapshot {
     pub bytes: u64,
 }
 
+/// Device time of one op of the forward pass, summed over the calls since timing was turned on
+/// ([`Backend::set_op_timing`]): a kernel (or other work) within a section of the pass.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpTime {
+    /// The part of the forward pass: "gdn in_proj", "attn mixer", "moe experts", ...
+    pub section: String,
+    /// The kernel, or "rest" for the section's work not launched by lily (cuBLAS's kernels).
+    pub kernel: String,
+    pub ms: f64,
+    pub calls: u64,
+}
+
 /// A device that runs the model. It owns the per-sequence states (KV caches and recurrent
 /// states live where the compute is), addressed by [`SeqId`].
 ///
@@ -120,6 +132,16 @@ pub trait Backend: Send {
     /// Frees a snapshot; unknown ids are ignored.
     fn drop_snapshot(&mut self, snapshot: SnapshotId) {
         let _ = snapshot;
+    }
+    /// Turns timing of each op of the forward pass on or off (`lily bench --profile`); returns
+    /// whether this backend can time its ops.
+    fn set_op_timing(&mut self, on: bool) -> bool {
+        let _ = on;
+        false
+    }
+    /// The op times gathered since timing was turned on or last taken, largest first.
+    fn take_op_times(&mut self) -> Vec<OpTime> {
+        Vec::new()
     }
     /// Peak device memory in use since the last reset, where the device can tell.
     fn peak_memory(&self) -> Option<u64> {

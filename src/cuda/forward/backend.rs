@@ -8,11 +8,12 @@ use half::bf16;
 use super::{batch_rows, CudaBackend, DecodeRow, Sequence};
 use crate::config::ModelConfig;
 use crate::cuda::gdn;
+use crate::cuda::profile::OpProfile;
 use crate::cuda::sample::SampleKernels;
 use crate::cuda::snapshot::StatePools;
 use crate::cuda::{Context, Result};
 use crate::model::passes::{self, PassLimits, PassStep};
-use crate::model::{panic_message, Backend, SeqId, Snapshot, SnapshotId, Step, StepOutput};
+use crate::model::{panic_message, Backend, OpTime, SeqId, Snapshot, SnapshotId, Step, StepOutput};
 use crate::sampling::DeviceSampling;
 
 impl Backend for CudaBackend {
@@ -158,6 +159,13 @@ impl Backend for CudaBackend {
     }
     fn reset_peak_memory(&mut self) {
         self.peak_memory = 0;
+    }
+    fn set_op_timing(&mut self, on: bool) -> bool {
+        self.profile = on.then(OpProfile::default);
+        true
+    }
+    fn take_op_times(&mut self) -> Vec<OpTime> {
+        self.profile.as_mut().map_or_else(Vec::new, OpProfile::take)
     }
 }
 

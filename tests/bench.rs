@@ -1,0 +1,74 @@
+//! The benchmark's op-timing report (`lily bench --profile`): how op times become tables, and
+//! that a backend without op timing says so instead of reporting nothing.
+
+mod common;
+
+use lily::bench::{self, ProfilePoint};
+use lily::checkpoint;
+use lily::model::{CpuBackend, OpTime};
+
+fn op(section: &str, kernel: &str, ms: f64) -> OpTime {
+    OpTime {
+        section: section.into(),
+        kernel: kernel.into(),
+        ms,
+        calls: 1,
+    }
+}
+
+#[test]
+fn profile_tables_sum_by_section_and_by_kernel() {
+    let point = ProfilePoint {
+        context: 4096,
+        decode_steps: 4,
+        prefill: vec![
+            op("moe experts", "gemm_prefill experts_gate_up", 30.0),
+            op("gdn mixer", "gdn state", 20.0),
+            op("moe experts", "gemm_prefill experts_down", 10.0),
+            op("gdn mixer", "gdn prep", 15.0),
+            op("norms", "norm residual_rmsnorm", 25.0),
+        ],
+        // 4 steps: 2 ms of experts is 500 µs per step; attention appears in decode only.
+        decode: vec![
+            op("moe experts", "gemv slots", 2.0),
+            op("attn mixer", "attention decode_split", 2.0),
+        ],
+    };
+    let md = bench::profile_markdown(&[point]);
+    assert!(
+        md.contains("### context 4096: prefill 100.0 ms, decode 1000 µs per step"),
+        "{md}"
+    );
+    // By section, in order of prefill time: experts 40 (40 %), gdn 35, norms 25, then decode-only rows.
+    let sections: Vec<&str> = md
+        .lines()
+        .skip_while(|l| !l.starts_with("| section |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    assert_eq!(
+        sections,
+        [
+            "| moe experts | 40.00 | 40.0 % | 500.0 | 50.0 % |",
+            "| gdn mixer | 35.00 | 35.0 % | 0.0 | 0.0 % |",
+            "| norms | 25.00 | 25.0 % | 0.0 | 0.0 % |",
+            "| attn mixer | 0.00 | 0.0 % | 500.0 | 50.0 % |",
+        ],
+        "{md}"
+    );
+    assert!(
+        md.contains("| moe experts: gemm_prefill experts_gate_up | 30.00 | 30.0 % | 0.0 | 0.0 % |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("| attn mixer: attention decode_split | 0.00 | 0.0 % | 500.0 | 50.0 % |"),
+        "{md}"
+    );
+}
+
+#[test]
+fn the_cpu_backend_has_no_op_timing() {
+    let weights = checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
+    let mut cpu = CpuBackend::new(weights);
+    assert!(bench::profile(&mut cpu, &[16], 2).unwrap().is_none());
+}
