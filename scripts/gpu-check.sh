@@ -16,7 +16,8 @@
 # it; GPU_CHECK_QUANTS (comma-separated, default q4) to sweep other weight formats too (q8: what GGUF
 # K-quants and FP8 checkpoints run as); GPU_CHECK_SERVE=none skips the `lily bench --serve` run
 # (GPU_CHECK_SERVE_ARGS replaces its stream settings); GPU_CHECK_AGREE=1 adds the full-size
-# `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time). The GPU tests are every
+# `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time); GPU_CHECK_AB=VAR=VALUE
+# reruns the q4 sweep at 4K and 32K with that setting (default LILY_L2_AHEAD=0; none to skip). The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
 # (src/cuda/mod.rs), so no LD_LIBRARY_PATH is set here.
@@ -131,6 +132,17 @@ PY
             tail -15 "$logs/bench-$quant.log"
             echo "bench $quant: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
         done
+    fi
+    # A/B: the q4 sweep again at 4K and 32K with one setting changed (default: the decode GEMVs'
+    # L2 prefetch off), into $OUT/ab; GPU_CHECK_AB=none skips it.
+    ab="${GPU_CHECK_AB:-LILY_L2_AHEAD=0}"
+    if [[ "$ab" != none && "$contexts" != none && -x "$dir/lily" ]]; then
+        echo "=== bench (q4, $ab)"
+        env "$ab" timeout 200 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+            --contexts 4096,32768 --decode-steps 64 --rounds 2 --out "$out/ab" > "$logs/bench-ab.log" 2>&1
+        rc=$?
+        tail -6 "$logs/bench-ab.log"
+        echo "bench q4 with $ab: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
     fi
     if [[ "${GPU_CHECK_SERVE:-1}" != none && -x "$dir/lily" ]]; then
         # The engine under load (issue 10's settings): 64 streams of 1K-token prompts and 128

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use half::bf16;
-use lily::cuda::gemm::{GemvKernels, GemvShape, Matrices, SlotInput, WeightData, GROUP};
+use lily::cuda::gemm::{GemvKernels, GemvShape, L2Ahead, Matrices, SlotInput, WeightData, GROUP};
 use lily::cuda::norm::NormKernels;
 use lily::cuda::{CudaDevice, CudaError};
 use rayon::prelude::*;
@@ -597,6 +597,61 @@ fn gemv_expert_slots_match_reference() {
             tol.extend(t);
         }
         check_gemv(&what, &y, &want, &tol);
+    }
+}
+
+/// Pulling the next kernels' weights into L2 after a GEMV (`then_prefetch`) changes nothing: the
+/// same products with and without, bit for bit; whole matrices (dense, an odd row count), one
+/// matrix of a stack, and each slot's own matrix of another stack (addressed by the launch's
+/// device-side ids, here the last expert too) — any address fault would fail the launch.
+#[test]
+fn gemv_l2_ahead_changes_nothing() {
+    let dev = device();
+    let k = GemvKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("gemv l2 ahead");
+    let (experts, slots) = (16, 9);
+    let mut ids: Vec<i32> = (0..slots).map(|_| rng.below(experts) as i32).collect();
+    ids[slots - 1] = experts as i32 - 1;
+    let dids = upload(s, &ids);
+    let dense = DeviceMatrices::upload(s, &HostMatrices::random(&mut rng, 4, 1, 8192, 2048));
+    let odd = DeviceMatrices::upload(s, &HostMatrices::random(&mut rng, 8, 1, 257, 2048));
+    let gate_up =
+        DeviceMatrices::upload(s, &HostMatrices::random(&mut rng, 4, experts, 1024, 2048));
+    let down = DeviceMatrices::upload(s, &HostMatrices::random(&mut rng, 4, experts, 2048, 512));
+    let ahead = [
+        L2Ahead::default(),
+        L2Ahead::default()
+            .matrices(&odd.view(), s)
+            .one_matrix(&gate_up.view(), experts - 1, s)
+            .one_matrix(&down.view(), experts - 1, s),
+        L2Ahead::default().same_matrix(&down.view(), s),
+        L2Ahead::default().matrices(&dense.view(), s),
+    ];
+    let x = upload(s, &rng.bf16s(2048, 1.0));
+    let mut outputs = Vec::new();
+    for a in ahead {
+        let mut y1 = poisoned(s, 8192);
+        k.then_prefetch(a);
+        k.gemv(&dense.view(), &x.as_view(), &mut y1.as_view_mut())
+            .unwrap();
+        let mut y2 = poisoned(s, slots * 1024);
+        k.then_prefetch(a);
+        k.gemv_slots(
+            &gate_up.view(),
+            Some(&dids.as_view()),
+            slots,
+            &x.as_view(),
+            SlotInput::Shared,
+            1,
+            &mut y2.as_view_mut(),
+        )
+        .unwrap();
+        let bits = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+        outputs.push((bits(download(s, &y1)), bits(download(s, &y2))));
+    }
+    for (i, o) in outputs.iter().enumerate().skip(1) {
+        assert!(o == &outputs[0], "ahead case {i} changed the products");
     }
 }
 

@@ -23,7 +23,7 @@ use super::attention::{AttentionKernels, AttentionWorkspace, KvCache, QKV_WIDTH}
 use super::dense::{self, DenseGemm};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
-use super::gemm::{GemvKernels, SlotInput, MAX_TOKENS};
+use super::gemm::{GemvKernels, L2Ahead, SlotInput, MAX_TOKENS};
 use super::gemm_prefill::{GemmKernels, TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::{ExpertGroups, MoeKernels};
@@ -435,6 +435,23 @@ impl CudaBackend {
             &mut s.xn.slice_mut(..t * hd),
             c.rms_norm_eps,
         )?;
+        // L2 ahead (decode GEMVs): each dense projection pulls the next one into L2 (gemm.rs).
+        let after_mixer = |moe: &super::model::DeviceMoe| {
+            let e = c.num_experts;
+            L2Ahead::default()
+                .matrices(&moe.router.view(), &st)
+                .one_matrix(&moe.gate_up.view(), e, &st)
+                .one_matrix(&moe.down.view(), e, &st)
+        };
+        let first_matrix = |li: usize| match m.layers.get(li).map(|l| &l.mixer) {
+            Some(DeviceMixer::DeltaNet { in_proj, .. }) => {
+                L2Ahead::default().matrices(&in_proj.view(), &st)
+            }
+            Some(DeviceMixer::Attention { qkv, .. }) => {
+                L2Ahead::default().matrices(&qkv.view(), &st)
+            }
+            None => L2Ahead::default(),
+        };
         let (mut gdn_i, mut attn_i) = (0, 0);
         for (li, layer) in m.layers.iter().enumerate() {
             match &layer.mixer {
@@ -454,6 +471,7 @@ impl CudaBackend {
                         &s.xn.slice(..t * hd),
                         &mut s.proj.slice_mut(..t * width),
                         t,
+                        L2Ahead::default().matrices(&out_proj.view(), &st),
                     )?;
                     let w = GdnWeights {
                         conv_w: conv_w.as_view(),
@@ -502,6 +520,7 @@ impl CudaBackend {
                         &s.mixed.slice(..t * vd),
                         &mut s.r.slice_mut(..t * hd),
                         t,
+                        after_mixer(&layer.moe),
                     )?;
                     gdn_i += 1;
                 }
@@ -518,6 +537,7 @@ impl CudaBackend {
                         &s.xn.slice(..t * hd),
                         &mut s.proj.slice_mut(..t * QKV_WIDTH),
                         t,
+                        L2Ahead::default().matrices(&o_proj.view(), &st),
                     )?;
                     let od = c.num_attention_heads * c.head_dim;
                     section("attn mixer")?;
@@ -555,6 +575,7 @@ impl CudaBackend {
                         &s.mixed.slice(..t * od),
                         &mut s.r.slice_mut(..t * hd),
                         t,
+                        after_mixer(&layer.moe),
                     )?;
                     attn_i += 1;
                 }
@@ -569,7 +590,13 @@ impl CudaBackend {
                 &mut s.xn.slice_mut(..t * hd),
                 c.rms_norm_eps,
             )?;
-            moe_experts(&c, k, &layer.moe, s, t, &section)?;
+            // L2 ahead: gate‖up pulls in the same experts' down weights, down the next layer's
+            // first matrix.
+            let ahead = (
+                L2Ahead::default().same_matrix(&layer.moe.down.view(), &st),
+                first_matrix(li + 1),
+            );
+            moe_experts(&c, k, &layer.moe, s, t, ahead, &section)?;
             // h += the experts' outputs weighted (the MoE combine); the next layer's input norm
             // (or the final norm).
             let next_norm = m
@@ -615,7 +642,14 @@ impl CudaBackend {
                 s.last.slice(..n * hd)
             }
         };
-        gemv_rows(k, &m.lm_head, &rows, &mut s.logits.slice_mut(..n * v), n)?;
+        gemv_rows(
+            k,
+            &m.lm_head,
+            &rows,
+            &mut s.logits.slice_mut(..n * v),
+            n,
+            L2Ahead::default(),
+        )?;
         section("argmax")?;
         k.sample
             .argmax(&s.logits.slice(..n * v), v, &mut s.next.slice_mut(..n))
@@ -624,13 +658,15 @@ impl CudaBackend {
 
 /// The MoE block's experts for `t` rows of `s.xn`: routing, then each (token, slot)'s expert
 /// output unweighted in `s.routed` `[t][slots][hidden]`, slot top_k being the shared expert; the
-/// weights are left in `s.expert_weights` for the combine.
+/// weights are left in `s.expert_weights` for the combine. `ahead`: what the GEMV path's gate‖up
+/// and down launches pull into L2 after them.
 fn moe_experts(
     c: &ModelConfig,
     k: &mut Kernels,
     w: &super::model::DeviceMoe,
     s: &mut Scratch,
     t: usize,
+    ahead: (L2Ahead, L2Ahead),
     section: &impl Fn(&'static str) -> Result<()>,
 ) -> Result<()> {
     let (hd, e, topk, inter) = (
@@ -647,6 +683,7 @@ fn moe_experts(
         &s.xn.slice(..t * hd),
         &mut s.router.slice_mut(..t * (e + 1)),
         t,
+        L2Ahead::default(),
     )?;
     k.moe.router_topk(
         &s.router.slice(..t * (e + 1)),
@@ -685,6 +722,7 @@ fn moe_experts(
             let n = MAX_TOKENS.min(t - row);
             let pairs = row * slots..(row + n) * slots;
             let ids = s.expert_ids.slice(pairs.clone());
+            k.gemv.then_prefetch(ahead.0);
             k.gemv.gemv_slots(
                 &w.gate_up.view(),
                 Some(&ids),
@@ -694,6 +732,9 @@ fn moe_experts(
                 1,
                 &mut s.gu.slice_mut(..n * slots * 2 * inter),
             )?;
+            if row + n == t {
+                k.gemv.then_prefetch(ahead.1);
+            }
             k.gemv.gemv_slots(
                 &w.down.view(),
                 Some(&ids),
@@ -718,6 +759,7 @@ fn gemv_rows(
     x: &CudaView<bf16>,
     y: &mut CudaViewMut<bf16>,
     t: usize,
+    ahead: L2Ahead,
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     let view = w.view();
@@ -737,6 +779,9 @@ fn gemv_rows(
         let n = per_launch.min(t - done);
         let xs = x.slice(done * cols..(done + n) * cols);
         let mut ys = y.slice_mut(done * rows..(done + n) * rows);
+        if done + n == t {
+            k.gemv.then_prefetch(ahead);
+        }
         k.gemv.gemv(&view, &xs, &mut ys)?;
         done += n;
     }

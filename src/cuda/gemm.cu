@@ -48,6 +48,7 @@ constexpr int MAX_TOKENS = 8;  // mma N
 constexpr int BATCH = 4;       // iterations whose loads are issued together
 
 constexpr int STAGES = 4;      // batches a warp has in flight (copied ahead into shared memory)
+constexpr int L2_AHEAD = 6;    // byte ranges a launch can pull into L2 for the kernels after it
 
 // WORDS: 32-bit words a lane takes per row per iteration. COLS: columns one iteration covers
 // (4 lanes × WORDS words). STAGE: bytes of staged x per weight word. ROW_STRIDE: bytes of one
@@ -90,6 +91,11 @@ struct GemvArgs {
     int rows, cols, ntok, tiles_per_block, warps_per_tile, count;
     int swiglu;          // x rows are gate‖up [2·cols]: the product takes bf16(silu(gate)·up)
     int slots_per_x;     // consecutive slots sharing one x: slot s reads x block s / slots_per_x
+    // L2 ahead: byte ranges the next kernels will read (range r of the block's matrix m starts at
+    // ahead[r] + m·ahead_stride[r]; 0 bytes: unused), pulled into L2 once the block's work is done.
+    const unsigned char* ahead[L2_AHEAD];
+    i64 ahead_bytes[L2_AHEAD];
+    i64 ahead_stride[L2_AHEAD];
 };
 
 namespace {
@@ -393,6 +399,20 @@ __device__ void gemv(const GemvArgs& a) {
         acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
     }
     cp_async_wait<0>();  // no copy may still be writing when the block's shared memory is reused
+
+    // L2 ahead: the next kernels' weights, this block's share of each range, as bulk prefetches
+    // of ≤ 4 KB (16-byte multiples, as the host guarantees). Their reads then hit L2 while the
+    // kernels in between (GDN step, attention, norms, top-k) leave DRAM idle.
+    for (int r = 0; r < L2_AHEAD; ++r) {
+        const i64 bytes = a.ahead_bytes[r];
+        if (bytes == 0) continue;
+        const unsigned char* base = a.ahead[r] + mat * a.ahead_stride[r];
+        const i64 share = (bytes / 16 + gridDim.x - 1) / gridDim.x * 16;
+        const i64 end = min(bytes, (i64)(blockIdx.x + 1) * share);
+        for (i64 off = blockIdx.x * share + threadIdx.x * 4096ll; off < end; off += blockDim.x * 4096ll)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + off), "r"((u32)min(4096ll, end - off))
+                         : "memory");
+    }
 }
 
 }  // namespace

@@ -2,9 +2,10 @@
 //! with W in bf16 or MLX affine 4/8-bit, group 64 (spec/MODEL.md §5.1), dequantised on the fly.
 //! The kernel and the reasons for its shape are described at the top of gemm.cu.
 
+use std::cell::Cell;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtrMut, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{sys, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 use half::bf16;
 
 use super::pdl::KernelValue;
@@ -122,6 +123,9 @@ struct GemvArgs {
     count: i32,
     swiglu: i32,
     slots_per_x: i32,
+    ahead: [u64; L2_AHEAD],
+    ahead_bytes: [i64; L2_AHEAD],
+    ahead_stride: [i64; L2_AHEAD],
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
@@ -167,6 +171,75 @@ impl Format {
     }
 }
 
+/// Byte ranges one launch can pull into L2 (L2_AHEAD in gemm.cu).
+const L2_AHEAD: usize = 6;
+
+/// Weights the kernels after a GEMV will read, for its blocks to pull into L2 once their own work
+/// is done ([`GemvKernels::then_prefetch`]): a decode step's dense matrices are then read from L2,
+/// fetched while the kernels in between (GDN step, attention, norms, top-k) left DRAM idle.
+/// Ranges past the sixth are dropped.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct L2Ahead {
+    /// (device address, bytes, stride per matrix of the launch); bytes a multiple of 16.
+    ranges: [(u64, u64, u64); L2_AHEAD],
+    len: usize,
+}
+
+impl L2Ahead {
+    /// All of `w`'s weights, scales and biases.
+    pub fn matrices(mut self, w: &Matrices, stream: &CudaStream) -> Self {
+        for (ptr, bytes) in raw_ranges(w, stream) {
+            self.push(ptr, bytes, 0);
+        }
+        self
+    }
+    /// Matrix `m` of `w` (e.g. the shared expert of a stack), weights only.
+    pub fn one_matrix(mut self, w: &Matrices, m: usize, stream: &CudaStream) -> Self {
+        if let Some((ptr, bytes)) = raw_ranges(w, stream).into_iter().next() {
+            let per = bytes / w.count as u64;
+            if m < w.count {
+                self.push(ptr + m as u64 * per, per, 0);
+            }
+        }
+        self
+    }
+    /// For a launch over a stack with device-side ids: each slot's own matrix of `w` (the same
+    /// experts' next projection).
+    pub fn same_matrix(mut self, w: &Matrices, stream: &CudaStream) -> Self {
+        for (ptr, bytes) in raw_ranges(w, stream) {
+            let per = bytes / w.count as u64;
+            self.push(ptr, per, per);
+        }
+        self
+    }
+    fn push(&mut self, ptr: u64, bytes: u64, stride: u64) {
+        // The prefetch instruction takes 16-byte-aligned ranges of 16-byte multiples.
+        let bytes = bytes / 16 * 16;
+        if self.len < L2_AHEAD && ptr % 16 == 0 && stride % 16 == 0 && bytes > 0 {
+            self.ranges[self.len] = (ptr, bytes, stride);
+            self.len += 1;
+        }
+    }
+}
+
+/// (address, bytes) of the weights, then the scales and biases, of a whole stack.
+fn raw_ranges(w: &Matrices, stream: &CudaStream) -> Vec<(u64, u64)> {
+    let bytes = |len: usize, size: usize| (len * size) as u64;
+    match &w.data {
+        WeightData::Bf16(v) => vec![(v.device_ptr(stream).0, bytes(v.len(), 2))],
+        WeightData::Affine {
+            packed,
+            scales,
+            biases,
+            ..
+        } => vec![
+            (packed.device_ptr(stream).0, bytes(packed.len(), 4)),
+            (scales.device_ptr(stream).0, bytes(scales.len(), 2)),
+            (biases.device_ptr(stream).0, bytes(biases.len(), 2)),
+        ],
+    }
+}
+
 /// Where each slot of a [`GemvKernels::gemv_slots`] launch takes its x from.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum SlotInput {
@@ -197,6 +270,10 @@ pub struct GemvKernels {
     bf16: CudaFunction,
     max_shared: usize,
     sm_count: usize,
+    /// What the next launch pulls into L2 ([`GemvKernels::then_prefetch`]).
+    ahead: Cell<L2Ahead>,
+    /// `LILY_L2_AHEAD=0` turns the prefetching off (to measure what it brings).
+    ahead_enabled: bool,
 }
 
 impl GemvKernels {
@@ -223,7 +300,16 @@ impl GemvKernels {
             bf16: load("gemv_bf16")?,
             max_shared,
             sm_count,
+            ahead: Cell::default(),
+            ahead_enabled: std::env::var("LILY_L2_AHEAD").map_or(true, |v| v != "0"),
         })
+    }
+
+    /// The next launch (only that one) pulls `ahead` into L2 after its own work.
+    pub fn then_prefetch(&self, ahead: L2Ahead) {
+        if self.ahead_enabled {
+            self.ahead.set(ahead);
+        }
     }
 
     /// `y = W · x` for matrix 0 of `w` and `ntok = x.len() / cols` tokens (1..=8): x is
@@ -281,6 +367,7 @@ impl GemvKernels {
         y: &mut CudaViewMut<bf16>,
         shape: GemvShape,
     ) -> Result<()> {
+        let ahead = self.ahead.take();
         let format = check_matrices(w)?;
         let GemvShape {
             warps_per_tile,
@@ -380,6 +467,9 @@ impl GemvKernels {
             count: as_i32(w.count, "count")?,
             swiglu: (input == SlotInput::PerSlotSwiGlu) as i32,
             slots_per_x: as_i32(slots_per_x, "slots per x")?,
+            ahead: ahead.ranges.map(|r| r.0),
+            ahead_bytes: ahead.ranges.map(|r| r.1 as i64),
+            ahead_stride: ahead.ranges.map(|r| r.2 as i64),
         };
         let func = match format {
             Format::Q4 => &self.q4,
