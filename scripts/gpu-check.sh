@@ -17,7 +17,8 @@
 # K-quants and FP8 checkpoints run as); GPU_CHECK_SERVE=none skips the `lily bench --serve` run
 # (GPU_CHECK_SERVE_ARGS replaces its stream settings); GPU_CHECK_AGREE=1 adds the full-size
 # `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time); GPU_CHECK_AB=VAR=VALUE
-# reruns the q4 sweep at 4K and 32K with that setting (default LILY_L2_AHEAD=0; none to skip). The GPU tests are every
+# reruns the q4 sweep at 4K and 32K with that setting (default LILY_L2_AHEAD=0; none to skip);
+# GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels (ncu.txt). The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
 # (src/cuda/mod.rs), so no LD_LIBRARY_PATH is set here.
@@ -143,6 +144,23 @@ PY
         rc=$?
         tail -6 "$logs/bench-ab.log"
         echo "bench q4 with $ab: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+    fi
+    if [[ "${GPU_CHECK_NCU:-}" == 1 && -x "$dir/lily" ]]; then
+        # Hardware counters of the prefill's heavy kernels (first layers of one 4K-token prefill):
+        # the experts' grouped GEMMs, GDN's three chunked kernels, flash attention. ncu.txt.
+        echo "=== ncu (prefill kernels, 4K)"
+        ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+        if [[ -n "$ncu_bin" ]]; then
+            timeout 300 "$ncu_bin" --clock-control none \
+                --kernel-name regex:'gemm_swiglu_q4|gemm_q4|gdn_prefill|attn_prefill' --launch-count 24 \
+                --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+                --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda --contexts 4096 \
+                --decode-steps 2 --rounds 1 > "$out/ncu.txt" 2>&1
+            echo "ncu: exit $? ($(grep -c 'Section: GPU Speed Of Light' "$out/ncu.txt") kernels)" >> "$summary"
+        else
+            echo "ncu: not found" >> "$summary"
+        fi
     fi
     if [[ "${GPU_CHECK_SERVE:-1}" != none && -x "$dir/lily" ]]; then
         # The engine under load (issue 10's settings): 64 streams of 1K-token prompts and 128
