@@ -92,7 +92,7 @@ struct GemvArgs {
     int swiglu;          // x rows are gate‖up [2·cols]: the product takes bf16(silu(gate)·up)
     int slots_per_x;     // consecutive slots sharing one x: slot s reads x block s / slots_per_x
     // L2 ahead: byte ranges the next kernels will read (range r of the block's matrix m starts at
-    // ahead[r] + m·ahead_stride[r]; 0 bytes: unused), pulled into L2 once the block's work is done.
+    // ahead[r] + m·ahead_stride[r]; 0 bytes: unused), pulled into L2 beside the block's own weights.
     const unsigned char* ahead[L2_AHEAD];
     i64 ahead_bytes[L2_AHEAD];
     i64 ahead_stride[L2_AHEAD];
@@ -245,6 +245,20 @@ __device__ void gemv(const GemvArgs& a) {
     };
     // The first batches' copies go out before x is staged, so their DRAM latency overlaps it.
     for (int j = 0; j < STAGES - 1; ++j) issue(j);
+    // L2 ahead: the next kernels' weights, this block's share of each range, as bulk prefetches
+    // of ≤ 4 KB (16-byte multiples, as the host guarantees), issued right after the block's own
+    // first copies: they stream in beside this kernel's weights and the next GEMVs (which follow
+    // kernels that read little: GDN step, attention, norms, top-k) find them in L2.
+    for (int r = 0; r < L2_AHEAD; ++r) {
+        const i64 bytes = a.ahead_bytes[r];
+        if (bytes == 0) continue;
+        const unsigned char* base = a.ahead[r] + mat * a.ahead_stride[r];
+        const i64 share = (bytes / 16 + gridDim.x - 1) / gridDim.x * 16;
+        const i64 end = min(bytes, (i64)(blockIdx.x + 1) * share);
+        for (i64 off = blockIdx.x * share + threadIdx.x * 4096ll; off < end; off += blockDim.x * 4096ll)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + off), "r"((u32)min(4096ll, end - off))
+                         : "memory");
+    }
     if (!a.ids) pdl_wait();
 
     // Stage x: each thread takes 8 columns (one uint4) per step. 8 consecutive threads cover one
@@ -399,20 +413,6 @@ __device__ void gemv(const GemvArgs& a) {
         acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
     }
     cp_async_wait<0>();  // no copy may still be writing when the block's shared memory is reused
-
-    // L2 ahead: the next kernels' weights, this block's share of each range, as bulk prefetches
-    // of ≤ 4 KB (16-byte multiples, as the host guarantees). Their reads then hit L2 while the
-    // kernels in between (GDN step, attention, norms, top-k) leave DRAM idle.
-    for (int r = 0; r < L2_AHEAD; ++r) {
-        const i64 bytes = a.ahead_bytes[r];
-        if (bytes == 0) continue;
-        const unsigned char* base = a.ahead[r] + mat * a.ahead_stride[r];
-        const i64 share = (bytes / 16 + gridDim.x - 1) / gridDim.x * 16;
-        const i64 end = min(bytes, (i64)(blockIdx.x + 1) * share);
-        for (i64 off = blockIdx.x * share + threadIdx.x * 4096ll; off < end; off += blockDim.x * 4096ll)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + off), "r"((u32)min(4096ll, end - off))
-                         : "memory");
-    }
 }
 
 }  // namespace

@@ -174,9 +174,9 @@ impl Format {
 /// Byte ranges one launch can pull into L2 (L2_AHEAD in gemm.cu).
 const L2_AHEAD: usize = 6;
 
-/// Weights the kernels after a GEMV will read, for its blocks to pull into L2 once their own work
-/// is done ([`GemvKernels::then_prefetch`]): a decode step's dense matrices are then read from L2,
-/// fetched while the kernels in between (GDN step, attention, norms, top-k) left DRAM idle.
+/// Weights the kernels after a GEMV will read, for its blocks to pull into L2 beside their own
+/// ([`GemvKernels::then_prefetch`]): the next GEMVs, which follow kernels that read little (GDN
+/// step, attention, norms, top-k), then find their weights in L2 instead of starting cold.
 /// Ranges past the sixth are dropped.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct L2Ahead {
@@ -305,7 +305,7 @@ impl GemvKernels {
         })
     }
 
-    /// The next launch (only that one) pulls `ahead` into L2 after its own work.
+    /// The next launch (only that one) pulls `ahead` into L2 as its first weights go out.
     pub fn then_prefetch(&self, ahead: L2Ahead) {
         if self.ahead_enabled {
             self.ahead.set(ahead);
