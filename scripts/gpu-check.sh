@@ -16,8 +16,9 @@
 # it; GPU_CHECK_QUANTS (comma-separated, default q4) to sweep other weight formats too (q8: what GGUF
 # K-quants and FP8 checkpoints run as); GPU_CHECK_SERVE=none skips the `lily bench --serve` run
 # (GPU_CHECK_SERVE_ARGS replaces its stream settings); GPU_CHECK_AGREE=1 adds the full-size
-# `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time); GPU_CHECK_AB=VAR=VALUE
-# reruns the q4 sweep at 4K and 32K with that setting (default LILY_L2_AHEAD=0; none to skip);
+# `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time); GPU_CHECK_AB="VAR=VALUE ..."
+# reruns the q4 sweep at 4K and 32K with each setting (default "LILY_L2_AHEAD=0 LILY_WGMMA=1"; none
+# to skip); GPU_CHECK_TRIALS (default LILY_WGMMA=1) reruns cuda_forward under each setting;
 # GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels (ncu.txt). The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
@@ -77,6 +78,17 @@ run)
         [[ $rc == 0 ]] || failed=1
         echo "$name: $status in $((SECONDS - start)) s" >> "$summary"
     done
+    # Settings under trial (off by default until they pass here): the whole model again with each.
+    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=1}; do
+        [[ -x "$dir/cuda_forward" ]] || break
+        echo "=== cuda_forward ($trial)"
+        start=$SECONDS
+        env "$trial" timeout 300 "$dir/cuda_forward" --test-threads=1 --nocapture > "$logs/cuda_forward-$trial.log" 2>&1
+        rc=$?
+        grep -E "^test |test result|panicked" "$logs/cuda_forward-$trial.log" | head -20
+        [[ $rc == 0 ]] || failed=1
+        echo "cuda_forward with $trial: $([[ $rc == 0 ]] && echo PASS || echo "FAIL (exit $rc)") in $((SECONDS - start)) s" >> "$summary"
+    done
     if [[ -x "$dir/lily" ]]; then
         # The command line end to end on the GPU: a 4-layer model with the real head shapes,
         # greedy `lily generate` on the GPU against the same on the CPU.
@@ -134,17 +146,18 @@ PY
             echo "bench $quant: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
         done
     fi
-    # A/B: the q4 sweep again at 4K and 32K with one setting changed (default: the decode GEMVs'
-    # L2 prefetch off), into $OUT/ab; GPU_CHECK_AB=none skips it.
-    ab="${GPU_CHECK_AB:-LILY_L2_AHEAD=0}"
-    if [[ "$ab" != none && "$contexts" != none && -x "$dir/lily" ]]; then
+    # A/B: the q4 sweep again at 4K and 32K with one setting changed, once per setting in
+    # GPU_CHECK_AB (default: the decode GEMVs' L2 prefetch off; the wgmma expert GEMM on), into
+    # $OUT/ab-<setting>; GPU_CHECK_AB=none skips it.
+    for ab in ${GPU_CHECK_AB-LILY_L2_AHEAD=0 LILY_WGMMA=1}; do
+        [[ "$ab" != none && "$contexts" != none && -x "$dir/lily" ]] || break
         echo "=== bench (q4, $ab)"
         env "$ab" timeout 200 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
-            --contexts 4096,32768 --decode-steps 64 --rounds 2 --out "$out/ab" > "$logs/bench-ab.log" 2>&1
+            --contexts 4096,32768 --decode-steps 64 --rounds 2 --out "$out/ab-${ab//=/-}" > "$logs/bench-ab-${ab//=/-}.log" 2>&1
         rc=$?
-        tail -6 "$logs/bench-ab.log"
+        tail -6 "$logs/bench-ab-${ab//=/-}.log"
         echo "bench q4 with $ab: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
-    fi
+    done
     if [[ "${GPU_CHECK_NCU:-}" == 1 && -x "$dir/lily" ]]; then
         # Hardware counters of the prefill's heavy kernels (first layers of one 4K-token prefill):
         # the experts' grouped GEMMs, GDN's three chunked kernels, flash attention. ncu.txt.

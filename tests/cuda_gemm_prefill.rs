@@ -102,20 +102,29 @@ fn dense_case(
     );
 }
 
+/// Both 4-bit kernels: mma.sync (gemm_prefill.cu) and wgmma (gemm_wgmma.cu).
 #[test]
 fn q4_matches_cpu_at_model_shapes() {
+    for wgmma in [false, true] {
+        q4_at_model_shapes(wgmma);
+    }
+}
+
+fn q4_at_model_shapes(wgmma: bool) {
     let dev = device();
-    let k = GemmKernels::load(&dev).expect("kernels");
+    let mut k = GemmKernels::load(&dev).expect("kernels");
+    k.set_wgmma(wgmma);
+    let label = if wgmma { "q4 wgmma" } else { "q4" };
     let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
         k.gemm(w, x, y).expect("gemm")
     };
-    let mut rng = rng("q4 gemm");
+    let mut rng = rng(label);
     // GDN in_proj (qkv‖z‖b‖a), attention q‖k‖v, shared expert gate‖up, MoE hidden, output width.
     for n in [12352, 9216, 1024, 512, 2048] {
         let m = matrix(&mut rng, Kind::Q4, n, 2048, 0.05);
         let w_sq = row_sq(&m);
         for t in [16, 17, 100, 256, 4096] {
-            dense_case(g, &dev, &mut rng, &m, &w_sq, t, "q4");
+            dense_case(g, &dev, &mut rng, &m, &w_sq, t, label);
         }
     }
     // out_proj / o_proj (K = 4096), shared down (K = 512), the test model's down (K = 128).
@@ -128,7 +137,7 @@ fn q4_matches_cpu_at_model_shapes() {
         let m = matrix(&mut rng, Kind::Q4, n, k, 0.05);
         let w_sq = row_sq(&m);
         for &t in ts {
-            dense_case(g, &dev, &mut rng, &m, &w_sq, t, "q4");
+            dense_case(g, &dev, &mut rng, &m, &w_sq, t, label);
         }
     }
 }
@@ -202,13 +211,24 @@ fn cublas_path_matches_cpu() {
     assert!(small.gemm(&dm.view(), &x.as_view(), &mut y.view()).is_err());
 }
 
-/// `act = silu(x·gateᵀ) ⊙ (x·upᵀ)` from one gate‖up matrix, against the CPU.
+/// `act = silu(x·gateᵀ) ⊙ (x·upᵀ)` from one gate‖up matrix, against the CPU; Q4 on both kernels.
 #[test]
 fn swiglu_matches_cpu() {
+    for wgmma in [false, true] {
+        swiglu_cases(wgmma);
+    }
+}
+
+fn swiglu_cases(wgmma: bool) {
     let dev = device();
     let s = dev.stream();
-    let g = GemmKernels::load(&dev).expect("kernels");
-    let mut rng = rng("swiglu gemm");
+    let mut g = GemmKernels::load(&dev).expect("kernels");
+    g.set_wgmma(wgmma);
+    let mut rng = rng(if wgmma {
+        "swiglu gemm wgmma"
+    } else {
+        "swiglu gemm"
+    });
     // The shared expert (I = 512), the test model's (I = 128), a partial last tile, an odd I.
     let cases = [
         (Kind::Q4, 512, 2048, 100),
@@ -228,7 +248,7 @@ fn swiglu_matches_cpu() {
         let mut act = Output::new(s, t * inter);
         g.gemm_swiglu(&dm.view(), &dx.as_view(), &mut act.view())
             .expect("gemm_swiglu");
-        let what = format!("swiglu {kind:?} I={inter} K={k} × {t} tokens");
+        let what = format!("swiglu {kind:?} I={inter} K={k} × {t} tokens (wgmma: {wgmma})");
         let got = act.get(s, &what);
         let rows = rows_to_check(&mut rng, t);
         let xs = gather(&xf, &rows, k);
@@ -305,6 +325,8 @@ fn timing_at_4096_tokens() {
     let dev = device();
     let s = dev.stream();
     let g = GemmKernels::load(&dev).expect("kernels");
+    let mut gw = GemmKernels::load(&dev).expect("kernels");
+    gw.set_wgmma(true);
     let mut rng = rng("gemm timing");
     const T: usize = 4096;
     // (what, kind, rows, cols, swiglu, layers using it)
@@ -325,20 +347,28 @@ fn timing_at_4096_tokens() {
     // in tests/cuda_moe.rs.
     let mut mixer_ms = 0.0;
     let mut dense = DenseGemm::new(&dev, 12352 * 2048).expect("cuBLAS");
-    println!("| product | rows × cols | fused ms @4096 (TFLOP/s) | cuBLAS path ms @4096 (TFLOP/s) | ms @512 fused / cuBLAS | layers | best ms per 4K prefill |");
+    println!("| product | rows × cols | fused ms @4096 (TFLOP/s) | wgmma ms @4096 (TFLOP/s) | cuBLAS path ms @4096 (TFLOP/s) | ms @512 fused / cuBLAS | layers | best ms per 4K prefill |");
     for (what, kind, n, k, swiglu, layers) in shapes {
         let m = random_weights(&mut rng, kind, n, k);
         let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
         let out = if swiglu { n / 2 } else { n };
         let x = dx.slice(..T * k);
         let mut yv = y.slice_mut(..T * out);
-        let ms = median_ms(&dev, 10, || {
-            if swiglu {
-                g.gemm_swiglu(&dm.view(), &x, &mut yv).expect("gemm_swiglu");
-            } else {
-                g.gemm(&dm.view(), &x, &mut yv).expect("gemm");
-            }
-        });
+        let mut fused = |g: &GemmKernels| {
+            median_ms(&dev, 10, || {
+                if swiglu {
+                    g.gemm_swiglu(&dm.view(), &x, &mut yv).expect("gemm_swiglu");
+                } else {
+                    g.gemm(&dm.view(), &x, &mut yv).expect("gemm");
+                }
+            })
+        };
+        let ms = fused(&g);
+        let wg = if kind == Kind::Q4 {
+            fused(&gw)
+        } else {
+            f32::NAN
+        };
         // The cuBLAS path (dequantise + cuBLAS) for the plain products, at 4096 and 512 tokens,
         // beside the fused kernel at 512.
         let mut cublas = |t: usize, yv: &mut CudaViewMut<bf16>| {
@@ -359,13 +389,17 @@ fn timing_at_4096_tokens() {
             (cublas(T, &mut yv), cublas(512, &mut yv), f512)
         };
         let tflops = |ms: f32, t: usize| 2.0 * (t * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
-        let best = if cb.is_nan() { ms } else { ms.min(cb) };
+        let best = [ms, wg, cb]
+            .into_iter()
+            .filter(|v| !v.is_nan())
+            .fold(f32::INFINITY, f32::min);
         if what.starts_with("GDN") || what.starts_with("attn") {
             mixer_ms += best as f64 * layers as f64;
         }
         println!(
-            "| {what} | {n} × {k} | {ms:.3} ({:.0}) | {cb:.3} ({:.0}) | {fused512:.3} / {cb512:.3} | {layers} | {:.2} |",
+            "| {what} | {n} × {k} | {ms:.3} ({:.0}) | {wg:.3} ({:.0}) | {cb:.3} ({:.0}) | {fused512:.3} / {cb512:.3} | {layers} | {:.2} |",
             tflops(ms, T),
+            tflops(wg, T),
             tflops(cb, T),
             best as f64 * layers as f64
         );

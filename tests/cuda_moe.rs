@@ -246,12 +246,14 @@ fn grouped_case(
     ex: &Experts,
     routing: Routing,
     tokens: usize,
+    wgmma: bool,
 ) {
     let s = dev.stream();
-    let (mk, g) = (
+    let (mk, mut g) = (
         MoeKernels::load(dev).expect("kernels"),
         GemmKernels::load(dev).expect("kernels"),
     );
+    g.set_wgmma(wgmma);
     let experts = ex.host.len();
     let (hidden, inter) = (ex.host[0].gate.cols, ex.host[0].gate.rows);
     let pairs = tokens * TOP_K;
@@ -259,8 +261,9 @@ fn grouped_case(
     let (xb, xf) = activations(rng, tokens * hidden, 1.0);
     let dx = upload(s, &xb);
     let groups = group_on_gpu(s, &mk, &ids, experts);
-    let what =
-        format!("{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}]");
+    let what = format!(
+        "{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}] (wgmma: {wgmma})"
+    );
     check_grouping(s, &groups, &ids, experts, &what);
     let mut act = Output::new(s, pairs * inter);
     let mut routed = Output::new(s, pairs * hidden);
@@ -346,18 +349,23 @@ fn grouped_experts_match_cpu() {
     let s = dev.stream();
     let mut rng = rng("grouped experts");
     // Qwen3.6-35B-A3B: 256 experts, hidden 2048, I = 512, MLX Q4.
+    // Q4 on both kernels (mma.sync and wgmma).
     let real = Experts::random(s, &mut rng, Kind::Q4, 256, 2048, 512);
-    grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256);
-    grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600);
-    grouped_case(&dev, &mut rng, &real, Routing::Same, 70);
-    grouped_case(&dev, &mut rng, &real, Routing::Uniform, 9);
+    for wgmma in [false, true] {
+        grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256, wgmma);
+        grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600, wgmma);
+        grouped_case(&dev, &mut rng, &real, Routing::Same, 70, wgmma);
+        grouped_case(&dev, &mut rng, &real, Routing::Uniform, 9, wgmma);
+    }
     drop(real);
-    // tests/cuda_forward.rs's model (16 experts, hidden 512, I = 128) in bf16, and Q8 experts.
+    // tests/cuda_forward.rs's model (16 experts, hidden 512, I = 128) in bf16 and Q4, and Q8 experts.
     let small = Experts::random(s, &mut rng, Kind::Bf16, 16, 512, 128);
-    grouped_case(&dev, &mut rng, &small, Routing::Uniform, 300);
-    grouped_case(&dev, &mut rng, &small, Routing::Skewed, 44);
+    grouped_case(&dev, &mut rng, &small, Routing::Uniform, 300, false);
+    grouped_case(&dev, &mut rng, &small, Routing::Skewed, 44, false);
+    let small_q4 = Experts::random(s, &mut rng, Kind::Q4, 16, 512, 128);
+    grouped_case(&dev, &mut rng, &small_q4, Routing::Skewed, 300, true);
     let q8 = Experts::random(s, &mut rng, Kind::Q8, 12, 256, 192);
-    grouped_case(&dev, &mut rng, &q8, Routing::Uniform, 100);
+    grouped_case(&dev, &mut rng, &q8, Routing::Uniform, 100, false);
 }
 
 fn real_config() -> ModelConfig {
@@ -633,30 +641,34 @@ fn timing_grouped_moe_at_4096_tokens() {
             mk.group_by_expert(&b.ids.slice(..T * TOP_K), TOP_K, &mut groups)
                 .expect("group")
         });
-        let gu_ms = median_ms(&dev, 10, || {
-            g.experts_gate_up(
-                &ex.gate_up.view(),
-                &dx.as_view(),
-                &groups,
-                &mut b.act.slice_mut(..T * TOP_K * inter),
-            )
-            .expect("gate_up")
-        });
-        let down_ms = median_ms(&dev, 10, || {
-            g.experts_down(
-                &ex.down.view(),
-                &b.act.slice(..T * TOP_K * inter),
-                &groups,
-                &mut b.routed.slice_mut(..T * TOP_K * h),
-            )
-            .expect("down")
-        });
-        let tf = |flop: f64, ms: f32| flop / (ms as f64 * 1e-3) / 1e12;
-        println!(
-            "{routing:?} routing, {T} tokens: grouping {group_ms:.3} ms; gate‖up+SwiGLU {gu_ms:.3} ms ({:.0} TFLOP/s); down {down_ms:.3} ms ({:.0} TFLOP/s)",
-            tf(2.0 * pairs * (2 * inter * h) as f64, gu_ms),
-            tf(2.0 * pairs * (h * inter) as f64, down_ms)
-        );
+        for wgmma in [false, true] {
+            let mut g = GemmKernels::load(&dev).expect("kernels");
+            g.set_wgmma(wgmma);
+            let gu_ms = median_ms(&dev, 10, || {
+                g.experts_gate_up(
+                    &ex.gate_up.view(),
+                    &dx.as_view(),
+                    &groups,
+                    &mut b.act.slice_mut(..T * TOP_K * inter),
+                )
+                .expect("gate_up")
+            });
+            let down_ms = median_ms(&dev, 10, || {
+                g.experts_down(
+                    &ex.down.view(),
+                    &b.act.slice(..T * TOP_K * inter),
+                    &groups,
+                    &mut b.routed.slice_mut(..T * TOP_K * h),
+                )
+                .expect("down")
+            });
+            let tf = |flop: f64, ms: f32| flop / (ms as f64 * 1e-3) / 1e12;
+            println!(
+                "{routing:?} routing, {T} tokens (wgmma: {wgmma}): grouping {group_ms:.3} ms; gate‖up+SwiGLU {gu_ms:.3} ms ({:.0} TFLOP/s); down {down_ms:.3} ms ({:.0} TFLOP/s)",
+                tf(2.0 * pairs * (2 * inter * h) as f64, gu_ms),
+                tf(2.0 * pairs * (h * inter) as f64, down_ms)
+            );
+        }
     }
     // The whole block (router, top-k, grouping, routed and shared experts, combine + residual +
     // norm), with the routing its own router makes on these inputs.

@@ -41,7 +41,7 @@
 // mma.m16n8k16 fragments (PTX ISA), lane = 4g + t:
 //   A: a0 {row g, k 2t..2t+1}, a1 {row g+8, k 2t..}, a2 {row g, k 2t+8..}, a3 {row g+8, k 2t+8..}
 //   B: b0 {k 2t..2t+1, col g}, b1 {k 2t+8..2t+9, col g}     C: {row g, cols 2t, 2t+1}, {row g+8, ...}
-#include "common.cuh"
+#include "gemm_prefill.cuh"
 
 namespace {
 
@@ -77,39 +77,8 @@ template <int F> struct Layout {
 
 }  // namespace
 
-// Kernel arguments, mirrored by `GemmArgs` in gemm_prefill.rs (same order, same sizes).
-struct GemmArgs {
-    const u32* w;         // matrix m starts at w + m·w_mat_words; a row is K·bits/32 words
-    const bf16* scales;   // [count][n][K/64] (quantised formats)
-    const bf16* biases;   // [count][n][K/64]
-    const bf16* x;        // [x_rows][K]
-    bf16* y;              // [y_rows][n] (STORE) or [y_rows][n/2] (SWIGLU)
-    const int* a_rows;    // null: X row of position p is p; else a_rows[p] / a_div
-    const int* c_rows;    // null: Y row of position p is p; else c_rows[p]
-    const int4* tiles;    // null: dense; else {matrix, first position, rows, -} per blockIdx.x
-    const int* num_tiles; // grouped: valid entries of tiles
-    i64 w_mat_words;
-    int x_rows;           // dense: the number of positions; always a bound for X rows
-    int y_rows;           // a bound for Y rows
-    int n;                // weight rows per matrix
-    int k;                // columns, a multiple of 64
-    int a_div;
-    int count;            // matrices in the stack
-};
 
 namespace {
-
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// 16 bytes global → shared, bypassing L1; zero-filled (nothing read) when !valid.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 __device__ __forceinline__ void ldmatrix_x4(u32 r[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -122,19 +91,6 @@ __device__ __forceinline__ void mma(float d[4], const u32 a[4], u32 b0, u32 b1) 
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 as_u32(bf162 v) { return *reinterpret_cast<u32*>(&v); }
-__device__ __forceinline__ bf162 as_bf162(u32 v) { return *reinterpret_cast<bf162*>(&v); }
-
-// Q4: byte t of `w` (selected by `sel` = 0x4440 | t) → {s·q_lo + b, s·q_hi + b} as bf16x2.
-__device__ __forceinline__ u32 dequant_q4(u32 w, u32 sel, bf162 s2, bf162 b2) {
-    const u32 byte = __byte_perm(w, 0u, sel);  // byte t in bits 0..7, zeros above
-    const u32 both = byte * 0x1001u;           // and again in bits 12..19: high nibble at 16..19
-    u32 m;                                     // (both & 0x000F000F) | 0x43004300: {128+lo, 128+hi}
-    asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;\n" : "=r"(m) : "r"(both));
-    const bf162 q = __hsub2(as_bf162(m), __floats2bfloat162_rn(128.0f, 128.0f));  // exact
-    return as_u32(__hfma2(q, s2, b2));
 }
 
 // Q8: bytes 2h, 2h+1 of `w` (selectors sel_lo = 0x7440 | 2h, sel_hi = 0x7440 | (2h+1) pick the
@@ -175,17 +131,8 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     __shared__ int b_off_s[BN];  // word offset of each weight row in its matrix, -1: none
 
     // Which tile: a dense run of rows, or an entry of the grouped tile map.
-    int mat = 0, p0, rows;
-    if (a.tiles) {
-        if ((int)blockIdx.x >= *a.num_tiles) return;  // the whole block: before any barrier
-        const int4 tile = a.tiles[blockIdx.x];
-        mat = min(max(tile.x, 0), a.count - 1);
-        p0 = tile.y;
-        rows = min(tile.z, BM);
-    } else {
-        p0 = blockIdx.x * BM;
-        rows = min(BM, a.x_rows - p0);
-    }
+    int mat, p0, rows;
+    if (!block_tile(a, BM, mat, p0, rows)) return;  // the whole block: before any barrier
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int col_tile = blockIdx.y;
@@ -193,18 +140,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     const int ngroups = a.k / 64;
     const u32* wmat = a.w + mat * a.w_mat_words;
 
-    for (int r = tid; r < BM; r += THREADS) {
-        int xr = -1, yr = -1;
-        if (r < rows) {
-            const int p = p0 + r;
-            xr = a.a_rows ? a.a_rows[p] / a.a_div : p;
-            yr = a.c_rows ? a.c_rows[p] : p;
-            xr = min(max(xr, 0), a.x_rows - 1);
-            yr = min(max(yr, 0), a.y_rows - 1);
-        }
-        a_row_s[r] = xr;
-        c_row_s[r] = yr;
-    }
+    token_rows(a, BM, p0, rows, a_row_s, c_row_s);
     // Scale/bias index of this thread's two weight rows (tid, tid + 128) for the SB loads.
     i64 sb_off[2] = {-1, -1};
 #pragma unroll

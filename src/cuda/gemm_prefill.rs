@@ -4,7 +4,9 @@
 //! were sorted by expert on the device ([`super::moe::ExpertGroups`]). The decode path (≤ 8
 //! tokens) uses the GEMV of gemm.rs instead.
 //!
-//! The kernel and the reasons for its shape are described at the top of gemm_prefill.cu.
+//! The kernel and the reasons for its shape are described at the top of gemm_prefill.cu. For
+//! 4-bit weights a second kernel does the same products on Hopper's warpgroup instructions
+//! (gemm_wgmma.cu; `LILY_WGMMA=1`, off by default until its H200 test has passed).
 
 use std::sync::Arc;
 
@@ -25,6 +27,9 @@ pub const TILE_ROWS: usize = 64;
 /// Weight rows per block tile (BN in gemm_prefill.cu).
 const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
+/// Dynamic shared memory of the wgmma kernels (SMEM_BYTES in gemm_wgmma.cu): four stages of X and
+/// packed weights, two bf16 weight tiles, 1 KB to align.
+const WGMMA_SMEM_BYTES: usize = 4 * (TILE_ROWS * 128 + TILE_COLS * 32) + 2 * TILE_COLS * 128 + 1024;
 
 /// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cu.
 #[repr(C)]
@@ -104,14 +109,16 @@ pub struct GemmKernels {
     stream: Arc<CudaStream>,
     /// [format][epilogue]
     funcs: [[CudaFunction; 2]; 3],
+    /// Q4 on wgmma (gemm_wgmma.cu), [epilogue].
+    wgmma: [CudaFunction; 2],
+    use_wgmma: bool,
 }
 
 impl GemmKernels {
     pub fn load(dev: &CudaDevice) -> Result<Self> {
         let max_shared = dev.max_shared_memory_per_block()?;
-        let load = |name: &str, format: Format| -> Result<CudaFunction> {
-            let f = dev.function("gemm_prefill", name)?;
-            let need = format.shared_bytes();
+        let load_from = |module: &str, name: &str, need: usize| -> Result<CudaFunction> {
+            let f = dev.function(module, name)?;
             ensure!(
                 need <= max_shared,
                 "{name} needs {need} bytes of shared memory, the GPU allows {max_shared}"
@@ -122,6 +129,9 @@ impl GemmKernels {
                 .during(|| format!("shared memory limit of {name}"))?;
             Ok(f)
         };
+        let load =
+            |name: &str, format: Format| load_from("gemm_prefill", name, format.shared_bytes());
+        let wgmma = |name: &str| load_from("gemm_wgmma", name, WGMMA_SMEM_BYTES);
         Ok(Self {
             stream: dev.stream().clone(),
             funcs: [
@@ -138,7 +148,14 @@ impl GemmKernels {
                     load("gemm_swiglu_bf16", Format::Bf16)?,
                 ],
             ],
+            wgmma: [wgmma("wgmma_q4")?, wgmma("wgmma_swiglu_q4")?],
+            use_wgmma: std::env::var("LILY_WGMMA").is_ok_and(|v| v == "1"),
         })
+    }
+
+    /// Runs 4-bit products on the wgmma kernel (or not); the default is `LILY_WGMMA=1`.
+    pub fn set_wgmma(&mut self, on: bool) {
+        self.use_wgmma = on;
     }
 
     /// Whether these weights fit the kernel: 4/8-bit or bf16, `cols` a multiple of 64.
@@ -339,12 +356,20 @@ impl GemmKernels {
             "gemm: {} weight rows are too many for one launch",
             w.rows
         );
+        // Both kernels take the same arguments, tiles and grid.
+        let (func, shared_bytes) = if format == Format::Q4 && self.use_wgmma {
+            (&self.wgmma[epilogue as usize], WGMMA_SMEM_BYTES)
+        } else {
+            (
+                &self.funcs[format as usize][epilogue as usize],
+                format.shared_bytes(),
+            )
+        };
         let cfg = LaunchConfig {
             grid_dim: (as_i32(tiles_x, "row tiles")? as u32, col_tiles as u32, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: format.shared_bytes() as u32,
+            shared_mem_bytes: shared_bytes as u32,
         };
-        let func = &self.funcs[format as usize][epilogue as usize];
         // SAFETY: check_matrices and the checks above bound every index the kernel forms; grouped
         // launches read positions < pairs and pair ids that the grouping kernels wrote.
         unsafe { launch!(self.stream, func, cfg, &args) }
