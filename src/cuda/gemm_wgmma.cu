@@ -211,6 +211,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks) wgmma_m64n256k16(d, smem_desc(xa + ks * 32), smem_desc(wb + ks * 32), 1);
         wgmma_commit();
+        fence_accumulators(d);  // nothing may touch them until the wait above, next k-tile
         sb_cur[0] = sb_next[0];
         sb_cur[1] = sb_next[1];
     }
