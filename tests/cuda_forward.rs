@@ -25,6 +25,12 @@ use lily::sampling::DeviceSampling;
 /// errors of order 1.
 const TOLERANCE: f32 = 8e-2;
 
+/// The fused decode norms (forward/residual.rs) as the environment sets them: gpu-check runs this
+/// binary once with the default and once more with `LILY_FUSED_NORMS=1`.
+fn fused_norms() -> bool {
+    CudaOptions::default().fused_norms
+}
+
 fn config() -> serde_json::Value {
     common::real_shaped_config([
         "linear_attention",
@@ -57,6 +63,7 @@ fn compare(weights: Weights, label: &str, tolerance: f32) {
         prefill_chunk: 256,
         cuda_graphs: true,
         batch_steps: false,
+        fused_norms: fused_norms(),
     };
     let mut gpu = CudaBackend::new(dev, model, options).unwrap();
 
@@ -150,6 +157,7 @@ fn greedy_on_device_equals_argmax_of_logits() {
             prefill_chunk: 256,
             cuda_graphs: true,
             batch_steps: false,
+            fused_norms: fused_norms(),
         },
     )
     .unwrap();
@@ -164,6 +172,7 @@ fn greedy_on_device_equals_argmax_of_logits() {
             prefill_chunk: 256,
             cuda_graphs: false,
             batch_steps: false,
+            fused_norms: fused_norms(),
         },
     )
     .unwrap();
@@ -212,6 +221,7 @@ fn gpu_backend(weights: &Weights, max_sequences: usize, batch_steps: bool) -> Cu
         prefill_chunk: 256,
         cuda_graphs: true,
         batch_steps,
+        fused_norms: fused_norms(),
     };
     CudaBackend::new(dev, model, options).unwrap()
 }

@@ -19,7 +19,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use half::bf16;
-use lily::cuda::gemm::{GemvKernels, GemvShape, L2Ahead, Matrices, SlotInput, WeightData, GROUP};
+use lily::cuda::gemm::{
+    GemvKernels, GemvShape, L2Ahead, Matrices, ResidualInput, SlotInput, WeightData, GROUP,
+};
 use lily::cuda::norm::NormKernels;
 use lily::cuda::{CudaDevice, CudaError};
 use rayon::prelude::*;
@@ -652,6 +654,132 @@ fn gemv_l2_ahead_changes_nothing() {
     }
     for (i, o) in outputs.iter().enumerate().skip(1) {
         assert!(o == &outputs[0], "ahead case {i} changed the products");
+    }
+}
+
+/// The GEMV that makes its own input (`gemv_residual`: residual add, MoE combine and norm inside,
+/// the decode path of forward/residual.rs) against the two kernels it replaces, residual_rmsnorm
+/// then gemv: the same bits in y, in the new residual stream and in the normalised rows. Shapes:
+/// the router (Q8, 257 rows, one part: after the mixer), GDN in_proj and attention q‖k‖v (Q4,
+/// nine weighted parts: the MoE combine), the test model's width (512), bf16.
+#[test]
+fn gemv_residual_equals_norm_then_gemv() {
+    let dev = device();
+    let (k, norm) = (
+        GemvKernels::load(&dev).unwrap(),
+        NormKernels::load(&dev).unwrap(),
+    );
+    let s = dev.stream();
+    let mut rng = Rng::new("gemv residual");
+    for (bits, rows, cols, parts) in [
+        (8, 257, 2048, 1),
+        (4, 12352, 2048, 9),
+        (4, 9216, 2048, 9),
+        (4, 12352, 512, 9),
+        (16, 257, 512, 1),
+    ] {
+        let m = DeviceMatrices::upload(s, &HostMatrices::random(&mut rng, bits, 1, rows, cols));
+        let most = k.max_tokens_residual(&m.view());
+        assert!(most >= 1, "{bits}-bit [{rows}×{cols}]: no row fits");
+        for ntok in [1, most] {
+            let what = format!(
+                "gemv_residual {} [{rows}×{cols}] ×{ntok}, {parts} parts",
+                format_name(bits)
+            );
+            let h = rng.bf16s(ntok * cols, 8.0);
+            let p = rng.bf16s(ntok * parts * cols, 2.0);
+            let weights: Vec<f32> = (0..ntok * parts).map(|_| rng.unit().abs()).collect();
+            let w: Vec<f32> = (0..cols).map(|_| 1.0 + 0.5 * rng.unit()).collect();
+            let (dh, dp, dwt, dw) = (
+                upload(s, &h),
+                upload(s, &p),
+                upload(s, &weights),
+                upload(s, &w),
+            );
+            let weights = (parts > 1).then(|| dwt.as_view());
+            // The two kernels.
+            let (mut h_ref, mut x_ref, mut y_ref) = (
+                upload(s, &h),
+                poisoned(s, ntok * cols),
+                poisoned(s, ntok * rows),
+            );
+            norm.residual_rmsnorm(
+                &mut h_ref.as_view_mut(),
+                &dp.as_view(),
+                weights.as_ref(),
+                &dw.as_view(),
+                &mut x_ref.as_view_mut(),
+                EPS,
+            )
+            .unwrap();
+            k.gemv(&m.view(), &x_ref.as_view(), &mut y_ref.as_view_mut())
+                .unwrap();
+            // The fused one.
+            let input = ResidualInput {
+                h: dh.as_view(),
+                parts: dp.as_view(),
+                weights: (parts > 1).then(|| dwt.as_view()),
+                norm_w: dw.as_view(),
+                eps: EPS,
+            };
+            let (mut h_out, mut x_out, mut y) = (
+                poisoned(s, ntok * cols),
+                poisoned(s, ntok * cols),
+                poisoned(s, ntok * rows),
+            );
+            k.gemv_residual(
+                &m.view(),
+                &input,
+                &mut h_out.as_view_mut(),
+                Some(&mut x_out.as_view_mut()),
+                &mut y.as_view_mut(),
+            )
+            .unwrap();
+            let bits_of = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+            assert!(
+                bits_of(download(s, &h_out)) == bits_of(download(s, &h_ref)),
+                "{what}: residual stream"
+            );
+            assert!(
+                bits_of(download(s, &x_out)) == bits_of(download(s, &x_ref)),
+                "{what}: normalised rows"
+            );
+            assert!(
+                bits_of(download(s, &y)) == bits_of(download(s, &y_ref)),
+                "{what}: products"
+            );
+            assert!(
+                bits_of(download(s, &dh)) == bits_of(h.clone()),
+                "{what}: the input stream is left as it was"
+            );
+        }
+        // More rows than one launch fits is an error, not a wrong answer.
+        if most < 8 {
+            let n = most + 1;
+            let (dh, dp) = (
+                upload(s, &rng.bf16s(n * cols, 1.0)),
+                upload(s, &rng.bf16s(n * parts * cols, 1.0)),
+            );
+            let dwt = upload(s, &vec![0.5f32; n * parts]);
+            let dw = upload(s, &vec![1.0f32; cols]);
+            let input = ResidualInput {
+                h: dh.as_view(),
+                parts: dp.as_view(),
+                weights: (parts > 1).then(|| dwt.as_view()),
+                norm_w: dw.as_view(),
+                eps: EPS,
+            };
+            let (mut h_out, mut y) = (poisoned(s, n * cols), poisoned(s, n * rows));
+            assert!(k
+                .gemv_residual(
+                    &m.view(),
+                    &input,
+                    &mut h_out.as_view_mut(),
+                    None,
+                    &mut y.as_view_mut()
+                )
+                .is_err());
+        }
     }
 }
 

@@ -12,6 +12,7 @@
 //! and greedy sampling stay on the device; a greedy step brings back one token id.
 
 mod backend;
+mod residual;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -35,6 +36,7 @@ use super::weights::DeviceMatrices;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::SeqId;
+use residual::{Output, Parts, ResidualStream};
 
 /// How much the backend allocates up front.
 #[derive(Debug, Clone)]
@@ -53,6 +55,10 @@ pub struct CudaOptions {
     /// pass, instead of one by one. Off by default until its H200 test (tests/cuda_forward.rs,
     /// `batched_steps_equal_one_by_one`) has passed.
     pub batch_steps: bool,
+    /// Decode passes fold the residual adds and norms into the GEMVs that read them
+    /// (forward/residual.rs). Off by default (`LILY_FUSED_NORMS=1` turns it on) until its H200
+    /// tests have passed.
+    pub fused_norms: bool,
 }
 
 impl Default for CudaOptions {
@@ -63,6 +69,7 @@ impl Default for CudaOptions {
             prefill_chunk: 4096,
             cuda_graphs: true,
             batch_steps: false,
+            fused_norms: std::env::var("LILY_FUSED_NORMS").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -84,6 +91,8 @@ struct Scratch {
     rows: usize,
     ids: CudaSlice<i32>,
     h: CudaSlice<bf16>,
+    /// The residual stream's second buffer, for fused decode passes (forward/residual.rs).
+    h2: CudaSlice<bf16>,
     xn: CudaSlice<bf16>,
     proj: CudaSlice<bf16>,
     mixed: CudaSlice<bf16>,
@@ -182,6 +191,8 @@ pub struct CudaBackend {
     shared_passes: usize,
     /// Op timing (`lily bench --profile`): passes run uncaptured, each op timed (profile.rs).
     profile: Option<OpProfile>,
+    /// Decode passes of up to this many rows fold their norms into the GEMVs (0: never).
+    fused_rows: usize,
 }
 
 /// A captured decode pass.
@@ -236,6 +247,7 @@ impl CudaBackend {
             rows,
             ids: alloc(&st, rows)?,
             h: alloc(&st, rows * h)?,
+            h2: alloc(&st, MAX_TOKENS * h)?,
             xn: alloc(&st, rows * h)?,
             proj: alloc(&st, rows * proj_width)?,
             mixed: alloc(&st, rows * mixed_width)?,
@@ -269,6 +281,11 @@ impl CudaBackend {
         let kv = KvCache::new(&st, slots, n_attn.max(1), options.max_context)?;
         let gdn_ws = GdnWorkspace::new(&st, rows)?;
         let attn_ws = AttentionWorkspace::new(&k.attn, rows, batch, options.max_context)?;
+        let fused_rows = if options.fused_norms {
+            residual::fused_rows(&k.gemv, &model)
+        } else {
+            0
+        };
         Ok(CudaBackend {
             dev,
             model,
@@ -286,6 +303,7 @@ impl CudaBackend {
             peak_memory: 0,
             shared_passes: 0,
             profile: None,
+            fused_rows,
             options,
         })
     }
@@ -452,8 +470,16 @@ impl CudaBackend {
             }
             None => L2Ahead::default(),
         };
+        // Decode passes of few rows fold the residual adds and norms into the GEMVs that read
+        // them (forward/residual.rs); `stream` says where the residual stream is.
+        let fused = t <= self.fused_rows;
+        let mut stream = ResidualStream::default();
+        let eps = c.rms_norm_eps;
+        let slots = c.num_experts_per_tok + 1;
         let (mut gdn_i, mut attn_i) = (0, 0);
         for (li, layer) in m.layers.iter().enumerate() {
+            // The previous layer's MoE combine and this layer's input norm, not yet done.
+            let pending_combine = fused && li > 0;
             match &layer.mixer {
                 DeviceMixer::DeltaNet {
                     in_proj,
@@ -465,14 +491,32 @@ impl CudaBackend {
                 } => {
                     let width = in_proj.rows;
                     section("gdn in_proj")?;
-                    gemv_rows(
-                        k,
-                        in_proj,
-                        &s.xn.slice(..t * hd),
-                        &mut s.proj.slice_mut(..t * width),
-                        t,
-                        L2Ahead::default().matrices(&out_proj.view(), &st),
-                    )?;
+                    let ahead = L2Ahead::default().matrices(&out_proj.view(), &st);
+                    if pending_combine {
+                        k.gemv.then_prefetch(ahead);
+                        let norm = &layer.input_norm;
+                        stream.gemv(
+                            k,
+                            in_proj,
+                            s,
+                            t,
+                            Parts::Experts,
+                            norm,
+                            eps,
+                            false,
+                            Output::Proj,
+                            slots,
+                        )?;
+                    } else {
+                        gemv_rows(
+                            k,
+                            in_proj,
+                            &s.xn.slice(..t * hd),
+                            &mut s.proj.slice_mut(..t * width),
+                            t,
+                            ahead,
+                        )?;
+                    }
                     let w = GdnWeights {
                         conv_w: conv_w.as_view(),
                         a_log: a_log.as_view(),
@@ -531,14 +575,32 @@ impl CudaBackend {
                     k_norm,
                 } => {
                     section("attn qkv")?;
-                    gemv_rows(
-                        k,
-                        qkv,
-                        &s.xn.slice(..t * hd),
-                        &mut s.proj.slice_mut(..t * QKV_WIDTH),
-                        t,
-                        L2Ahead::default().matrices(&o_proj.view(), &st),
-                    )?;
+                    let ahead = L2Ahead::default().matrices(&o_proj.view(), &st);
+                    if pending_combine {
+                        k.gemv.then_prefetch(ahead);
+                        let norm = &layer.input_norm;
+                        stream.gemv(
+                            k,
+                            qkv,
+                            s,
+                            t,
+                            Parts::Experts,
+                            norm,
+                            eps,
+                            false,
+                            Output::Proj,
+                            slots,
+                        )?;
+                    } else {
+                        gemv_rows(
+                            k,
+                            qkv,
+                            &s.xn.slice(..t * hd),
+                            &mut s.proj.slice_mut(..t * QKV_WIDTH),
+                            t,
+                            ahead,
+                        )?;
+                    }
                     let od = c.num_attention_heads * c.head_dim;
                     section("attn mixer")?;
                     for span in &pass.spans {
@@ -580,33 +642,41 @@ impl CudaBackend {
                     attn_i += 1;
                 }
             }
-            // h += mixer output; m = norm(h).
-            section("norms")?;
-            k.norm.residual_rmsnorm(
-                &mut s.h.slice_mut(..t * hd),
-                &s.r.slice(..t * hd),
-                None,
-                &layer.post_norm.as_view(),
-                &mut s.xn.slice_mut(..t * hd),
-                c.rms_norm_eps,
-            )?;
+            // h += mixer output; m = norm(h) (fused: in the router's GEMV).
+            if !fused {
+                section("norms")?;
+                k.norm.residual_rmsnorm(
+                    &mut s.h.slice_mut(..t * hd),
+                    &s.r.slice(..t * hd),
+                    None,
+                    &layer.post_norm.as_view(),
+                    &mut s.xn.slice_mut(..t * hd),
+                    c.rms_norm_eps,
+                )?;
+            }
             // L2 ahead: gate‖up pulls in the same experts' down weights, down the next layer's
             // first matrix.
             let ahead = (
                 L2Ahead::default().same_matrix(&layer.moe.down.view(), &st),
                 first_matrix(li + 1),
             );
-            moe_experts(&c, k, &layer.moe, s, t, ahead, &section)?;
+            let router_input = fused.then_some((&mut stream, &layer.post_norm));
+            moe_experts(&c, k, &layer.moe, s, t, router_input, ahead, &section)?;
             // h += the experts' outputs weighted (the MoE combine); the next layer's input norm
-            // (or the final norm).
-            let next_norm = m
-                .layers
-                .get(li + 1)
-                .map_or(&m.final_norm, |l| &l.input_norm);
-            let slots = c.num_experts_per_tok + 1;
+            // (fused: in its first GEMV), or the final norm.
+            let next = m.layers.get(li + 1);
+            if fused && next.is_some() {
+                continue;
+            }
+            let next_norm = next.map_or(&m.final_norm, |l| &l.input_norm);
             section("norms")?;
+            let h = if stream.in_second() {
+                &mut s.h2
+            } else {
+                &mut s.h
+            };
             k.norm.residual_rmsnorm(
-                &mut s.h.slice_mut(..t * hd),
+                &mut h.slice_mut(..t * hd),
                 &s.routed.slice(..t * slots * hd),
                 Some(&s.expert_weights.slice(..t * slots)),
                 &next_norm.as_view(),
@@ -658,14 +728,17 @@ impl CudaBackend {
 
 /// The MoE block's experts for `t` rows of `s.xn`: routing, then each (token, slot)'s expert
 /// output unweighted in `s.routed` `[t][slots][hidden]`, slot top_k being the shared expert; the
-/// weights are left in `s.expert_weights` for the combine. `ahead`: what the GEMV path's gate‖up
-/// and down launches pull into L2 after them.
+/// weights are left in `s.expert_weights` for the combine. With `router_input` the router's x is
+/// made in its GEMV from the residual stream plus `s.r` and that norm (forward/residual.rs).
+/// `ahead`: what the GEMV path's gate‖up and down launches pull into L2.
+#[allow(clippy::too_many_arguments)]
 fn moe_experts(
     c: &ModelConfig,
     k: &mut Kernels,
     w: &super::model::DeviceMoe,
     s: &mut Scratch,
     t: usize,
+    router_input: Option<(&mut ResidualStream, &CudaSlice<f32>)>,
     ahead: (L2Ahead, L2Ahead),
     section: &impl Fn(&'static str) -> Result<()>,
 ) -> Result<()> {
@@ -677,14 +750,32 @@ fn moe_experts(
     );
     let slots = topk + 1;
     section("moe router")?;
-    gemv_rows(
-        k,
-        &w.router,
-        &s.xn.slice(..t * hd),
-        &mut s.router.slice_mut(..t * (e + 1)),
-        t,
-        L2Ahead::default(),
-    )?;
+    match router_input {
+        // The residual add and post-mixer norm made in the router's GEMV, xn written for the experts.
+        Some((stream, norm)) => {
+            let eps = c.rms_norm_eps;
+            stream.gemv(
+                k,
+                &w.router,
+                s,
+                t,
+                Parts::Mixer,
+                norm,
+                eps,
+                true,
+                Output::Router,
+                slots,
+            )?
+        }
+        None => gemv_rows(
+            k,
+            &w.router,
+            &s.xn.slice(..t * hd),
+            &mut s.router.slice_mut(..t * (e + 1)),
+            t,
+            L2Ahead::default(),
+        )?,
+    }
     k.moe.router_topk(
         &s.router.slice(..t * (e + 1)),
         e,

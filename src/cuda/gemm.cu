@@ -37,7 +37,7 @@
 //   B regs: {k 2t..2t+1, col g}, {k 2t+8..9, col g};   C: {row g, col 2t..2t+1}, {row g+8, ...}
 // Which weight column sits in which k-slot is free, as long as A and B agree: lane t's k-slots
 // always hold lane t's own columns, and x is staged in the matching order.
-#include "common.cuh"
+#include "norm.cuh"
 
 namespace {
 
@@ -96,6 +96,19 @@ struct GemvArgs {
     const unsigned char* ahead[L2_AHEAD];
     i64 ahead_bytes[L2_AHEAD];
     i64 ahead_stride[L2_AHEAD];
+    // Residual input (res_h set; one dense matrix, no ids, no SwiGLU): x is not read but made
+    // per token row n as the residual_rmsnorm kernel makes it (norm.cuh): res_h [ntok][K] plus
+    // res_k parts [ntok][res_k][K] weighted by res_weights [ntok][res_k] (null: one part), then
+    // the norm with res_norm_w. Block (0, 0) writes the sums to res_h_out and x to res_x_out
+    // (if set): the residual stream and the normalised rows for later kernels.
+    const bf16* res_h;
+    const bf16* res_parts;
+    const float* res_weights;
+    const float* res_norm_w;
+    bf16* res_h_out;
+    bf16* res_x_out;
+    int res_k;
+    float res_eps;
 };
 
 namespace {
@@ -204,6 +217,7 @@ __device__ void gemv(const GemvArgs& a) {
     //   xsum      [ngroups][MAX_TOKENS] fp32          (quantised formats)
     //   red       [2][warps][MAX_TOKENS · 16] fp32    (only when kw > 1; two, alternating by round)
     //   ring      [warps][STAGES] Slot<F>             (each warp's batches in flight)
+    //   residual  [ntok][K] bf16 x, [K] bf16 sums, [warps] fp32   (only with a residual input)
     extern __shared__ __align__(16) unsigned char smem[];
     const int warps = blockDim.x / 32;
     const int stage_tok = words_per_row * T::STAGE + 16;
@@ -261,6 +275,29 @@ __device__ void gemv(const GemvArgs& a) {
     }
     if (!a.ids) pdl_wait();
 
+    // A residual input: each token row's x made here (into shared memory) from the residual
+    // stream, exactly as the residual_rmsnorm kernel would have made it.
+    bf16* res_x = nullptr;
+    if (a.res_h) {
+        res_x = reinterpret_cast<bf16*>(ring + (warps - warp) * STAGES * S::BYTES);  // after the rings
+        bf16* res_sum = res_x + ntok * K;
+        float* warp_ss = reinterpret_cast<float*>(res_sum + K);
+        const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
+        for (int n = 0; n < ntok; ++n) {
+            residual_rmsnorm_row(a.res_h + (i64)n * K, a.res_parts + (i64)n * a.res_k * K,
+                                 a.res_weights ? a.res_weights + n * a.res_k : nullptr, a.res_k, a.res_norm_w,
+                                 res_sum, res_x + n * K, K, a.res_eps, warp_ss);
+            if (writer) {  // the vectors this thread wrote itself
+                for (int v = threadIdx.x; v < K / 8; v += blockDim.x) {
+                    reinterpret_cast<uint4*>(a.res_h_out + (i64)n * K)[v] = reinterpret_cast<const uint4*>(res_sum)[v];
+                    if (a.res_x_out)
+                        reinterpret_cast<uint4*>(a.res_x_out + (i64)n * K)[v] = reinterpret_cast<const uint4*>(res_x + n * K)[v];
+                }
+            }
+            __syncthreads();  // warp_ss and res_sum are reused by the next row; res_x complete
+        }
+    }
+
     // Stage x: each thread takes 8 columns (one uint4) per step. 8 consecutive threads cover one
     // group of 64, so Σx of a group is a shuffle over 8 lanes; all lanes run the same number of
     // steps so the shuffle never sees an inactive lane.
@@ -276,6 +313,8 @@ __device__ void gemv(const GemvArgs& a) {
             if (ok && a.swiglu) {
                 const uint4* gu = reinterpret_cast<const uint4*>(x + (i64)tok * 2 * K);
                 xv = swiglu8(__ldg(gu + v), __ldg(gu + vec_per_tok + v));
+            } else if (ok && res_x) {
+                xv = reinterpret_cast<const uint4*>(res_x + tok * K)[v];
             } else if (ok) {
                 xv = __ldg(reinterpret_cast<const uint4*>(x + (i64)tok * K) + v);
             }

@@ -126,6 +126,14 @@ struct GemvArgs {
     ahead: [u64; L2_AHEAD],
     ahead_bytes: [i64; L2_AHEAD],
     ahead_stride: [i64; L2_AHEAD],
+    res_h: u64,
+    res_parts: u64,
+    res_weights: u64,
+    res_norm_w: u64,
+    res_h_out: u64,
+    res_x_out: u64,
+    res_k: i32,
+    res_eps: f32,
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
@@ -240,6 +248,26 @@ fn raw_ranges(w: &Matrices, stream: &CudaStream) -> Vec<(u64, u64)> {
     }
 }
 
+/// A GEMV input made inside the GEMV by the residual add and norm ([`GemvKernels::gemv_residual`]),
+/// exactly as `NormKernels::residual_rmsnorm` makes it (both run norm.cuh): for each token row,
+/// `sum = bf16(h + r)` with `r = bf16(Σ_j weights[j] · parts[j])` (no weights: the one part), and
+/// `x = rmsnorm(sum) · norm_w`. Decode saves the norm's own launch this way.
+pub struct ResidualInput<'a> {
+    /// `[ntok][cols]`, the residual stream.
+    pub h: CudaView<'a, bf16>,
+    /// `[ntok][k][cols]`: the mixer's output (k = 1), or each expert slot's (the MoE combine).
+    pub parts: CudaView<'a, bf16>,
+    /// `[ntok][k]`, required when k > 1.
+    pub weights: Option<CudaView<'a, f32>>,
+    /// `[cols]`, the norm's effective weight.
+    pub norm_w: CudaView<'a, f32>,
+    pub eps: f32,
+}
+
+/// Threads per block of the residual_rmsnorm kernel (norm.rs): a fused launch must have as many
+/// for its sums to add up in the same order.
+const RES_THREADS: usize = 256;
+
 /// Where each slot of a [`GemvKernels::gemv_slots`] launch takes its x from.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum SlotInput {
@@ -350,8 +378,107 @@ impl GemvKernels {
         let shape = self.shape(w, 1);
         (1..=MAX_TOKENS)
             .rev()
-            .find(|&n| shared_bytes(format, w.cols, n, shape) <= self.max_shared)
+            .find(|&n| shared_bytes(format, w.cols, n, shape, false) <= self.max_shared)
             .unwrap_or(1)
+    }
+
+    /// `y = W · x` for matrix 0 of `w` with x made from `input` (see [`ResidualInput`]) for its
+    /// `ntok = h.len() / cols` rows (1..=8); the sums go to `h_out` (not `input.h`: other blocks
+    /// still read it) and, when given, the rows x to `x_out`, both `[ntok][cols]`. Fails when the
+    /// rows do not fit one launch's shared memory ([`Self::max_tokens_residual`]).
+    pub fn gemv_residual(
+        &self,
+        w: &Matrices,
+        input: &ResidualInput,
+        h_out: &mut CudaViewMut<bf16>,
+        x_out: Option<&mut CudaViewMut<bf16>>,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let cols = w.cols;
+        ensure!(
+            cols > 0 && input.h.len() % cols == 0 && !input.h.is_empty(),
+            "gemv_residual: h has {} values, not whole rows of {cols}",
+            input.h.len()
+        );
+        let ntok = input.h.len() / cols;
+        let k = input.parts.len() / input.h.len();
+        ensure!(
+            input.parts.len() == ntok * k * cols && k >= 1,
+            "gemv_residual: parts must be whole multiples of h"
+        );
+        match &input.weights {
+            Some(wt) => ensure!(
+                wt.len() == ntok * k,
+                "gemv_residual: {} weights for {ntok} rows of {k} parts",
+                wt.len()
+            ),
+            None => ensure!(k == 1, "gemv_residual: {k} parts per row need weights"),
+        }
+        ensure!(
+            input.norm_w.len() == cols && h_out.len() == ntok * cols,
+            "gemv_residual: the norm weight and h_out must match h's rows of {cols}"
+        );
+        if let Some(x) = &x_out {
+            ensure!(x.len() == ntok * cols, "gemv_residual: x_out must match h");
+        }
+        ensure!(
+            ntok <= self.max_tokens_residual(w),
+            "gemv_residual: {ntok} rows do not fit one launch over [{}×{cols}]",
+            w.rows
+        );
+        let shape = self.shape(w, 1);
+        ensure!(
+            shape.warps_per_tile * shape.tiles_per_block * 32 == RES_THREADS,
+            "gemv_residual: a launch shape of {shape:?} is not {RES_THREADS} threads"
+        );
+        let stream = &*self.stream;
+        for (buf, what) in [(&input.h, "h"), (&input.parts, "parts")] {
+            ensure_aligned(buf, stream, what)?;
+        }
+        ensure_aligned(&input.norm_w, stream, "norm weight")?;
+        ensure_aligned(h_out, stream, "h_out")?;
+        let raw = ResidualRaw {
+            h: input.h.device_ptr(stream).0,
+            parts: input.parts.device_ptr(stream).0,
+            weights: input
+                .weights
+                .as_ref()
+                .map_or(0, |wt| wt.device_ptr(stream).0),
+            norm_w: input.norm_w.device_ptr(stream).0,
+            h_out: h_out.device_ptr_mut(stream).0,
+            x_out: match x_out {
+                Some(x) => {
+                    ensure_aligned(x, stream, "x_out")?;
+                    x.device_ptr_mut(stream).0
+                }
+                None => 0,
+            },
+            k: as_i32(k, "parts")?,
+            eps: input.eps,
+        };
+        // x is made in the kernel; h stands in for it in the shape checks.
+        self.launch(
+            w,
+            None,
+            1,
+            &input.h,
+            SlotInput::Shared,
+            ntok,
+            y,
+            shape,
+            Some(raw),
+        )
+    }
+
+    /// The most rows one [`Self::gemv_residual`] launch over `w` takes: its x, sums and the staged
+    /// x must fit in shared memory beside the copy rings.
+    pub fn max_tokens_residual(&self, w: &Matrices) -> usize {
+        let format = format_of(w);
+        let shape = self.shape(w, 1);
+        (1..=MAX_TOKENS)
+            .rev()
+            .find(|&n| shared_bytes(format, w.cols, n, shape, true) <= self.max_shared)
+            .unwrap_or(0)
     }
 
     /// `gemv_slots` with a given launch shape (for tuning).
@@ -366,6 +493,22 @@ impl GemvKernels {
         ntok: usize,
         y: &mut CudaViewMut<bf16>,
         shape: GemvShape,
+    ) -> Result<()> {
+        self.launch(w, ids, slots, x, input, ntok, y, shape, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &self,
+        w: &Matrices,
+        ids: Option<&CudaView<i32>>,
+        slots: usize,
+        x: &CudaView<bf16>,
+        input: SlotInput,
+        ntok: usize,
+        y: &mut CudaViewMut<bf16>,
+        shape: GemvShape,
+        residual: Option<ResidualRaw>,
     ) -> Result<()> {
         let ahead = self.ahead.take();
         let format = check_matrices(w)?;
@@ -426,7 +569,7 @@ impl GemvKernels {
         }
         ensure_aligned(x, &self.stream, "gemv x")?;
         ensure_aligned(y, &self.stream, "gemv y")?;
-        let shared_bytes = shared_bytes(format, w.cols, ntok, shape);
+        let shared_bytes = shared_bytes(format, w.cols, ntok, shape, residual.is_some());
         ensure!(
             shared_bytes <= self.max_shared,
             "gemv: {shared_bytes} bytes of shared memory needed (cols {}, {ntok} tokens), the GPU allows {}",
@@ -470,6 +613,14 @@ impl GemvKernels {
             ahead: ahead.ranges.map(|r| r.0),
             ahead_bytes: ahead.ranges.map(|r| r.1 as i64),
             ahead_stride: ahead.ranges.map(|r| r.2 as i64),
+            res_h: residual.map_or(0, |r| r.h),
+            res_parts: residual.map_or(0, |r| r.parts),
+            res_weights: residual.map_or(0, |r| r.weights),
+            res_norm_w: residual.map_or(0, |r| r.norm_w),
+            res_h_out: residual.map_or(0, |r| r.h_out),
+            res_x_out: residual.map_or(0, |r| r.x_out),
+            res_k: residual.map_or(0, |r| r.k),
+            res_eps: residual.map_or(0.0, |r| r.eps),
         };
         let func = match format {
             Format::Q4 => &self.q4,
@@ -528,8 +679,27 @@ fn splits_evenly(format: Format, cols: usize, warps: usize) -> bool {
     iters % (warps * BATCH) == 0
 }
 
+/// Device addresses of a [`ResidualInput`] and its outputs, for the argument struct.
+#[derive(Clone, Copy)]
+struct ResidualRaw {
+    h: u64,
+    parts: u64,
+    weights: u64,
+    norm_w: u64,
+    h_out: u64,
+    x_out: u64,
+    k: i32,
+    eps: f32,
+}
+
 /// Dynamic shared memory of one block; the layout is described in gemm.cu.
-fn shared_bytes(format: Format, cols: usize, ntok: usize, shape: GemvShape) -> usize {
+fn shared_bytes(
+    format: Format,
+    cols: usize,
+    ntok: usize,
+    shape: GemvShape,
+    residual: bool,
+) -> usize {
     let words_per_row = cols * format.bits() / 32;
     let staged_x = ntok * (words_per_row * format.stage_bytes_per_word() + 16);
     let xsum = if format == Format::Bf16 {
@@ -544,7 +714,13 @@ fn shared_bytes(format: Format, cols: usize, ntok: usize, shape: GemvShape) -> u
         0
     };
     let ring = warps * STAGES * format.slot_bytes();
-    staged_x + xsum + reduction + ring
+    // A residual input: the rows of x and one row of sums in bf16, a float per warp.
+    let residual = if residual {
+        (ntok + 1) * cols * 2 + warps * 4
+    } else {
+        0
+    };
+    staged_x + xsum + reduction + ring + residual
 }
 
 fn format_of(w: &Matrices) -> Format {

@@ -3,7 +3,7 @@
 // The norms run one warp per row: rows are short (128..2048 values), a warp reduces with shuffles
 // alone, and each lane reads its share as 16-byte vectors. A row is read twice (sum of squares,
 // then scale); the second read hits L1. The host checks n % 8 == 0 and 16-byte alignment.
-#include "common.cuh"
+#include "norm.cuh"
 
 #define NORM_ROWS_PER_BLOCK 4  // warps per block; must match ROWS_PER_BLOCK in norm.rs
 
@@ -44,11 +44,7 @@ extern "C" __global__ void rmsnorm(const bf16* __restrict__ x, const float* __re
     }
 }
 
-// The residual add fused with the next norm, one block per row:
-//   r = bf16(Σ_j weights[row][j] · parts[row][j])   (weights null: k = 1, r = parts[row][0])
-//   h = bf16(h + r), written back;   y = rmsnorm(h) · w, of the rounded h as the reference does.
-// With k > 1 this is also the MoE combine: parts are the 8 routed experts' outputs and the shared
-// expert's, weights their router probabilities and sigmoid(shared gate).
+// The residual add fused with the next norm, one block of RES_THREADS per row (norm.cuh).
 #define RES_THREADS 256  // must match RES_THREADS in norm.rs
 extern "C" __global__ void __launch_bounds__(RES_THREADS)
 residual_rmsnorm(bf16* __restrict__ h, const bf16* __restrict__ parts, const float* __restrict__ weights, int k,
@@ -56,48 +52,10 @@ residual_rmsnorm(bf16* __restrict__ h, const bf16* __restrict__ parts, const flo
     pdl_wait();
     pdl_launch_dependents();
     __shared__ float warp_ss[RES_THREADS / 32];
-    const int row = blockIdx.x, nvec = n / 8;
-    uint4* hr = reinterpret_cast<uint4*>(h + (u64)row * n);
-    const uint4* pr = reinterpret_cast<const uint4*>(parts + (u64)row * k * n);
-    uint4* yr = reinterpret_cast<uint4*>(y + (u64)row * n);
-    float ss = 0.0f;
-    for (int v = threadIdx.x; v < nvec; v += RES_THREADS) {
-        float acc[8], f[8];
-        for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-        for (int j = 0; j < k; ++j) {
-            const float wj = weights ? weights[(u64)row * k + j] : 1.0f;
-            unpack8(pr[(u64)j * nvec + v], f);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] += wj * f[i];
-        }
-        unpack8(pack8(acc), acc);  // r in bf16
-        unpack8(hr[v], f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] += acc[i];
-        const uint4 sum = pack8(f);
-        hr[v] = sum;
-        unpack8(sum, f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ss += f[i] * f[i];
-    }
-    ss = warp_sum(ss);
-    if (threadIdx.x % 32 == 0) warp_ss[threadIdx.x / 32] = ss;
-    __syncthreads();
-    ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < RES_THREADS / 32; ++i) ss += warp_ss[i];
-    const float r = rsqrtf(ss / n + eps);
-    // Each thread re-reads only the vectors it wrote itself.
-    for (int v = threadIdx.x; v < nvec; v += RES_THREADS) {
-        float f[8];
-        unpack8(hr[v], f);
-        const float4 w0 = reinterpret_cast<const float4*>(w)[2 * v];
-        const float4 w1 = reinterpret_cast<const float4*>(w)[2 * v + 1];
-        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] = f[i] * r * wv[i];
-        yr[v] = pack8(f);
-    }
+    const int row = blockIdx.x;
+    bf16* hr = h + (u64)row * n;
+    residual_rmsnorm_row(hr, parts + (u64)row * k * n, weights ? weights + (u64)row * k : nullptr, k, w, hr,
+                         y + (u64)row * n, n, eps, warp_ss);
 }
 
 // The GDN output norm (MODEL.md §3.6.7), per value head (row of n = 128 values):
