@@ -23,6 +23,7 @@ use lily::cuda::gdn::{
     check_config, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace, Rows, CONV_DIM, CONV_KERNEL,
     CONV_STATE_LEN, HEAD_DIM, KEY_DIM, KEY_HEADS, PROJ_DIM, SSM_STATE_LEN, VALUE_DIM, VALUE_HEADS,
 };
+use lily::cuda::profile::OpProfile;
 use lily::cuda::{CudaDevice, CudaSlice, CudaStream};
 use lily::model::cpu::gdn::{causal_conv, delta_rule_chunked, delta_rule_recurrent, CHUNK};
 use lily::model::cpu::ops::{l2_normalize, rms_norm, sigmoid, silu, softplus};
@@ -888,10 +889,23 @@ fn timing() {
             .expect("prefill")
     };
     run();
-    let ms = median_ms(&dev, 5, run);
+    let ms = median_ms(&dev, 5, &mut run);
     println!(
         "prefill, one layer, {t} tokens: {ms:.3} ms ({:.0} tokens/s per layer; ×{LAYERS} layers: {:.1} ms)",
         t as f32 / (ms * 1e-3),
         ms * LAYERS as f32
     );
+    // Each of the chunked rule's kernels apart (CUDA events between them: lily bench --profile's).
+    let mut profile = OpProfile::default();
+    for _ in 0..3 {
+        profile
+            .time(&stream, || {
+                run();
+                Ok(())
+            })
+            .expect("profiled prefill");
+    }
+    for op in profile.take() {
+        println!("  {}: {:.3} ms per prefill", op.kernel, op.ms / 3.0);
+    }
 }
