@@ -20,7 +20,8 @@
 # reruns the q4 sweep at 4K and 32K with each setting (default "LILY_L2_AHEAD=0 LILY_WGMMA=1
 # LILY_FUSED_NORMS=1"; none to skip); GPU_CHECK_TRIALS (default "LILY_WGMMA=1 LILY_FUSED_NORMS=1")
 # reruns cuda_forward under each setting;
-# GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels (ncu.txt). The GPU tests are every
+# GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels (ncu.txt);
+# GPU_CHECK_TESTS=none (or a list of binaries) runs no (or only those) test binaries. The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
 # (src/cuda/mod.rs), so no LD_LIBRARY_PATH is set here.
@@ -67,9 +68,13 @@ run)
     summary="$out/summary.txt"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$summary"
     failed=0
+    # GPU_CHECK_TESTS=none skips the test binaries, the trials and generate (e.g. a second call
+    # that only benchmarks); a comma-separated list runs only those binaries.
+    tests="${GPU_CHECK_TESTS:-all}"
     for bin in "$dir"/cuda_*; do
         [[ -f "$bin" && -x "$bin" ]] || continue
         name="$(basename "$bin")"
+        [[ "$tests" == all || ",$tests," == *",$name,"* ]] || continue
         echo "=== $name"
         start=$SECONDS
         timeout 300 "$bin" --test-threads=1 --nocapture > "$logs/$name.log" 2>&1
@@ -81,7 +86,7 @@ run)
     done
     # Settings under trial (off by default until they pass here): the whole model again with each.
     for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=1 LILY_FUSED_NORMS=1}; do
-        [[ -x "$dir/cuda_forward" ]] || break
+        [[ -x "$dir/cuda_forward" && "$tests" != none ]] || break
         echo "=== cuda_forward ($trial)"
         start=$SECONDS
         env "$trial" timeout 300 "$dir/cuda_forward" --test-threads=1 --nocapture > "$logs/cuda_forward-$trial.log" 2>&1
@@ -90,7 +95,7 @@ run)
         [[ $rc == 0 ]] || failed=1
         echo "cuda_forward with $trial: $([[ $rc == 0 ]] && echo PASS || echo "FAIL (exit $rc)") in $((SECONDS - start)) s" >> "$summary"
     done
-    if [[ -x "$dir/lily" ]]; then
+    if [[ -x "$dir/lily" && "$tests" != none ]]; then
         # The command line end to end on the GPU: a 4-layer model with the real head shapes,
         # greedy `lily generate` on the GPU against the same on the CPU.
         echo "=== generate (cuda vs cpu)"
