@@ -62,7 +62,7 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part_v, const 
 
 // ---------------------------------------------------------------------------------------------
 // Sampling on the device: penalties, temperature, min-p, top-k, top-p and an inverse-CDF draw,
-// exactly as src/sampling.rs does them (it is the reference), with no host round trip inside:
+// exactly as src/sampling/ does them (it is the reference), with no host round trip inside:
 // the parameters and all intermediate results live in device memory (SampleParams, SampleState),
 // so the launches can go into a captured graph.
 //

@@ -1,5 +1,5 @@
 //! Sampling on the device (sample.cu): greedy argmax over rows of logits, and the full sampler
-//! (penalties, temperature, min-p, top-k, top-p, a draw) for one row, matching src/sampling.rs.
+//! (penalties, temperature, min-p, top-k, top-p, a draw) for one row, matching src/sampling/.
 
 use std::sync::Arc;
 
