@@ -754,6 +754,7 @@ fn moe_experts(
         // The residual add and post-mixer norm made in the router's GEMV, xn written for the experts.
         Some((stream, norm)) => {
             let eps = c.rms_norm_eps;
+            k.gemv.then_prefetch(L2Ahead::default());
             stream.gemv(
                 k,
                 &w.router,
