@@ -660,6 +660,53 @@ fn zero_clears_listed_slots() {
     }
 }
 
+/// `decode_in_pass` (the state read before the PDL wait, as forward passes run it) gives the same
+/// bits as `decode`, for 3 sequences in a pool of 4 (the launch comes after a host sync here, so
+/// nothing can still be writing the state; forward.rs's passes guarantee that by their order).
+#[test]
+fn decode_in_pass_equals_decode() {
+    let dev = device();
+    let stream = dev.stream().clone();
+    let kernels = GdnKernels::load(&dev).expect("load");
+    let mut rng = rng("decode_in_pass");
+    let dl = DevLayer::upload(&stream, &HostLayer::random(&mut rng));
+    let states: Vec<HostState> = (0..4).map(|_| HostState::random(&mut rng)).collect();
+    let x = HostInputs::random(&mut rng, 3);
+    let dx = DevInputs::upload(&stream, &x);
+    let slots = stream.clone_htod(&[2i32, 0, 3]).expect("upload");
+    let mut outs = Vec::new();
+    for in_pass in [false, true] {
+        let mut pools = DevPools::upload(&stream, &states);
+        let mut y = stream
+            .clone_htod(&vec![bf16::ZERO; 3 * VALUE_DIM])
+            .expect("upload");
+        stream.synchronize().expect("sync");
+        let (w, inputs) = (dl.weights(), dx.inputs());
+        let (mut ssm, mut conv) = (pools.ssm.slice_mut(..), pools.conv.slice_mut(..));
+        let mut yv = y.slice_mut(..);
+        if in_pass {
+            kernels.decode_in_pass(&w, &inputs, &slots.slice(..), &mut ssm, &mut conv, &mut yv)
+        } else {
+            kernels.decode(&w, &inputs, &slots.slice(..), &mut ssm, &mut conv, &mut yv)
+        }
+        .expect("decode");
+        let y: Vec<u16> = download(&stream, &y).iter().map(|v| v.to_bits()).collect();
+        let state: Vec<(Vec<u32>, Vec<u16>)> = pools
+            .download(&stream)
+            .into_iter()
+            .map(|(s, c)| {
+                (
+                    s.iter().map(|v| v.to_bits()).collect(),
+                    c.iter().map(|v| v.to_bits()).collect(),
+                )
+            })
+            .collect();
+        outs.push((y, state));
+    }
+    assert!(outs[0].0 == outs[1].0, "outputs differ");
+    assert!(outs[0].1 == outs[1].1, "states differ");
+}
+
 #[test]
 fn rejects_bad_arguments() {
     let dev = device();

@@ -548,7 +548,7 @@ impl CudaBackend {
                     }
                     if b > 0 {
                         let proj = s.proj.slice(d * width..t * width);
-                        k.gdn.decode(
+                        k.gdn.decode_in_pass(
                             &w,
                             &GdnInputs::fused(&proj, width)?,
                             &s.slots.slice(..b),

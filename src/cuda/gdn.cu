@@ -82,6 +82,9 @@ struct GdnArgs {
     int rows;  // decode: sequences; prefill: tokens
     int n_slots;
     float eps;  // gated-norm epsilon
+    // Decode: read the recurrent state before the PDL wait (its DRAM latency then overlaps the
+    // previous kernel). Only when no kernel still in flight can be writing it: gdn.rs decode_in_pass.
+    int state_early;
 };
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -140,8 +143,6 @@ __device__ __forceinline__ void st_cluster(float* local, u32 rank, float v) {
 // Thread t: column quad c = t % 8 (columns v0 + 4c .. +3), row group r = t / 8 (rows d = r + 16i).
 extern "C" __global__ void __cluster_dims__(DEC_CLUSTER, 1, 1) __launch_bounds__(DEC_THREADS)
 gdn_decode(const GdnArgs p) {
-    pdl_wait();
-    pdl_launch_dependents();
     __shared__ float q_s[GDN_DK], k_s[GDN_DK];  // q and k of key head kh, raw conv outputs
     __shared__ float qk_mine[32];               // this block's 16 q then 16 k conv outputs
     __shared__ float v_s[DEC_COLS];
@@ -166,8 +167,15 @@ gdn_decode(const GdnArgs p) {
     const int c = tid % 8, r = tid / 8;
     float* S = p.ssm + (i64)slot * GDN_SEQ_STATE + (i64)hv * GDN_HEAD_STATE + v0 + 4 * c;
     float4 s[8];
+    auto load_state = [&] {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s[i] = *reinterpret_cast<const float4*>(S + (r + 16 * i) * GDN_DV);
+        for (int i = 0; i < 8; ++i) s[i] = *reinterpret_cast<const float4*>(S + (r + 16 * i) * GDN_DV);
+    };
+    // The slots come from the host before the pass (not from a kernel), so they may be read here.
+    if (p.state_early) load_state();
+    pdl_wait();
+    pdl_launch_dependents();
+    if (!p.state_early) load_state();
     // The other inputs, loaded up front too (the cluster barriers below order memory, so loads
     // are not moved across them): the gate inputs, and z and the norm weight of the 4 columns
     // that threads 0..7 will write.

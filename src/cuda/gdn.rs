@@ -223,6 +223,7 @@ struct GdnArgs {
     rows: i32,
     n_slots: i32,
     eps: f32,
+    state_early: i32,
 }
 
 // SAFETY: plain integers and floats, laid out as the C struct the kernels take by value.
@@ -278,6 +279,40 @@ impl GdnKernels {
         conv: &mut CudaViewMut<bf16>,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
+        self.decode_with(w, x, slots, ssm, conv, y, false)
+    }
+
+    /// [`Self::decode`] inside a forward pass: the kernel reads the recurrent state before its PDL
+    /// wait, so the read overlaps the previous kernel. Safe only when no kernel that may still run
+    /// (PDL lets a kernel start while its predecessors finish) writes these states, which holds in
+    /// a pass: the only writers of a layer's states are that layer's GDN kernels, each sequence's
+    /// run once per pass, and every pass starts after host copies (slots, token ids), which no
+    /// kernel overlaps. Two decodes of the same layer back to back (as the kernel tests do) would
+    /// race: they use [`Self::decode`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_in_pass(
+        &self,
+        w: &GdnWeights,
+        x: &GdnInputs,
+        slots: &CudaView<i32>,
+        ssm: &mut CudaViewMut<f32>,
+        conv: &mut CudaViewMut<bf16>,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        self.decode_with(w, x, slots, ssm, conv, y, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decode_with(
+        &self,
+        w: &GdnWeights,
+        x: &GdnInputs,
+        slots: &CudaView<i32>,
+        ssm: &mut CudaViewMut<f32>,
+        conv: &mut CudaViewMut<bf16>,
+        y: &mut CudaViewMut<bf16>,
+        state_early: bool,
+    ) -> Result<()> {
         let batch = slots.len();
         ensure!(
             batch <= 65535,
@@ -304,6 +339,7 @@ impl GdnKernels {
         args.conv_state = conv_ptr;
         args.y = y_ptr;
         args.n_slots = as_i32(n_slots, "gdn decode n_slots")?;
+        args.state_early = i32::from(state_early);
         let cfg = LaunchConfig {
             grid_dim: (DEC_BLOCKS, batch as u32, 1),
             block_dim: (DEC_THREADS, 1, 1),
