@@ -602,12 +602,13 @@ fn gemv_expert_slots_match_reference() {
     }
 }
 
-/// Pulling the next kernels' weights into L2 after a GEMV (`then_prefetch`) changes nothing: the
-/// same products with and without, bit for bit; whole matrices (dense, an odd row count), one
-/// matrix of a stack, and each slot's own matrix of another stack (addressed by the launch's
+/// The launch hints change nothing: pulling the next kernels' weights into L2 (`then_prefetch`)
+/// and reading the ids before the PDL wait (`then_ids_ready`, after a sync here) give the same
+/// products with and without, bit for bit; prefetched: whole matrices (dense, an odd row count),
+/// one matrix of a stack, and each slot's own matrix of another stack (addressed by the launch's
 /// device-side ids, here the last expert too) — any address fault would fail the launch.
 #[test]
-fn gemv_l2_ahead_changes_nothing() {
+fn gemv_launch_hints_change_nothing() {
     let dev = device();
     let k = GemvKernels::load(&dev).unwrap();
     let s = dev.stream();
@@ -639,6 +640,10 @@ fn gemv_l2_ahead_changes_nothing() {
             .unwrap();
         let mut y2 = poisoned(s, slots * 1024);
         k.then_prefetch(a);
+        if a != L2Ahead::default() {
+            s.synchronize().unwrap();
+            k.then_ids_ready();
+        }
         k.gemv_slots(
             &gate_up.view(),
             Some(&dids.as_view()),

@@ -827,6 +827,8 @@ fn moe_experts(
             if row + n == t {
                 k.gemv.then_prefetch(ahead.1);
             }
+            // Gate‖up, just before, read these ids after its PDL wait.
+            k.gemv.then_ids_ready();
             k.gemv.gemv_slots(
                 &w.down.view(),
                 Some(&ids),

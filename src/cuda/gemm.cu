@@ -109,6 +109,10 @@ struct GemvArgs {
     bf16* res_x_out;
     int res_k;
     float res_eps;
+    // The ids were final before the previous kernel's PDL wait returned (it read them too, after
+    // its wait, as the experts' gate‖up does for their down): read them, and stream the first
+    // weights, before this kernel's own wait.
+    int ids_ready;
 };
 
 namespace {
@@ -190,8 +194,9 @@ __device__ void gemv(const GemvArgs& a) {
     const int tile_in_round = warp / kw, kwarp = warp % kw;
     const int slot_id = blockIdx.y;
     // PDL (common.cuh): a fixed matrix can be streamed in before the previous kernel is done; the
-    // expert of a slot is known only once it is (the router wrote the ids).
-    if (a.ids) pdl_wait();
+    // expert of a slot is known only once the router's ids are written (or were, see ids_ready).
+    const bool ids_wait = a.ids && !a.ids_ready;
+    if (ids_wait) pdl_wait();
     pdl_launch_dependents();
     const int mat = a.ids ? min(max(a.ids[slot_id], 0), a.count - 1) : slot_id;
     const u32* wmat = a.w + mat * a.w_mat_words;
@@ -273,7 +278,7 @@ __device__ void gemv(const GemvArgs& a) {
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + off), "r"((u32)min(4096ll, end - off))
                          : "memory");
     }
-    if (!a.ids) pdl_wait();
+    if (!ids_wait) pdl_wait();
 
     // A residual input: each token row's x made here (into shared memory) from the residual
     // stream, exactly as the residual_rmsnorm kernel would have made it.

@@ -134,6 +134,7 @@ struct GemvArgs {
     res_x_out: u64,
     res_k: i32,
     res_eps: f32,
+    ids_ready: i32,
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
@@ -300,6 +301,8 @@ pub struct GemvKernels {
     sm_count: usize,
     /// What the next launch pulls into L2 ([`GemvKernels::then_prefetch`]).
     ahead: Cell<L2Ahead>,
+    /// The next launch's ids are final before its PDL wait ([`GemvKernels::then_ids_ready`]).
+    ids_ready: Cell<bool>,
     /// `LILY_L2_AHEAD=0` turns the prefetching off (to measure what it brings).
     ahead_enabled: bool,
 }
@@ -329,8 +332,17 @@ impl GemvKernels {
             max_shared,
             sm_count,
             ahead: Cell::default(),
+            ids_ready: Cell::new(false),
             ahead_enabled: std::env::var("LILY_L2_AHEAD").map_or(true, |v| v != "0"),
         })
+    }
+
+    /// The next launch (only that one) reads its device-side ids before its PDL wait and streams
+    /// its first expert weights early. Only when the kernel launched just before it read the same
+    /// ids after its own wait (PDL started it after that wait returned, when the ids' writer had
+    /// finished): the experts' down after their gate‖up.
+    pub fn then_ids_ready(&self) {
+        self.ids_ready.set(true);
     }
 
     /// The next launch (only that one) pulls `ahead` into L2 as its first weights go out.
@@ -511,6 +523,7 @@ impl GemvKernels {
         residual: Option<ResidualRaw>,
     ) -> Result<()> {
         let ahead = self.ahead.take();
+        let ids_ready = self.ids_ready.take();
         let format = check_matrices(w)?;
         let GemvShape {
             warps_per_tile,
@@ -621,6 +634,7 @@ impl GemvKernels {
             res_x_out: residual.map_or(0, |r| r.x_out),
             res_k: residual.map_or(0, |r| r.k),
             res_eps: residual.map_or(0.0, |r| r.eps),
+            ids_ready: i32::from(ids_ready),
         };
         let func = match format {
             Format::Q4 => &self.q4,
