@@ -196,9 +196,16 @@ __device__ void gemv(const GemvArgs& a) {
     // PDL (common.cuh): a fixed matrix can be streamed in before the previous kernel is done; the
     // expert of a slot is known only once the router's ids are written (or were, see ids_ready).
     const bool ids_wait = a.ids && !a.ids_ready;
-    if (ids_wait) pdl_wait();
+    if (ids_wait) {
+        pdl_wait();
+        // A release fence before the trigger orders what this grid's wait made visible (the ids)
+        // before the start of the next grid (PTX ISA, griddepcontrol), which may read them before
+        // its own wait (ids_ready). Its reads bypass L1 too (__ldcg): no stale line of an earlier
+        // layer's ids.
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+    }
     pdl_launch_dependents();
-    const int mat = a.ids ? min(max(a.ids[slot_id], 0), a.count - 1) : slot_id;
+    const int mat = a.ids ? min(max(__ldcg(a.ids + slot_id), 0), a.count - 1) : slot_id;
     const u32* wmat = a.w + mat * a.w_mat_words;
     const bf16* smat = a.scales + (i64)mat * a.rows * ngroups;
     const bf16* bmat = a.biases + (i64)mat * a.rows * ngroups;
