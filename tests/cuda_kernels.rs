@@ -610,7 +610,8 @@ fn gemv_expert_slots_match_reference() {
 #[test]
 fn gemv_launch_hints_change_nothing() {
     let dev = device();
-    let k = GemvKernels::load(&dev).unwrap();
+    let mut k = GemvKernels::load(&dev).unwrap();
+    k.set_l2_ahead(true);
     let s = dev.stream();
     let mut rng = Rng::new("gemv l2 ahead");
     let (experts, slots) = (16, 9);

@@ -299,7 +299,7 @@ impl GdnKernels {
         conv: &mut CudaViewMut<bf16>,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
-        self.decode_with(w, x, slots, ssm, conv, y, true)
+        self.decode_with(w, x, slots, ssm, conv, y, super::gemm::early_reads())
     }
 
     #[allow(clippy::too_many_arguments)]

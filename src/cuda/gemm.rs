@@ -265,6 +265,12 @@ pub struct ResidualInput<'a> {
     pub eps: f32,
 }
 
+/// Whether decode may read inputs before the PDL wait where that is safe (the experts' ids here,
+/// the GDN state in gdn.rs): on unless `LILY_EARLY_READS=0`, to measure what it brings.
+pub(crate) fn early_reads() -> bool {
+    std::env::var("LILY_EARLY_READS").map_or(true, |v| v != "0")
+}
+
 /// Threads per block of the residual_rmsnorm kernel (norm.rs): a fused launch must have as many
 /// for its sums to add up in the same order.
 const RES_THREADS: usize = 256;
@@ -303,7 +309,9 @@ pub struct GemvKernels {
     ahead: Cell<L2Ahead>,
     /// The next launch's ids are final before its PDL wait ([`GemvKernels::then_ids_ready`]).
     ids_ready: Cell<bool>,
-    /// `LILY_L2_AHEAD=0` turns the prefetching off (to measure what it brings).
+    /// Early reads before the PDL wait are on unless `LILY_EARLY_READS=0` (for A/B runs).
+    early_reads: bool,
+    /// The prefetching is on with `LILY_L2_AHEAD=1` (off by default until measured on the H200).
     ahead_enabled: bool,
 }
 
@@ -333,7 +341,8 @@ impl GemvKernels {
             sm_count,
             ahead: Cell::default(),
             ids_ready: Cell::new(false),
-            ahead_enabled: std::env::var("LILY_L2_AHEAD").map_or(true, |v| v != "0"),
+            early_reads: early_reads(),
+            ahead_enabled: std::env::var("LILY_L2_AHEAD").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -342,7 +351,12 @@ impl GemvKernels {
     /// ids after its own wait (PDL started it after that wait returned, when the ids' writer had
     /// finished): the experts' down after their gate‖up.
     pub fn then_ids_ready(&self) {
-        self.ids_ready.set(true);
+        self.ids_ready.set(self.early_reads);
+    }
+
+    /// Turns the L2 prefetching of [`Self::then_prefetch`] on or off (default: `LILY_L2_AHEAD=1`).
+    pub fn set_l2_ahead(&mut self, on: bool) {
+        self.ahead_enabled = on;
     }
 
     /// The next launch (only that one) pulls `ahead` into L2 as its first weights go out.
