@@ -47,5 +47,8 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 // earlier kernel wrote or writes anything an earlier kernel reads, and pdl_launch_dependents() once
 // it has started, so that the next kernel's blocks can be scheduled and run their independent
 // prologue (e.g. streaming weights) while this one finishes. Both are no-ops without the attribute.
+// Two reads come before the wait where the order of a forward pass makes them safe, each argued
+// where it is made: the GDN decode step's state (gdn.rs, decode_in_pass) and the experts' down
+// GEMV's ids (gemm.rs, then_ids_ready).
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
