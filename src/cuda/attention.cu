@@ -424,8 +424,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
 //   part_ml[batch][16][max_splits][2]:   m (running max, log2 domain) and l = Σ_k exp2(s_k − m)
 //
 // Split rule (split_chunk; the host sizes the grid, attention.rs `decode_splits`): the chunk is
-// ceil(len / max_splits) rounded up to whole tiles of 64 keys, and nsplit = ceil(len / chunk)
-// ≤ max_splits; blocks with split ≥ nsplit exit at once. Because len is read on the device, the
+// ceil(len / max_splits), at least min_chunk, rounded up to whole tiles of 64 keys, and nsplit =
+// ceil(len / chunk) ≤ max_splits; blocks with split ≥ nsplit exit at once. Because len is read on the device, the
 // same launch (a captured graph) serves every length.
 //
 // GQA packing with the 8 heads on the mma's N = 8 side (no padding): per tile of 64 keys, warp w
@@ -447,15 +447,15 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
 #define DEC_MAX_SPLITS 256                            // = COMBINE_THREADS
 #define DEC_OSTRIDE 260  // floats per head row of the merge buffer: 4 heads 2t apart hit distinct banks
 
-__device__ __forceinline__ int split_chunk(int len, int max_splits) {
-    const int per = (len + max_splits - 1) / max_splits;
+__device__ __forceinline__ int split_chunk(int len, int max_splits, int min_chunk) {
+    const int per = max((len + max_splits - 1) / max_splits, min_chunk);
     return (per + DEC_TILE - 1) / DEC_TILE * DEC_TILE;
 }
 
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     attn_decode_split(const bf16* __restrict__ q, const KvCacheArgs c, const int* __restrict__ slots,
                       const int* __restrict__ positions, float* __restrict__ part_o,
-                      float* __restrict__ part_ml, int max_splits, float scale_log2) {
+                      float* __restrict__ part_ml, int max_splits, float scale_log2, int min_chunk) {
     pdl_wait();
     pdl_launch_dependents();
     extern __shared__ __align__(16) unsigned char smem[];
@@ -463,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     const int slot = slots[b], pos = positions[b];
     if (!in_cache(c, slot, pos)) return;  // attn_combine writes NaN for this sequence
-    const int len = pos + 1, chunk = split_chunk(len, max_splits);
+    const int len = pos + 1, chunk = split_chunk(len, max_splits, min_chunk);
     const int k0 = split * chunk;
     if (k0 >= len) return;
     const int k1 = min(k0 + chunk, len);
@@ -634,7 +634,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
 // attn_combine: grid (16 heads, rows), 256 threads. Merges the partial results of one (row, head)
 // over the key chunks that hold keys it sees: with M = max m_s and w_s = exp2(m_s − M),
 //   o = Σ w_s part_o_s / Σ w_s l_s,   out[row][256·h + d] = bf16(o[d] · sigmoid(gate[row][h][d])).
-// Decode (positions given): row b is a sequence at positions[b], chunks as split_chunk picks them.
+// Decode (positions given): row b is a sequence at positions[b], chunks as split_chunk picks them
+// (with `chunk` passed as attn_decode_split's min_chunk).
 // Prefill (positions null): row i is token i at position start + i, chunks of `chunk` keys.
 // Either way the row's position pos sees chunks 0 .. pos / chunk.
 // Thread s first holds split s's (m, l) for the block-wide max and sum; then 4 groups of 64
@@ -683,7 +684,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
             dst[tid] = __float2bfloat16_rn(__int_as_float(0x7fc00000));  // NaN: see in_cache
             return;
         }
-        chunk = split_chunk(pos + 1, max_splits);
+        chunk = split_chunk(pos + 1, max_splits, chunk);  // decode: `chunk` is the split's min_chunk
     }
     const int nsplit = pos / chunk + 1;
     const u64 row = (u64)b * N_QHEADS + h;

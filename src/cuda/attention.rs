@@ -267,6 +267,9 @@ pub struct AttentionKernels {
     /// 1/√256 · log2(e): the kernels' softmax runs in the log2 domain (exp2).
     scale_log2: f32,
     sm_count: usize,
+    /// Decode: the fewest keys per split (a multiple of 64); `LILY_ATTN_MIN_CHUNK` sets it (default
+    /// 64: as many splits as fill the GPU), to measure fewer, longer splits at short context.
+    min_chunk: i32,
 }
 
 impl AttentionKernels {
@@ -319,6 +322,11 @@ impl AttentionKernels {
             eps: config.rms_norm_eps,
             scale_log2: (HEAD_DIM as f32).sqrt().recip() * std::f32::consts::LOG2_E,
             sm_count,
+            min_chunk: std::env::var("LILY_ATTN_MIN_CHUNK")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .map_or(DEC_TILE, |v| v.clamp(DEC_TILE, 1 << 20).next_multiple_of(DEC_TILE))
+                as i32,
         })
     }
 
@@ -590,9 +598,11 @@ impl AttentionKernels {
                 &mut ws.part_o,
                 &mut ws.part_ml,
                 &splits_i,
-                &self.scale_log2
+                &self.scale_log2,
+                &self.min_chunk
             )?;
-            // start and chunk are unused: with positions, attn_combine takes both from the device.
+            // With positions, attn_combine takes the positions from the device and the chunks from
+            // the same rule as the split kernel: `start` is unused, `chunk` is the min chunk.
             launch!(
                 stream,
                 &self.combine,
@@ -606,7 +616,7 @@ impl AttentionKernels {
                 out,
                 &splits_i,
                 &zero,
-                &zero
+                &self.min_chunk
             )
         }
     }
