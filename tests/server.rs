@@ -650,6 +650,150 @@ async fn json_schema_answers_always_parse_and_validate() {
     server.stop().await;
 }
 
+/// vLLM's constraints on the answer (`structured_outputs`, the older `guided_*` spellings) and
+/// llama.cpp's `json_schema`: the random demo model's answers always follow them, with thinking on
+/// (the constraint applies after `</think>`) and off, on chat and text completions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_constrain_the_answer() {
+    let server = TestServer::demo().await;
+    let answer = |response: &Value| -> String {
+        let choice = &response["choices"][0];
+        assert_eq!(choice["finish_reason"], "stop", "{response}");
+        choice["message"]["content"]
+            .as_str()
+            .or(choice["text"].as_str())
+            .expect("an answer")
+            .to_string()
+    };
+    let is_code = |s: &str| {
+        let b = s.as_bytes();
+        b.len() == 6
+            && b[..3].iter().all(u8::is_ascii_digit)
+            && b[3] == b'/'
+            && b[4..].iter().all(u8::is_ascii_lowercase)
+    };
+    let options = ["yes", "no", "maybe so"];
+    for (seed, thinking) in (0..4).map(|s| (s, s % 2 == 0)) {
+        let chat = |constraint: Value| {
+            let mut body = json!({
+                "messages": user("Answer."), "temperature": 1.0, "seed": seed, "max_tokens": 200,
+                "chat_template_kwargs": {"enable_thinking": thinking}, "thinking_token_budget": 5,
+            });
+            for (k, v) in constraint.as_object().expect("fields") {
+                body[k] = v.clone();
+            }
+            body
+        };
+        let choice = answer(
+            &server
+                .chat(chat(json!({"structured_outputs": {"choice": options}})))
+                .await,
+        );
+        assert!(options.contains(&choice.as_str()), "{choice:?}");
+        let choice = answer(&server.chat(chat(json!({"guided_choice": options}))).await);
+        assert!(options.contains(&choice.as_str()), "{choice:?}");
+        // A slash in the pattern, which Lark's regex literal needs escaped.
+        let code = answer(
+            &server
+                .chat(chat(json!({"guided_regex": "[0-9]{3}/[a-z]{2}"})))
+                .await,
+        );
+        assert!(is_code(&code), "{code:?}");
+        let lark = answer(
+            &server
+                .chat(chat(
+                    json!({"structured_outputs": {"grammar": "start: \"AB\" | \"BA\""}}),
+                ))
+                .await,
+        );
+        assert!(lark == "AB" || lark == "BA", "{lark:?}");
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false});
+        for constraint in [
+            json!({"structured_outputs": {"json": schema}}),
+            json!({"structured_outputs": {"json": schema.to_string()}}),
+            json!({"guided_json": schema}),
+            json!({"json_schema": schema}),
+        ] {
+            let text = answer(&server.chat(chat(constraint.clone())).await);
+            let value: Value = serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("{constraint}: not JSON ({e}): {text:?}"));
+            assert!(
+                value["n"].is_i64() && value.as_object().is_some_and(|o| o.len() == 1),
+                "{constraint}: {value}"
+            );
+        }
+    }
+    // Without a constraint the random model says something else (so the checks above can fail).
+    let free = server
+        .chat(
+            json!({"messages": user("Answer."), "temperature": 1.0, "seed": 0, "max_tokens": 30,
+                     "chat_template_kwargs": {"enable_thinking": false}}),
+        )
+        .await;
+    let free = free["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(!options.contains(&free) && !is_code(free), "{free:?}");
+    // Text completions take them too.
+    let r = server
+        .post("/v1/completions", &json!({"prompt": "The answer is", "guided_choice": options, "max_tokens": 20, "seed": 3, "temperature": 1.0}))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let text = answer(&r.json());
+    assert!(options.contains(&text.as_str()), "{text:?}");
+    server.stop().await;
+}
+
+/// Bad or conflicting constraints are 400s that name the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_structured_outputs_are_rejected() {
+    let server = TestServer::demo().await;
+    let cases = [
+        (json!({"guided_regex": "("}), "guided_regex"),
+        (json!({"guided_regex": ""}), "guided_regex"),
+        (json!({"guided_choice": []}), "guided_choice"),
+        (json!({"guided_choice": ["a", 3]}), "guided_choice"),
+        (json!({"guided_json": "{not json"}), "guided_json"),
+        (json!({"structured_outputs": "regex"}), "structured_outputs"),
+        (json!({"structured_outputs": {}}), "structured_outputs"),
+        (
+            json!({"structured_outputs": {"regex": "a", "choice": ["b"]}}),
+            "structured_outputs",
+        ),
+        (
+            json!({"structured_outputs": {"grammar": "start: undefined_rule"}}),
+            "structured_outputs",
+        ),
+        (
+            json!({"structured_outputs": {"structural_tag": {}}}),
+            "structured_outputs.structural_tag",
+        ),
+        (
+            json!({"guided_choice": ["a"], "response_format": {"type": "json_object"}}),
+            "guided_choice",
+        ),
+        (
+            json!({"guided_regex": "a+", "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
+            "guided_regex",
+        ),
+    ];
+    for (constraint, param) in cases {
+        let mut body = json!({"messages": user("hi"), "max_tokens": 5});
+        for (k, v) in constraint.as_object().expect("fields") {
+            body[k] = v.clone();
+        }
+        let r = server.post("/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 400, "{constraint}: {}", r.text());
+        let error = &r.json()["error"];
+        assert_eq!(error["param"], param, "{constraint}: {error}");
+        assert!(
+            error["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{error}"
+        );
+    }
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_strings_end_the_content_only() {
     let server =

@@ -325,8 +325,9 @@ impl AttentionKernels {
             min_chunk: std::env::var("LILY_ATTN_MIN_CHUNK")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
-                .map_or(DEC_TILE, |v| v.clamp(DEC_TILE, 1 << 20).next_multiple_of(DEC_TILE))
-                as i32,
+                .map_or(DEC_TILE, |v| {
+                    v.clamp(DEC_TILE, 1 << 20).next_multiple_of(DEC_TILE)
+                }) as i32,
         })
     }
 

@@ -163,6 +163,28 @@ impl TextModel {
                 schema,
                 after_thinking,
             } => TopLevelGrammar::from_lark(json_lark(schema, *after_thinking)),
+            Grammar::Regex {
+                pattern,
+                after_thinking,
+            } => TopLevelGrammar::from_lark(format!(
+                "{}answer: /{}/\n",
+                answer_start(*after_thinking),
+                lark_regex_body(pattern)
+            )),
+            Grammar::Choice {
+                options,
+                after_thinking,
+            } => {
+                let options: Vec<String> = options
+                    .iter()
+                    .map(|o| serde_json::to_string(o).unwrap_or_default())
+                    .collect();
+                TopLevelGrammar::from_lark(format!(
+                    "{}answer: {}\n",
+                    answer_start(*after_thinking),
+                    options.join(" | ")
+                ))
+            }
             Grammar::Lark(source) => TopLevelGrammar::from_lark(source.clone()),
         };
         let parser = self
@@ -233,7 +255,18 @@ pub enum Grammar {
         schema: serde_json::Value,
         after_thinking: bool,
     },
-    /// A grammar in llguidance's Lark dialect (tool calls in Qwen's XML format).
+    /// Text matching this regular expression (vLLM's `regex`), whole.
+    Regex {
+        pattern: String,
+        after_thinking: bool,
+    },
+    /// Exactly one of these strings (vLLM's `choice`).
+    Choice {
+        options: Vec<String>,
+        after_thinking: bool,
+    },
+    /// A grammar in llguidance's Lark dialect (tool calls in Qwen's XML format, or a request's
+    /// own `grammar`), used as it is.
     Lark(String),
 }
 
@@ -268,12 +301,36 @@ fn json_lark(schema: &serde_json::Value, after_thinking: bool) -> String {
             serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
         });
     }
-    let start = if after_thinking {
-        "start: NL? answer\nNL: /\\n\\n?/"
+    format!("{}answer: %json {schema}\n", answer_start(after_thinking))
+}
+
+/// The grammar's start rule: the `answer` rule, after the thinking optionally preceded by the
+/// blank line the model writes after `</think>` (the reasoning parser drops it).
+fn answer_start(after_thinking: bool) -> &'static str {
+    if after_thinking {
+        "start: NL? answer\nNL: /\\n\\n?/\n"
     } else {
-        "start: answer"
-    };
-    format!("{start}\nanswer: %json {schema}\n")
+        "start: answer\n"
+    }
+}
+
+/// A regular expression as the body of a Lark `/.../` literal: unescaped slashes escaped.
+fn lark_regex_body(pattern: &str) -> String {
+    let mut out = String::with_capacity(pattern.len() + 8);
+    let mut chars = pattern.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                out.push(c);
+                if let Some(next) = chars.next() {
+                    out.push(next);
+                }
+            }
+            '/' => out.push_str("\\/"),
+            _ => out.push(c),
+        }
+    }
+    out
 }
 
 /// llguidance's view of our vocabulary: every id's bytes, with control tokens marked (0xFF

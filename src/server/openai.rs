@@ -46,6 +46,15 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
     pub response_format: Option<Value>,
+    /// vLLM's constraints on the answer: `structured_outputs` (`json`, `regex`, `choice`,
+    /// `grammar` in llguidance's Lark, `json_object`) and its older spellings; llama.cpp's
+    /// `json_schema`. At most one constraint per request, `response_format` included.
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub json_schema: Option<Value>,
     #[serde(default)]
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
@@ -111,6 +120,15 @@ pub struct CompletionRequest {
     /// Legacy completions logprobs: the number of alternatives (0..=20) per token.
     pub logprobs: Option<i64>,
     pub response_format: Option<Value>,
+    /// vLLM's constraints on the answer: `structured_outputs` (`json`, `regex`, `choice`,
+    /// `grammar` in llguidance's Lark, `json_object`) and its older spellings; llama.cpp's
+    /// `json_schema`. At most one constraint per request, `response_format` included.
+    pub structured_outputs: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub json_schema: Option<Value>,
     /// Saved prompt states are shared only among requests with the same key.
     pub prompt_cache_key: Option<String>,
 }

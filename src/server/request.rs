@@ -144,13 +144,12 @@ pub fn prepare_chat(
         }
         _ => None,
     };
-    let response_grammar =
-        response_format_grammar(req.response_format.as_ref(), rendered.thinking)?;
-    let grammar = match (&rendered.tool_choice, response_grammar) {
-        (ToolChoice::Required | ToolChoice::Named(_), Some(_)) => {
+    let answer = answer_grammar(&Constraints::of_chat(req), rendered.thinking)?;
+    let grammar = match (&rendered.tool_choice, answer) {
+        (ToolChoice::Required | ToolChoice::Named(_), Some((_, param))) => {
             return Err(ApiError::invalid(
-                "response_format",
-                "`response_format` cannot be combined with `tool_choice` \"required\" or a named tool: the answer must be a tool call.",
+                param,
+                format!("`{param}` cannot be combined with `tool_choice` \"required\" or a named tool: the answer must be a tool call."),
             ))
         }
         (ToolChoice::Required, None) => {
@@ -160,7 +159,7 @@ pub fn prepare_chat(
         (ToolChoice::Named(name), None) => {
             Some((Grammar::Lark(tool_call_lark(rendered.tools.as_deref().unwrap_or(&[]), Some(name), false)), "tool_choice"))
         }
-        (_, Some(g)) => Some((g, "response_format")),
+        (_, Some((g, param))) => Some((g, param)),
         (_, None) => None,
     };
     let matcher =
@@ -255,15 +254,13 @@ pub fn prepare_completion(
             _ => e,
         }
     })?;
-    let grammar = match response_format_grammar(req.response_format.as_ref(), false)? {
-        Some(g) => Some(model.compile(&g).map_err(|e| {
-            ApiError::invalid(
-                "response_format",
-                format!("Cannot use this `response_format`: {e}"),
-            )
-        })?),
-        None => None,
-    };
+    let grammar =
+        match answer_grammar(&Constraints::of_completion(req), false)? {
+            Some((g, param)) => Some(model.compile(&g).map_err(|e| {
+                ApiError::invalid(param, format!("Cannot use this `{param}`: {e}"))
+            })?),
+            None => None,
+        };
     let plans = (0..n)
         .map(|i| GenerationPlan {
             prompt: prompt.clone(),
@@ -555,6 +552,222 @@ fn parse_tool_choice(
         // "auto" without tools means no tools, as OpenAI treats it.
         ToolChoice::Auto if names.is_empty() => Ok(ToolChoice::None),
         _ => Ok(choice),
+    }
+}
+
+/// The request fields that can constrain the answer, from either request type.
+struct Constraints<'a> {
+    response_format: Option<&'a Value>,
+    structured_outputs: Option<&'a Value>,
+    guided_json: Option<&'a Value>,
+    guided_regex: Option<&'a Value>,
+    guided_choice: Option<&'a Value>,
+    guided_grammar: Option<&'a Value>,
+    json_schema: Option<&'a Value>,
+}
+
+macro_rules! constraints_of {
+    ($req:expr) => {
+        Constraints {
+            response_format: $req.response_format.as_ref(),
+            structured_outputs: $req.structured_outputs.as_ref(),
+            guided_json: $req.guided_json.as_ref(),
+            guided_regex: $req.guided_regex.as_ref(),
+            guided_choice: $req.guided_choice.as_ref(),
+            guided_grammar: $req.guided_grammar.as_ref(),
+            json_schema: $req.json_schema.as_ref(),
+        }
+    };
+}
+
+impl<'a> Constraints<'a> {
+    fn of_chat(req: &'a ChatCompletionRequest) -> Self {
+        constraints_of!(req)
+    }
+    fn of_completion(req: &'a CompletionRequest) -> Self {
+        constraints_of!(req)
+    }
+}
+
+/// The grammar the request's answer must follow and the field that asked for it: OpenAI's
+/// `response_format`, vLLM's `structured_outputs` or its older `guided_json` / `guided_regex` /
+/// `guided_choice` / `guided_grammar`, llama.cpp's `json_schema`. Two of them is an error: silently
+/// preferring one would hand a client output it did not ask for.
+fn answer_grammar(
+    c: &Constraints,
+    after_thinking: bool,
+) -> Result<Option<(Grammar, &'static str)>, ApiError> {
+    let present = |v: Option<&Value>| v.filter(|v| !v.is_null()).cloned();
+    let mut found: Vec<(&'static str, Grammar)> = Vec::new();
+    if let Some(g) = response_format_grammar(c.response_format, after_thinking)? {
+        found.push(("response_format", g));
+    }
+    if let Some(v) = present(c.structured_outputs) {
+        found.push((
+            "structured_outputs",
+            structured_outputs(&v, after_thinking)?,
+        ));
+    }
+    if let Some(v) = present(c.guided_json) {
+        found.push((
+            "guided_json",
+            json_constraint("guided_json", &v, after_thinking)?,
+        ));
+    }
+    if let Some(v) = present(c.json_schema) {
+        found.push((
+            "json_schema",
+            json_constraint("json_schema", &v, after_thinking)?,
+        ));
+    }
+    if let Some(v) = present(c.guided_regex) {
+        found.push((
+            "guided_regex",
+            regex_constraint("guided_regex", &v, after_thinking)?,
+        ));
+    }
+    if let Some(v) = present(c.guided_choice) {
+        found.push((
+            "guided_choice",
+            choice_constraint("guided_choice", &v, after_thinking)?,
+        ));
+    }
+    if let Some(v) = present(c.guided_grammar) {
+        found.push(("guided_grammar", grammar_constraint("guided_grammar", &v)?));
+    }
+    match found.len() {
+        0 | 1 => Ok(found.pop().map(|(param, g)| (g, param))),
+        _ => Err(ApiError::invalid(
+            found[1].0,
+            format!(
+                "`{}` and `{}` both constrain the answer; send only one.",
+                found[0].0, found[1].0
+            ),
+        )),
+    }
+}
+
+/// vLLM's `structured_outputs`: an object with exactly one of `json`, `regex`, `choice`,
+/// `grammar` or `json_object`; its other options (whitespace, fallback) are ignored.
+fn structured_outputs(v: &Value, after_thinking: bool) -> Result<Grammar, ApiError> {
+    let object = v.as_object().ok_or_else(|| {
+        ApiError::invalid(
+            "structured_outputs",
+            "`structured_outputs` must be an object.",
+        )
+    })?;
+    let kinds = [
+        "json",
+        "regex",
+        "choice",
+        "grammar",
+        "json_object",
+        "structural_tag",
+    ];
+    let given: Vec<(&str, &Value)> = kinds
+        .iter()
+        .filter_map(|&k| {
+            object
+                .get(k)
+                .filter(|v| !v.is_null() && **v != Value::Bool(false))
+                .map(|v| (k, v))
+        })
+        .collect();
+    match given.as_slice() {
+        [("json", v)] => json_constraint("structured_outputs.json", v, after_thinking),
+        [("regex", v)] => regex_constraint("structured_outputs.regex", v, after_thinking),
+        [("choice", v)] => choice_constraint("structured_outputs.choice", v, after_thinking),
+        [("grammar", v)] => grammar_constraint("structured_outputs.grammar", v),
+        [("json_object", _)] => Ok(Grammar::JsonSchema {
+            schema: json!({"type": "object"}),
+            after_thinking,
+        }),
+        [("structural_tag", _)] => Err(ApiError::unsupported(
+            "structured_outputs.structural_tag",
+            "`structural_tag` is not supported; use `json`, `regex`, `choice` or `grammar`.",
+        )),
+        [] => Err(ApiError::invalid(
+            "structured_outputs",
+            "`structured_outputs` needs one of `json`, `regex`, `choice`, `grammar` or `json_object`.",
+        )),
+        _ => Err(ApiError::invalid(
+            "structured_outputs",
+            "`structured_outputs` takes only one of `json`, `regex`, `choice`, `grammar` and `json_object`.",
+        )),
+    }
+}
+
+/// A JSON Schema given as an object (or `true`), or as a string holding one.
+fn json_constraint(
+    param: &'static str,
+    v: &Value,
+    after_thinking: bool,
+) -> Result<Grammar, ApiError> {
+    let schema = match v {
+        Value::String(text) => serde_json::from_str(text).map_err(|e| {
+            ApiError::invalid(param, format!("`{param}` is not a JSON schema: {e}"))
+        })?,
+        other => other.clone(),
+    };
+    match schema {
+        Value::Object(_) | Value::Bool(true) => Ok(Grammar::JsonSchema {
+            schema,
+            after_thinking,
+        }),
+        _ => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be a JSON Schema object."),
+        )),
+    }
+}
+
+fn regex_constraint(
+    param: &'static str,
+    v: &Value,
+    after_thinking: bool,
+) -> Result<Grammar, ApiError> {
+    match v.as_str().filter(|s| !s.is_empty()) {
+        Some(pattern) => Ok(Grammar::Regex {
+            pattern: pattern.to_string(),
+            after_thinking,
+        }),
+        None => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be a non-empty regular expression."),
+        )),
+    }
+}
+
+fn choice_constraint(
+    param: &'static str,
+    v: &Value,
+    after_thinking: bool,
+) -> Result<Grammar, ApiError> {
+    let options: Option<Vec<String>> = v.as_array().filter(|a| !a.is_empty()).and_then(|a| {
+        a.iter()
+            .map(|o| o.as_str().filter(|s| !s.is_empty()).map(str::to_string))
+            .collect()
+    });
+    match options {
+        Some(options) => Ok(Grammar::Choice {
+            options,
+            after_thinking,
+        }),
+        None => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be a non-empty list of non-empty strings."),
+        )),
+    }
+}
+
+/// A grammar in llguidance's Lark syntax (with a `start` rule), used as it is.
+fn grammar_constraint(param: &'static str, v: &Value) -> Result<Grammar, ApiError> {
+    match v.as_str().filter(|s| !s.trim().is_empty()) {
+        Some(source) => Ok(Grammar::Lark(source.to_string())),
+        None => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be a grammar in Lark syntax (a string)."),
+        )),
     }
 }
 
