@@ -224,6 +224,7 @@ fn request(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequ
         sampler: greedy_sampler(),
         prompt_cache_key: None,
         device_sampler: Some(greedy_device_sampler(vocab)),
+        prompt_logprobs: None,
     }
 }
 
@@ -293,6 +294,7 @@ fn follow(mut rx: UnboundedReceiver<Event>, start: Instant) -> anyhow::Result<Ti
                 timing.tokens.push(t.id);
             }
             Event::Started { cached_tokens } => timing.cached_tokens = cached_tokens,
+            Event::PromptToken(_) => {}
             Event::Done { .. } => return Ok(timing),
             Event::Error(e) => anyhow::bail!("a benchmark request failed: {e}"),
         }

@@ -143,11 +143,12 @@ fn the_engine_reuses_prompts_on_the_gpu() {
             sampler: greedy_sampler(),
             prompt_cache_key: None,
             device_sampler: None,
+            prompt_logprobs: None,
         });
         let mut ids = vec![];
         loop {
             match rx.blocking_recv().expect("an event") {
-                Event::Started { .. } => {}
+                Event::Started { .. } | Event::PromptToken(_) => {}
                 Event::Token(t) => ids.push(t.id),
                 Event::Done { cached_tokens, .. } => return (ids, cached_tokens),
                 Event::Error(e) => panic!("{e}"),

@@ -44,6 +44,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize, key: Option<&str>) -> GenerateReq
         sampler: greedy_sampler(),
         prompt_cache_key: key.map(str::to_string),
         device_sampler: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -70,7 +71,7 @@ fn collect(
     let mut ids = vec![];
     while let Some(ev) = rx.blocking_recv() {
         match ev {
-            Event::Started { .. } => {}
+            Event::Started { .. } | Event::PromptToken(_) => {}
             Event::Token(t) => ids.push(t.id),
             Event::Done {
                 reason,
@@ -84,6 +85,80 @@ fn collect(
         }
     }
     (ids, None, None)
+}
+
+/// A scored prompt (`prompt_logprobs`, what `echo` with `logprobs` asks for) reports every prompt
+/// token after the first with the log-softmax of the reference's logits at the position before it
+/// and the most likely alternatives, alongside other requests, and with the prefix cache on
+/// (whose saved states a scored prompt must not skip over); then generates as usual.
+#[test]
+fn scored_prompts_match_the_reference_log_softmax() {
+    let w = weights();
+    let engine = Engine::start(
+        Box::new(CpuBackend::new(w.clone())),
+        EngineOptions {
+            prefill_chunk: 8,
+            max_sequences: 3,
+            prefix_cache_bytes: 64 << 20,
+            ..EngineOptions::default()
+        },
+    );
+    let prompt = random_tokens(30);
+    // The same prompt once unscored first, so the cache holds a state of it.
+    let (_, reason, _) = collect(engine.submit(greedy(prompt.clone(), 2, None)));
+    assert!(reason.is_some());
+    let other = engine.submit(greedy(random_tokens(40), 6, None));
+    let mut request = greedy(prompt.clone(), 3, None);
+    request.prompt_logprobs = Some(4);
+    let rx = engine.submit(request);
+    let mut scored = Vec::new();
+    let mut generated = Vec::new();
+    let mut rx = rx;
+    while let Some(event) = rx.blocking_recv() {
+        match event {
+            Event::PromptToken(t) => scored.push(t),
+            Event::Token(t) => generated.push(t.id),
+            Event::Done { cached_tokens, .. } => {
+                assert_eq!(cached_tokens, 0, "a scored prompt runs every position");
+                break;
+            }
+            Event::Started { .. } => {}
+            Event::Error(e) => panic!("{e}"),
+        }
+    }
+    let _ = collect(other);
+    assert_eq!(scored.len(), prompt.len() - 1);
+    let mut state = SequenceState::new(&w.config);
+    let logits = forward(&w, &prompt, &mut state, Logits::All);
+    let vocab = w.config.vocab_size;
+    for (i, t) in scored.iter().enumerate() {
+        assert_eq!(t.id, prompt[i + 1]);
+        let row = &logits[i * vocab..(i + 1) * vocab];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let log_z = max
+            + row
+                .iter()
+                .map(|&l| (l as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        let want = row[t.id as usize] as f64 - log_z;
+        let got = t.logprob.expect("a logprob") as f64;
+        // The engine's positions ran one token at a time, the reference's as one chunk.
+        assert!(
+            (got - want).abs() < 2e-3,
+            "position {}: {got} vs {want}",
+            i + 1
+        );
+        assert_eq!(t.top_logprobs.len(), 4);
+        let best = lily::model::argmax(row);
+        assert_eq!(t.top_logprobs[0].0, best, "position {}", i + 1);
+        assert!(t.top_logprobs.windows(2).all(|p| p[0].1 >= p[1].1));
+    }
+    assert_eq!(
+        generated,
+        alone(&w, &prompt, 3),
+        "then it generates as usual"
+    );
 }
 
 #[test]
@@ -106,6 +181,7 @@ fn interleaved_requests_match_each_run_alone() {
                 sampler: greedy_sampler(),
                 prompt_cache_key: None,
                 device_sampler: None,
+                prompt_logprobs: None,
             })
         })
         .collect();
@@ -131,6 +207,7 @@ fn stop_tokens_end_generation() {
         sampler: greedy_sampler(),
         prompt_cache_key: None,
         device_sampler: None,
+        prompt_logprobs: None,
     }));
     assert_eq!(reason, Some(FinishReason::Stop));
     assert_eq!(ids, expected[..=first]);
@@ -146,6 +223,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         sampler: greedy_sampler(),
         prompt_cache_key: None,
         device_sampler: None,
+        prompt_logprobs: None,
     });
     let bad = engine.submit(GenerateRequest {
         prompt: vec![1, 999_999],
@@ -154,6 +232,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         sampler: greedy_sampler(),
         prompt_cache_key: None,
         device_sampler: None,
+        prompt_logprobs: None,
     });
     let panicking = engine.submit(GenerateRequest {
         prompt: vec![2, 3],
@@ -162,6 +241,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         sampler: Box::new(|_: &mut [f32], _: &[u32]| panic!("sampler bug")),
         prompt_cache_key: None,
         device_sampler: None,
+        prompt_logprobs: None,
     });
     let good = engine.submit(GenerateRequest {
         prompt: vec![7, 8, 9],
@@ -170,6 +250,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         sampler: greedy_sampler(),
         prompt_cache_key: None,
         device_sampler: None,
+        prompt_logprobs: None,
     });
     drop(dropped);
     let (_, _, err) = collect(bad);
@@ -203,6 +284,7 @@ fn collect_cached(
     while let Some(ev) = rx.blocking_recv() {
         match ev {
             Event::Started { cached_tokens } => started = Some(cached_tokens),
+            Event::PromptToken(_) => {}
             Event::Token(t) => ids.push(t.id),
             Event::Done {
                 reason,
@@ -398,7 +480,7 @@ fn random_load_with_cancellations_ends_at_baseline() {
                 .blocking_recv()
                 .expect("every request ends with Done or Error")
             {
-                Event::Started { .. } => {}
+                Event::Started { .. } | Event::PromptToken(_) => {}
                 Event::Token(t) => ids.push(t.id),
                 Event::Done {
                     reason,
@@ -532,6 +614,7 @@ fn device_sampling_steps_give_the_cpu_samplers_tokens() {
             sampler: cpu_sampler(sampler),
             prompt_cache_key: None,
             device_sampler,
+            prompt_logprobs: None,
         }))
     };
     let (cpu, reason, _) = run(false);

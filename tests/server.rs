@@ -794,6 +794,107 @@ async fn bad_structured_outputs_are_rejected() {
     server.stop().await;
 }
 
+/// `echo` with `logprobs` (lm-eval's loglikelihood requests): the text and the logprobs start with
+/// the prompt's tokens, the first without a value; a prompt token's logprob is the one the model
+/// gives it in context, so scoring a greedy continuation reproduces generation's own logprobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_scores_the_prompt() {
+    let server = TestServer::demo().await;
+    let prompt: Vec<u32> = (0..12).map(|i| 100 + 7 * i).collect();
+    // Scored, nothing generated.
+    let r = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": [prompt], "max_tokens": 0, "echo": true, "logprobs": 2}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let body = r.json();
+    let choice = &body["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 0);
+    let echoed = server
+        .post("/detokenize", &json!({"tokens": prompt}))
+        .await
+        .json()["prompt"]
+        .clone();
+    assert_eq!(choice["text"], echoed);
+    let lp = &choice["logprobs"];
+    assert_eq!(
+        lp["tokens"].as_array().map(Vec::len),
+        Some(prompt.len()),
+        "{lp}"
+    );
+    assert!(
+        lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(),
+        "{lp}"
+    );
+    for i in 1..prompt.len() {
+        let v = lp["token_logprobs"][i].as_f64().expect("a logprob");
+        assert!(v <= 0.0, "{lp}");
+        assert!(
+            lp["top_logprobs"][i]
+                .as_object()
+                .is_some_and(|o| !o.is_empty() && o.len() <= 2),
+            "{lp}"
+        );
+    }
+    // Position i is scored by the distribution after the first i tokens: the one a completion of
+    // those i tokens samples its first token from (its own top logprobs).
+    for i in [3, 7, 11] {
+        let r = server
+            .post("/v1/completions", &json!({"prompt": [&prompt[..i]], "max_tokens": 1, "temperature": 0, "logprobs": 2}))
+            .await;
+        let next = r.json()["choices"][0]["logprobs"]["top_logprobs"][0].clone();
+        let (want, got) = (
+            next.as_object().expect("top"),
+            lp["top_logprobs"][i].as_object().expect("top"),
+        );
+        assert_eq!(
+            want.len(),
+            got.len(),
+            "position {i}: {next} vs {}",
+            lp["top_logprobs"][i]
+        );
+        for (token, v) in want {
+            let g = got.get(token).and_then(Value::as_f64).unwrap_or(f64::NAN);
+            assert!(
+                (g - v.as_f64().unwrap_or(f64::NAN)).abs() < 2e-3,
+                "position {i}, {token:?}: {g} vs {v}"
+            );
+        }
+    }
+    // Echo with generation: the prompt's logprobs, then the new tokens'.
+    let seed = &prompt[..5];
+    let r = server
+        .post("/v1/completions", &json!({"prompt": [seed], "max_tokens": 3, "echo": true, "logprobs": 1, "temperature": 0}))
+        .await;
+    let choice = r.json()["choices"][0].clone();
+    let seed_text = server
+        .post("/detokenize", &json!({"tokens": seed}))
+        .await
+        .json()["prompt"]
+        .as_str()
+        .expect("text")
+        .to_string();
+    assert!(
+        choice["text"]
+            .as_str()
+            .is_some_and(|t| t.starts_with(&seed_text) && t.len() > seed_text.len()),
+        "{choice}"
+    );
+    let n = choice["logprobs"]["tokens"].as_array().map_or(0, Vec::len);
+    assert_eq!(n, seed.len() + 3, "{choice}");
+    let offsets: Vec<u64> = choice["logprobs"]["text_offset"]
+        .as_array()
+        .expect("offsets")
+        .iter()
+        .map(|v| v.as_u64().expect("offset"))
+        .collect();
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_strings_end_the_content_only() {
     let server =
@@ -888,9 +989,13 @@ async fn text_completions() {
         .collect();
     assert_eq!(text, "one two three");
     assert_eq!(events.last().map(|e| e["choices"].clone()), Some(json!([])));
+    // `echo` is offered without `stream` only.
     assert_eq!(
         server
-            .post("/v1/completions", &json!({"prompt": "x", "echo": true}))
+            .post(
+                "/v1/completions",
+                &json!({"prompt": "x", "echo": true, "stream": true})
+            )
             .await
             .status,
         400

@@ -165,6 +165,7 @@ fn generate_text(
                     stderr.flush()?;
                 }
                 Output::Done { finish, counts, .. } => return Ok((finish, counts)),
+                Output::PromptToken(_) => {} // `generate` never scores its prompt
             }
         }
         anyhow::bail!("the generation ended without finishing")

@@ -222,6 +222,7 @@ impl TextModel {
             sampler,
             device_sampler: Some(device_sampler),
             prompt_cache_key: plan.prompt_cache_key.clone(),
+            prompt_logprobs: plan.prompt_logprobs,
         };
         let events = engine.submit(request);
         Generation {
@@ -289,6 +290,8 @@ pub struct GenerationPlan {
     pub raw: bool,
     /// The request's `prompt_cache_key` (see [`GenerateRequest`]).
     pub prompt_cache_key: Option<String>,
+    /// Score the prompt's tokens with this many alternatives each ([`Output::PromptToken`]).
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// The Lark grammar for a JSON answer: JSON per the schema, laid out like Python's `json.dumps`
@@ -584,6 +587,9 @@ pub struct TokenInfo {
 /// What a [`Generation`] yields.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Output {
+    /// A prompt token scored in context (plans with `prompt_logprobs`), before any `Delta`, in
+    /// prompt order from the prompt's second token on.
+    PromptToken(TokenInfo),
     /// Parsed output of one or more tokens (possibly no events while text is held back).
     Delta {
         events: Vec<OutputEvent>,
@@ -644,6 +650,15 @@ impl Generation {
             };
             match event {
                 Event::Started { cached_tokens } => self.cached_tokens = cached_tokens,
+                Event::PromptToken(token) => {
+                    if let Some(logprob) = token.logprob {
+                        self.ready.push_back(Output::PromptToken(TokenInfo {
+                            id: token.id,
+                            logprob,
+                            top: token.top_logprobs,
+                        }));
+                    }
+                }
                 Event::Token(token) => self.on_token(token),
                 Event::Done {
                     reason,

@@ -46,6 +46,10 @@ pub struct GenerateRequest {
     pub prompt_cache_key: Option<String>,
     /// Set when the request's sampling can run on the backend, next to the logits.
     pub device_sampler: Option<Box<dyn DeviceSampler>>,
+    /// Score the prompt: each prompt token after the first is reported as an
+    /// [`Event::PromptToken`] with its log-probability and this many alternatives (`echo` with
+    /// `logprobs`). The prompt then runs one token per step and no cached prefix is used.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// The backend half of a request's sampler. Before each forward pass whose logits give the next
@@ -76,6 +80,9 @@ pub enum Event {
     Started {
         cached_tokens: usize,
     },
+    /// A prompt token scored in context (only with `prompt_logprobs`), in prompt order from the
+    /// second token on.
+    PromptToken(SampledToken),
     Token(SampledToken),
     Done {
         reason: FinishReason,

@@ -27,7 +27,7 @@ use std::sync::{mpsc, Arc};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::prefix_cache::PrefixCache;
-use super::{EngineOptions, EngineStats, Event, FinishReason, GenerateRequest};
+use super::{EngineOptions, EngineStats, Event, FinishReason, GenerateRequest, SampledToken};
 use crate::model::{panic_message, Backend, SeqId, Step, StepOutput};
 use crate::sampling::DeviceSampling;
 
@@ -216,6 +216,9 @@ impl EngineLoop {
     /// Restores the longest cached prefix of the prompt into `seq`; returns its length (0 for
     /// none). At least the prompt's last token is left to run, for the logits.
     fn restore_prefix(&mut self, seq: SeqId, request: &GenerateRequest) -> usize {
+        if request.prompt_logprobs.is_some() {
+            return 0; // every prompt position must run, for its logits
+        }
         let key = request.prompt_cache_key.as_deref();
         let max = request.prompt.len() - 1;
         let Some(hit) = self
@@ -345,6 +348,10 @@ impl EngineLoop {
                     if let Work::Prefill { from, to } = w {
                         self.running[i].prefilled = to;
                         self.save_prompt_state(i, from, to);
+                        if let Err(message) = self.score_prompt_token(i, to, &next) {
+                            failed.push((i, message));
+                            continue;
+                        }
                     }
                     // Logits inside the prompt are of no use; after it, they are sampled next.
                     if !self.running[i].prefilling() {
@@ -360,6 +367,26 @@ impl EngineLoop {
             let r = self.remove(i);
             self.fail(r, message);
         }
+    }
+
+    /// With `prompt_logprobs`: after the prompt's first `to` tokens, reports prompt token `to`
+    /// scored by these logits (the step ran one token: see plan_prefill).
+    fn score_prompt_token(&mut self, i: usize, to: usize, next: &Next) -> Result<(), String> {
+        let r = &self.running[i];
+        let (Some(n), Next::Logits(logits)) = (r.request.prompt_logprobs, next) else {
+            return Ok(());
+        };
+        let Some(&token) = r.request.prompt.get(to) else {
+            return Ok(());
+        };
+        let scored =
+            crate::sampling::token_logprobs(logits, token, n).map_err(|e| e.to_string())?;
+        let _ = r.events.send(Event::PromptToken(SampledToken {
+            id: token,
+            logprob: Some(scored.logprob),
+            top_logprobs: scored.top,
+        }));
+        Ok(())
     }
 
     /// Samples the next token of `running[i]` and sends it. `Some(reason)` when the sequence is
@@ -428,7 +455,12 @@ impl EngineLoop {
                 // token must run for the logits anyway).
                 end -= 1;
             }
-            let len = (end - r.prefilled).min(self.options.prefill_chunk.max(1));
+            // A scored prompt runs a token per step: each position's logits are reported.
+            let chunk = match r.request.prompt_logprobs {
+                Some(_) => 1,
+                None => self.options.prefill_chunk.max(1),
+            };
+            let len = (end - r.prefilled).min(chunk);
             let len = if planned_any { len.min(budget) } else { len };
             work.push((
                 i,

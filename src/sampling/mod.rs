@@ -26,6 +26,6 @@ pub use logits::draw;
 pub use params::{
     ParamError, SamplingOptions, SamplingParams, GREEDY_TEMPERATURE, MAX_TOP_LOGPROBS,
 };
-pub use sampler::{SampleError, Sampled, Sampler, TokenLogprobs};
+pub use sampler::{token_logprobs, SampleError, Sampled, Sampler, TokenLogprobs};
 pub use stop::{FinishReason, StopChecker, StopText, TokenVerdict};
 pub use thinking::{ThinkTokens, ThinkingBudget};

@@ -216,6 +216,12 @@ impl Sampler {
     }
 }
 
+/// The log-probability of `token` under `logits` (raw log-softmax, no sampling parameters) and
+/// the `n` most likely tokens: what scoring a given text reports (`echo` with `logprobs`).
+pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> Result<TokenLogprobs, SampleError> {
+    raw_logprobs(logits, token, n, &mut Vec::new())
+}
+
 /// Raw log-softmax of the model's logits: the chosen token's value and the `n` most likely.
 /// `scratch` is a reusable buffer.
 fn raw_logprobs(

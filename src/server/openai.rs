@@ -324,13 +324,24 @@ pub struct ChatCompletionChunk {
     pub usage: Option<Usage>,
 }
 
-/// Legacy completions logprobs (`logprobs: N` on `/v1/completions`).
+/// Legacy completions logprobs (`logprobs: N` on `/v1/completions`). With `echo` the prompt's
+/// tokens come first; its first token has no logprob (`null`), as OpenAI reports it.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<BTreeMap<String, f32>>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<BTreeMap<String, f32>>>,
     pub text_offset: Vec<usize>,
+}
+
+impl CompletionLogprobs {
+    /// Appends `more`'s tokens (their offsets already continue these).
+    pub fn extend(&mut self, more: CompletionLogprobs) {
+        self.tokens.extend(more.tokens);
+        self.token_logprobs.extend(more.token_logprobs);
+        self.top_logprobs.extend(more.top_logprobs);
+        self.text_offset.extend(more.text_offset);
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -187,6 +187,7 @@ pub fn prepare_chat(
             single_tool_call,
             raw: false,
             prompt_cache_key: req.prompt_cache_key.clone(),
+            prompt_logprobs: None,
         })
         .collect();
     Ok(PreparedChat {
@@ -205,6 +206,8 @@ pub struct PreparedCompletion {
     pub include_usage: bool,
     /// Legacy `logprobs: N`.
     pub logprobs: Option<usize>,
+    /// `echo`: each choice's text starts with the prompt (and its logprobs, with the prompt's).
+    pub echo: Option<Vec<u32>>,
     pub requested_max_tokens: Option<usize>,
 }
 
@@ -219,8 +222,12 @@ pub fn prepare_completion(
     let stream = req.stream.unwrap_or(false);
     let include_usage = stream_usage(stream, req.stream_options.as_ref())?;
     let n = choices(req.n)?;
-    if req.echo == Some(true) {
-        return Err(ApiError::unsupported("echo", "`echo` is not supported."));
+    let echo = req.echo == Some(true);
+    if echo && stream {
+        return Err(ApiError::unsupported(
+            "echo",
+            "`echo` is supported without `stream` only.",
+        ));
     }
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported(
@@ -229,8 +236,14 @@ pub fn prepare_completion(
         ));
     }
     let prompt = completion_prompt(model, req.prompt.as_ref())?;
+    // `echo` with `max_tokens: 0` scores the prompt without generating (lm-eval's loglikelihood).
+    let score_only = echo && req.max_tokens == Some(0);
     let opts = SamplingOptions {
-        max_tokens: Some(req.max_tokens.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS)),
+        max_tokens: Some(if score_only {
+            1
+        } else {
+            req.max_tokens.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS)
+        }),
         top_logprobs: req.logprobs,
         ..sampling_options(
             req.temperature,
@@ -248,12 +261,16 @@ pub fn prepare_completion(
             req.stop_token_ids.as_ref(),
         )
     };
-    let params = resolve(model, &opts, prompt.len(), max_model_len, "max_tokens").map_err(|e| {
-        match e.param.as_deref() {
-            Some("top_logprobs") => ApiError::invalid("logprobs", e.message),
-            _ => e,
-        }
-    })?;
+    let mut params =
+        resolve(model, &opts, prompt.len(), max_model_len, "max_tokens").map_err(|e| {
+            match e.param.as_deref() {
+                Some("top_logprobs") => ApiError::invalid("logprobs", e.message),
+                _ => e,
+            }
+        })?;
+    if score_only {
+        params.max_tokens = Some(0);
+    }
     let grammar =
         match answer_grammar(&Constraints::of_completion(req), false)? {
             Some((g, param)) => Some(model.compile(&g).map_err(|e| {
@@ -272,6 +289,7 @@ pub fn prepare_completion(
             single_tool_call: false,
             raw: true,
             prompt_cache_key: req.prompt_cache_key.clone(),
+            prompt_logprobs: params.top_logprobs.filter(|_| echo),
         })
         .collect();
     Ok(PreparedCompletion {
@@ -279,6 +297,7 @@ pub fn prepare_completion(
         stream,
         include_usage,
         logprobs: params.top_logprobs,
+        echo: echo.then(|| prompt.clone()),
         requested_max_tokens: req.max_tokens.and_then(|m| usize::try_from(m).ok()),
     })
 }

@@ -28,8 +28,7 @@ use tower_http::cors::CorsLayer;
 use super::errors::ApiError;
 use super::openai::{
     self, ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessage, Completion,
-    CompletionChoice, CompletionLogprobs, CompletionRequest, FunctionCall, ModelCard, ToolCall,
-    Usage,
+    CompletionChoice, CompletionRequest, FunctionCall, ModelCard, ToolCall, Usage,
 };
 use super::request::{prepare_chat, prepare_completion};
 use super::stream::{self, Api, ResponseHead};
@@ -384,12 +383,34 @@ async fn completions(
             outcome.counts.completion_tokens,
         );
         stream::add_usage(&mut usage, &outcome.counts);
-        let logprobs: Option<CompletionLogprobs> = outcome
-            .logprobs
-            .map(|tokens| stream::text_logprobs(&model.text.tokenizer, &tokens, &mut 0));
+        let tokenizer = &model.text.tokenizer;
+        let (mut text, mut logprobs, mut offset) = (String::new(), None, 0);
+        // With `echo` the text and the logprobs start with the prompt's.
+        if let Some(prompt) = &prepared.echo {
+            text = tokenizer
+                .decode_lossy(prompt)
+                .map_err(|e| ApiError::internal(format!("cannot detokenize the prompt: {e}")))?;
+            if want_logprobs {
+                let scores = &outcome.prompt_scores;
+                logprobs = Some(stream::echo_logprobs(
+                    tokenizer,
+                    prompt,
+                    scores,
+                    &mut offset,
+                ));
+            }
+        }
+        text.push_str(&outcome.parsed.content);
+        if let Some(generated) = &outcome.logprobs {
+            let more = stream::text_logprobs(tokenizer, generated, &mut offset);
+            match &mut logprobs {
+                Some(l) => l.extend(more),
+                None => logprobs = Some(more),
+            }
+        }
         choices.push(CompletionChoice {
             index,
-            text: outcome.parsed.content,
+            text,
             logprobs,
             finish_reason: Some(outcome.finish),
         });
@@ -476,6 +497,8 @@ pub(super) fn spawn_sse<W: std::future::Future<Output = ()> + Send + 'static>(
 struct Outcome {
     parsed: ParsedOutput,
     logprobs: Option<Vec<TokenInfo>>,
+    /// The prompt's tokens after the first, scored (only with `echo` and `logprobs`).
+    prompt_scores: Vec<TokenInfo>,
     finish: &'static str,
     counts: crate::engine::generate::Counts,
 }
@@ -483,8 +506,10 @@ struct Outcome {
 async fn collect(mut generation: Generation) -> Result<Outcome, ApiError> {
     let mut parsed = ParsedOutput::default();
     let mut logprobs: Option<Vec<TokenInfo>> = None;
+    let mut prompt_scores = Vec::new();
     while let Some(item) = generation.next().await {
         match item {
+            Ok(Output::PromptToken(token)) => prompt_scores.push(token),
             Ok(Output::Delta {
                 events,
                 logprobs: tokens,
@@ -500,6 +525,7 @@ async fn collect(mut generation: Generation) -> Result<Outcome, ApiError> {
                 return Ok(Outcome {
                     parsed,
                     logprobs,
+                    prompt_scores,
                     finish: finish.as_str(),
                     counts,
                 })

@@ -156,6 +156,8 @@ pub async fn run_stream(
         };
         let Some((index, item)) = next else { break };
         let event = match item {
+            // Scored prompt tokens come only with `echo`, which streams are not offered.
+            Ok(Output::PromptToken(_)) => continue,
             Ok(Output::Delta { events, logprobs }) => {
                 if !logprobs.is_empty() || !events.is_empty() {
                     timer.token();
@@ -414,17 +416,43 @@ pub fn text_logprobs(
 ) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     for t in tokens {
-        let (token, _) = token_text(tokenizer, t.id);
-        out.text_offset.push(*offset);
-        *offset += token.len();
-        out.tokens.push(token);
-        out.token_logprobs.push(t.logprob);
-        out.top_logprobs.push(
-            t.top
-                .iter()
-                .map(|&(id, lp)| (token_text(tokenizer, id).0, lp))
-                .collect(),
-        );
+        push_text_logprob(&mut out, tokenizer, t.id, Some(t), offset);
     }
     out
+}
+
+/// With `echo`: the prompt's tokens as legacy logprobs, the first without a value, the others
+/// from `scores` (the engine's [`Output::PromptToken`]s, one per prompt token after the first).
+pub fn echo_logprobs(
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    scores: &[TokenInfo],
+    offset: &mut usize,
+) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    for (i, &id) in prompt.iter().enumerate() {
+        let score = i.checked_sub(1).and_then(|j| scores.get(j));
+        push_text_logprob(&mut out, tokenizer, id, score, offset);
+    }
+    out
+}
+
+fn push_text_logprob(
+    out: &mut CompletionLogprobs,
+    tokenizer: &Tokenizer,
+    id: u32,
+    score: Option<&TokenInfo>,
+    offset: &mut usize,
+) {
+    let (token, _) = token_text(tokenizer, id);
+    out.text_offset.push(*offset);
+    *offset += token.len();
+    out.tokens.push(token);
+    out.token_logprobs.push(score.map(|t| t.logprob));
+    out.top_logprobs.push(score.map(|t| {
+        t.top
+            .iter()
+            .map(|&(id, lp)| (token_text(tokenizer, id).0, lp))
+            .collect()
+    }));
 }

@@ -225,6 +225,20 @@ def test_text_completions(scripted):
     assert streamed == response.choices[0].text
 
 
+def test_echo_logprobs_as_lm_eval_asks(demo):
+    # lm-eval's local-completions loglikelihood request: token ids, echo, logprobs, no new tokens.
+    ids = [100 + 7 * i for i in range(10)]
+    response = demo.completions.create(model="lily-demo", prompt=[ids], echo=True, logprobs=1, max_tokens=0, temperature=0, seed=1234)
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) and len(lp.token_logprobs) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    # The greedy check lm-eval makes: is each token the most likely one?
+    greedy = [max(t.values()) == v for t, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:])]
+    assert len(greedy) == len(ids) - 1
+
+
 def test_fifty_concurrent_streams(scripted_async):
     async def one(i):
         stream = await scripted_async.chat.completions.create(

@@ -201,6 +201,7 @@ async fn create(
     loop {
         match generation.next().await {
             Some(Ok(Output::Delta { events, .. })) => events.iter().for_each(|e| builder.push(e)),
+            Some(Ok(Output::PromptToken(_))) => {}
             Some(Ok(Output::Done {
                 finish,
                 counts,

@@ -183,6 +183,7 @@ pub async fn create_response(
             Some(Ok(Output::Delta { events, .. })) => {
                 events.iter().for_each(|e| builder.push(e));
             }
+            Some(Ok(Output::PromptToken(_))) => {}
             Some(Ok(Output::Done { finish, counts, .. })) => {
                 timer.finished(
                     finish.as_str(),
