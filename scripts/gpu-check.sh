@@ -17,8 +17,8 @@
 # K-quants and FP8 checkpoints run as); GPU_CHECK_SERVE=none skips the `lily bench --serve` run
 # (GPU_CHECK_SERVE_ARGS replaces its stream settings); GPU_CHECK_AGREE=1 adds the full-size
 # `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time); GPU_CHECK_AB="VAR=VALUE ..."
-# reruns the q4 sweep at 4K and 32K with each setting (default "LILY_L2_AHEAD=1 LILY_WGMMA=1
-# LILY_FUSED_NORMS=1 LILY_EARLY_READS=0 LILY_ATTN_MIN_CHUNK=256"; none to skip); GPU_CHECK_TRIALS
+# reruns the q4 sweep at 4K and 32K with each setting (default: the settings under trial on, one at a
+# time, and LILY_EARLY_READS=0; none to skip); GPU_CHECK_TRIALS
 # (default: the same settings under trial) reruns cuda_forward under each setting;
 # GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels (ncu.txt);
 # GPU_CHECK_TESTS=none (or a list of binaries) runs no (or only those) test binaries. The GPU tests are every
@@ -85,7 +85,7 @@ run)
         echo "$name: $status in $((SECONDS - start)) s" >> "$summary"
     done
     # Settings under trial (off by default until they pass here): the whole model again with each.
-    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256}; do
+    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1}; do
         [[ -x "$dir/cuda_forward" && "$tests" != none ]] || break
         echo "=== cuda_forward ($trial)"
         start=$SECONDS
@@ -155,7 +155,7 @@ PY
     # A/B: the q4 sweep again at 4K and 32K with one setting changed, once per setting in
     # GPU_CHECK_AB (default: each setting under trial on, the early reads off), into
     # $OUT/ab-<setting>; GPU_CHECK_AB=none skips it.
-    for ab in ${GPU_CHECK_AB-LILY_L2_AHEAD=1 LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_EARLY_READS=0 LILY_ATTN_MIN_CHUNK=256}; do
+    for ab in ${GPU_CHECK_AB-LILY_L2_AHEAD=1 LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_EARLY_READS=0 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1}; do
         [[ "$ab" != none && "$contexts" != none && -x "$dir/lily" ]] || break
         echo "=== bench (q4, $ab)"
         env "$ab" timeout 200 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \

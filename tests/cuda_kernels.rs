@@ -20,8 +20,10 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use half::bf16;
 use lily::cuda::gemm::{
-    GemvKernels, GemvShape, L2Ahead, Matrices, ResidualInput, SlotInput, WeightData, GROUP,
+    FusedTopK, GemvKernels, GemvShape, L2Ahead, Matrices, ResidualInput, SlotInput, WeightData,
+    GROUP,
 };
+use lily::cuda::moe::MoeKernels;
 use lily::cuda::norm::NormKernels;
 use lily::cuda::{CudaDevice, CudaError};
 use rayon::prelude::*;
@@ -785,6 +787,73 @@ fn gemv_residual_equals_norm_then_gemv() {
                     &mut y.as_view_mut()
                 )
                 .is_err());
+        }
+    }
+}
+
+/// The router's top-k in the last block of its GEMV (`then_topk`, decode with LILY_FUSED_TOPK=1)
+/// picks the same experts with the same weights, bit for bit, as the top-k kernel on the same
+/// logits: the router's shape (256 experts + the shared gate, Q8), 1, 3 and 8 tokens, three launches
+/// in a row (each must leave its counter at zero for the next), and a 16-expert router.
+#[test]
+fn router_gemv_with_fused_topk_equals_the_topk_kernel() {
+    let dev = device();
+    let (k, moe) = (
+        GemvKernels::load(&dev).unwrap(),
+        MoeKernels::load(&dev).unwrap(),
+    );
+    let s = dev.stream();
+    let mut rng = Rng::new("fused topk");
+    let mut counter = upload(s, &[0u32]);
+    for (experts, cols) in [(256usize, 2048usize), (16, 512)] {
+        let m = DeviceMatrices::upload(s, &HostMatrices::random(&mut rng, 8, 1, experts + 1, cols));
+        for ntok in [1usize, 3, 8, 1, 1] {
+            if ntok > k.max_tokens(&m.view()) {
+                continue;
+            }
+            let slots = 8 + 1;
+            let x = upload(s, &rng.bf16s(ntok * cols, 1.0));
+            let mut logits = poisoned(s, ntok * (experts + 1));
+            let (mut ids, mut weights) = (
+                upload(s, &vec![-1i32; ntok * slots]),
+                upload(s, &vec![-1.0f32; ntok * slots]),
+            );
+            k.then_topk(FusedTopK::new(
+                experts,
+                8,
+                &mut ids.as_view_mut(),
+                &mut weights.as_view_mut(),
+                &mut counter.as_view_mut(),
+                s,
+            ));
+            k.gemv(&m.view(), &x.as_view(), &mut logits.as_view_mut())
+                .unwrap();
+            let (mut want_ids, mut want_weights) = (
+                upload(s, &vec![-2i32; ntok * slots]),
+                upload(s, &vec![-2.0f32; ntok * slots]),
+            );
+            moe.router_topk(
+                &logits.as_view(),
+                experts,
+                8,
+                true,
+                &mut want_ids.as_view_mut(),
+                &mut want_weights.as_view_mut(),
+            )
+            .unwrap();
+            let what = format!("{experts} experts, {ntok} tokens");
+            assert_eq!(download(s, &ids), download(s, &want_ids), "{what}: ids");
+            let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(
+                bits(download(s, &weights)),
+                bits(download(s, &want_weights)),
+                "{what}: weights"
+            );
+            assert_eq!(
+                download(s, &counter),
+                vec![0u32],
+                "{what}: the counter is left at zero"
+            );
         }
     }
 }

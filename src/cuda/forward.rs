@@ -24,7 +24,7 @@ use super::attention::{AttentionKernels, AttentionWorkspace, KvCache, QKV_WIDTH}
 use super::dense::{self, DenseGemm};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
-use super::gemm::{GemvKernels, L2Ahead, SlotInput, MAX_TOKENS};
+use super::gemm::{FusedTopK, GemvKernels, L2Ahead, SlotInput, MAX_TOKENS};
 use super::gemm_prefill::{GemmKernels, TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::{ExpertGroups, MoeKernels};
@@ -118,6 +118,8 @@ struct Scratch {
     next: CudaSlice<i32>,
     /// `[batch]`: each decode row's sequence slot and position.
     slots: CudaSlice<i32>,
+    /// Blocks of the router's GEMV done, for its fused top-k (zero between launches).
+    topk_counter: CudaSlice<u32>,
     positions: CudaSlice<i32>,
 }
 
@@ -263,6 +265,7 @@ impl CudaBackend {
             logits: alloc(&st, batch * c.vocab_size)?,
             next: alloc(&st, batch)?,
             slots: alloc(&st, batch)?,
+            topk_counter: alloc(&st, 1)?,
             positions: alloc(&st, batch)?,
         };
         let n_gdn = c
@@ -750,6 +753,21 @@ fn moe_experts(
     );
     let slots = topk + 1;
     section("moe router")?;
+    // Decode rows in one router launch: its last block can do the top-k (LILY_FUSED_TOPK=1).
+    let fused_topk = k.gemv.fuses_topk()
+        && t <= MAX_TOKENS
+        && (router_input.is_some() || t <= k.gemv.max_tokens(&w.router.view()));
+    if fused_topk {
+        let st = s.router.stream().clone();
+        k.gemv.then_topk(FusedTopK::new(
+            e,
+            topk,
+            &mut s.expert_ids.slice_mut(..t * slots),
+            &mut s.expert_weights.slice_mut(..t * slots),
+            &mut s.topk_counter.slice_mut(..),
+            &st,
+        ));
+    }
     match router_input {
         // The residual add and post-mixer norm made in the router's GEMV, xn written for the experts.
         Some((stream, norm)) => {
@@ -777,14 +795,16 @@ fn moe_experts(
             L2Ahead::default(),
         )?,
     }
-    k.moe.router_topk(
-        &s.router.slice(..t * (e + 1)),
-        e,
-        topk,
-        true,
-        &mut s.expert_ids.slice_mut(..t * slots),
-        &mut s.expert_weights.slice_mut(..t * slots),
-    )?;
+    if !fused_topk {
+        k.moe.router_topk(
+            &s.router.slice(..t * (e + 1)),
+            e,
+            topk,
+            true,
+            &mut s.expert_ids.slice_mut(..t * slots),
+            &mut s.expert_weights.slice_mut(..t * slots),
+        )?;
+    }
     let grouped = t > MAX_TOKENS
         && GemmKernels::supports(&w.gate_up.view())
         && GemmKernels::supports(&w.down.view());

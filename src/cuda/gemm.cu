@@ -37,6 +37,7 @@
 //   B regs: {k 2t..2t+1, col g}, {k 2t+8..9, col g};   C: {row g, col 2t..2t+1}, {row g+8, ...}
 // Which weight column sits in which k-slot is free, as long as A and B agree: lane t's k-slots
 // always hold lane t's own columns, and x is staged in the matching order.
+#include "moe.cuh"
 #include "norm.cuh"
 
 namespace {
@@ -113,6 +114,15 @@ struct GemvArgs {
     // its wait, as the experts' gate‖up does for their down): read them, and stream the first
     // weights, before this kernel's own wait.
     int ids_ready;
+    // Router top-k in the last block (topk_k > 0; the router's GEMV, one slot, y = [ntok][E + 1]):
+    // the block that finishes last ranks each token's logits (router_topk_row, with the shared
+    // expert) into topk_ids / topk_weights [ntok][k + 1]; topk_counter counts finished blocks and
+    // is left at 0 for the next launch.
+    int topk_k;
+    int topk_experts;
+    int* topk_ids;
+    float* topk_weights;
+    unsigned int* topk_counter;
 };
 
 namespace {
@@ -464,6 +474,24 @@ __device__ void gemv(const GemvArgs& a) {
         acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
     }
     cp_async_wait<0>();  // no copy may still be writing when the block's shared memory is reused
+
+    if (a.topk_k > 0) {
+        __shared__ int last;
+        __syncthreads();  // every thread of the block has stored its outputs
+        if (threadIdx.x == 0) {
+            __threadfence();  // ... and they are visible before the count says so
+            last = atomicAdd(a.topk_counter, 1u) == gridDim.x * gridDim.y - 1;
+        }
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            const int slots = a.topk_k + 1;
+            for (int n = warp; n < ntok; n += blockDim.x / 32)
+                router_topk_row(a.y + (i64)n * a.rows, a.topk_experts, a.topk_k, 1, a.topk_ids + n * slots,
+                                a.topk_weights + n * slots);
+            if (threadIdx.x == 0) *a.topk_counter = 0u;
+        }
+    }
 }
 
 }  // namespace

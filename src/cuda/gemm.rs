@@ -135,6 +135,11 @@ struct GemvArgs {
     res_k: i32,
     res_eps: f32,
     ids_ready: i32,
+    topk_k: i32,
+    topk_experts: i32,
+    topk_ids: u64,
+    topk_weights: u64,
+    topk_counter: u64,
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
@@ -249,6 +254,42 @@ fn raw_ranges(w: &Matrices, stream: &CudaStream) -> Vec<(u64, u64)> {
     }
 }
 
+/// The most experts a top-k keeps (MAX_TOP_K in moe.cuh).
+const MAX_TOP_K: usize = 16;
+
+/// The router's top-k done by the last block of the router's GEMV ([`GemvKernels::then_topk`]),
+/// as `MoeKernels::router_topk` does it (both run moe.cuh), sparing its launch: `k` of `experts`
+/// plus the shared expert; `ids` and `weights` `[ntok][k + 1]`; `counter` one u32, zero between
+/// launches (the kernel leaves it so).
+#[derive(Clone, Copy, Default)]
+pub struct FusedTopK {
+    pub experts: usize,
+    pub k: usize,
+    pub ids: u64,
+    pub weights: u64,
+    pub counter: u64,
+}
+
+impl FusedTopK {
+    /// Device addresses of the outputs and the counter.
+    pub fn new(
+        experts: usize,
+        k: usize,
+        ids: &mut CudaViewMut<i32>,
+        weights: &mut CudaViewMut<f32>,
+        counter: &mut CudaViewMut<u32>,
+        stream: &CudaStream,
+    ) -> Self {
+        FusedTopK {
+            experts,
+            k,
+            ids: ids.device_ptr_mut(stream).0,
+            weights: weights.device_ptr_mut(stream).0,
+            counter: counter.device_ptr_mut(stream).0,
+        }
+    }
+}
+
 /// A GEMV input made inside the GEMV by the residual add and norm ([`GemvKernels::gemv_residual`]),
 /// exactly as `NormKernels::residual_rmsnorm` makes it (both run norm.cuh): for each token row,
 /// `sum = bf16(h + r)` with `r = bf16(Σ_j weights[j] · parts[j])` (no weights: the one part), and
@@ -309,6 +350,11 @@ pub struct GemvKernels {
     ahead: Cell<L2Ahead>,
     /// The next launch's ids are final before its PDL wait ([`GemvKernels::then_ids_ready`]).
     ids_ready: Cell<bool>,
+    /// The next launch ends with the router's top-k ([`GemvKernels::then_topk`]).
+    topk: Cell<Option<FusedTopK>>,
+    /// `LILY_FUSED_TOPK=1`: decode folds the router's top-k into its GEMV (off by default until
+    /// its H200 tests pass).
+    fused_topk: bool,
     /// Early reads before the PDL wait are on unless `LILY_EARLY_READS=0` (for A/B runs).
     early_reads: bool,
     /// The prefetching is on with `LILY_L2_AHEAD=1` (off by default until measured on the H200).
@@ -341,6 +387,8 @@ impl GemvKernels {
             sm_count,
             ahead: Cell::default(),
             ids_ready: Cell::new(false),
+            topk: Cell::new(None),
+            fused_topk: std::env::var("LILY_FUSED_TOPK").is_ok_and(|v| v == "1"),
             early_reads: early_reads(),
             ahead_enabled: std::env::var("LILY_L2_AHEAD").is_ok_and(|v| v == "1"),
         })
@@ -352,6 +400,17 @@ impl GemvKernels {
     /// finished): the experts' down after their gate‖up.
     pub fn then_ids_ready(&self) {
         self.ids_ready.set(self.early_reads);
+    }
+
+    /// Whether decode should fold the router's top-k into its GEMV (`LILY_FUSED_TOPK=1`).
+    pub fn fuses_topk(&self) -> bool {
+        self.fused_topk
+    }
+
+    /// The next launch (only that one: the router's GEMV over all its token rows) ends with the
+    /// router's top-k in its last block, for tokens whose logits it writes (see [`FusedTopK`]).
+    pub fn then_topk(&self, topk: FusedTopK) {
+        self.topk.set(Some(topk));
     }
 
     /// Turns the L2 prefetching of [`Self::then_prefetch`] on or off (default: `LILY_L2_AHEAD=1`).
@@ -538,7 +597,22 @@ impl GemvKernels {
     ) -> Result<()> {
         let ahead = self.ahead.take();
         let ids_ready = self.ids_ready.take();
+        let topk = self.topk.take();
         let format = check_matrices(w)?;
+        if let Some(t) = &topk {
+            ensure!(
+                slots == 1
+                    && ids.is_none()
+                    && w.rows == t.experts + 1
+                    && (1..=t.experts.min(MAX_TOP_K)).contains(&t.k)
+                    && t.experts <= 256
+                    && t.ids != 0
+                    && t.weights != 0
+                    && t.counter != 0,
+                "gemv: a fused top-k needs the router's one-slot launch over experts + 1 rows ({} rows here), top-k of at most 256 experts",
+                w.rows
+            );
+        }
         let GemvShape {
             warps_per_tile,
             tiles_per_block,
@@ -649,6 +723,11 @@ impl GemvKernels {
             res_k: residual.map_or(0, |r| r.k),
             res_eps: residual.map_or(0.0, |r| r.eps),
             ids_ready: i32::from(ids_ready),
+            topk_k: topk.map_or(0, |t| t.k as i32),
+            topk_experts: topk.map_or(0, |t| t.experts as i32),
+            topk_ids: topk.map_or(0, |t| t.ids),
+            topk_weights: topk.map_or(0, |t| t.weights),
+            topk_counter: topk.map_or(0, |t| t.counter),
         };
         let func = match format {
             Format::Q4 => &self.q4,

@@ -1,70 +1,16 @@
 // MoE routing and combine on the device (spec/MODEL.md §3.7), so decode never waits on the host.
-#include "common.cuh"
+#include "moe.cuh"
 
-#define NEG_INF __int_as_float(0xff800000)
-#define MAX_EXPERTS_PER_LANE 8  // 256 experts / 32 lanes
-#define MAX_TOP_K 16
-
-// One warp per token: softmax (fp32) over `experts` router logits, the top `k` probabilities
-// (lowest index on ties), renormalised to sum to 1. With `shared` set, each logits row has one
-// more value, the shared expert's gate logit, and the shared expert becomes slot k: expert id
-// `experts`, weight sigmoid(gate logit) (MODEL.md §3.7), so that the experts' GEMVs and the combine
-// treat it like a routed one. logits [T][experts + shared]; ids [T][k + shared] i32, weights f32.
+// One warp per token: router_topk_row (moe.cuh). logits [T][experts + shared]; ids
+// [T][k + shared] i32, weights f32.
 extern "C" __global__ void router_topk(const bf16* __restrict__ logits, int tokens, int experts, int k,
                                        int shared, int* __restrict__ ids, float* __restrict__ weights) {
     pdl_wait();
     pdl_launch_dependents();
-    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (t >= tokens) return;
-    const bf16* row = logits + (u64)t * (experts + shared);
     const int out = t * (k + shared);
-    float p[MAX_EXPERTS_PER_LANE];
-    float mx = NEG_INF;
-#pragma unroll
-    for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-        const int e = lane + 32 * j;
-        p[j] = e < experts ? __bfloat162float(row[e]) : NEG_INF;
-        mx = fmaxf(mx, p[j]);
-    }
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-        p[j] = (lane + 32 * j) < experts ? expf(p[j] - mx) : 0.0f;
-        sum += p[j];
-    }
-    sum = warp_sum(sum);
-    // k rounds of a warp-wide argmax; the winner is removed from its lane's list.
-    float chosen_p = 0.0f, chosen_sum = 0.0f;
-    int chosen_e = 0;
-    for (int r = 0; r < k; ++r) {
-        float v = -1.0f;
-        int e = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-            const int ej = lane + 32 * j;
-            if (ej < experts && (p[j] > v || (p[j] == v && ej < e))) { v = p[j]; e = ej; }
-        }
-        for (int off = 16; off > 0; off >>= 1) {
-            const float v2 = __shfl_xor_sync(0xffffffffu, v, off);
-            const int e2 = __shfl_xor_sync(0xffffffffu, e, off);
-            if (v2 > v || (v2 == v && e2 < e)) { v = v2; e = e2; }
-        }
-#pragma unroll
-        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
-            if (lane + 32 * j == e) p[j] = -1.0f;  // taken
-        }
-        if (lane == r) { chosen_p = v / sum; chosen_e = e; }
-        chosen_sum += v / sum;
-    }
-    if (lane < k) {
-        ids[out + lane] = chosen_e;
-        weights[out + lane] = chosen_p / chosen_sum;
-    }
-    if (shared && lane == 0) {
-        ids[out + k] = experts;
-        weights[out + k] = 1.0f / (1.0f + expf(-__bfloat162float(row[experts])));
-    }
+    router_topk_row(logits + (u64)t * (experts + shared), experts, k, shared, ids + out, weights + out);
 }
 
 // ---- Grouping (token, slot) pairs by expert for the grouped expert GEMMs (gemm_prefill.cu) ----

@@ -1,0 +1,67 @@
+// Router top-k for one token, shared by its kernel (moe.cu) and by the router's decode GEMV, whose
+// last block runs it (gemm.cu), so that both pick the same experts with the same weights.
+#pragma once
+#include "common.cuh"
+
+#define NEG_INF __int_as_float(0xff800000)
+#define MAX_EXPERTS_PER_LANE 8  // 256 experts / 32 lanes
+#define MAX_TOP_K 16
+
+// One warp: softmax (fp32) over `experts` router logits of `row`, the top `k` probabilities
+// (lowest index on ties), renormalised to sum to 1. With `shared` set, the row has one more value,
+// the shared expert's gate logit, and the shared expert becomes slot k: expert id `experts`,
+// weight sigmoid(gate logit) (MODEL.md §3.7), so that the experts' GEMVs and the combine treat it
+// like a routed one. Writes ids[0 .. k + shared] and weights[...] of this token.
+__device__ __forceinline__ void router_topk_row(const bf16* __restrict__ row, int experts, int k, int shared,
+                                                int* __restrict__ ids, float* __restrict__ weights) {
+    const int lane = threadIdx.x % 32;
+    float p[MAX_EXPERTS_PER_LANE];
+    float mx = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
+        const int e = lane + 32 * j;
+        // Through L2 (__ldcg): in the router's GEMV the row was written by other blocks.
+        p[j] = e < experts ? __bfloat162float(__ushort_as_bfloat16(__ldcg(reinterpret_cast<const unsigned short*>(row) + e))) : NEG_INF;
+        mx = fmaxf(mx, p[j]);
+    }
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
+        p[j] = (lane + 32 * j) < experts ? expf(p[j] - mx) : 0.0f;
+        sum += p[j];
+    }
+    sum = warp_sum(sum);
+    // k rounds of a warp-wide argmax; the winner is removed from its lane's list.
+    float chosen_p = 0.0f, chosen_sum = 0.0f;
+    int chosen_e = 0;
+    for (int r = 0; r < k; ++r) {
+        float v = -1.0f;
+        int e = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
+            const int ej = lane + 32 * j;
+            if (ej < experts && (p[j] > v || (p[j] == v && ej < e))) { v = p[j]; e = ej; }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            const float v2 = __shfl_xor_sync(0xffffffffu, v, off);
+            const int e2 = __shfl_xor_sync(0xffffffffu, e, off);
+            if (v2 > v || (v2 == v && e2 < e)) { v = v2; e = e2; }
+        }
+#pragma unroll
+        for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
+            if (lane + 32 * j == e) p[j] = -1.0f;  // taken
+        }
+        if (lane == r) { chosen_p = v / sum; chosen_e = e; }
+        chosen_sum += v / sum;
+    }
+    if (lane < k) {
+        ids[lane] = chosen_e;
+        weights[lane] = chosen_p / chosen_sum;
+    }
+    if (shared && lane == 0) {
+        ids[k] = experts;
+        const float gate = __bfloat162float(__ushort_as_bfloat16(__ldcg(reinterpret_cast<const unsigned short*>(row) + experts)));
+        weights[k] = 1.0f / (1.0f + expf(-gate));
+    }
+}
