@@ -477,11 +477,9 @@ __device__ void gemv(const GemvArgs& a) {
 
     if (a.topk_k > 0) {
         __shared__ int last;
-        __syncthreads();  // every thread of the block has stored its outputs
-        if (threadIdx.x == 0) {
-            __threadfence();  // ... and they are visible before the count says so
-            last = atomicAdd(a.topk_counter, 1u) == gridDim.x * gridDim.y - 1;
-        }
+        __threadfence();  // each thread's outputs visible device-wide ...
+        __syncthreads();  // ... for every thread of the block, before the count says so
+        if (threadIdx.x == 0) last = atomicAdd(a.topk_counter, 1u) == gridDim.x * gridDim.y - 1;
         __syncthreads();
         if (last) {
             __threadfence();
