@@ -477,7 +477,6 @@ impl CudaBackend {
         // them (forward/residual.rs); `stream` says where the residual stream is.
         let fused = t <= self.fused_rows;
         let mut stream = ResidualStream::default();
-        let eps = c.rms_norm_eps;
         let slots = c.num_experts_per_tok + 1;
         let (mut gdn_i, mut attn_i) = (0, 0);
         for (li, layer) in m.layers.iter().enumerate() {
@@ -495,31 +494,8 @@ impl CudaBackend {
                     let width = in_proj.rows;
                     section("gdn in_proj")?;
                     let ahead = L2Ahead::default().matrices(&out_proj.view(), &st);
-                    if pending_combine {
-                        k.gemv.then_prefetch(ahead);
-                        let norm = &layer.input_norm;
-                        stream.gemv(
-                            k,
-                            in_proj,
-                            s,
-                            t,
-                            Parts::Experts,
-                            norm,
-                            eps,
-                            false,
-                            Output::Proj,
-                            slots,
-                        )?;
-                    } else {
-                        gemv_rows(
-                            k,
-                            in_proj,
-                            &s.xn.slice(..t * hd),
-                            &mut s.proj.slice_mut(..t * width),
-                            t,
-                            ahead,
-                        )?;
-                    }
+                    let combine = pending_combine.then_some((&mut stream, &layer.input_norm));
+                    first_projection(&c, k, in_proj, s, t, combine, ahead)?;
                     let w = GdnWeights {
                         conv_w: conv_w.as_view(),
                         a_log: a_log.as_view(),
@@ -579,31 +555,8 @@ impl CudaBackend {
                 } => {
                     section("attn qkv")?;
                     let ahead = L2Ahead::default().matrices(&o_proj.view(), &st);
-                    if pending_combine {
-                        k.gemv.then_prefetch(ahead);
-                        let norm = &layer.input_norm;
-                        stream.gemv(
-                            k,
-                            qkv,
-                            s,
-                            t,
-                            Parts::Experts,
-                            norm,
-                            eps,
-                            false,
-                            Output::Proj,
-                            slots,
-                        )?;
-                    } else {
-                        gemv_rows(
-                            k,
-                            qkv,
-                            &s.xn.slice(..t * hd),
-                            &mut s.proj.slice_mut(..t * QKV_WIDTH),
-                            t,
-                            ahead,
-                        )?;
-                    }
+                    let combine = pending_combine.then_some((&mut stream, &layer.input_norm));
+                    first_projection(&c, k, qkv, s, t, combine, ahead)?;
                     let od = c.num_attention_heads * c.head_dim;
                     section("attn mixer")?;
                     for span in &pass.spans {
@@ -726,6 +679,42 @@ impl CudaBackend {
         section("argmax")?;
         k.sample
             .argmax(&s.logits.slice(..n * v), v, &mut s.next.slice_mut(..n))
+    }
+}
+
+/// A layer's first projection (in_proj or q‖k‖v) of `t` rows into `s.proj`: of `s.xn`, or with
+/// `combine` of the previous layer's MoE combine and this layer's input norm made in the GEMV
+/// (forward/residual.rs); `ahead` is what it pulls into L2.
+fn first_projection(
+    c: &ModelConfig,
+    k: &mut Kernels,
+    w: &DeviceMatrices,
+    s: &mut Scratch,
+    t: usize,
+    combine: Option<(&mut ResidualStream, &CudaSlice<f32>)>,
+    ahead: L2Ahead,
+) -> Result<()> {
+    match combine {
+        Some((stream, norm)) => {
+            k.gemv.then_prefetch(ahead);
+            let (eps, slots) = (c.rms_norm_eps, c.num_experts_per_tok + 1);
+            stream.gemv(
+                k,
+                w,
+                s,
+                t,
+                Parts::Experts,
+                norm,
+                eps,
+                false,
+                Output::Proj,
+                slots,
+            )
+        }
+        None => {
+            let x = s.xn.slice(..t * c.hidden_size);
+            gemv_rows(k, w, &x, &mut s.proj.slice_mut(..t * w.rows), t, ahead)
+        }
     }
 }
 

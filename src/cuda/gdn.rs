@@ -237,6 +237,8 @@ pub struct GdnKernels {
     state: CudaFunction,
     out: CudaFunction,
     conv_update: CudaFunction,
+    /// `decode_in_pass` reads the state before the PDL wait (unless `LILY_EARLY_READS=0`).
+    early_state: bool,
 }
 
 impl GdnKernels {
@@ -262,6 +264,7 @@ impl GdnKernels {
             state: big("gdn_prefill_state", STATE_SMEM)?,
             out: big("gdn_prefill_out", OUT_SMEM)?,
             conv_update: dev.function("gdn", "gdn_conv_update")?,
+            early_state: super::gemm::early_reads(),
         })
     }
 
@@ -299,7 +302,7 @@ impl GdnKernels {
         conv: &mut CudaViewMut<bf16>,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
-        self.decode_with(w, x, slots, ssm, conv, y, super::gemm::early_reads())
+        self.decode_with(w, x, slots, ssm, conv, y, self.early_state)
     }
 
     #[allow(clippy::too_many_arguments)]
