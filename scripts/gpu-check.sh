@@ -20,7 +20,8 @@
 # reruns the q4 sweep at 4K and 32K with each setting (default: the settings under trial on, one at a
 # time, and LILY_EARLY_READS=0; none to skip); GPU_CHECK_TRIALS
 # (default: the same settings under trial) reruns cuda_forward under each setting;
-# GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels (ncu.txt);
+# GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels and of the decode
+# step's (ncu-prefill.txt, ncu-decode.txt);
 # GPU_CHECK_TESTS=none (or a list of binaries) runs no (or only those) test binaries. The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
@@ -165,21 +166,29 @@ PY
         echo "bench q4 with $ab: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
     done
     if [[ "${GPU_CHECK_NCU:-}" == 1 && -x "$dir/lily" ]]; then
-        # Hardware counters of the prefill's heavy kernels (first layers of one 4K-token prefill):
-        # the experts' grouped GEMMs, GDN's three chunked kernels, flash attention. ncu.txt.
-        echo "=== ncu (prefill kernels, 4K)"
+        # Hardware counters of one 4K-token prefill's heavy kernels (its first layers: the experts'
+        # grouped GEMMs, GDN's three chunked kernels, flash attention; ncu-prefill.txt) and of the
+        # decode step's kernels after it (each GEMV, GDN step, attention split and combine, norm,
+        # top-k; ncu-decode.txt). Each kernel runs alone under ncu: its time without the neighbours
+        # that PDL would overlap.
         ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
-        if [[ -n "$ncu_bin" ]]; then
-            timeout 300 "$ncu_bin" --clock-control none \
-                --kernel-name regex:'gemm_swiglu_q4|gemm_q4|gdn_prefill|attn_prefill' --launch-count 24 \
+        for what in prefill decode; do
+            echo "=== ncu ($what kernels, 4K)"
+            if [[ -z "$ncu_bin" ]]; then echo "ncu: not found" >> "$summary"; break; fi
+            if [[ $what == prefill ]]; then
+                kernels='gemm_swiglu_q4|gemm_q4|gdn_prefill|attn_prefill' count=24
+            else
+                kernels='gemv_q4|gemv_q8|gemv_bf16|gdn_decode|attn_decode|attn_combine|attn_prepare|router_topk|residual_rmsnorm'
+                count=48
+            fi
+            timeout 200 "$ncu_bin" --clock-control none --kernel-name regex:"$kernels" \
+                --launch-skip "$([[ $what == prefill ]] && echo 0 || echo 300)" --launch-count $count \
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                 --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda --contexts 4096 \
-                --decode-steps 2 --rounds 1 > "$out/ncu.txt" 2>&1
-            echo "ncu: exit $? ($(grep -c 'Section: GPU Speed Of Light' "$out/ncu.txt") kernels)" >> "$summary"
-        else
-            echo "ncu: not found" >> "$summary"
-        fi
+                --decode-steps 4 --rounds 1 > "$out/ncu-$what.txt" 2>&1
+            echo "ncu $what: exit $? ($(grep -c 'Section: GPU Speed Of Light' "$out/ncu-$what.txt") kernels)" >> "$summary"
+        done
     fi
     if [[ "${GPU_CHECK_SERVE:-1}" != none && -x "$dir/lily" ]]; then
         # The engine under load (issue 10's settings): 64 streams of 1K-token prompts and 128

@@ -52,8 +52,6 @@ const PF_MIN_CHUNK: usize = 256;
 const DEC_THREADS: usize = 128;
 const DEC_TILE: usize = 64;
 const DEC_SMEM_BYTES: usize = 202_752;
-/// Static shared memory of attn_decode_split (its per-warp max and sum), on top of the dynamic part.
-const DEC_STATIC_SMEM_BYTES: usize = 256;
 /// The most key splits one (row, head) can have: attn_combine's thread count.
 const MAX_SPLITS: usize = 256;
 const COMBINE_THREADS: usize = 256;
@@ -285,12 +283,6 @@ impl AttentionKernels {
              {ROTARY_DIM} rotary dims; the model has {}, {}, {}, {}",
             config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rotary_dim
         );
-        let max_shared = dev.max_shared_memory_per_block()?;
-        ensure!(
-            DEC_SMEM_BYTES + DEC_STATIC_SMEM_BYTES <= max_shared,
-            "attention: decode needs {} bytes of shared memory per block, the GPU allows {max_shared}",
-            DEC_SMEM_BYTES + DEC_STATIC_SMEM_BYTES
-        );
         let sm_attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
         let sm_count = dev
             .context()
@@ -300,10 +292,7 @@ impl AttentionKernels {
         let load = |name: &str, smem: usize| -> Result<CudaFunction> {
             let f = dev.function("attention", name)?;
             if smem > 0 {
-                let attr =
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-                f.set_attribute(attr, smem as i32)
-                    .during(|| format!("shared memory limit of {name}"))?;
+                dev.allow_dynamic_shared(&f, name, smem)?;
             }
             Ok(f)
         };

@@ -52,8 +52,8 @@ pub struct CudaOptions {
     pub cuda_graphs: bool,
     /// [`forward_batch`](crate::model::Backend::forward_batch) runs the steps of several
     /// sequences (prompt chunks and decode tokens) as shared passes, each weight read once per
-    /// pass, instead of one by one. Off by default until its H200 test (tests/cuda_forward.rs,
-    /// `batched_steps_equal_one_by_one`) has passed.
+    /// pass, instead of one by one. On by default since its H200 test (tests/cuda_forward.rs,
+    /// `batched_steps_equal_one_by_one`) passed; `--batch-steps false` turns it off.
     pub batch_steps: bool,
     /// Decode passes fold the residual adds and norms into the GEMVs that read them
     /// (forward/residual.rs). Off by default (`LILY_FUSED_NORMS=1` turns it on) until its H200
@@ -68,7 +68,7 @@ impl Default for CudaOptions {
             max_context: 32768,
             prefill_chunk: 4096,
             cuda_graphs: true,
-            batch_steps: false,
+            batch_steps: true,
             fused_norms: std::env::var("LILY_FUSED_NORMS").is_ok_and(|v| v == "1"),
         }
     }

@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtrMut, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{DevicePtrMut, LaunchConfig, SyncOnDrop};
 use half::bf16;
 
 use super::pdl::KernelValue;
@@ -243,17 +243,10 @@ pub struct GdnKernels {
 
 impl GdnKernels {
     pub fn load(dev: &CudaDevice) -> Result<Self> {
-        let max_shared = dev.max_shared_memory_per_block()?;
         // The prefill kernels keep whole 64-row tiles in shared memory: opt in above 48 KB.
         let big = |name: &str, bytes: usize| -> Result<CudaFunction> {
-            ensure!(
-                bytes <= max_shared,
-                "gdn: {name} needs {bytes} bytes of shared memory, the GPU allows {max_shared}"
-            );
             let f = dev.function("gdn", name)?;
-            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            f.set_attribute(attr, bytes as i32)
-                .during(|| format!("shared memory limit of {name}"))?;
+            dev.allow_dynamic_shared(&f, name, bytes)?;
             Ok(f)
         };
         Ok(Self {

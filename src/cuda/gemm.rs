@@ -363,26 +363,28 @@ pub struct GemvKernels {
 
 impl GemvKernels {
     pub fn load(dev: &CudaDevice) -> Result<Self> {
-        let max_shared = dev.max_shared_memory_per_block()?;
         let sm_attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
         let sm_count = dev
             .context()
             .attribute(sm_attr)
             .during(|| "multiprocessor count".into())? as usize;
-        let load = |name: &str| -> Result<CudaFunction> {
+        // Opt in to all the dynamic shared memory there is: the warps' copy rings take 90-170 KB.
+        // The limit only caps what a launch may ask for; launches size their rings to fit the
+        // smallest room of the three.
+        let mut max_shared = usize::MAX;
+        let mut load = |name: &str| -> Result<CudaFunction> {
             let f = dev.function("gemm", name)?;
-            // Opt in to more than the default 48 KB of dynamic shared memory: the warps' copy
-            // rings take 90-170 KB. The limit only caps what a launch may ask for.
-            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            f.set_attribute(attr, max_shared as i32)
-                .during(|| format!("shared memory limit of {name}"))?;
+            let room = dev.dynamic_shared_room(&f, name)?;
+            dev.allow_dynamic_shared(&f, name, room)?;
+            max_shared = max_shared.min(room);
             Ok(f)
         };
+        let (q4, q8, bf16) = (load("gemv_q4")?, load("gemv_q8")?, load("gemv_bf16")?);
         Ok(Self {
             stream: dev.stream().clone(),
-            q4: load("gemv_q4")?,
-            q8: load("gemv_q8")?,
-            bf16: load("gemv_bf16")?,
+            q4,
+            q8,
+            bf16,
             max_shared,
             sm_count,
             ahead: Cell::default(),

@@ -10,14 +10,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{DevicePtrMut, LaunchConfig};
 use half::bf16;
 
 use super::gemm::{Matrices, WeightData, GROUP};
 use super::moe::ExpertGroups;
 use super::pdl::KernelValue;
 use super::{
-    addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaError, CudaFunction,
+    addr, as_i32, ensure, ensure_aligned, launch, CudaDevice, CudaError, CudaFunction,
     CudaStream, CudaView, CudaViewMut, Result,
 };
 
@@ -116,17 +116,10 @@ pub struct GemmKernels {
 
 impl GemmKernels {
     pub fn load(dev: &CudaDevice) -> Result<Self> {
-        let max_shared = dev.max_shared_memory_per_block()?;
+        // Opt in to more than the default 48 KB of dynamic shared memory.
         let load_from = |module: &str, name: &str, need: usize| -> Result<CudaFunction> {
             let f = dev.function(module, name)?;
-            ensure!(
-                need <= max_shared,
-                "{name} needs {need} bytes of shared memory, the GPU allows {max_shared}"
-            );
-            // Opt in to more than the default 48 KB of dynamic shared memory.
-            let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            f.set_attribute(attr, need as i32)
-                .during(|| format!("shared memory limit of {name}"))?;
+            dev.allow_dynamic_shared(&f, name, need)?;
             Ok(f)
         };
         let load =

@@ -236,13 +236,36 @@ impl CudaDevice {
             .during(|| format!("loading kernel {module}::{function}"))
     }
 
-    /// The most dynamic shared memory one block may ask for (after opting in per kernel).
+    /// The most shared memory one block may have, static and dynamic together (after opting in
+    /// per kernel).
     pub fn max_shared_memory_per_block(&self) -> Result<usize> {
         let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
         Ok(self
             .ctx
             .attribute(attr)
             .during(|| "device attribute".into())? as usize)
+    }
+
+    /// The most dynamic shared memory a launch of `f` can ask for: the block's limit less the
+    /// kernel's own static `__shared__` variables, which count against the same limit.
+    pub fn dynamic_shared_room(&self, f: &CudaFunction, name: &str) -> Result<usize> {
+        let fixed = f
+            .shared_size_bytes()
+            .during(|| format!("static shared memory of {name}"))? as usize;
+        Ok(self.max_shared_memory_per_block()?.saturating_sub(fixed))
+    }
+
+    /// Lets launches of `f` ask for up to `bytes` of dynamic shared memory (above 48 KB a kernel
+    /// must opt in); an error naming the kernel when the GPU has less room than that.
+    pub fn allow_dynamic_shared(&self, f: &CudaFunction, name: &str, bytes: usize) -> Result<()> {
+        let room = self.dynamic_shared_room(f, name)?;
+        ensure!(
+            bytes <= room,
+            "{name} needs {bytes} bytes of dynamic shared memory, the GPU has room for {room}"
+        );
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        f.set_attribute(attr, bytes as i32)
+            .during(|| format!("shared memory limit of {name}"))
     }
 }
 
