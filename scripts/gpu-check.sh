@@ -21,7 +21,8 @@
 # time, and LILY_EARLY_READS=0; none to skip); GPU_CHECK_TRIALS
 # (default: the same settings under trial) reruns cuda_forward under each setting;
 # GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels and of the decode
-# step's (ncu-prefill.txt, ncu-decode.txt);
+# step's (ncu-prefill.txt, ncu-decode.txt in logs.tar, with the other quants' and the A/B runs'
+# tables: at most 8 files come back from a call);
 # GPU_CHECK_TESTS=none (or a list of binaries) runs no (or only those) test binaries. The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
@@ -140,12 +141,12 @@ PY
     GPU_CHECK_QUANTS="${GPU_CHECK_QUANTS:-q4}"
     if [[ "$contexts" != none && -x "$dir/lily" ]]; then
         # GPU_CHECK_QUANTS (default q4): the weight formats to sweep; q4 writes to $OUT, the others
-        # to $OUT/<quant>.
+        # to <quant>/ in logs.tar.
         for quant in ${GPU_CHECK_QUANTS//,/ }; do
             echo "=== bench ($quant)"
             dest="$out"
             profile=(--profile)  # q4 only: where each op's time goes (profile.md)
-            [[ "$quant" == q4 ]] || { dest="$out/$quant"; profile=(); }
+            [[ "$quant" == q4 ]] || { dest="$logs/$quant"; profile=(); }
             timeout 400 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant "$quant" --device cuda \
                 --contexts "$contexts" --decode-steps 64 --rounds 2 "${profile[@]}" --out "$dest" > "$logs/bench-$quant.log" 2>&1
             rc=$?
@@ -160,7 +161,7 @@ PY
         [[ "$ab" != none && "$contexts" != none && -x "$dir/lily" ]] || break
         echo "=== bench (q4, $ab)"
         env "$ab" timeout 200 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
-            --contexts 4096,32768 --decode-steps 64 --rounds 2 --out "$out/ab-${ab//=/-}" > "$logs/bench-ab-${ab//=/-}.log" 2>&1
+            --contexts 4096,32768 --decode-steps 64 --rounds 2 --out "$logs/ab-${ab//=/-}" > "$logs/bench-ab-${ab//=/-}.log" 2>&1
         rc=$?
         tail -6 "$logs/bench-ab-${ab//=/-}.log"
         echo "bench q4 with $ab: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
@@ -186,8 +187,8 @@ PY
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                 --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda --contexts 4096 \
-                --decode-steps 4 --rounds 1 > "$out/ncu-$what.txt" 2>&1
-            echo "ncu $what: exit $? ($(grep -c 'Section: GPU Speed Of Light' "$out/ncu-$what.txt") kernels)" >> "$summary"
+                --decode-steps 4 --rounds 1 > "$logs/ncu-$what.txt" 2>&1
+            echo "ncu $what: exit $? ($(grep -c 'Section: GPU Speed Of Light' "$logs/ncu-$what.txt") kernels)" >> "$summary"
         done
     fi
     if [[ "${GPU_CHECK_SERVE:-1}" != none && -x "$dir/lily" ]]; then

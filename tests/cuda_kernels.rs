@@ -529,6 +529,25 @@ fn gemv_matches_reference() {
         let (want, tol) = h.gemv(0, &x, ntok);
         check_gemv(&what, &y, &want, &tol);
     }
+    // The output may start at any element: a pass of more rows than one launch holds splits them
+    // (the 8-bit router‖shared gate, 257 rows, takes 6 tokens a launch, so the 7th row's output
+    // starts 6·257 values in). Here one value in, and that value is left alone.
+    let (rows, cols, ntok) = (257, 2048, 2);
+    let h = HostMatrices::random(&mut rng, 8, 1, rows, cols);
+    let m = DeviceMatrices::upload(s, &h);
+    let x = rng.bf16s(ntok * cols, 1.0);
+    let (dx, mut dy) = (upload(s, &x), poisoned(s, 1 + ntok * rows));
+    k.gemv(&m.view(), &dx.as_view(), &mut dy.slice_mut(1..))
+        .unwrap();
+    let y = download(s, &dy);
+    assert!(y[0].is_nan(), "gemv wrote before its output");
+    let (want, tol) = h.gemv(0, &x, ntok);
+    check_gemv(
+        "gemv Q8 [257×2048] ×2 at an odd offset",
+        &y[1..],
+        &want,
+        &tol,
+    );
 }
 
 #[test]

@@ -27,7 +27,7 @@ use cuda_prefill_common::*;
 use half::bf16;
 use lily::checkpoint::synth;
 use lily::config::ModelConfig;
-use lily::cuda::gemm_prefill::{GemmKernels, TILE_ROWS};
+use lily::cuda::gemm_prefill::{GemmKernels, MIN_TILE_ROWS, TILE_HEIGHTS};
 use lily::cuda::model::DeviceMoe;
 use lily::cuda::moe::{ExpertGroups, MoeKernels};
 use lily::cuda::norm::NormKernels;
@@ -85,8 +85,8 @@ fn route(rng: &mut SmallRng, routing: Routing, tokens: usize, experts: usize) ->
 }
 
 /// The CPU's grouping: pair ids expert after expert, each expert's in increasing order, and the
-/// tile map {expert, first position, rows, 0} for tiles of TILE_ROWS rows.
-fn cpu_groups(ids: &[i32], experts: usize) -> (Vec<i32>, Vec<i32>, Vec<usize>) {
+/// tile map {expert, first position, rows, 0} for tiles of `tile_rows` rows.
+fn cpu_groups(ids: &[i32], experts: usize, tile_rows: usize) -> (Vec<i32>, Vec<i32>, Vec<usize>) {
     let mut sorted = Vec::with_capacity(ids.len());
     let mut tiles = Vec::new();
     let mut offsets = Vec::with_capacity(experts + 1);
@@ -95,19 +95,25 @@ fn cpu_groups(ids: &[i32], experts: usize) -> (Vec<i32>, Vec<i32>, Vec<usize>) {
         offsets.push(first);
         sorted.extend((0..ids.len() as i32).filter(|&p| ids[p as usize] == e));
         let count = sorted.len() - first;
-        for i in (0..count).step_by(TILE_ROWS) {
-            tiles.extend([e, (first + i) as i32, (count - i).min(TILE_ROWS) as i32, 0]);
+        for i in (0..count).step_by(tile_rows) {
+            tiles.extend([e, (first + i) as i32, (count - i).min(tile_rows) as i32, 0]);
         }
     }
     offsets.push(sorted.len());
     (sorted, tiles, offsets)
 }
 
-fn group_on_gpu(s: &Arc<CudaStream>, k: &MoeKernels, ids: &[i32], experts: usize) -> ExpertGroups {
+fn group_on_gpu(
+    s: &Arc<CudaStream>,
+    k: &MoeKernels,
+    ids: &[i32],
+    experts: usize,
+    tile_rows: usize,
+) -> ExpertGroups {
     let tokens = ids.len() / TOP_K;
-    let mut groups = ExpertGroups::new(s, tokens, TOP_K, experts, TILE_ROWS).expect("groups");
+    let mut groups = ExpertGroups::new(s, tokens, TOP_K, experts, MIN_TILE_ROWS).expect("groups");
     let dids = upload(s, ids);
-    k.group_by_expert(&dids.as_view(), TOP_K, &mut groups)
+    k.group_by_expert(&dids.as_view(), TOP_K, tile_rows, &mut groups)
         .expect("group_by_expert");
     groups
 }
@@ -120,7 +126,7 @@ fn check_grouping(
     experts: usize,
     what: &str,
 ) {
-    let (sorted, tiles, _) = cpu_groups(ids, experts);
+    let (sorted, tiles, _) = cpu_groups(ids, experts, groups.tile_rows());
     assert_eq!(groups.pairs(), ids.len(), "{what}: pairs");
     assert_eq!(
         download(s, &groups.sorted_pairs()),
@@ -159,34 +165,44 @@ fn grouping_sorts_pairs_by_expert() {
         (Routing::Skewed, 129, 16),
     ] {
         let ids = route(&mut rng, routing, tokens, experts);
-        let groups = group_on_gpu(s, &k, &ids, experts);
-        check_grouping(
-            s,
-            &groups,
-            &ids,
-            experts,
-            &format!("{routing:?} {tokens} tokens, {experts} experts"),
-        );
+        for rows in TILE_HEIGHTS {
+            let groups = group_on_gpu(s, &k, &ids, experts, rows);
+            check_grouping(
+                s,
+                &groups,
+                &ids,
+                experts,
+                &format!("{routing:?} {tokens} tokens, {experts} experts, tiles of {rows}"),
+            );
+        }
     }
-    // The same buffers serve a smaller chunk after a larger one (nothing stale is read).
-    let mut groups = ExpertGroups::new(s, 4096, TOP_K, 256, TILE_ROWS).expect("groups");
-    for tokens in [4096, 17, 1000] {
+    // The same buffers serve a smaller chunk after a larger one, and other tile heights (nothing
+    // stale is read).
+    let mut groups = ExpertGroups::new(s, 4096, TOP_K, 256, MIN_TILE_ROWS).expect("groups");
+    for (tokens, rows) in [(4096, 16), (17, 64), (1000, 32), (4096, 64), (300, 16)] {
         let ids = route(&mut rng, Routing::Uniform, tokens, 256);
-        k.group_by_expert(&upload(s, &ids).as_view(), TOP_K, &mut groups)
+        k.group_by_expert(&upload(s, &ids).as_view(), TOP_K, rows, &mut groups)
             .expect("group_by_expert");
         check_grouping(
             s,
             &groups,
             &ids,
             256,
-            &format!("reused groups, {tokens} tokens"),
+            &format!("reused groups, {tokens} tokens, tiles of {rows}"),
         );
     }
     let ids = upload(s, &vec![0i32; 4097 * TOP_K]);
     assert!(
-        k.group_by_expert(&ids.as_view(), TOP_K, &mut groups)
+        k.group_by_expert(&ids.as_view(), TOP_K, 64, &mut groups)
             .is_err(),
         "more pairs than allocated"
+    );
+    let ids = upload(s, &vec![0i32; 16 * TOP_K]);
+    let mut tall = ExpertGroups::new(s, 16, TOP_K, 256, 32).expect("groups");
+    assert!(
+        k.group_by_expert(&ids.as_view(), TOP_K, 16, &mut tall)
+            .is_err(),
+        "tiles shorter than the map has room for"
     );
 }
 
@@ -246,7 +262,7 @@ fn grouped_case(
     ex: &Experts,
     routing: Routing,
     tokens: usize,
-    wgmma: bool,
+    (tile_rows, wgmma): (usize, bool),
 ) {
     let s = dev.stream();
     let (mk, mut g) = (
@@ -260,9 +276,9 @@ fn grouped_case(
     let ids = route(rng, routing, tokens, experts);
     let (xb, xf) = activations(rng, tokens * hidden, 1.0);
     let dx = upload(s, &xb);
-    let groups = group_on_gpu(s, &mk, &ids, experts);
+    let groups = group_on_gpu(s, &mk, &ids, experts, tile_rows);
     let what = format!(
-        "{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}] (wgmma: {wgmma})"
+        "{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}] (tiles of {tile_rows}, wgmma: {wgmma})"
     );
     check_grouping(s, &groups, &ids, experts, &what);
     let mut act = Output::new(s, pairs * inter);
@@ -275,7 +291,7 @@ fn grouped_case(
     let routed_gpu = routed.get(s, &format!("{what}: routed"));
 
     // Per expert, on the CPU: its rows in sorted order, as the GPU holds them.
-    let (sorted, _, offsets) = cpu_groups(&ids, experts);
+    let (sorted, _, offsets) = cpu_groups(&ids, experts, tile_rows);
     let x_sq: Vec<f32> = (0..tokens)
         .map(|t| xf[t * hidden..(t + 1) * hidden].iter().map(|v| v * v).sum())
         .collect();
@@ -348,24 +364,27 @@ fn grouped_experts_match_cpu() {
     let dev = device();
     let s = dev.stream();
     let mut rng = rng("grouped experts");
-    // Qwen3.6-35B-A3B: 256 experts, hidden 2048, I = 512, MLX Q4.
-    // Q4 on both kernels (mma.sync and wgmma).
+    // Qwen3.6-35B-A3B: 256 experts, hidden 2048, I = 512, MLX Q4: the mma.sync kernel in each
+    // tile height, and wgmma (64-row tiles).
     let real = Experts::random(s, &mut rng, Kind::Q4, 256, 2048, 512);
-    for wgmma in [false, true] {
-        grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256, wgmma);
-        grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600, wgmma);
-        grouped_case(&dev, &mut rng, &real, Routing::Same, 70, wgmma);
-        grouped_case(&dev, &mut rng, &real, Routing::Uniform, 9, wgmma);
+    for kernel in [(64, false), (32, false), (16, false), (64, true)] {
+        grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256, kernel);
+        grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600, kernel);
+        grouped_case(&dev, &mut rng, &real, Routing::Same, 70, kernel);
+        grouped_case(&dev, &mut rng, &real, Routing::Uniform, 9, kernel);
     }
     drop(real);
-    // tests/cuda_forward.rs's model (16 experts, hidden 512, I = 128) in bf16 and Q4, and Q8 experts.
+    // tests/cuda_forward.rs's model (16 experts, hidden 512, I = 128) in bf16 and Q4, and Q8
+    // experts, in each tile height.
     let small = Experts::random(s, &mut rng, Kind::Bf16, 16, 512, 128);
-    grouped_case(&dev, &mut rng, &small, Routing::Uniform, 300, false);
-    grouped_case(&dev, &mut rng, &small, Routing::Skewed, 44, false);
     let small_q4 = Experts::random(s, &mut rng, Kind::Q4, 16, 512, 128);
-    grouped_case(&dev, &mut rng, &small_q4, Routing::Skewed, 300, true);
     let q8 = Experts::random(s, &mut rng, Kind::Q8, 12, 256, 192);
-    grouped_case(&dev, &mut rng, &q8, Routing::Uniform, 100, false);
+    for rows in TILE_HEIGHTS {
+        grouped_case(&dev, &mut rng, &small, Routing::Uniform, 300, (rows, false));
+        grouped_case(&dev, &mut rng, &small, Routing::Skewed, 44, (rows, false));
+        grouped_case(&dev, &mut rng, &q8, Routing::Uniform, 100, (rows, false));
+    }
+    grouped_case(&dev, &mut rng, &small_q4, Routing::Skewed, 300, (64, true));
 }
 
 fn real_config() -> ModelConfig {
@@ -460,7 +479,7 @@ impl BlockBuffers {
             logits: z(tokens * (e + 1)),
             ids: s.alloc_zeros::<i32>(tokens * SLOTS).expect("alloc"),
             weights: s.alloc_zeros::<f32>(tokens * SLOTS).expect("alloc"),
-            groups: ExpertGroups::new(s, tokens, SLOTS, e + 1, TILE_ROWS).expect("groups"),
+            groups: ExpertGroups::new(s, tokens, SLOTS, e + 1, MIN_TILE_ROWS).expect("groups"),
             act: z(tokens * SLOTS * i),
             routed: z(tokens * SLOTS * h),
             h: z(tokens * h),
@@ -494,7 +513,9 @@ fn run_block(
         &mut b.weights.as_view_mut(),
     )
     .expect("router_topk");
-    mk.group_by_expert(&b.ids.as_view(), SLOTS, &mut b.groups)
+    // The tile height forward.rs would pick for this many rows.
+    let tile_rows = g.expert_tile_rows(b.ids.len(), e + 1);
+    mk.group_by_expert(&b.ids.as_view(), SLOTS, tile_rows, &mut b.groups)
         .expect("group_by_expert");
     g.experts_gate_up(&blk.gate_up.view(), x, &b.groups, &mut b.act.as_view_mut())
         .expect("experts_gate_up");
@@ -630,43 +651,52 @@ fn timing_grouped_moe_at_4096_tokens() {
     let mut b = BlockBuffers::new(s, &c, T);
     let (xb, _) = activations(&mut rng, T * h, 1.0);
     let dx = upload(s, &xb);
-    let pairs = (T * TOP_K) as f64;
-    // The routed experts alone (8 slots per token, 256 experts), for the per-step timings.
-    let mut groups = ExpertGroups::new(s, T, TOP_K, e, TILE_ROWS).expect("groups");
-    for routing in [Routing::Uniform, Routing::Skewed] {
-        let ids = route(&mut rng, routing, T, e);
-        s.memcpy_htod(&ids, &mut b.ids.slice_mut(..T * TOP_K))
+    // The routed experts alone (8 slots per token, 256 experts), for the per-step timings: a
+    // 4K chunk, and the few rows of a 64-sequence decode step or a 512-token prompt, in each tile
+    // height (the 64-row one also on wgmma).
+    let mut groups = ExpertGroups::new(s, T, TOP_K, e, MIN_TILE_ROWS).expect("groups");
+    for (routing, tokens) in [
+        (Routing::Uniform, T),
+        (Routing::Skewed, T),
+        (Routing::Uniform, 64),
+        (Routing::Uniform, 512),
+    ] {
+        let pairs = tokens * TOP_K;
+        let ids = route(&mut rng, routing, tokens, e);
+        s.memcpy_htod(&ids, &mut b.ids.slice_mut(..pairs))
             .expect("ids");
-        let group_ms = median_ms(&dev, 20, || {
-            mk.group_by_expert(&b.ids.slice(..T * TOP_K), TOP_K, &mut groups)
-                .expect("group")
-        });
-        for wgmma in [false, true] {
+        let kernels = [(64, false), (64, true), (32, false), (16, false)];
+        for (rows, wgmma) in kernels {
+            let group_ms = median_ms(&dev, 20, || {
+                mk.group_by_expert(&b.ids.slice(..pairs), TOP_K, rows, &mut groups)
+                    .expect("group")
+            });
             let mut g = GemmKernels::load(&dev).expect("kernels");
             g.set_wgmma(wgmma);
             let gu_ms = median_ms(&dev, 10, || {
                 g.experts_gate_up(
                     &ex.gate_up.view(),
-                    &dx.as_view(),
+                    &dx.slice(..tokens * h),
                     &groups,
-                    &mut b.act.slice_mut(..T * TOP_K * inter),
+                    &mut b.act.slice_mut(..pairs * inter),
                 )
                 .expect("gate_up")
             });
             let down_ms = median_ms(&dev, 10, || {
                 g.experts_down(
                     &ex.down.view(),
-                    &b.act.slice(..T * TOP_K * inter),
+                    &b.act.slice(..pairs * inter),
                     &groups,
-                    &mut b.routed.slice_mut(..T * TOP_K * h),
+                    &mut b.routed.slice_mut(..pairs * h),
                 )
                 .expect("down")
             });
             let tf = |flop: f64, ms: f32| flop / (ms as f64 * 1e-3) / 1e12;
+            let p = pairs as f64;
             println!(
-                "{routing:?} routing, {T} tokens (wgmma: {wgmma}): grouping {group_ms:.3} ms; gate‖up+SwiGLU {gu_ms:.3} ms ({:.0} TFLOP/s); down {down_ms:.3} ms ({:.0} TFLOP/s)",
-                tf(2.0 * pairs * (2 * inter * h) as f64, gu_ms),
-                tf(2.0 * pairs * (h * inter) as f64, down_ms)
+                "{routing:?} routing, {tokens} tokens, tiles of {rows} (wgmma: {wgmma}): grouping {group_ms:.3} ms; gate‖up+SwiGLU {gu_ms:.3} ms ({:.0} TFLOP/s); down {down_ms:.3} ms ({:.0} TFLOP/s)",
+                tf(2.0 * p * (2 * inter * h) as f64, gu_ms),
+                tf(2.0 * p * (h * inter) as f64, down_ms)
             );
         }
     }

@@ -25,7 +25,7 @@ use super::dense::{self, DenseGemm};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
 use super::gemm::{FusedTopK, GemvKernels, L2Ahead, SlotInput, MAX_TOKENS};
-use super::gemm_prefill::{GemmKernels, TILE_ROWS};
+use super::gemm_prefill::{GemmKernels, MIN_TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::{ExpertGroups, MoeKernels};
 use super::norm::NormKernels;
@@ -260,7 +260,7 @@ impl CudaBackend {
             gu: alloc(&st, MAX_TOKENS * slots * 2 * inter)?,
             act: alloc(&st, rows * slots * inter)?,
             routed: alloc(&st, rows * slots * h)?,
-            groups: ExpertGroups::new(&st, rows, slots, e, TILE_ROWS)?,
+            groups: ExpertGroups::new(&st, rows, slots, e, MIN_TILE_ROWS)?,
             last: alloc(&st, batch * h)?,
             logits: alloc(&st, batch * c.vocab_size)?,
             next: alloc(&st, batch)?,
@@ -800,8 +800,15 @@ fn moe_experts(
     section("moe experts")?;
     if grouped {
         // Pairs sorted by expert, then one grouped GEMM per projection; routed[token][slot] as below.
-        k.moe
-            .group_by_expert(&s.expert_ids.slice(..t * slots), slots, &mut s.groups)?;
+        // Tiles as tall as the experts' rows: few rows each (a batched decode step, a short
+        // prompt) take short tiles. The shared expert (id e) is one of e + 1.
+        let tile_rows = k.gemm.expert_tile_rows(t * slots, e + 1);
+        k.moe.group_by_expert(
+            &s.expert_ids.slice(..t * slots),
+            slots,
+            tile_rows,
+            &mut s.groups,
+        )?;
         let mut act = s.act.slice_mut(..t * slots * inter);
         k.gemm.experts_gate_up(
             &w.gate_up.view(),

@@ -359,6 +359,9 @@ pub struct GemvKernels {
     early_reads: bool,
     /// The prefetching is on with `LILY_L2_AHEAD=1` (off by default until measured on the H200).
     ahead_enabled: bool,
+    /// Blocks per SM for decode-sized matrices: 1, or `LILY_GEMV_PER_SM` (an A/B: ncu shows the
+    /// one-block GEMVs issue-bound at 8 warps per SM).
+    decode_blocks_per_sm: usize,
 }
 
 impl GemvKernels {
@@ -393,6 +396,11 @@ impl GemvKernels {
             fused_topk: std::env::var("LILY_FUSED_TOPK").is_ok_and(|v| v == "1"),
             early_reads: early_reads(),
             ahead_enabled: std::env::var("LILY_L2_AHEAD").is_ok_and(|v| v == "1"),
+            decode_blocks_per_sm: std::env::var("LILY_GEMV_PER_SM")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1usize)
+                .max(1),
         })
     }
 
@@ -670,8 +678,9 @@ impl GemvKernels {
                 w.count
             ),
         }
+        // y is written one bf16 at a time, so it may start anywhere (a pass of more rows than
+        // one launch holds splits its output at row multiples of any width).
         ensure_aligned(x, &self.stream, "gemv x")?;
-        ensure_aligned(y, &self.stream, "gemv y")?;
         let shared_bytes = shared_bytes(format, w.cols, ntok, shape, residual.is_some());
         ensure!(
             shared_bytes <= self.max_shared,
@@ -747,7 +756,11 @@ impl GemvKernels {
         // scheduled early and streams its first weights while this one finishes. Big matrices
         // (lm_head) take as many blocks as fit.
         let bytes = slots * w.rows * w.cols * format.bits() / 8;
-        let per_sm = if bytes < 64 << 20 { 1 } else { fit };
+        let per_sm = if bytes < 64 << 20 {
+            self.decode_blocks_per_sm.min(fit)
+        } else {
+            fit
+        };
         let rounds = w.rows.div_ceil(TILE_ROWS * tiles_per_block);
         let resident_per_slot = (per_sm.max(1) * self.sm_count / slots).max(1);
         let blocks = rounds.div_ceil(rounds.div_ceil(resident_per_slot));

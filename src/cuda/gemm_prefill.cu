@@ -3,11 +3,14 @@
 // dequantised on its way from shared memory into the mma operands (never into global memory).
 // The same kernel serves the dense projections and the experts of a MoE layer (grouped GEMM).
 //
-// Work split. A block computes a tile of 64 rows p (tokens, or an expert's rows) × 256 weight rows
-// n, marching over K in k-tiles of 64 columns, which is exactly one quantisation group. Its 4 warps
-// each own 64 of the 256 weight rows and all 64 token rows: a warp tile of 64 × 64 is 4 m16 × 8 n8
-// mma tiles (mma.m16n8k16, bf16 in, fp32 accumulators). A = X (tokens, row-major), B = W
-// (weight rows are B's columns: W[n][k] row-major is exactly the "col" B operand).
+// Work split. A block computes a tile of BM = 16·MI rows p (tokens, or an expert's rows) × 256
+// weight rows n, marching over K in k-tiles of 64 columns, which is exactly one quantisation group.
+// Its 4 warps each own 64 of the 256 weight rows and all BM token rows: a warp tile of BM × 64 is
+// MI m16 × 8 n8 mma tiles (mma.m16n8k16, bf16 in, fp32 accumulators). A = X (tokens, row-major),
+// B = W (weight rows are B's columns: W[n][k] row-major is exactly the "col" B operand). MI = 4
+// (64 rows) for long prompts; MI = 1 or 2 for the experts when each sees few rows (short prompts,
+// batched decode steps), where a 64-row tile would be mostly padding: less tensor work per weight
+// read, fewer registers, more blocks per SM.
 //
 // Pipeline. k-tiles stream into shared memory through cp.async, STAGES deep (X tile 64 × 64 bf16,
 // W tile 256 rows × one k-tile of packed words). Scales and biases (2 bytes each, too small for
@@ -48,22 +51,22 @@ namespace {
 enum Format { Q4 = 0, Q8 = 1, BF16 = 2 };
 enum Epilogue { STORE = 0, SWIGLU = 1 };
 
-constexpr int BM = 64;       // token rows per block tile
 constexpr int BN = 256;      // weight rows per block tile
 constexpr int BK = 64;       // columns per k-tile (one quantisation group)
 constexpr int WARPS = 4;     // warp w owns weight rows 64w..64w+63 of the tile
 constexpr int THREADS = 32 * WARPS;
 constexpr int A_ROW_BYTES = BK * 2;          // 128: one X row of a k-tile
-constexpr int A_BYTES = BM * A_ROW_BYTES;    // 8 KB
 
-// Per format: bytes of one weight row in a k-tile, pipeline depth (two blocks per SM must fit in
-// 227 KB of shared memory).
+// Per format: bytes of one weight row in a k-tile, pipeline depth (two blocks per SM of the 64-row
+// tiles must fit in 227 KB of shared memory).
 template <int F> struct Fmt;
 template <> struct Fmt<Q4> { static constexpr int ROW_BYTES = 32, STAGES = 4; };
 template <> struct Fmt<Q8> { static constexpr int ROW_BYTES = 64, STAGES = 4; };
 template <> struct Fmt<BF16> { static constexpr int ROW_BYTES = 128, STAGES = 2; };
 
-template <int F> struct Layout {
+template <int F, int MI> struct Layout {
+    static constexpr int BM = 16 * MI;                       // token rows per block tile
+    static constexpr int A_BYTES = BM * A_ROW_BYTES;
     static constexpr bool QUANT = F != BF16;
     static constexpr int ROW_BYTES = Fmt<F>::ROW_BYTES;
     static constexpr int CHUNKS = ROW_BYTES / 16;            // 16-byte chunks per weight row
@@ -72,7 +75,12 @@ template <int F> struct Layout {
     static constexpr int STAGE_BYTES = A_BYTES + B_BYTES + SB_BYTES;
     static constexpr int STAGES = Fmt<F>::STAGES;
     static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;  // must match gemm_prefill.rs
-    static_assert(2 * SMEM_BYTES + 2 * 2048 <= 228 * 1024, "two blocks per SM must fit");
+    // Blocks per SM the launch bounds ask for: as the accumulators (32·MI registers per lane)
+    // allow, as many as fit the shared memory (2 KB each for the static tables and the driver).
+    static constexpr int BY_REGISTERS = MI == 1 ? 4 : MI == 2 ? 3 : 2;
+    static constexpr int BY_SMEM = 228 * 1024 / (SMEM_BYTES + 2048);
+    static constexpr int BLOCKS = BY_REGISTERS < BY_SMEM ? BY_REGISTERS : BY_SMEM;
+    static_assert(MI != 4 || BLOCKS == 2, "two blocks of the 64-row tiles per SM must fit");
 };
 
 }  // namespace
@@ -121,10 +129,10 @@ template <int E> __device__ __forceinline__ int weight_row(int r, int col_tile, 
     }
 }
 
-template <int F, int E>
+template <int F, int E, int MI>
 __device__ __forceinline__ void gemm(const GemmArgs& a) {
-    using L = Layout<F>;
-    constexpr int STAGES = L::STAGES;
+    using L = Layout<F, MI>;
+    constexpr int STAGES = L::STAGES, BM = L::BM, A_BYTES = L::A_BYTES;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ int a_row_s[BM];  // X row of each tile row, -1: none
     __shared__ int c_row_s[BM];  // Y row of each tile row, -1: none
@@ -156,7 +164,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     auto stage_b = [&](int s) { return smem + s * L::STAGE_BYTES + A_BYTES; };
     auto stage_sb = [&](int s) { return reinterpret_cast<u32*>(smem + s * L::STAGE_BYTES + A_BYTES + L::B_BYTES); };
 
-    // One k-tile into stage `s`: X 64 rows × 8 chunks (4 per thread), W 256 rows × CHUNKS chunks.
+    // One k-tile into stage `s`: X BM rows × 8 chunks (MI per thread), W 256 rows × CHUNKS chunks.
     auto load_tile = [&](int kt, int s) {
         const u32 sa = smem_u32(stage_a(s)), sbase = smem_u32(stage_b(s));
 #pragma unroll
@@ -216,9 +224,9 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     const u32 sel4 = 0x4440u | t;
     const u32 sel8_lo = 0x7440u | (2 * (t & 1)), sel8_hi = 0x7440u | (2 * (t & 1) + 1);
 
-    float acc[4][8][4];
+    float acc[MI][8][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -261,9 +269,9 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
 
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {  // k16 steps of the k-tile
-            u32 af[4][4];
+            u32 af[MI][4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
+            for (int i = 0; i < MI; ++i)
                 ldmatrix_x4(af[i], sa + a_lane + i * 16 * A_ROW_BYTES + (((2 * ks + a_hi) ^ rr) << 4));
             if constexpr (F == BF16) {
 #pragma unroll
@@ -271,7 +279,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
                     u32 bf[4];
                     ldmatrix_x4(bf, sbm + b_lane + j * 8 * L::ROW_BYTES + (((2 * ks + b_hi) ^ rr) << 4));
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
+                    for (int i = 0; i < MI; ++i) {
                         mma(acc[i][j], af[i], bf[0], bf[1]);
                         mma(acc[i][j + 1], af[i], bf[2], bf[3]);
                     }
@@ -295,7 +303,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
                         b1 = dequant_q8(cw[2 + t / 2], sel8_lo, sel8_hi, sf[j], bfv[j]);
                     }
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) mma(acc[i][j], af[i], b0, b1);
+                    for (int i = 0; i < MI; ++i) mma(acc[i][j], af[i], b0, b1);
                 }
             }
         }
@@ -306,7 +314,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
         const int n = a.n;
         const bool pairs = (n % 2) == 0;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < MI; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = i * 16 + g + h * 8;
@@ -328,7 +336,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
         const int half = a.n / 2;
         const bool pairs = (half % 2) == 0;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < MI; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = i * 16 + g + h * 8;
@@ -352,13 +360,23 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
 
 }  // namespace
 
-// Two blocks per SM: the 64 × 64 fp32 warp tile needs 128 accumulator registers per lane.
-#define GEMM_KERNEL(name, F, E) \
-    extern "C" __global__ void __launch_bounds__(THREADS, 2) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<F, E>(a); }
+// The 64 × 64 fp32 warp tile of MI = 4 needs 128 accumulator registers per lane: two blocks per
+// SM; the shorter tiles leave room for more (Layout::BLOCKS).
+#define GEMM_KERNEL(name, F, E, MI)                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS, (Layout<F, MI>::BLOCKS)) name(const GemmArgs a) { \
+        pdl_wait();                                                                            \
+        pdl_launch_dependents();                                                               \
+        gemm<F, E, MI>(a);                                                                     \
+    }
+// Every format and epilogue in tiles of 64, 32 and 16 rows (gemm_prefill.rs picks by name).
+#define GEMM_KERNELS(suffix, MI)                     \
+    GEMM_KERNEL(gemm_q4##suffix, Q4, STORE, MI)          \
+    GEMM_KERNEL(gemm_q8##suffix, Q8, STORE, MI)          \
+    GEMM_KERNEL(gemm_bf16##suffix, BF16, STORE, MI)      \
+    GEMM_KERNEL(gemm_swiglu_q4##suffix, Q4, SWIGLU, MI)  \
+    GEMM_KERNEL(gemm_swiglu_q8##suffix, Q8, SWIGLU, MI)  \
+    GEMM_KERNEL(gemm_swiglu_bf16##suffix, BF16, SWIGLU, MI)
 
-GEMM_KERNEL(gemm_q4, Q4, STORE)
-GEMM_KERNEL(gemm_q8, Q8, STORE)
-GEMM_KERNEL(gemm_bf16, BF16, STORE)
-GEMM_KERNEL(gemm_swiglu_q4, Q4, SWIGLU)
-GEMM_KERNEL(gemm_swiglu_q8, Q8, SWIGLU)
-GEMM_KERNEL(gemm_swiglu_bf16, BF16, SWIGLU)
+GEMM_KERNELS(, 4)
+GEMM_KERNELS(_m32, 2)
+GEMM_KERNELS(_m16, 1)

@@ -6,7 +6,7 @@
 //!
 //! The kernel and the reasons for its shape are described at the top of gemm_prefill.cu. For
 //! 4-bit weights a second kernel does the same products on Hopper's warpgroup instructions
-//! (gemm_wgmma.cu; `LILY_WGMMA=1`, off by default until its H200 test has passed).
+//! (gemm_wgmma.cu; `LILY_WGMMA=1`, off by default: slower than mma.sync on the H200 so far).
 
 use std::sync::Arc;
 
@@ -17,13 +17,17 @@ use super::gemm::{Matrices, WeightData, GROUP};
 use super::moe::ExpertGroups;
 use super::pdl::KernelValue;
 use super::{
-    addr, as_i32, ensure, ensure_aligned, launch, CudaDevice, CudaError, CudaFunction,
-    CudaStream, CudaView, CudaViewMut, Result,
+    addr, as_i32, ensure, ensure_aligned, launch, CudaDevice, CudaError, CudaFunction, CudaStream,
+    CudaView, CudaViewMut, Result,
 };
 
-/// Rows (tokens, or an expert's rows) per block tile: the tile map of [`ExpertGroups`] must be
-/// built for this height.
+/// Rows (tokens, or an expert's rows) per block tile of the dense products and the wgmma kernel.
 pub const TILE_ROWS: usize = 64;
+/// The tile heights of the mma.sync kernels (MI = 4, 2, 1 in gemm_prefill.cu): the grouped expert
+/// products take the short ones when each expert sees few rows ([`GemmKernels::expert_tile_rows`]).
+pub const TILE_HEIGHTS: [usize; 3] = [64, 32, 16];
+/// The shortest tiles: what an [`ExpertGroups`] tile map must have room for.
+pub const MIN_TILE_ROWS: usize = 16;
 /// Weight rows per block tile (BN in gemm_prefill.cu).
 const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
@@ -71,10 +75,10 @@ impl Format {
             Format::Bf16 => 16,
         }
     }
-    /// Dynamic shared memory of one block (Layout<F>::SMEM_BYTES in gemm_prefill.cu):
-    /// stages × (X tile + weight tile + {scale, bias} per weight row).
-    fn shared_bytes(self) -> usize {
-        let a = TILE_ROWS * 128;
+    /// Dynamic shared memory of one block of `tile_rows` rows (Layout<F, MI>::SMEM_BYTES in
+    /// gemm_prefill.cu): stages × (X tile + weight tile + {scale, bias} per weight row).
+    fn shared_bytes(self, tile_rows: usize) -> usize {
+        let a = tile_rows * 128;
         let (row_bytes, stages, sb) = match self {
             Format::Q4 => (32, 4, 4),
             Format::Q8 => (64, 4, 4),
@@ -107,8 +111,10 @@ struct Rows<'a> {
 
 pub struct GemmKernels {
     stream: Arc<CudaStream>,
-    /// [format][epilogue]
-    funcs: [[CudaFunction; 2]; 3],
+    /// [height (TILE_HEIGHTS)][format][epilogue]
+    funcs: [[[CudaFunction; 2]; 3]; 3],
+    /// `LILY_EXPERT_TILE_ROWS` (16, 32 or 64): one height for every grouped product (A/B runs).
+    expert_tile_override: Option<usize>,
     /// Q4 on wgmma (gemm_wgmma.cu), [epilogue].
     wgmma: [CudaFunction; 2],
     use_wgmma: bool,
@@ -122,25 +128,42 @@ impl GemmKernels {
             dev.allow_dynamic_shared(&f, name, need)?;
             Ok(f)
         };
-        let load =
-            |name: &str, format: Format| load_from("gemm_prefill", name, format.shared_bytes());
         let wgmma = |name: &str| load_from("gemm_wgmma", name, WGMMA_SMEM_BYTES);
+        // gemm_q4, gemm_swiglu_q4_m32, ...: [format][epilogue] for one height.
+        let height = |rows: usize| -> Result<[[CudaFunction; 2]; 3]> {
+            let suffix = if rows == TILE_ROWS {
+                String::new()
+            } else {
+                format!("_m{rows}")
+            };
+            let load = |kind: &str, format: Format| {
+                let name = format!("gemm_{kind}{suffix}");
+                load_from("gemm_prefill", &name, format.shared_bytes(rows))
+            };
+            Ok([
+                [load("q4", Format::Q4)?, load("swiglu_q4", Format::Q4)?],
+                [load("q8", Format::Q8)?, load("swiglu_q8", Format::Q8)?],
+                [
+                    load("bf16", Format::Bf16)?,
+                    load("swiglu_bf16", Format::Bf16)?,
+                ],
+            ])
+        };
+        let expert_tile_override = match std::env::var("LILY_EXPERT_TILE_ROWS") {
+            Ok(v) => {
+                let rows = v.parse().ok().filter(|r| TILE_HEIGHTS.contains(r));
+                ensure!(
+                    rows.is_some(),
+                    "LILY_EXPERT_TILE_ROWS={v}: expected one of {TILE_HEIGHTS:?}"
+                );
+                rows
+            }
+            Err(_) => None,
+        };
         Ok(Self {
             stream: dev.stream().clone(),
-            funcs: [
-                [
-                    load("gemm_q4", Format::Q4)?,
-                    load("gemm_swiglu_q4", Format::Q4)?,
-                ],
-                [
-                    load("gemm_q8", Format::Q8)?,
-                    load("gemm_swiglu_q8", Format::Q8)?,
-                ],
-                [
-                    load("gemm_bf16", Format::Bf16)?,
-                    load("gemm_swiglu_bf16", Format::Bf16)?,
-                ],
-            ],
+            funcs: [height(64)?, height(32)?, height(16)?],
+            expert_tile_override,
             wgmma: [wgmma("wgmma_q4")?, wgmma("wgmma_swiglu_q4")?],
             use_wgmma: std::env::var("LILY_WGMMA").is_ok_and(|v| v == "1"),
         })
@@ -149,6 +172,21 @@ impl GemmKernels {
     /// Runs 4-bit products on the wgmma kernel (or not); the default is `LILY_WGMMA=1`.
     pub fn set_wgmma(&mut self, on: bool) {
         self.use_wgmma = on;
+    }
+
+    /// The tile height for grouping `pairs` (token, slot) pairs over `experts` experts: 16 rows
+    /// while the experts average at most 16 (a batched decode step, a short prompt), 32 up to
+    /// 48, else 64 — a 64-row tile of a few rows is mostly padding, whose tensor work costs as
+    /// much as real rows.
+    pub fn expert_tile_rows(&self, pairs: usize, experts: usize) -> usize {
+        if let Some(rows) = self.expert_tile_override {
+            return rows;
+        }
+        match pairs.div_ceil(experts.max(1)) {
+            0..=16 => 16,
+            17..=48 => 32,
+            _ => 64,
+        }
     }
 
     /// Whether these weights fit the kernel: 4/8-bit or bf16, `cols` a multiple of 64.
@@ -294,14 +332,15 @@ impl GemmKernels {
             "gemm: weights at {wp:#x} are not 16-byte aligned"
         );
         let xp = addr(x, stream, &mut guards);
+        let height = rows.grouped.map_or(TILE_ROWS, |(g, _, _)| g.tile_rows());
+        let Some(height_index) = TILE_HEIGHTS.iter().position(|&h| h == height) else {
+            return Err(CudaError::Shape(format!(
+                "gemm: expert groups built for tiles of {height} rows, the kernels take {TILE_HEIGHTS:?}"
+            )));
+        };
         let (tiles_x, a_rows, c_rows, tiles, num_tiles, a_div) = match (rows.grouped, &group_views)
         {
             (Some((groups, gather, div)), Some((sorted, map, count))) => {
-                ensure!(
-                    groups.tile_rows() == TILE_ROWS,
-                    "gemm: expert groups built for tiles of {} rows, the kernel takes {TILE_ROWS}",
-                    groups.tile_rows()
-                );
                 ensure!(
                     groups.experts() <= w.count,
                     "gemm: {} experts routed but the stack has {} matrices",
@@ -349,13 +388,14 @@ impl GemmKernels {
             "gemm: {} weight rows are too many for one launch",
             w.rows
         );
-        // Both kernels take the same arguments, tiles and grid.
-        let (func, shared_bytes) = if format == Format::Q4 && self.use_wgmma {
+        // Both kernels take the same arguments, tiles and grid (wgmma: 64-row tiles only).
+        let (func, shared_bytes) = if format == Format::Q4 && self.use_wgmma && height == TILE_ROWS
+        {
             (&self.wgmma[epilogue as usize], WGMMA_SMEM_BYTES)
         } else {
             (
-                &self.funcs[format as usize][epilogue as usize],
-                format.shared_bytes(),
+                &self.funcs[height_index][format as usize][epilogue as usize],
+                format.shared_bytes(height),
             )
         };
         let cfg = LaunchConfig {

@@ -33,11 +33,13 @@ pub struct MoeKernels {
 /// [`MoeKernels::group_by_expert`].
 ///
 /// Pair `p = token·top_k + slot`. `sorted` lists the pairs expert after expert, each expert's in
-/// increasing p (so in token order); `tiles` cuts each expert's run into tiles of `tile_rows`:
-/// `{expert, first position in sorted, rows, 0}`, and `num_tiles` says how many are valid.
+/// increasing p (so in token order); `tiles` cuts each expert's run into tiles of `tile_rows`
+/// (chosen per grouping): `{expert, first position in sorted, rows, 0}`, and `num_tiles` says how
+/// many are valid.
 pub struct ExpertGroups {
     experts: usize,
-    tile_rows: usize,
+    /// The shortest tiles the map has room for.
+    min_tile_rows: usize,
     max_pairs: usize,
     /// `[chunks][experts]`: counts, then first positions (moe_group_scan works in place).
     chunk_counts: CudaSlice<i32>,
@@ -47,23 +49,24 @@ pub struct ExpertGroups {
     /// Set by the last grouping.
     pairs: usize,
     top_k: usize,
+    tile_rows: usize,
 }
 
 impl ExpertGroups {
     /// Room for up to `max_tokens` tokens routed to `top_k` of `experts` experts, for tiles of
-    /// `tile_rows` rows (`gemm_prefill::TILE_ROWS` for the GEMMs).
+    /// at least `min_tile_rows` rows (`gemm_prefill::MIN_TILE_ROWS` for the GEMMs).
     pub fn new(
         stream: &Arc<CudaStream>,
         max_tokens: usize,
         top_k: usize,
         experts: usize,
-        tile_rows: usize,
+        min_tile_rows: usize,
     ) -> Result<Self> {
         ensure!(
             experts > 0 && experts <= MAX_GROUP_EXPERTS,
             "expert groups: {experts} experts (1..={MAX_GROUP_EXPERTS})"
         );
-        ensure!(tile_rows > 0, "expert groups: tiles of 0 rows");
+        ensure!(min_tile_rows > 0, "expert groups: tiles of 0 rows");
         let max_pairs = max_tokens.max(1) * top_k.max(1);
         as_i32(max_pairs, "pairs")?;
         let alloc = |n: usize| {
@@ -73,20 +76,22 @@ impl ExpertGroups {
         };
         Ok(Self {
             experts,
-            tile_rows,
+            min_tile_rows,
             max_pairs,
             chunk_counts: alloc(max_pairs.div_ceil(GROUP_CHUNK) * experts)?,
             sorted: alloc(max_pairs)?,
-            tiles: alloc(4 * max_tiles(max_pairs, experts, tile_rows))?,
+            tiles: alloc(4 * max_tiles(max_pairs, experts, min_tile_rows))?,
             num_tiles: alloc(1)?,
             pairs: 0,
             top_k: 0,
+            tile_rows: min_tile_rows,
         })
     }
 
     pub fn experts(&self) -> usize {
         self.experts
     }
+    /// Rows per tile of the last grouping.
     pub fn tile_rows(&self) -> usize {
         self.tile_rows
     }
@@ -132,11 +137,13 @@ impl MoeKernels {
     }
 
     /// Groups the pairs of `ids` (`[tokens][top_k]` expert ids from [`Self::router_topk`]) by
-    /// expert into `groups`, for the grouped expert GEMMs. Three launches, no host round trip.
+    /// expert into `groups`, in tiles of `tile_rows`, for the grouped expert GEMMs. Three
+    /// launches, no host round trip.
     pub fn group_by_expert(
         &self,
         ids: &CudaView<i32>,
         top_k: usize,
+        tile_rows: usize,
         groups: &mut ExpertGroups,
     ) -> Result<()> {
         ensure!(
@@ -150,8 +157,14 @@ impl MoeKernels {
             "group_by_expert: {pairs} pairs, the groups were allocated for {}",
             groups.max_pairs
         );
+        ensure!(
+            tile_rows >= groups.min_tile_rows,
+            "group_by_expert: tiles of {tile_rows} rows, the map has room for tiles of {} or more",
+            groups.min_tile_rows
+        );
         groups.pairs = pairs;
         groups.top_k = top_k;
+        groups.tile_rows = tile_rows;
         let chunks = pairs.div_ceil(GROUP_CHUNK);
         let (p, e, c) = (pairs as i32, groups.experts as i32, chunks as i32);
         let (rows, max) = (
