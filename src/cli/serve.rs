@@ -57,7 +57,7 @@ pub struct ServeArgs {
     pub max_sequences: usize,
     /// GPU: run the steps of concurrent requests (prompt chunks and decode tokens) as shared
     /// passes, each weight read once per pass, instead of one after another (`--batch-steps
-    /// false`: one after another). Default: off until its H200 test has passed.
+    /// false`: one after another). Default: on.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub batch_steps: Option<bool>,
     /// Test only: reply from this script instead of running a model.

@@ -359,9 +359,6 @@ pub struct GemvKernels {
     early_reads: bool,
     /// The prefetching is on with `LILY_L2_AHEAD=1` (off by default until measured on the H200).
     ahead_enabled: bool,
-    /// Blocks per SM for decode-sized matrices: 1, or `LILY_GEMV_PER_SM` (an A/B: ncu shows the
-    /// one-block GEMVs issue-bound at 8 warps per SM).
-    decode_blocks_per_sm: usize,
 }
 
 impl GemvKernels {
@@ -396,11 +393,6 @@ impl GemvKernels {
             fused_topk: std::env::var("LILY_FUSED_TOPK").is_ok_and(|v| v == "1"),
             early_reads: early_reads(),
             ahead_enabled: std::env::var("LILY_L2_AHEAD").is_ok_and(|v| v == "1"),
-            decode_blocks_per_sm: std::env::var("LILY_GEMV_PER_SM")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(1usize)
-                .max(1),
         })
     }
 
@@ -753,14 +745,11 @@ impl GemvKernels {
             .during(|| "gemv occupancy".into())? as usize;
         // A decode-sized matrix gets one block per SM (its 8 warps keep enough copies in flight),
         // which leaves room on every SM for the next kernel's block: with PDL (pdl.rs) that one is
-        // scheduled early and streams its first weights while this one finishes. Big matrices
-        // (lm_head) take as many blocks as fit.
+        // scheduled early and streams its first weights while this one finishes (two blocks per
+        // SM measured 2.8 % slower on the H200, NOTES v1.13). Big matrices (lm_head) take as many
+        // blocks as fit.
         let bytes = slots * w.rows * w.cols * format.bits() / 8;
-        let per_sm = if bytes < 64 << 20 {
-            self.decode_blocks_per_sm.min(fit)
-        } else {
-            fit
-        };
+        let per_sm = if bytes < 64 << 20 { 1 } else { fit };
         let rounds = w.rows.div_ceil(TILE_ROWS * tiles_per_block);
         let resident_per_slot = (per_sm.max(1) * self.sm_count / slots).max(1);
         let blocks = rounds.div_ceil(rounds.div_ceil(resident_per_slot));

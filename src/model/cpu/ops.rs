@@ -12,15 +12,19 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize) -> Vec<f32> {
     let (rows, cols) = (w.rows, w.cols);
     assert_eq!(x.len(), tokens * cols, "matmul input shape");
     const BLOCK: usize = 16;
+    // A block's rows are dequantised once, then each token's x (read once per block, kept in L1
+    // while the block's rows stream from L2) is dotted with all of them.
     let block = |b: usize| {
         let r0 = b * BLOCK;
         let n = BLOCK.min(rows - r0);
-        let mut row = vec![0f32; cols];
+        let mut block_rows = vec![0f32; n * cols];
+        for (i, row) in block_rows.chunks_exact_mut(cols).enumerate() {
+            w.row_into(r0 + i, row);
+        }
         let mut out = vec![0f32; n * tokens];
-        for i in 0..n {
-            w.row_into(r0 + i, &mut row);
-            for t in 0..tokens {
-                out[i * tokens + t] = dot(&row, &x[t * cols..(t + 1) * cols]);
+        for (t, xt) in x.chunks_exact(cols).enumerate() {
+            for (i, row) in block_rows.chunks_exact(cols).enumerate() {
+                out[i * tokens + t] = dot(row, xt);
             }
         }
         out
@@ -45,21 +49,27 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize) -> Vec<f32> {
     y
 }
 
-/// Dot product with several accumulators (keeps the compiler's vectoriser busy).
+/// Dot product in 8 lanes (lane j sums the products at j, j + 8, ...), then the lanes in order.
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot: lengths");
+    let n8 = a.len() / 8 * 8;
     let mut acc = [0f32; 8];
-    let chunks = a.len() / 8;
-    for i in 0..chunks {
-        for j in 0..8 {
-            acc[j] += a[8 * i + j] * b[8 * i + j];
-        }
-    }
+    dot_lanes(&a[..n8], &b[..n8], &mut acc);
     let mut s: f32 = acc.iter().sum();
-    for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
+    for (x, y) in a[n8..].iter().zip(&b[n8..]) {
+        s += x * y;
     }
     s
+}
+
+#[inline]
+fn dot_lanes(a: &[f32], b: &[f32], acc: &mut [f32; 8]) {
+    for (ca, cb) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        for j in 0..8 {
+            acc[j] += ca[j] * cb[j];
+        }
+    }
 }
 
 /// RMSNorm with an effective multiplier: `x · rsqrt(mean(x²) + eps) · w`.
