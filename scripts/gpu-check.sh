@@ -16,7 +16,8 @@
 # it; GPU_CHECK_QUANTS (comma-separated, default q4) to sweep other weight formats too (q8: what GGUF
 # K-quants and FP8 checkpoints run as); GPU_CHECK_SERVE=none skips the `lily bench --serve` run
 # (GPU_CHECK_SERVE_ARGS replaces its stream settings); GPU_CHECK_AGREE=1 adds the full-size
-# `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time); GPU_CHECK_AB="VAR=VALUE ..."
+# `lily agree` check (GPU greedy vs the CPU reference, minutes of CPU time; GPU_CHECK_AGREE=4,8,16:
+# the full-width model cut to those depths); GPU_CHECK_AB="VAR=VALUE ..."
 # reruns the q4 sweep at 4K and 32K with each setting (default: the settings under trial on, one at a
 # time, and LILY_EARLY_READS=0; none to skip); GPU_CHECK_TRIALS
 # (default: the same settings under trial) reruns cuda_forward under each setting;
@@ -124,20 +125,25 @@ PY
         echo "generate cuda vs cpu: $([[ -n "$gpu" && "$gpu" == "$cpu" ]] && echo "identical" || echo "differ (see logs; near-ties possible)")" >> "$summary"
         rm -rf "$model"
     fi
-    if [[ "${GPU_CHECK_AGREE:-}" == 1 && -x "$dir/lily" ]]; then
+    if [[ -n "${GPU_CHECK_AGREE:-}" && -x "$dir/lily" ]]; then
         # The full-size Q4 model, written to disk so that the CPU can load it too: 256 greedy
         # tokens after a 4K prompt on the GPU, the CPU teacher-forced on them (src/agree.rs).
-        # About 20 GB of disk and minutes of CPU time.
-        echo "=== agree (full size, cuda vs cpu)"
-        full="$(mktemp -d)"
-        "$dir/lily" synth --config qwen3.6-35b-a3b --quant q4 --out "$full" > "$logs/agree.log" 2>&1
-        timeout 480 "$dir/lily" agree --model "$full" --device cuda --prompt-tokens 4096 --tokens 256 \
-            --out "$out/agree.md" >> "$logs/agree.log" 2>&1
-        rc=$?
-        tail -5 "$logs/agree.log"
-        echo "agree (full size): $([[ $rc == 0 ]] && echo "no unexplained divergence" || echo "FAIL (exit $rc)")" >> "$summary"
-        [[ $rc == 0 ]] || failed=1
-        rm -rf "$full"
+        # About 20 GB of disk and ~7 minutes in all. GPU_CHECK_AGREE=4,8,16 instead runs the
+        # full-width model cut to each depth (64 tokens after the 4K prompt, a minute or two
+        # each): how the distance from the CPU grows with depth (agree-<layers>.md).
+        for layers in $([[ "$GPU_CHECK_AGREE" == 1 ]] && echo 40 || echo "${GPU_CHECK_AGREE//,/ }"); do
+            echo "=== agree ($layers layers, cuda vs cpu)"
+            full="$(mktemp -d)"
+            tokens=$([[ $layers == 40 ]] && echo 256 || echo 64)
+            "$dir/lily" synth --config qwen3.6-35b-a3b --layers "$layers" --quant q4 --out "$full" > "$logs/agree-$layers.log" 2>&1
+            timeout 480 "$dir/lily" agree --model "$full" --device cuda --prompt-tokens 4096 --tokens "$tokens" \
+                --out "$out/agree-$layers.md" >> "$logs/agree-$layers.log" 2>&1
+            rc=$?
+            grep -v '^- position' "$logs/agree-$layers.log" | tail -3
+            echo "agree ($layers layers): $([[ $rc == 0 ]] && echo PASS || echo "FAIL (exit $rc)")" >> "$summary"
+            [[ $rc == 0 ]] || failed=1
+            rm -rf "$full"
+        done
     fi
     contexts="${GPU_CHECK_CONTEXTS:-256,1024,4096,16384,32768}"
     GPU_CHECK_QUANTS="${GPU_CHECK_QUANTS:-q4}"

@@ -58,9 +58,11 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
         std::fs::write(out, &md)?;
     }
     anyhow::ensure!(
-        report.unexplained() == 0,
-        "{} divergences are not near-ties",
-        report.unexplained()
+        report.passes(),
+        "{} divergences are not near-ties, {} positions' logits differ by more than {:.0e} of their range",
+        report.unexplained(),
+        report.out_of_tolerance(),
+        agree::MAX_LOGIT_ERROR
     );
     Ok(())
 }

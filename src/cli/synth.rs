@@ -25,6 +25,10 @@ pub struct SynthArgs {
     /// (group 64; routers and shared-expert gates 8-bit). The full-size q4 model is ≈ 19.5 GB.
     #[arg(long, value_enum)]
     pub quant: Option<SynthQuant>,
+    /// Keep only the first N layers (and their pattern of layer types): the same widths at less
+    /// depth, e.g. to see how the GPU's distance from the CPU reference grows with depth.
+    #[arg(long)]
+    pub layers: Option<usize>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -52,6 +56,10 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
             serde_json::from_str(&text)?
         }
     };
+    let mut config = config;
+    if let Some(layers) = args.layers {
+        keep_layers(&mut config, layers)?;
+    }
     let dtype = match args.dtype {
         SynthDType::Bf16 => DType::BF16,
         SynthDType::F32 => DType::F32,
@@ -91,4 +99,41 @@ pub fn run(args: SynthArgs) -> anyhow::Result<()> {
         bytes as f64 / 1e9 / secs
     );
     Ok(())
+}
+
+/// Cuts a config.json (flat, or with the text model under `text_config`) to its first `layers`
+/// layers.
+fn keep_layers(config: &mut serde_json::Value, layers: usize) -> anyhow::Result<()> {
+    let text = if config.get("text_config").is_some() {
+        &mut config["text_config"]
+    } else {
+        config
+    };
+    let have = text["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+    anyhow::ensure!(
+        (1..=have).contains(&layers),
+        "--layers {layers}: the config has {have} layers"
+    );
+    text["num_hidden_layers"] = layers.into();
+    if let Some(types) = text.get_mut("layer_types").and_then(|t| t.as_array_mut()) {
+        types.truncate(layers);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_layers_cuts_depth_and_pattern() {
+        let mut c = synth::preset("qwen3.6-35b-a3b").unwrap();
+        keep_layers(&mut c, 4).unwrap();
+        let config = lily::config::ModelConfig::from_json(&c).unwrap();
+        assert_eq!(config.num_hidden_layers, 4);
+        assert_eq!(config.layer_types.len(), 4);
+        assert_eq!(config.hidden_size, 2048);
+        assert!(keep_layers(&mut c, 5).is_err(), "more layers than it has");
+        assert!(keep_layers(&mut c, 0).is_err(), "no layers");
+    }
 }
