@@ -179,7 +179,7 @@ PY
         # grouped GEMMs, GDN's three chunked kernels, flash attention; ncu-prefill.txt) and of the
         # decode step's kernels after it (each GEMV, GDN step, attention split and combine, norm,
         # top-k; ncu-decode.txt). Each kernel runs alone under ncu: its time without the neighbours
-        # that PDL would overlap.
+        # that PDL would overlap. Sections print their details too (the warp stall reasons).
         ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
         for what in prefill decode; do
             echo "=== ncu ($what kernels, 4K)"
@@ -190,7 +190,7 @@ PY
                 kernels='gemv_q4|gemv_q8|gemv_bf16|gdn_decode|attn_decode|attn_combine|attn_prepare|router_topk|residual_rmsnorm'
                 count=48
             fi
-            timeout 200 "$ncu_bin" --clock-control none --kernel-name regex:"$kernels" \
+            timeout 200 "$ncu_bin" --clock-control none --print-details all --kernel-name regex:"$kernels" \
                 --launch-skip "$([[ $what == prefill ]] && echo 0 || echo 300)" --launch-count $count \
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                 --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
