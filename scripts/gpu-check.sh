@@ -90,7 +90,7 @@ run)
         echo "$name: $status in $((SECONDS - start)) s" >> "$summary"
     done
     # Settings under trial (off by default until they pass here): the whole model again with each.
-    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1}; do
+    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1 LILY_GROUPED_MIN_ROWS=2}; do
         [[ -x "$dir/cuda_forward" && "$tests" != none ]] || break
         echo "=== cuda_forward ($trial)"
         start=$SECONDS

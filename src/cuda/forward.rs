@@ -794,7 +794,7 @@ fn moe_experts(
             &mut s.expert_weights.slice_mut(..t * slots),
         )?;
     }
-    let grouped = t > MAX_TOKENS
+    let grouped = k.gemm.groups_experts(t)
         && GemmKernels::supports(&w.gate_up.view())
         && GemmKernels::supports(&w.down.view());
     section("moe experts")?;

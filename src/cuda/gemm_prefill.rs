@@ -28,6 +28,9 @@ pub const TILE_ROWS: usize = 64;
 pub const TILE_HEIGHTS: [usize; 3] = [64, 32, 16];
 /// The shortest tiles: what an [`ExpertGroups`] tile map must have room for.
 pub const MIN_TILE_ROWS: usize = 16;
+/// Passes of at least this many rows run their experts as grouped GEMMs by default: one more than
+/// the decode GEMV takes in one launch (gemm.rs `MAX_TOKENS`).
+const GROUPED_FROM_ROWS: usize = super::gemm::MAX_TOKENS + 1;
 /// Weight rows per block tile (BN in gemm_prefill.cu).
 const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
@@ -115,6 +118,8 @@ pub struct GemmKernels {
     funcs: [[[CudaFunction; 2]; 3]; 3],
     /// `LILY_EXPERT_TILE_ROWS` (16, 32 or 64): one height for every grouped product (A/B runs).
     expert_tile_override: Option<usize>,
+    /// The fewest rows whose experts run as grouped GEMMs (fewer: the decode GEMVs, gemm.rs).
+    grouped_from_rows: usize,
     /// Q4 on wgmma (gemm_wgmma.cu), [epilogue].
     wgmma: [CudaFunction; 2],
     use_wgmma: bool,
@@ -160,10 +165,20 @@ impl GemmKernels {
             }
             Err(_) => None,
         };
+        // `LILY_GROUPED_MIN_ROWS=N` (A/B runs): the grouped GEMMs from N rows on instead of 9.
+        let grouped_from_rows = match std::env::var("LILY_GROUPED_MIN_ROWS") {
+            Ok(v) => {
+                let rows = v.parse().ok().filter(|&r: &usize| r >= 1);
+                ensure!(rows.is_some(), "LILY_GROUPED_MIN_ROWS={v}: expected a number ≥ 1");
+                rows.unwrap_or(GROUPED_FROM_ROWS)
+            }
+            Err(_) => GROUPED_FROM_ROWS,
+        };
         Ok(Self {
             stream: dev.stream().clone(),
             funcs: [height(64)?, height(32)?, height(16)?],
             expert_tile_override,
+            grouped_from_rows,
             wgmma: [wgmma("wgmma_q4")?, wgmma("wgmma_swiglu_q4")?],
             use_wgmma: std::env::var("LILY_WGMMA").is_ok_and(|v| v == "1"),
         })
@@ -172,6 +187,13 @@ impl GemmKernels {
     /// Runs 4-bit products on the wgmma kernel (or not); the default is `LILY_WGMMA=1`.
     pub fn set_wgmma(&mut self, on: bool) {
         self.use_wgmma = on;
+    }
+
+    /// Whether the experts of a pass of `rows` rows run as grouped GEMMs (each expert's weights
+    /// read once for all its rows) rather than as the decode GEMVs' (row, expert) slots: from 9
+    /// rows on, the most one GEMV launch takes (`LILY_GROUPED_MIN_ROWS` moves it for A/B runs).
+    pub fn groups_experts(&self, rows: usize) -> bool {
+        rows >= self.grouped_from_rows
     }
 
     /// The tile height for grouping `pairs` (token, slot) pairs over `experts` experts: 16 rows
