@@ -25,6 +25,10 @@ pub struct AgreeArgs {
     /// Also write the report here (markdown).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// The CPU reference rounds its router logits to bf16 as the GPU does: what remains of the
+    /// distance is then not routing flipped at near-ties by that rounding.
+    #[arg(long)]
+    pub reference_router_bf16: bool,
 }
 
 pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
@@ -51,6 +55,10 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
     drop(backend);
     eprintln!("CPU reference, teacher-forced on the device's tokens");
     let weights = checkpoint::load(&args.model)?;
+    lily::model::cpu::moe::ROUTER_LOGITS_BF16.store(
+        args.reference_router_bf16,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let report = agree::compare(&weights, device, &prompt, &steps);
     let md = report.to_markdown();
     print!("{md}");

@@ -169,7 +169,10 @@ impl GemmKernels {
         let grouped_from_rows = match std::env::var("LILY_GROUPED_MIN_ROWS") {
             Ok(v) => {
                 let rows = v.parse().ok().filter(|&r: &usize| r >= 1);
-                ensure!(rows.is_some(), "LILY_GROUPED_MIN_ROWS={v}: expected a number ≥ 1");
+                ensure!(
+                    rows.is_some(),
+                    "LILY_GROUPED_MIN_ROWS={v}: expected a number ≥ 1"
+                );
                 rows.unwrap_or(GROUPED_FROM_ROWS)
             }
             Err(_) => GROUPED_FROM_ROWS,

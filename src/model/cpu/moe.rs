@@ -1,14 +1,27 @@
 //! The sparse MoE block (MODEL.md §3.7): softmax router over all experts, top-k, renormalised
 //! weights, SwiGLU experts, plus the always-on shared expert behind a sigmoid gate.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use super::ops::{matmul, sigmoid, silu, softmax, top_k};
 use crate::config::ModelConfig;
 use crate::model::weights::{FeedForward, MoeWeights};
+
+/// Round the router's logits to bf16 before the softmax, as the GPU does (and transformers in
+/// bf16). Off in the reference, which keeps them f32; `lily agree --reference-router-bf16` turns
+/// it on for the CPU side to measure how much of a device's distance from the reference is routing
+/// flipped at near-ties by that rounding.
+pub static ROUTER_LOGITS_BF16: AtomicBool = AtomicBool::new(false);
 
 /// `t` normalised rows in, `t` rows of MoE output out (accumulated in f32).
 pub fn forward(c: &ModelConfig, w: &MoeWeights, x: &[f32], t: usize) -> Vec<f32> {
     let h = c.hidden_size;
     let mut logits = matmul(&w.router, x, t);
+    if ROUTER_LOGITS_BF16.load(Ordering::Relaxed) {
+        for v in &mut logits {
+            *v = half::bf16::from_f32(*v).to_f32();
+        }
+    }
     // Tokens routed to each expert, with their weights.
     let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); c.num_experts];
     for s in 0..t {
