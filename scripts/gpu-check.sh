@@ -136,8 +136,10 @@ PY
             full="$(mktemp -d)"
             tokens=$([[ $layers == 40 ]] && echo 256 || echo 64)
             "$dir/lily" synth --config qwen3.6-35b-a3b --layers "$layers" --quant q4 --out "$full" > "$logs/agree-$layers.log" 2>&1
+            # ${GPU_CHECK_AGREE_ARGS} (e.g. --reference-router-bf16) is passed on to `lily agree`.
+            # shellcheck disable=SC2086
             timeout 480 "$dir/lily" agree --model "$full" --device cuda --prompt-tokens 4096 --tokens "$tokens" \
-                --out "$out/agree-$layers.md" >> "$logs/agree-$layers.log" 2>&1
+                ${GPU_CHECK_AGREE_ARGS:-} --out "$out/agree-$layers.md" >> "$logs/agree-$layers.log" 2>&1
             rc=$?
             grep -v '^- position' "$logs/agree-$layers.log" | tail -3
             echo "agree ($layers layers): $([[ $rc == 0 ]] && echo PASS || echo "FAIL (exit $rc)")" >> "$summary"
