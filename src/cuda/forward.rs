@@ -12,19 +12,21 @@
 //! and greedy sampling stay on the device; a greedy step brings back one token id.
 
 mod backend;
+mod experts;
+mod projection;
 mod residual;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaGraph, CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{sys, CudaGraph, CudaSlice};
 use half::bf16;
 
 use super::attention::{AttentionKernels, AttentionWorkspace, KvCache, QKV_WIDTH};
 use super::dense::{self, DenseGemm};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
-use super::gemm::{FusedTopK, GemvKernels, L2Ahead, SlotInput, MAX_TOKENS};
+use super::gemm::{GemvKernels, L2Ahead, MAX_TOKENS};
 use super::gemm_prefill::{GemmKernels, MIN_TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::{ExpertGroups, MoeKernels};
@@ -32,11 +34,12 @@ use super::norm::NormKernels;
 use super::profile::{self, OpProfile};
 use super::sample::SampleKernels;
 use super::snapshot::SnapshotPool;
-use super::weights::DeviceMatrices;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::LayerKind;
 use crate::model::SeqId;
-use residual::{Output, Parts, ResidualStream};
+use experts::moe_experts;
+use projection::{first_projection, gemv_rows};
+use residual::ResidualStream;
 
 /// How much the backend allocates up front.
 #[derive(Debug, Clone)]
@@ -680,222 +683,6 @@ impl CudaBackend {
         k.sample
             .argmax(&s.logits.slice(..n * v), v, &mut s.next.slice_mut(..n))
     }
-}
-
-/// A layer's first projection (in_proj or q‖k‖v) of `t` rows into `s.proj`: of `s.xn`, or with
-/// `combine` of the previous layer's MoE combine and this layer's input norm made in the GEMV
-/// (forward/residual.rs); `ahead` is what it pulls into L2.
-fn first_projection(
-    c: &ModelConfig,
-    k: &mut Kernels,
-    w: &DeviceMatrices,
-    s: &mut Scratch,
-    t: usize,
-    combine: Option<(&mut ResidualStream, &CudaSlice<f32>)>,
-    ahead: L2Ahead,
-) -> Result<()> {
-    match combine {
-        Some((stream, norm)) => {
-            k.gemv.then_prefetch(ahead);
-            let (eps, slots) = (c.rms_norm_eps, c.num_experts_per_tok + 1);
-            stream.gemv(
-                k,
-                w,
-                s,
-                t,
-                Parts::Experts,
-                norm,
-                eps,
-                false,
-                Output::Proj,
-                slots,
-            )
-        }
-        None => {
-            let x = s.xn.slice(..t * c.hidden_size);
-            gemv_rows(k, w, &x, &mut s.proj.slice_mut(..t * w.rows), t, ahead)
-        }
-    }
-}
-
-/// The MoE block's experts for `t` rows of `s.xn`: routing, then each (token, slot)'s expert
-/// output unweighted in `s.routed` `[t][slots][hidden]`, slot top_k being the shared expert; the
-/// weights are left in `s.expert_weights` for the combine. With `router_input` the router's x is
-/// made in its GEMV from the residual stream plus `s.r` and that norm (forward/residual.rs).
-/// `ahead`: what the GEMV path's gate‖up and down launches pull into L2.
-#[allow(clippy::too_many_arguments)]
-fn moe_experts(
-    c: &ModelConfig,
-    k: &mut Kernels,
-    w: &super::model::DeviceMoe,
-    s: &mut Scratch,
-    t: usize,
-    router_input: Option<(&mut ResidualStream, &CudaSlice<f32>)>,
-    ahead: (L2Ahead, L2Ahead),
-    section: &impl Fn(&'static str) -> Result<()>,
-) -> Result<()> {
-    let (hd, e, topk, inter) = (
-        c.hidden_size,
-        c.num_experts,
-        c.num_experts_per_tok,
-        c.moe_intermediate_size,
-    );
-    let slots = topk + 1;
-    section("moe router")?;
-    // Decode rows in one router launch: its last block can do the top-k (LILY_FUSED_TOPK=1).
-    let fused_topk = k.gemv.fuses_topk()
-        && t <= MAX_TOKENS
-        && (router_input.is_some() || t <= k.gemv.max_tokens(&w.router.view()));
-    if fused_topk {
-        let st = s.router.stream().clone();
-        k.gemv.then_topk(FusedTopK::new(
-            e,
-            topk,
-            &mut s.expert_ids.slice_mut(..t * slots),
-            &mut s.expert_weights.slice_mut(..t * slots),
-            &mut s.topk_counter.slice_mut(..),
-            &st,
-        ));
-    }
-    match router_input {
-        // The residual add and post-mixer norm made in the router's GEMV, xn written for the experts.
-        Some((stream, norm)) => {
-            let eps = c.rms_norm_eps;
-            k.gemv.then_prefetch(L2Ahead::default());
-            stream.gemv(
-                k,
-                &w.router,
-                s,
-                t,
-                Parts::Mixer,
-                norm,
-                eps,
-                true,
-                Output::Router,
-                slots,
-            )?
-        }
-        None => gemv_rows(
-            k,
-            &w.router,
-            &s.xn.slice(..t * hd),
-            &mut s.router.slice_mut(..t * (e + 1)),
-            t,
-            L2Ahead::default(),
-        )?,
-    }
-    if !fused_topk {
-        k.moe.router_topk(
-            &s.router.slice(..t * (e + 1)),
-            e,
-            topk,
-            true,
-            &mut s.expert_ids.slice_mut(..t * slots),
-            &mut s.expert_weights.slice_mut(..t * slots),
-        )?;
-    }
-    let grouped = k.gemm.groups_experts(t)
-        && GemmKernels::supports(&w.gate_up.view())
-        && GemmKernels::supports(&w.down.view());
-    section("moe experts")?;
-    if grouped {
-        // Pairs sorted by expert, then one grouped GEMM per projection; routed[token][slot] as below.
-        // Tiles as tall as the experts' rows: few rows each (a batched decode step, a short
-        // prompt) take short tiles. The shared expert (id e) is one of e + 1.
-        let tile_rows = k.gemm.expert_tile_rows(t * slots, e + 1);
-        k.moe.group_by_expert(
-            &s.expert_ids.slice(..t * slots),
-            slots,
-            tile_rows,
-            &mut s.groups,
-        )?;
-        let mut act = s.act.slice_mut(..t * slots * inter);
-        k.gemm.experts_gate_up(
-            &w.gate_up.view(),
-            &s.xn.slice(..t * hd),
-            &s.groups,
-            &mut act,
-        )?;
-        k.gemm.experts_down(
-            &w.down.view(),
-            &s.act.slice(..t * slots * inter),
-            &s.groups,
-            &mut s.routed.slice_mut(..t * slots * hd),
-        )
-    } else {
-        // Up to 8 rows at a time, every (row, slot) one slot of the launch: gate‖up with the
-        // row's x, then down through SwiGLU, into routed[row][slot].
-        let mut row = 0;
-        while row < t {
-            let n = MAX_TOKENS.min(t - row);
-            let pairs = row * slots..(row + n) * slots;
-            let ids = s.expert_ids.slice(pairs.clone());
-            k.gemv.then_prefetch(ahead.0);
-            k.gemv.gemv_slots(
-                &w.gate_up.view(),
-                Some(&ids),
-                n * slots,
-                &s.xn.slice(row * hd..(row + n) * hd),
-                SlotInput::PerGroup(slots),
-                1,
-                &mut s.gu.slice_mut(..n * slots * 2 * inter),
-            )?;
-            if row + n == t {
-                k.gemv.then_prefetch(ahead.1);
-            }
-            // Gate‖up, just before, read these ids after its PDL wait.
-            k.gemv.then_ids_ready();
-            k.gemv.gemv_slots(
-                &w.down.view(),
-                Some(&ids),
-                n * slots,
-                &s.gu.slice(..n * slots * 2 * inter),
-                SlotInput::PerSlotSwiGlu,
-                1,
-                &mut s.routed.slice_mut(pairs.start * hd..pairs.end * hd),
-            )?;
-            row += n;
-        }
-        Ok(())
-    }
-}
-
-/// `y = W · x` for `t` rows: cuBLAS on dequantised weights for long chunks (dense.rs), our
-/// tensor-core GEMM for more than 8 rows, else (or for weights it does not take) GEMVs of as
-/// many tokens per launch as fit in shared memory (≤ 8).
-fn gemv_rows(
-    k: &mut Kernels,
-    w: &DeviceMatrices,
-    x: &CudaView<bf16>,
-    y: &mut CudaViewMut<bf16>,
-    t: usize,
-    ahead: L2Ahead,
-) -> Result<()> {
-    let (rows, cols) = (w.rows, w.cols);
-    let view = w.view();
-    if t >= dense::MIN_TOKENS && GemmKernels::supports(&view) {
-        return k
-            .dense
-            .gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
-    }
-    if t > MAX_TOKENS && GemmKernels::supports(&view) {
-        return k
-            .gemm
-            .gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
-    }
-    let per_launch = k.gemv.max_tokens(&view);
-    let mut done = 0;
-    while done < t {
-        let n = per_launch.min(t - done);
-        let xs = x.slice(done * cols..(done + n) * cols);
-        let mut ys = y.slice_mut(done * rows..(done + n) * rows);
-        if done + n == t {
-            k.gemv.then_prefetch(ahead);
-        }
-        k.gemv.gemv(&view, &xs, &mut ys)?;
-        done += n;
-    }
-    Ok(())
 }
 
 /// The most rows of one decode pass: every sequence slot, below the rows where the dense

@@ -1,0 +1,89 @@
+//! The dense projections of a pass: a layer's first projection (plain, or with the previous MoE
+//! combine and the input norm made in its GEMV), and `y = W · x` for any number of rows, each by
+//! the kernel that suits the rows (cuBLAS, the tensor-core GEMM, or decode GEMVs).
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use half::bf16;
+
+use super::residual::{Output, Parts, ResidualStream};
+use super::{Kernels, Scratch};
+use crate::config::ModelConfig;
+use crate::cuda::dense;
+use crate::cuda::gemm::{L2Ahead, MAX_TOKENS};
+use crate::cuda::gemm_prefill::GemmKernels;
+use crate::cuda::weights::DeviceMatrices;
+use crate::cuda::Result;
+
+/// A layer's first projection (in_proj or q‖k‖v) of `t` rows into `s.proj`: of `s.xn`, or with
+/// `combine` of the previous layer's MoE combine and this layer's input norm made in the GEMV
+/// (forward/residual.rs); `ahead` is what it pulls into L2.
+pub(super) fn first_projection(
+    c: &ModelConfig,
+    k: &mut Kernels,
+    w: &DeviceMatrices,
+    s: &mut Scratch,
+    t: usize,
+    combine: Option<(&mut ResidualStream, &CudaSlice<f32>)>,
+    ahead: L2Ahead,
+) -> Result<()> {
+    match combine {
+        Some((stream, norm)) => {
+            k.gemv.then_prefetch(ahead);
+            let (eps, slots) = (c.rms_norm_eps, c.num_experts_per_tok + 1);
+            stream.gemv(
+                k,
+                w,
+                s,
+                t,
+                Parts::Experts,
+                norm,
+                eps,
+                false,
+                Output::Proj,
+                slots,
+            )
+        }
+        None => {
+            let x = s.xn.slice(..t * c.hidden_size);
+            gemv_rows(k, w, &x, &mut s.proj.slice_mut(..t * w.rows), t, ahead)
+        }
+    }
+}
+
+/// `y = W · x` for `t` rows: cuBLAS on dequantised weights for long chunks (dense.rs), our
+/// tensor-core GEMM for more than 8 rows, else (or for weights it does not take) GEMVs of as
+/// many tokens per launch as fit in shared memory (≤ 8).
+pub(super) fn gemv_rows(
+    k: &mut Kernels,
+    w: &DeviceMatrices,
+    x: &CudaView<bf16>,
+    y: &mut CudaViewMut<bf16>,
+    t: usize,
+    ahead: L2Ahead,
+) -> Result<()> {
+    let (rows, cols) = (w.rows, w.cols);
+    let view = w.view();
+    if t >= dense::MIN_TOKENS && GemmKernels::supports(&view) {
+        return k
+            .dense
+            .gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
+    }
+    if t > MAX_TOKENS && GemmKernels::supports(&view) {
+        return k
+            .gemm
+            .gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
+    }
+    let per_launch = k.gemv.max_tokens(&view);
+    let mut done = 0;
+    while done < t {
+        let n = per_launch.min(t - done);
+        let xs = x.slice(done * cols..(done + n) * cols);
+        let mut ys = y.slice_mut(done * rows..(done + n) * rows);
+        if done + n == t {
+            k.gemv.then_prefetch(ahead);
+        }
+        k.gemv.gemv(&view, &xs, &mut ys)?;
+        done += n;
+    }
+    Ok(())
+}
