@@ -961,6 +961,63 @@ async fn logprobs_n_and_seed() {
     server.stop().await;
 }
 
+/// vLLM's `ignore_eos` (fixed-length benchmark requests) and `min_tokens`, on both endpoints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ignore_eos_and_min_tokens() {
+    let server = TestServer::scripted(json!({"default": "one two three"})).await;
+    let usage = |body: &Value| body["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+    // The script ends its reply with <|im_end|> after a few tokens; ignore_eos runs to max_tokens.
+    let r = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Count:", "max_tokens": 24, "temperature": 0, "ignore_eos": true}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let body = r.json();
+    assert_eq!(body["choices"][0]["finish_reason"], "length", "{body}");
+    assert_eq!(usage(&body), 24, "{body}");
+    let chat = json!({"messages": [{"role": "user", "content": "Count"}], "max_tokens": 24,
+                      "temperature": 0, "ignore_eos": true});
+    let body = server.post("/v1/chat/completions", &chat).await.json();
+    assert_eq!(body["choices"][0]["finish_reason"], "length", "{body}");
+    assert_eq!(usage(&body), 24, "{body}");
+    // min_tokens: the end of the reply is held back until 15 tokens are out, then it may stop.
+    let plain = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Count:", "max_tokens": 40, "temperature": 0}),
+        )
+        .await
+        .json();
+    assert!(usage(&plain) < 15, "the script's reply is short: {plain}");
+    let body = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Count:", "max_tokens": 40, "temperature": 0, "min_tokens": 15}),
+        )
+        .await
+        .json();
+    assert!(usage(&body) >= 15, "{body}");
+    assert!(
+        body["choices"][0]["text"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("one two three"),
+        "{body}"
+    );
+    // Out of range: a 400 naming the field.
+    for bad in [
+        json!({"prompt": "x", "max_tokens": 4, "min_tokens": 5}),
+        json!({"prompt": "x", "min_tokens": -1}),
+    ] {
+        let r = server.post("/v1/completions", &bad).await;
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+        assert_eq!(r.json()["error"]["param"], "min_tokens", "{bad}");
+    }
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_completions() {
     let server = TestServer::scripted(json!({"default": "one two three"})).await;

@@ -213,6 +213,8 @@ impl TextModel {
             banned: plan.banned_tokens,
             stop_tokens: plan.params.stop_token_ids.clone(),
             im_end: self.special.im_end,
+            min_tokens: plan.params.min_tokens,
+            generated: 0,
         };
         let (sampler, device_sampler) = picker.into_samplers();
         let request = GenerateRequest {
@@ -405,9 +407,13 @@ struct TokenPicker {
     /// beyond the tokenizer's cannot be decoded, so they are never chosen.
     vocab: usize,
     banned: Vec<u32>,
-    /// The request's stop tokens: not allowed while a grammar still waits for the answer.
+    /// The request's stop tokens: not allowed while a grammar still waits for the answer, nor
+    /// before `min_tokens` tokens.
     stop_tokens: Vec<u32>,
     im_end: u32,
+    min_tokens: usize,
+    /// Tokens picked so far.
+    generated: usize,
 }
 
 impl TokenPicker {
@@ -427,7 +433,8 @@ impl TokenPicker {
     /// forces a token (thinking budget), or the sampler needs the logits (logprobs, logit bias).
     fn device_step(&mut self) -> Option<(DeviceSampling, f64)> {
         let forced = self.budget.as_ref().and_then(ThinkingBudget::forced_token);
-        if self.grammar.is_some() || !self.banned.is_empty() || forced.is_some() {
+        let masked = self.grammar.is_some() || !self.banned.is_empty() || self.too_early_to_stop();
+        if masked || forced.is_some() {
             return None;
         }
         self.sampler.device_step(self.vocab)
@@ -451,7 +458,7 @@ impl TokenPicker {
         // With a grammar, the turn may not end before the answer it constrains has started
         // (a turn that ends inside the reasoning would have no answer at all).
         let pending_grammar = self.grammar.is_some() && !self.answer_started;
-        let ended = if pending_grammar {
+        let ended = if pending_grammar || self.too_early_to_stop() {
             self.stop_tokens.as_slice()
         } else {
             &[]
@@ -524,7 +531,13 @@ impl TokenPicker {
         }
     }
 
+    /// Fewer than `min_tokens` tokens out: the stop tokens are masked.
+    fn too_early_to_stop(&self) -> bool {
+        self.generated < self.min_tokens
+    }
+
     fn observe(&mut self, token: u32) {
+        self.generated += 1;
         if let Some(budget) = &mut self.budget {
             budget.observe(token);
         }
@@ -836,7 +849,37 @@ mod tests {
             banned: Vec::new(),
             stop_tokens: Vec::new(),
             im_end: model.special.im_end,
+            min_tokens: 0,
+            generated: 0,
         }
+    }
+
+    #[test]
+    fn min_tokens_holds_back_the_stop_tokens_then_lets_them_through() {
+        let model = TextModel::demo().expect("demo text model");
+        let stop = model.special.im_end;
+        let mut picker = TokenPicker {
+            stop_tokens: vec![stop],
+            min_tokens: 3,
+            ..picker(&model, None)
+        };
+        let wants_to_stop = || {
+            let mut logits = vec![0.0f32; model.tokenizer.vocab_size()];
+            logits[stop as usize] = 100.0;
+            logits
+        };
+        for step in 0..3 {
+            assert!(
+                picker.device_step().is_none(),
+                "step {step}: needs the mask"
+            );
+            assert_ne!(picker.pick(&mut wants_to_stop()).id, stop, "step {step}");
+        }
+        assert_eq!(
+            picker.pick(&mut wants_to_stop()).id,
+            stop,
+            "from min_tokens on"
+        );
     }
 
     #[test]

@@ -54,6 +54,11 @@ pub struct SamplingOptions {
     pub thinking_budget: Option<i64>,
     /// `Some(n)` when the request set `logprobs: true` (n = `top_logprobs`, 0 if absent).
     pub top_logprobs: Option<i64>,
+    /// vLLM's `min_tokens`: no stop token or stop string before this many tokens.
+    pub min_tokens: Option<i64>,
+    /// vLLM's `ignore_eos`: the model's end-of-sequence tokens do not end the generation (the
+    /// request's own `stop_token_ids` still do); benchmark clients use it for fixed lengths.
+    pub ignore_eos: bool,
 }
 
 /// Validated, complete sampling parameters for one request.
@@ -79,12 +84,15 @@ pub struct SamplingParams {
     pub max_tokens: Option<usize>,
     /// Non-empty stop strings.
     pub stop: Vec<String>,
-    /// Tokens that end generation: the request's `stop_token_ids` plus the model's EOS ids.
+    /// Tokens that end generation: the request's `stop_token_ids` plus the model's EOS ids
+    /// (without them under `ignore_eos`).
     pub stop_token_ids: Vec<u32>,
     /// `None`: thinking is not limited.
     pub thinking_budget: Option<usize>,
     /// `Some(n)`: return the chosen token's logprob and the `n` most likely alternatives.
     pub top_logprobs: Option<usize>,
+    /// No stop token or stop string ends the generation before this many tokens (`0`: off).
+    pub min_tokens: usize,
 }
 
 impl Default for SamplingParams {
@@ -105,6 +113,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             thinking_budget: None,
             top_logprobs: None,
+            min_tokens: 0,
         }
     }
 }
@@ -123,7 +132,8 @@ impl SamplingParams {
     }
 
     /// Validate a request's options and fill what it left out: first from the model's generation
-    /// config, then from [`SamplingParams::default`]. The model's EOS ids are always stop tokens.
+    /// config, then from [`SamplingParams::default`]. The model's EOS ids are stop tokens unless
+    /// the request sets `ignore_eos`.
     pub fn resolve(
         opts: &SamplingOptions,
         defaults: &GenerationDefaults,
@@ -198,7 +208,9 @@ impl SamplingParams {
         for &id in &opts.stop_token_ids {
             stop_token_ids.push(check_token_id("stop_token_ids", id, vocab_size)?);
         }
-        stop_token_ids.extend(&defaults.eos_token_ids);
+        if !opts.ignore_eos {
+            stop_token_ids.extend(&defaults.eos_token_ids);
+        }
         stop_token_ids.sort_unstable();
         stop_token_ids.dedup();
 
@@ -224,6 +236,23 @@ impl SamplingParams {
             Some(n) => Some(n as usize),
         };
 
+        let min_tokens = match opts.min_tokens {
+            None => 0,
+            Some(n) if n < 0 => {
+                return Err(ParamError::new(
+                    "min_tokens",
+                    format!("must be at least 0, got {n}"),
+                ))
+            }
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+        };
+        if let Some(max) = max_tokens.filter(|&m| min_tokens > m) {
+            return Err(ParamError::new(
+                "min_tokens",
+                format!("must be at most max_tokens ({max}), got {min_tokens}"),
+            ));
+        }
+
         Ok(Self {
             temperature,
             top_k,
@@ -240,6 +269,7 @@ impl SamplingParams {
             stop_token_ids,
             thinking_budget,
             top_logprobs,
+            min_tokens,
         })
     }
 }

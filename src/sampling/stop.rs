@@ -55,6 +55,8 @@ pub struct StopText {
 pub struct StopChecker {
     stop_token_ids: FxHashSet<u32>,
     max_tokens: Option<usize>,
+    /// Stop strings count only once this many tokens are out (`min_tokens`).
+    min_tokens: usize,
     generated: usize,
     stop_strings: Vec<String>,
     /// The longest tail of the text seen so far that could still grow into a stop string.
@@ -69,6 +71,7 @@ impl StopChecker {
         Self {
             stop_token_ids: params.stop_token_ids.iter().copied().collect(),
             max_tokens: params.max_tokens,
+            min_tokens: params.min_tokens,
             generated: 0,
             stop_strings: params.stop.clone(),
             held: String::new(),
@@ -107,7 +110,8 @@ impl StopChecker {
                 stopped: true,
             };
         }
-        if self.stop_strings.is_empty() {
+        // Before `min_tokens` no stop string counts, as in vLLM (whose check starts there too).
+        if self.stop_strings.is_empty() || self.generated < self.min_tokens {
             return StopText {
                 text: text.to_string(),
                 stopped: false,

@@ -89,6 +89,9 @@ pub struct ChatCompletionRequest {
     pub thinking_budget: Option<i64>,
     /// Saved prompt states are shared only among requests with the same key.
     pub prompt_cache_key: Option<String>,
+    /// vLLM's: no stop before this many tokens; the model's EOS does not stop the generation.
+    pub min_tokens: Option<i64>,
+    pub ignore_eos: Option<bool>,
 }
 
 /// `POST /v1/completions`: a raw prompt, no chat template.
@@ -131,6 +134,9 @@ pub struct CompletionRequest {
     pub json_schema: Option<Value>,
     /// Saved prompt states are shared only among requests with the same key.
     pub prompt_cache_key: Option<String>,
+    /// vLLM's: no stop before this many tokens; the model's EOS does not stop the generation.
+    pub min_tokens: Option<i64>,
+    pub ignore_eos: Option<bool>,
 }
 
 /// Parses a request body, turning serde's complaint into a 400 that names the field.

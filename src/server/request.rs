@@ -115,6 +115,8 @@ pub fn prepare_chat(
         max_tokens,
         top_logprobs: (req.logprobs == Some(true)).then(|| req.top_logprobs.unwrap_or(0)),
         thinking_budget: req.thinking_token_budget.or(req.thinking_budget),
+        min_tokens: req.min_tokens,
+        ignore_eos: req.ignore_eos == Some(true),
         ..sampling_options(
             req.temperature,
             req.top_p,
@@ -245,6 +247,8 @@ pub fn prepare_completion(
             req.max_tokens.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS)
         }),
         top_logprobs: req.logprobs,
+        min_tokens: req.min_tokens,
+        ignore_eos: req.ignore_eos == Some(true),
         ..sampling_options(
             req.temperature,
             req.top_p,
