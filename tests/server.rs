@@ -961,9 +961,9 @@ async fn logprobs_n_and_seed() {
     server.stop().await;
 }
 
-/// vLLM's `ignore_eos` (fixed-length benchmark requests) and `min_tokens`, on both endpoints.
+/// vLLM's `ignore_eos` (fixed-length benchmark requests), `min_tokens` and `allowed_token_ids`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ignore_eos_and_min_tokens() {
+async fn ignore_eos_min_tokens_and_allowed_tokens() {
     let server = TestServer::scripted(json!({"default": "one two three"})).await;
     let usage = |body: &Value| body["usage"]["completion_tokens"].as_u64().unwrap_or(0);
     // The script ends its reply with <|im_end|> after a few tokens; ignore_eos runs to max_tokens.
@@ -1006,14 +1006,41 @@ async fn ignore_eos_and_min_tokens() {
             .starts_with("one two three"),
         "{body}"
     );
+    // allowed_token_ids: only that token, again and again (the end of turn is not allowed).
+    let tokenizer = demo_tokenizer();
+    let id = tokenizer.encode("one").expect("encode")[0];
+    let body = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Count:", "max_tokens": 5, "allowed_token_ids": [id]}),
+        )
+        .await
+        .json();
+    assert_eq!(body["choices"][0]["finish_reason"], "length", "{body}");
+    assert_eq!(
+        body["choices"][0]["text"],
+        tokenizer.decode(&[id; 5]).expect("decode"),
+        "{body}"
+    );
     // Out of range: a 400 naming the field.
-    for bad in [
-        json!({"prompt": "x", "max_tokens": 4, "min_tokens": 5}),
-        json!({"prompt": "x", "min_tokens": -1}),
+    for (bad, param) in [
+        (
+            json!({"prompt": "x", "max_tokens": 4, "min_tokens": 5}),
+            "min_tokens",
+        ),
+        (json!({"prompt": "x", "min_tokens": -1}), "min_tokens"),
+        (
+            json!({"prompt": "x", "allowed_token_ids": []}),
+            "allowed_token_ids",
+        ),
+        (
+            json!({"prompt": "x", "allowed_token_ids": [1, 99999999]}),
+            "allowed_token_ids",
+        ),
     ] {
         let r = server.post("/v1/completions", &bad).await;
         assert_eq!(r.status, 400, "{bad}: {}", r.text());
-        assert_eq!(r.json()["error"]["param"], "min_tokens", "{bad}");
+        assert_eq!(r.json()["error"]["param"], param, "{bad}");
     }
     server.stop().await;
 }

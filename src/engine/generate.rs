@@ -215,6 +215,7 @@ impl TextModel {
             im_end: self.special.im_end,
             min_tokens: plan.params.min_tokens,
             generated: 0,
+            allowed: plan.params.allowed_tokens.clone(),
         };
         let (sampler, device_sampler) = picker.into_samplers();
         let request = GenerateRequest {
@@ -414,6 +415,8 @@ struct TokenPicker {
     min_tokens: usize,
     /// Tokens picked so far.
     generated: usize,
+    /// `allowed_token_ids`: every other token is masked.
+    allowed: Option<Vec<u32>>,
 }
 
 impl TokenPicker {
@@ -433,7 +436,10 @@ impl TokenPicker {
     /// forces a token (thinking budget), or the sampler needs the logits (logprobs, logit bias).
     fn device_step(&mut self) -> Option<(DeviceSampling, f64)> {
         let forced = self.budget.as_ref().and_then(ThinkingBudget::forced_token);
-        let masked = self.grammar.is_some() || !self.banned.is_empty() || self.too_early_to_stop();
+        let masked = self.grammar.is_some()
+            || !self.banned.is_empty()
+            || self.allowed.is_some()
+            || self.too_early_to_stop();
         if masked || forced.is_some() {
             return None;
         }
@@ -466,6 +472,13 @@ impl TokenPicker {
         for &t in self.banned.iter().chain(ended) {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l = f32::NEG_INFINITY;
+            }
+        }
+        if let Some(allowed) = &self.allowed {
+            for (id, l) in logits.iter_mut().enumerate() {
+                if allowed.binary_search(&(id as u32)).is_err() {
+                    *l = f32::NEG_INFINITY;
+                }
             }
         }
         let forced = self
@@ -851,6 +864,7 @@ mod tests {
             im_end: model.special.im_end,
             min_tokens: 0,
             generated: 0,
+            allowed: None,
         }
     }
 

@@ -59,6 +59,8 @@ pub struct SamplingOptions {
     /// vLLM's `ignore_eos`: the model's end-of-sequence tokens do not end the generation (the
     /// request's own `stop_token_ids` still do); benchmark clients use it for fixed lengths.
     pub ignore_eos: bool,
+    /// vLLM's `allowed_token_ids`: sample only among these.
+    pub allowed_token_ids: Option<Vec<i64>>,
 }
 
 /// Validated, complete sampling parameters for one request.
@@ -93,6 +95,8 @@ pub struct SamplingParams {
     pub top_logprobs: Option<usize>,
     /// No stop token or stop string ends the generation before this many tokens (`0`: off).
     pub min_tokens: usize,
+    /// `Some`: only these tokens may be sampled (sorted, deduplicated, non-empty).
+    pub allowed_tokens: Option<Vec<u32>>,
 }
 
 impl Default for SamplingParams {
@@ -114,6 +118,7 @@ impl Default for SamplingParams {
             thinking_budget: None,
             top_logprobs: None,
             min_tokens: 0,
+            allowed_tokens: None,
         }
     }
 }
@@ -253,6 +258,25 @@ impl SamplingParams {
             ));
         }
 
+        let allowed_tokens = match &opts.allowed_token_ids {
+            None => None,
+            Some(ids) if ids.is_empty() => {
+                return Err(ParamError::new(
+                    "allowed_token_ids",
+                    "must list at least one token",
+                ))
+            }
+            Some(ids) => {
+                let mut allowed = ids
+                    .iter()
+                    .map(|&id| check_token_id("allowed_token_ids", id, vocab_size))
+                    .collect::<Result<Vec<_>, _>>()?;
+                allowed.sort_unstable();
+                allowed.dedup();
+                Some(allowed)
+            }
+        };
+
         Ok(Self {
             temperature,
             top_k,
@@ -270,6 +294,7 @@ impl SamplingParams {
             thinking_budget,
             top_logprobs,
             min_tokens,
+            allowed_tokens,
         })
     }
 }

@@ -92,6 +92,8 @@ pub struct ChatCompletionRequest {
     /// vLLM's: no stop before this many tokens; the model's EOS does not stop the generation.
     pub min_tokens: Option<i64>,
     pub ignore_eos: Option<bool>,
+    /// vLLM's: sample only among these token ids.
+    pub allowed_token_ids: Option<Vec<i64>>,
 }
 
 /// `POST /v1/completions`: a raw prompt, no chat template.
@@ -137,6 +139,8 @@ pub struct CompletionRequest {
     /// vLLM's: no stop before this many tokens; the model's EOS does not stop the generation.
     pub min_tokens: Option<i64>,
     pub ignore_eos: Option<bool>,
+    /// vLLM's: sample only among these token ids.
+    pub allowed_token_ids: Option<Vec<i64>>,
 }
 
 /// Parses a request body, turning serde's complaint into a 400 that names the field.

@@ -117,6 +117,7 @@ pub fn prepare_chat(
         thinking_budget: req.thinking_token_budget.or(req.thinking_budget),
         min_tokens: req.min_tokens,
         ignore_eos: req.ignore_eos == Some(true),
+        allowed_token_ids: req.allowed_token_ids.clone(),
         ..sampling_options(
             req.temperature,
             req.top_p,
@@ -249,6 +250,7 @@ pub fn prepare_completion(
         top_logprobs: req.logprobs,
         min_tokens: req.min_tokens,
         ignore_eos: req.ignore_eos == Some(true),
+        allowed_token_ids: req.allowed_token_ids.clone(),
         ..sampling_options(
             req.temperature,
             req.top_p,
