@@ -961,9 +961,10 @@ async fn logprobs_n_and_seed() {
     server.stop().await;
 }
 
-/// vLLM's `ignore_eos` (fixed-length benchmark requests), `min_tokens` and `allowed_token_ids`.
+/// vLLM's `ignore_eos` (fixed-length benchmark requests), `min_tokens`, `allowed_token_ids` and
+/// `include_stop_str_in_output`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ignore_eos_min_tokens_and_allowed_tokens() {
+async fn vllm_sampling_extras() {
     let server = TestServer::scripted(json!({"default": "one two three"})).await;
     let usage = |body: &Value| body["usage"]["completion_tokens"].as_u64().unwrap_or(0);
     // The script ends its reply with <|im_end|> after a few tokens; ignore_eos runs to max_tokens.
@@ -1022,6 +1023,18 @@ async fn ignore_eos_min_tokens_and_allowed_tokens() {
         tokenizer.decode(&[id; 5]).expect("decode"),
         "{body}"
     );
+    // include_stop_str_in_output keeps the stop string that ended the text.
+    for (keep, text) in [(false, "one "), (true, "one two")] {
+        let body = server
+            .post(
+                "/v1/completions",
+                &json!({"prompt": "Count:", "stop": ["two"], "include_stop_str_in_output": keep}),
+            )
+            .await
+            .json();
+        assert_eq!(body["choices"][0]["text"], text, "{body}");
+        assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+    }
     // Out of range: a 400 naming the field.
     for (bad, param) in [
         (

@@ -61,6 +61,8 @@ pub struct SamplingOptions {
     pub ignore_eos: bool,
     /// vLLM's `allowed_token_ids`: sample only among these.
     pub allowed_token_ids: Option<Vec<i64>>,
+    /// vLLM's `include_stop_str_in_output`: a matched stop string stays in the text.
+    pub include_stop_str_in_output: bool,
 }
 
 /// Validated, complete sampling parameters for one request.
@@ -97,6 +99,8 @@ pub struct SamplingParams {
     pub min_tokens: usize,
     /// `Some`: only these tokens may be sampled (sorted, deduplicated, non-empty).
     pub allowed_tokens: Option<Vec<u32>>,
+    /// The text keeps the stop string that ended it.
+    pub include_stop_str: bool,
 }
 
 impl Default for SamplingParams {
@@ -119,6 +123,7 @@ impl Default for SamplingParams {
             top_logprobs: None,
             min_tokens: 0,
             allowed_tokens: None,
+            include_stop_str: false,
         }
     }
 }
@@ -295,6 +300,7 @@ impl SamplingParams {
             top_logprobs,
             min_tokens,
             allowed_tokens,
+            include_stop_str: opts.include_stop_str_in_output,
         })
     }
 }

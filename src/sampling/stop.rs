@@ -57,6 +57,8 @@ pub struct StopChecker {
     max_tokens: Option<usize>,
     /// Stop strings count only once this many tokens are out (`min_tokens`).
     min_tokens: usize,
+    /// The matched stop string stays in the text (`include_stop_str_in_output`).
+    keep_stop: bool,
     generated: usize,
     stop_strings: Vec<String>,
     /// The longest tail of the text seen so far that could still grow into a stop string.
@@ -72,6 +74,7 @@ impl StopChecker {
             stop_token_ids: params.stop_token_ids.iter().copied().collect(),
             max_tokens: params.max_tokens,
             min_tokens: params.min_tokens,
+            keep_stop: params.include_stop_str,
             generated: 0,
             stop_strings: params.stop.clone(),
             held: String::new(),
@@ -128,7 +131,12 @@ impl StopChecker {
             .min_by_key(|&(start, _)| start);
         if let Some((start, stop)) = earliest {
             self.matched = Some(stop.clone());
-            self.held.truncate(start);
+            let end = if self.keep_stop {
+                start + stop.len()
+            } else {
+                start
+            };
+            self.held.truncate(end);
             self.stopped = true;
             return StopText {
                 text: std::mem::take(&mut self.held),

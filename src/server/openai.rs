@@ -94,6 +94,8 @@ pub struct ChatCompletionRequest {
     pub ignore_eos: Option<bool>,
     /// vLLM's: sample only among these token ids.
     pub allowed_token_ids: Option<Vec<i64>>,
+    /// vLLM's: a matched stop string stays in the output.
+    pub include_stop_str_in_output: Option<bool>,
 }
 
 /// `POST /v1/completions`: a raw prompt, no chat template.
@@ -141,6 +143,8 @@ pub struct CompletionRequest {
     pub ignore_eos: Option<bool>,
     /// vLLM's: sample only among these token ids.
     pub allowed_token_ids: Option<Vec<i64>>,
+    /// vLLM's: a matched stop string stays in the output.
+    pub include_stop_str_in_output: Option<bool>,
 }
 
 /// Parses a request body, turning serde's complaint into a 400 that names the field.

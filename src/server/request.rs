@@ -118,6 +118,7 @@ pub fn prepare_chat(
         min_tokens: req.min_tokens,
         ignore_eos: req.ignore_eos == Some(true),
         allowed_token_ids: req.allowed_token_ids.clone(),
+        include_stop_str_in_output: req.include_stop_str_in_output == Some(true),
         ..sampling_options(
             req.temperature,
             req.top_p,
@@ -251,6 +252,7 @@ pub fn prepare_completion(
         min_tokens: req.min_tokens,
         ignore_eos: req.ignore_eos == Some(true),
         allowed_token_ids: req.allowed_token_ids.clone(),
+        include_stop_str_in_output: req.include_stop_str_in_output == Some(true),
         ..sampling_options(
             req.temperature,
             req.top_p,
