@@ -406,6 +406,46 @@ async fn streaming_and_whole_responses_agree_under_greedy_decoding() {
     server.stop().await;
 }
 
+/// vLLM's `include_reasoning: false`: the answer alone, streamed or not (the reasoning is still
+/// generated and counted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn include_reasoning_false_leaves_the_reasoning_out() {
+    let server =
+        TestServer::scripted(json!({"default": "Thinking hard.\n</think>\n\nThe answer."})).await;
+    let messages = user("What is the answer?");
+    for include in [true, false] {
+        let body = server
+            .chat(json!({"messages": messages, "include_reasoning": include}))
+            .await;
+        let message = &body["choices"][0]["message"];
+        assert_eq!(message["content"], "The answer.", "{body}");
+        let reasoning = message["reasoning_content"].as_str().unwrap_or("");
+        assert_eq!(reasoning.is_empty(), !include, "{body}");
+        assert!(
+            body["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64() > Some(0),
+            "{body}"
+        );
+        let r = server
+            .post(
+                "/v1/chat/completions",
+                &json!({"messages": messages, "include_reasoning": include, "stream": true}),
+            )
+            .await;
+        let events = sse_events(&r.text());
+        let streamed: String = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["reasoning_content"].as_str())
+            .collect();
+        assert_eq!(streamed.is_empty(), !include, "{}", r.text());
+        let answer: String = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(answer, "The answer.");
+    }
+    server.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_counts_match_the_tokenizer() {
     let reply = "Sure! The answer is forty-two.";

@@ -96,6 +96,8 @@ pub struct ChatCompletionRequest {
     pub allowed_token_ids: Option<Vec<i64>>,
     /// vLLM's: a matched stop string stays in the output.
     pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's: `false` leaves the reasoning out of the response (it is still generated).
+    pub include_reasoning: Option<bool>,
 }
 
 /// `POST /v1/completions`: a raw prompt, no chat template.

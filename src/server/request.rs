@@ -25,6 +25,8 @@ pub struct PreparedChat {
     pub plans: Vec<GenerationPlan>,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's `include_reasoning` (default true): the reasoning is returned.
+    pub include_reasoning: bool,
     /// The request's `max_tokens` (or `max_completion_tokens`), for metrics.
     pub requested_max_tokens: Option<usize>,
 }
@@ -199,6 +201,7 @@ pub fn prepare_chat(
         plans,
         stream,
         include_usage,
+        include_reasoning: req.include_reasoning != Some(false),
         requested_max_tokens: max_tokens.and_then(|m| usize::try_from(m).ok()),
     })
 }

@@ -270,7 +270,9 @@ async fn chat_completions(
     if prepared.stream {
         return Ok(spawn_stream(
             head,
-            Api::Chat,
+            Api::Chat {
+                reasoning: prepared.include_reasoning,
+            },
             generations,
             prepared.include_usage,
             &model,
@@ -301,7 +303,8 @@ async fn chat_completions(
                 },
             })
             .collect();
-        let reasoning = Some(outcome.parsed.reasoning).filter(|r| !r.is_empty());
+        let reasoning =
+            Some(outcome.parsed.reasoning).filter(|r| prepared.include_reasoning && !r.is_empty());
         let content = outcome.parsed.content;
         let message = ChatMessage {
             role: "assistant",

@@ -46,11 +46,11 @@ pub struct ResponseHead {
 /// Which API's chunks to write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
-    Chat,
+    /// `/v1/chat/completions`; `reasoning: false` (vLLM's `include_reasoning: false`) leaves the
+    /// reasoning out of the deltas.
+    Chat { reasoning: bool },
     /// `/v1/completions`, with legacy logprobs when asked for.
-    Text {
-        logprobs: bool,
-    },
+    Text { logprobs: bool },
 }
 
 /// One SSE event carrying `value` as JSON.
@@ -107,7 +107,7 @@ pub async fn run_stream(
     tx: mpsc::Sender<Bytes>,
 ) {
     let n = generations.len();
-    if api == Api::Chat {
+    if matches!(api, Api::Chat { .. }) {
         for index in 0..n {
             let delta = ChatDelta {
                 role: Some("assistant"),
@@ -163,8 +163,16 @@ pub async fn run_stream(
                     timer.token();
                 }
                 match api {
-                    Api::Chat => {
-                        let delta = chat_delta(&events);
+                    Api::Chat { reasoning } => {
+                        let delta = if reasoning {
+                            chat_delta(&events)
+                        } else {
+                            let answer: Vec<OutputEvent> = events
+                                .into_iter()
+                                .filter(|e| !matches!(e, OutputEvent::Reasoning(_)))
+                                .collect();
+                            chat_delta(&answer)
+                        };
                         let logprobs =
                             (!logprobs.is_empty()).then(|| chat_logprobs(&tokenizer, &logprobs));
                         if is_empty_delta(&delta) && logprobs.is_none() {
@@ -211,7 +219,7 @@ pub async fn run_stream(
                 );
                 add_usage(&mut usage, &counts);
                 match api {
-                    Api::Chat => sse_data(&chat_chunk(
+                    Api::Chat { .. } => sse_data(&chat_chunk(
                         &head,
                         vec![ChunkChoice {
                             index,
@@ -246,7 +254,7 @@ pub async fn run_stream(
     }
     if include_usage {
         let chunk = match api {
-            Api::Chat => sse_data(&chat_chunk(&head, Vec::new(), usage)),
+            Api::Chat { .. } => sse_data(&chat_chunk(&head, Vec::new(), usage)),
             Api::Text { .. } => sse_data(&text_chunk(&head, Vec::new(), usage)),
         };
         if tx.send(chunk).await.is_err() {
