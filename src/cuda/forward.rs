@@ -59,8 +59,8 @@ pub struct CudaOptions {
     /// `batched_steps_equal_one_by_one`) passed; `--batch-steps false` turns it off.
     pub batch_steps: bool,
     /// Decode passes fold the residual adds and norms into the GEMVs that read them
-    /// (forward/residual.rs). Off by default (`LILY_FUSED_NORMS=1` turns it on) until its H200
-    /// tests have passed.
+    /// (forward/residual.rs). Off by default (`LILY_FUSED_NORMS=1` turns it on): it passed its
+    /// H200 tests but decoded 1.5 % slower (bench/NOTES.md v1.13).
     pub fused_norms: bool,
 }
 

@@ -352,12 +352,13 @@ pub struct GemvKernels {
     ids_ready: Cell<bool>,
     /// The next launch ends with the router's top-k ([`GemvKernels::then_topk`]).
     topk: Cell<Option<FusedTopK>>,
-    /// `LILY_FUSED_TOPK=1`: decode folds the router's top-k into its GEMV (off by default until
-    /// its H200 tests pass).
+    /// `LILY_FUSED_TOPK=1`: decode folds the router's top-k into its GEMV (off by default: it
+    /// passed its H200 tests but decoded 1 % slower, bench/NOTES.md v1.13).
     fused_topk: bool,
     /// Early reads before the PDL wait are on unless `LILY_EARLY_READS=0` (for A/B runs).
     early_reads: bool,
-    /// The prefetching is on with `LILY_L2_AHEAD=1` (off by default until measured on the H200).
+    /// The prefetching is on with `LILY_L2_AHEAD=1` (off by default: 17 % slower decode on the
+    /// H200, bench/NOTES.md v1.13).
     ahead_enabled: bool,
 }
 

@@ -187,7 +187,7 @@ impl GemmKernels {
         })
     }
 
-    /// Runs 4-bit products on the wgmma kernel (or not); the default is `LILY_WGMMA=1`.
+    /// Runs 4-bit products on the wgmma kernel (or not); the default follows `LILY_WGMMA=1`.
     pub fn set_wgmma(&mut self, on: bool) {
         self.use_wgmma = on;
     }
