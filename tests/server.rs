@@ -1001,8 +1001,8 @@ async fn logprobs_n_and_seed() {
     server.stop().await;
 }
 
-/// vLLM's `ignore_eos` (fixed-length benchmark requests), `min_tokens`, `allowed_token_ids` and
-/// `include_stop_str_in_output`.
+/// vLLM's `ignore_eos` (fixed-length benchmark requests), `min_tokens`, `allowed_token_ids`,
+/// `include_stop_str_in_output` and `bad_words`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_sampling_extras() {
     let server = TestServer::scripted(json!({"default": "one two three"})).await;
@@ -1075,6 +1075,16 @@ async fn vllm_sampling_extras() {
         assert_eq!(body["choices"][0]["text"], text, "{body}");
         assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
     }
+    // bad_words: "two" never appears, though the script keeps trying to write it.
+    let body = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Count:", "max_tokens": 30, "temperature": 0, "bad_words": ["two"]}),
+        )
+        .await
+        .json();
+    let text = body["choices"][0]["text"].as_str().unwrap_or("");
+    assert!(text.starts_with("one") && !text.contains("two"), "{body}");
     // Out of range: a 400 naming the field.
     for (bad, param) in [
         (
@@ -1089,6 +1099,10 @@ async fn vllm_sampling_extras() {
         (
             json!({"prompt": "x", "allowed_token_ids": [1, 99999999]}),
             "allowed_token_ids",
+        ),
+        (
+            json!({"prompt": "x", "bad_words": ["ok", " "]}),
+            "bad_words",
         ),
     ] {
         let r = server.post("/v1/completions", &bad).await;

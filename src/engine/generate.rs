@@ -216,6 +216,8 @@ impl TextModel {
             min_tokens: plan.params.min_tokens,
             generated: 0,
             allowed: plan.params.allowed_tokens.clone(),
+            bad_words: plan.bad_words,
+            history: Vec::new(),
         };
         let (sampler, device_sampler) = picker.into_samplers();
         let request = GenerateRequest {
@@ -287,6 +289,9 @@ pub struct GenerationPlan {
     pub grammar: Option<Matcher>,
     /// Tokens that may never be generated (`<tool_call>` under `tool_choice: "none"`).
     pub banned_tokens: Vec<u32>,
+    /// vLLM's `bad_words` as token sequences: the last token of one is banned wherever the
+    /// tokens before it were just generated.
+    pub bad_words: Vec<Vec<u32>>,
     /// `parallel_tool_calls: false`: stop after the first complete tool call.
     pub single_tool_call: bool,
     /// A text completion: the output is plain text, with no reasoning or tool calls to find.
@@ -417,6 +422,10 @@ struct TokenPicker {
     generated: usize,
     /// `allowed_token_ids`: every other token is masked.
     allowed: Option<Vec<u32>>,
+    /// Token sequences that may not be completed (`bad_words`), and the tokens generated so
+    /// far, which say where one could be.
+    bad_words: Vec<Vec<u32>>,
+    history: Vec<u32>,
 }
 
 impl TokenPicker {
@@ -439,6 +448,7 @@ impl TokenPicker {
         let masked = self.grammar.is_some()
             || !self.banned.is_empty()
             || self.allowed.is_some()
+            || !self.bad_words.is_empty()
             || self.too_early_to_stop();
         if masked || forced.is_some() {
             return None;
@@ -472,6 +482,14 @@ impl TokenPicker {
         for &t in self.banned.iter().chain(ended) {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l = f32::NEG_INFINITY;
+            }
+        }
+        for word in &self.bad_words {
+            let (last, before) = word.split_last().expect("bad words are not empty");
+            if self.history.ends_with(before) {
+                if let Some(l) = logits.get_mut(*last as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
             }
         }
         if let Some(allowed) = &self.allowed {
@@ -551,6 +569,9 @@ impl TokenPicker {
 
     fn observe(&mut self, token: u32) {
         self.generated += 1;
+        if !self.bad_words.is_empty() {
+            self.history.push(token);
+        }
         if let Some(budget) = &mut self.budget {
             budget.observe(token);
         }
@@ -865,7 +886,32 @@ mod tests {
             min_tokens: 0,
             generated: 0,
             allowed: None,
+            bad_words: Vec::new(),
+            history: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_bad_word_is_never_completed() {
+        let model = TextModel::demo().expect("demo text model");
+        // The sequence (7, 8, 9): after 7, 8 the model wants 9 and may not have it; elsewhere it
+        // may; the one-token word 5 never.
+        let mut picker = TokenPicker {
+            bad_words: vec![vec![7, 8, 9], vec![5]],
+            ..picker(&model, None)
+        };
+        let vocab = model.tokenizer.vocab_size();
+        let mut wants = |picker: &mut TokenPicker, token: u32| {
+            let mut logits = vec![0.0f32; vocab];
+            logits[token as usize] = 100.0;
+            assert!(picker.device_step().is_none(), "bad words need the logits");
+            picker.pick(&mut logits).id
+        };
+        assert_ne!(wants(&mut picker, 5), 5);
+        assert_eq!(wants(&mut picker, 9), 9, "9 alone is fine");
+        assert_eq!(wants(&mut picker, 7), 7);
+        assert_eq!(wants(&mut picker, 8), 8);
+        assert_ne!(wants(&mut picker, 9), 9, "7 8 9 is not");
     }
 
     #[test]

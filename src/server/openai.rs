@@ -98,6 +98,9 @@ pub struct ChatCompletionRequest {
     pub include_stop_str_in_output: Option<bool>,
     /// vLLM's: `false` leaves the reasoning out of the response (it is still generated).
     pub include_reasoning: Option<bool>,
+    /// vLLM's: words the output may not contain (their last token is banned where it would
+    /// complete one).
+    pub bad_words: Option<Vec<String>>,
 }
 
 /// `POST /v1/completions`: a raw prompt, no chat template.
@@ -147,6 +150,8 @@ pub struct CompletionRequest {
     pub allowed_token_ids: Option<Vec<i64>>,
     /// vLLM's: a matched stop string stays in the output.
     pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's: words the output may not contain.
+    pub bad_words: Option<Vec<String>>,
 }
 
 /// Parses a request body, turning serde's complaint into a 400 that names the field.

@@ -182,6 +182,7 @@ pub fn prepare_chat(
     let single_tool_call = req.parallel_tool_calls == Some(false)
         || matches!(rendered.tool_choice, ToolChoice::Named(_));
 
+    let bad_words = bad_word_tokens(model, req.bad_words.as_ref())?;
     let plans = (0..n)
         .map(|i| GenerationPlan {
             prompt: prompt.clone(),
@@ -190,6 +191,7 @@ pub fn prepare_chat(
             tools: tool_schemas.clone(),
             grammar: matcher.clone(),
             banned_tokens: banned_tokens.clone(),
+            bad_words: bad_words.clone(),
             single_tool_call,
             raw: false,
             prompt_cache_key: req.prompt_cache_key.clone(),
@@ -289,6 +291,7 @@ pub fn prepare_completion(
             })?),
             None => None,
         };
+    let bad_words = bad_word_tokens(model, req.bad_words.as_ref())?;
     let plans = (0..n)
         .map(|i| GenerationPlan {
             prompt: prompt.clone(),
@@ -297,6 +300,7 @@ pub fn prepare_completion(
             tools: None,
             grammar: grammar.clone(),
             banned_tokens: Vec::new(),
+            bad_words: bad_words.clone(),
             single_tool_call: false,
             raw: true,
             prompt_cache_key: req.prompt_cache_key.clone(),
@@ -377,6 +381,30 @@ fn sampling_options(
         stop_token_ids: stop_token_ids.cloned().unwrap_or_default(),
         ..SamplingOptions::default()
     }
+}
+
+/// vLLM's `bad_words` as token sequences: each word as written and after a space (as it is
+/// tokenised mid-sentence), without duplicates.
+fn bad_word_tokens(
+    model: &TextModel,
+    words: Option<&Vec<String>>,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let mut sequences: Vec<Vec<u32>> = Vec::new();
+    for word in words.into_iter().flatten() {
+        let word = word.trim_start();
+        if word.is_empty() {
+            return Err(ApiError::invalid("bad_words", "A bad word is empty."));
+        }
+        for text in [word.to_string(), format!(" {word}")] {
+            let ids = model.tokenizer.encode(&text).map_err(|e| {
+                ApiError::invalid("bad_words", format!("Cannot tokenize `{word}`: {e}"))
+            })?;
+            if !ids.is_empty() && !sequences.contains(&ids) {
+                sequences.push(ids);
+            }
+        }
+    }
+    Ok(sequences)
 }
 
 /// Validates the sampling options and fits `max_tokens` into the context: a prompt that leaves
