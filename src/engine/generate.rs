@@ -901,7 +901,7 @@ mod tests {
             ..picker(&model, None)
         };
         let vocab = model.tokenizer.vocab_size();
-        let mut wants = |picker: &mut TokenPicker, token: u32| {
+        let wants = |picker: &mut TokenPicker, token: u32| {
             let mut logits = vec![0.0f32; vocab];
             logits[token as usize] = 100.0;
             assert!(picker.device_step().is_none(), "bad words need the logits");
