@@ -1063,6 +1063,23 @@ async fn vllm_sampling_extras() {
         tokenizer.decode(&[id; 5]).expect("decode"),
         "{body}"
     );
+    // Stop strings count from min_tokens on: the first reply's "two" passes; its end of turn is
+    // held back (token 10), the script starts over at token 11 and that "two" stops the text.
+    let body = server
+        .post(
+            "/v1/completions",
+            &json!({"prompt": "Count:", "max_tokens": 60, "temperature": 0, "min_tokens": 11,
+                    "stop": ["two"]}),
+        )
+        .await
+        .json();
+    let text = body["choices"][0]["text"].as_str().unwrap_or("");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop", "{body}");
+    assert!(
+        text.starts_with("one two three") && text.ends_with("one "),
+        "{body}"
+    );
+    assert!(usage(&body) >= 11 && usage(&body) < 20, "{body}");
     // include_stop_str_in_output keeps the stop string that ended the text.
     for (keep, text) in [(false, "one "), (true, "one two")] {
         let body = server

@@ -12,7 +12,7 @@
 // batched decode steps), where a 64-row tile would be mostly padding: less tensor work per weight
 // read, fewer registers, more blocks per SM.
 //
-// Pipeline. k-tiles stream into shared memory through cp.async, STAGES deep (X tile 64 × 64 bf16,
+// Pipeline. k-tiles stream into shared memory through cp.async, STAGES deep (X tile BM × 64 bf16,
 // W tile 256 rows × one k-tile of packed words). Scales and biases (2 bytes each, too small for
 // cp.async) are read with ordinary loads one iteration before they are stored to shared memory,
 // so their latency hides behind a k-tile of mma work.
@@ -25,13 +25,13 @@
 // the low nibble in the low half and the high nibble in the high half and ORs in 0x4300: the two
 // halves are then the bf16 numbers 128 + q, exactly. A bf16x2 subtraction of 128 gives q exactly
 // and one bf16x2 FMA gives s·q + b, rounded once to bf16 (as MLX's own kernels compute in bf16).
-// A dequantised B register serves the warp's 4 m16 tiles. 8-bit values do not fit a bf16 mantissa
+// A dequantised B register serves the warp's MI m16 tiles. 8-bit values do not fit a bf16 mantissa
 // next to a magic exponent, so Q8 goes through fp32: PRMT builds 2²³ + q as an fp32, FADD removes
 // 2²³, FFMA applies s and b, one cvt packs two results into bf16x2.
 //
 // Rows. Which X row and which output row a tile row stands for is read from small tables built at
 // the start of the block, so one kernel serves:
-//   * dense:    tile rows p0..p0+63 of X and Y (p0 = 64·blockIdx.x);
+//   * dense:    tile rows p0..p0+BM−1 of X and Y (p0 = BM·blockIdx.x; dense products use 64);
 //   * grouped:  blockIdx.x indexes a tile map {expert, first position, rows} built on the device
 //     (moe.cu: moe_group_*), X rows are gathered (a_rows[p] / a_div: token of pair p) or
 //     contiguous, output rows contiguous or scattered (c_rows[p]: the pair's row of `routed`).

@@ -499,6 +499,9 @@ impl TokenPicker {
                 }
             }
         }
+        // A forced token (the thinking budget's `</think>`, the `<|im_end|>` of a finished
+        // grammar) wins over the masks above: `allowed_token_ids`, `bad_words` and `min_tokens`
+        // shape what the model samples, not the structure the request asked for.
         let forced = self
             .budget
             .as_ref()
@@ -731,6 +734,9 @@ impl Generation {
 
     fn on_token(&mut self, token: SampledToken) {
         self.completion_tokens += 1;
+        // The stop checker counts every token (stop strings start counting at `min_tokens`);
+        // its verdict on ids and length is the engine's business, which ends the sequence itself.
+        self.stop.check_token(token.id);
         if let Some(r) = &mut self.reasoning {
             r.observe(token.id);
         }

@@ -51,7 +51,13 @@ pub fn forward(c: &ModelConfig, w: &MoeWeights, x: &[f32], t: usize) -> Vec<f32>
         }
     }
     let shared = swiglu(&w.shared_expert, x, t);
-    let gate = matmul(&w.shared_expert_gate, x, t);
+    let mut gate = matmul(&w.shared_expert_gate, x, t);
+    // The GPU computes the shared expert's gate logit with the router's, in bf16 too.
+    if ROUTER_LOGITS_BF16.load(Ordering::Relaxed) {
+        for v in &mut gate {
+            *v = half::bf16::from_f32(*v).to_f32();
+        }
+    }
     for s in 0..t {
         let g = sigmoid(gate[s]);
         y[s * h..(s + 1) * h]
