@@ -406,6 +406,48 @@ async fn streaming_and_whole_responses_agree_under_greedy_decoding() {
     server.stop().await;
 }
 
+/// vLLM's `stream_options.continuous_usage_stats`: with `include_usage`, every chunk after the
+/// first carries the usage so far; the counts only grow and end at the final usage chunk's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continuous_usage_stats_count_as_they_go() {
+    let server = TestServer::scripted(json!({"default": "one two three"})).await;
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": "Count:"})),
+        ("/v1/chat/completions", json!({"messages": user("Count")})),
+    ] {
+        let mut body = body;
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});
+        let events = sse_events(&server.post(path, &body).await.text());
+        let counted: Vec<u64> = events
+            .iter()
+            .filter(|e| !e["choices"].as_array().is_some_and(|c| c.is_empty()))
+            .filter_map(|e| e["usage"]["completion_tokens"].as_u64())
+            .collect();
+        let last = events.last().expect("a final usage chunk");
+        let total = last["usage"]["completion_tokens"].as_u64().expect("usage");
+        assert!(counted.len() >= 2, "{path}: {events:?}");
+        assert!(
+            counted.windows(2).all(|w| w[0] <= w[1]),
+            "{path}: {counted:?}"
+        );
+        assert_eq!(counted.last(), Some(&total), "{path}");
+        assert!(
+            events.iter().all(
+                |e| e["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"]
+                    || e["usage"].is_null()
+            ),
+            "{path}"
+        );
+        // Without it, only the final chunk has usage.
+        body["stream_options"] = json!({"include_usage": true});
+        let events = sse_events(&server.post(path, &body).await.text());
+        let with_usage = events.iter().filter(|e| !e["usage"].is_null()).count();
+        assert_eq!(with_usage, 1, "{path}");
+    }
+    server.stop().await;
+}
+
 /// vLLM's `include_reasoning: false`: the answer alone, streamed or not (the reasoning is still
 /// generated and counted).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

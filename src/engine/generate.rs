@@ -640,10 +640,12 @@ pub enum Output {
     /// A prompt token scored in context (plans with `prompt_logprobs`), before any `Delta`, in
     /// prompt order from the prompt's second token on.
     PromptToken(TokenInfo),
-    /// Parsed output of one or more tokens (possibly no events while text is held back).
+    /// Parsed output of one or more tokens (possibly no events while text is held back), and
+    /// the counts so far (vLLM's `continuous_usage_stats` reports them with every chunk).
     Delta {
         events: Vec<OutputEvent>,
         logprobs: Vec<TokenInfo>,
+        counts: Counts,
     },
     /// The last item.
     Done {
@@ -763,9 +765,26 @@ impl Generation {
             let parsed = self.parse(&text);
             self.filter(parsed)
         };
-        self.ready.push_back(Output::Delta { events, logprobs });
+        let counts = self.counts();
+        self.ready.push_back(Output::Delta {
+            events,
+            logprobs,
+            counts,
+        });
         if stopped {
             self.finish(FinishReason::Stop, false);
+        }
+    }
+
+    fn counts(&self) -> Counts {
+        Counts {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            cached_tokens: self.cached_tokens,
+            reasoning_tokens: self
+                .reasoning
+                .as_ref()
+                .map_or(0, ThinkingBudget::reasoning_tokens),
         }
     }
 
@@ -839,9 +858,11 @@ impl Generation {
                 }
             }
             if !events.is_empty() {
+                let counts = self.counts();
                 self.ready.push_back(Output::Delta {
                     events,
                     logprobs: Vec::new(),
+                    counts,
                 });
             }
         }
@@ -850,15 +871,7 @@ impl Generation {
         } else {
             reason
         };
-        let counts = Counts {
-            prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.completion_tokens,
-            cached_tokens: self.cached_tokens,
-            reasoning_tokens: self
-                .reasoning
-                .as_ref()
-                .map_or(0, ThinkingBudget::reasoning_tokens),
-        };
+        let counts = self.counts();
         let stop_sequence = self.stop.matched().map(str::to_string);
         self.ready.push_back(Output::Done {
             finish,

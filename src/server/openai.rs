@@ -34,6 +34,9 @@ impl OneOrMany {
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
+    /// vLLM's: with `include_usage`, every chunk carries the usage so far too.
+    #[serde(default)]
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// `POST /v1/chat/completions`.

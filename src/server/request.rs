@@ -24,7 +24,7 @@ pub struct PreparedChat {
     /// One plan per choice (`n`), differing only in their seed.
     pub plans: Vec<GenerationPlan>,
     pub stream: bool,
-    pub include_usage: bool,
+    pub usage: StreamUsage,
     /// vLLM's `include_reasoning` (default true): the reasoning is returned.
     pub include_reasoning: bool,
     /// The request's `max_tokens` (or `max_completion_tokens`), for metrics.
@@ -98,7 +98,7 @@ pub fn prepare_chat(
     max_model_len: usize,
 ) -> Result<PreparedChat, ApiError> {
     let stream = req.stream.unwrap_or(false);
-    let include_usage = stream_usage(stream, req.stream_options.as_ref())?;
+    let usage = stream_usage(stream, req.stream_options.as_ref())?;
     let n = choices(req.n)?;
     if req.top_logprobs.is_some() && req.logprobs != Some(true) {
         return Err(ApiError::invalid(
@@ -202,7 +202,7 @@ pub fn prepare_chat(
         prompt_text: rendered.text,
         plans,
         stream,
-        include_usage,
+        usage,
         include_reasoning: req.include_reasoning != Some(false),
         requested_max_tokens: max_tokens.and_then(|m| usize::try_from(m).ok()),
     })
@@ -212,7 +212,7 @@ pub fn prepare_chat(
 pub struct PreparedCompletion {
     pub plans: Vec<GenerationPlan>,
     pub stream: bool,
-    pub include_usage: bool,
+    pub usage: StreamUsage,
     /// Legacy `logprobs: N`.
     pub logprobs: Option<usize>,
     /// `echo`: each choice's text starts with the prompt (and its logprobs, with the prompt's).
@@ -229,7 +229,7 @@ pub fn prepare_completion(
     max_model_len: usize,
 ) -> Result<PreparedCompletion, ApiError> {
     let stream = req.stream.unwrap_or(false);
-    let include_usage = stream_usage(stream, req.stream_options.as_ref())?;
+    let usage = stream_usage(stream, req.stream_options.as_ref())?;
     let n = choices(req.n)?;
     let echo = req.echo == Some(true);
     if echo && stream {
@@ -310,7 +310,7 @@ pub fn prepare_completion(
     Ok(PreparedCompletion {
         plans,
         stream,
-        include_usage,
+        usage,
         logprobs: params.top_logprobs,
         echo: echo.then(|| prompt.clone()),
         requested_max_tokens: req.max_tokens.and_then(|m| usize::try_from(m).ok()),
@@ -325,15 +325,29 @@ pub fn prepare_completion(
 fn stream_usage(
     stream: bool,
     options: Option<&super::openai::StreamOptions>,
-) -> Result<bool, ApiError> {
+) -> Result<StreamUsage, ApiError> {
     match options {
         Some(_) if !stream => Err(ApiError::invalid(
             "stream_options",
             "`stream_options` is only allowed when `stream` is true.",
         )),
-        Some(o) => Ok(o.include_usage.unwrap_or(false)),
-        None => Ok(false),
+        Some(o) => {
+            let last = o.include_usage.unwrap_or(false);
+            Ok(StreamUsage {
+                last,
+                every_chunk: last && o.continuous_usage_stats == Some(true),
+            })
+        }
+        None => Ok(StreamUsage::default()),
     }
+}
+
+/// Where a stream reports `usage`: in a last chunk of its own (`include_usage`), and also in
+/// every chunk, counted so far (vLLM's `continuous_usage_stats`, with `include_usage`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamUsage {
+    pub last: bool,
+    pub every_chunk: bool,
 }
 
 fn choices(n: Option<i64>) -> Result<usize, ApiError> {

@@ -30,7 +30,7 @@ use super::openai::{
     self, ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessage, Completion,
     CompletionChoice, CompletionRequest, FunctionCall, ModelCard, ToolCall, Usage,
 };
-use super::request::{prepare_chat, prepare_completion};
+use super::request::{prepare_chat, prepare_completion, StreamUsage};
 use super::stream::{self, Api, ResponseHead};
 use super::{AppState, InFlight, ServedModel};
 use crate::chat::tools::ParsedOutput;
@@ -274,7 +274,7 @@ async fn chat_completions(
                 reasoning: prepared.include_reasoning,
             },
             generations,
-            prepared.include_usage,
+            prepared.usage,
             &model,
             timer,
             admitted,
@@ -370,7 +370,7 @@ async fn completions(
             head,
             api,
             generations,
-            prepared.include_usage,
+            prepared.usage,
             &model,
             timer,
             admitted,
@@ -443,7 +443,7 @@ fn spawn_stream(
     head: ResponseHead,
     api: Api,
     generations: Vec<Generation>,
-    include_usage: bool,
+    usage: StreamUsage,
     model: &ServedModel,
     timer: super::metrics::RequestTimer,
     admitted: InFlight,
@@ -453,7 +453,7 @@ fn spawn_stream(
     spawn_sse(
         &id,
         admitted,
-        move |tx| stream::run_stream(head, api, generations, include_usage, tokenizer, timer, tx),
+        move |tx| stream::run_stream(head, api, generations, usage, tokenizer, timer, tx),
         |error| {
             vec![
                 stream::sse_data(&error.body()),
@@ -516,6 +516,7 @@ async fn collect(mut generation: Generation) -> Result<Outcome, ApiError> {
             Ok(Output::Delta {
                 events,
                 logprobs: tokens,
+                ..
             }) => {
                 for event in &events {
                     parsed.apply(event);

@@ -8,7 +8,8 @@
 //!   delta of a call carrying `id`, `type` and the name;
 //! * exactly one chunk per choice has a `finish_reason`, and it is that choice's last;
 //! * with `stream_options.include_usage`, one more chunk with `choices: []` and `usage` comes
-//!   after all finish chunks; without it no chunk has `usage`;
+//!   after all finish chunks; without it no chunk has `usage`; with vLLM's
+//!   `continuous_usage_stats` too, every chunk also carries the usage counted so far;
 //! * a failure mid-stream is sent as `data: {"error": {...}}` (openai-python raises it as an
 //!   `APIError`), then `[DONE]`;
 //! * `: ping` comments keep idle connections open during long prompts.
@@ -28,6 +29,7 @@ use super::openai::{
     ChatCompletionChunk, ChatDelta, ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice,
     CompletionLogprobs, FunctionDelta, TokenLogprob, ToolCallDelta, TopLogprob, Usage,
 };
+use super::request::StreamUsage;
 use crate::chat::tools::OutputEvent;
 use crate::engine::generate::{Counts, Generation, GenerationError, Output, TokenInfo};
 use crate::tokenizer::Tokenizer;
@@ -101,7 +103,7 @@ pub async fn run_stream(
     head: ResponseHead,
     api: Api,
     generations: Vec<Generation>,
-    include_usage: bool,
+    usage_mode: StreamUsage,
     tokenizer: std::sync::Arc<Tokenizer>,
     mut timer: RequestTimer,
     tx: mpsc::Sender<Bytes>,
@@ -142,6 +144,13 @@ pub async fn run_stream(
         });
     let mut outputs = stream::select_all(streams);
     let mut usage: Option<Usage> = None;
+    // Each choice's counts so far, for `continuous_usage_stats`.
+    let mut so_far: Vec<Counts> = vec![Counts::default(); n];
+    let running = |so_far: &[Counts]| -> Option<Usage> {
+        let mut total = None;
+        so_far.iter().for_each(|c| add_usage(&mut total, c));
+        total
+    };
     let mut text_offsets = vec![0usize; n];
     let mut keep_alive = ping_interval();
     loop {
@@ -158,10 +167,16 @@ pub async fn run_stream(
         let event = match item {
             // Scored prompt tokens come only with `echo`, which streams are not offered.
             Ok(Output::PromptToken(_)) => continue,
-            Ok(Output::Delta { events, logprobs }) => {
+            Ok(Output::Delta {
+                events,
+                logprobs,
+                counts,
+            }) => {
                 if !logprobs.is_empty() || !events.is_empty() {
                     timer.token();
                 }
+                so_far[index] = counts;
+                let chunk_usage = usage_mode.every_chunk.then(|| running(&so_far)).flatten();
                 match api {
                     Api::Chat { reasoning } => {
                         let delta = if reasoning {
@@ -186,7 +201,7 @@ pub async fn run_stream(
                                 logprobs,
                                 finish_reason: None,
                             }],
-                            None,
+                            chunk_usage.clone(),
                         ))
                     }
                     Api::Text { logprobs: want } => {
@@ -206,7 +221,7 @@ pub async fn run_stream(
                                 logprobs,
                                 finish_reason: None,
                             }],
-                            None,
+                            chunk_usage.clone(),
                         ))
                     }
                 }
@@ -218,6 +233,8 @@ pub async fn run_stream(
                     counts.completion_tokens,
                 );
                 add_usage(&mut usage, &counts);
+                so_far[index] = counts;
+                let chunk_usage = usage_mode.every_chunk.then(|| running(&so_far)).flatten();
                 match api {
                     Api::Chat { .. } => sse_data(&chat_chunk(
                         &head,
@@ -227,7 +244,7 @@ pub async fn run_stream(
                             logprobs: None,
                             finish_reason: Some(finish.as_str()),
                         }],
-                        None,
+                        chunk_usage.clone(),
                     )),
                     Api::Text { .. } => sse_data(&text_chunk(
                         &head,
@@ -237,7 +254,7 @@ pub async fn run_stream(
                             logprobs: None,
                             finish_reason: Some(finish.as_str()),
                         }],
-                        None,
+                        chunk_usage.clone(),
                     )),
                 }
             }
@@ -252,7 +269,7 @@ pub async fn run_stream(
             return;
         }
     }
-    if include_usage {
+    if usage_mode.last {
         let chunk = match api {
             Api::Chat { .. } => sse_data(&chat_chunk(&head, Vec::new(), usage)),
             Api::Text { .. } => sse_data(&text_chunk(&head, Vec::new(), usage)),

@@ -270,7 +270,9 @@ async fn write_stream(
             }
         };
         match next {
-            Some(Ok(Output::Delta { events, logprobs })) => {
+            Some(Ok(Output::Delta {
+                events, logprobs, ..
+            })) => {
                 if !events.is_empty() || !logprobs.is_empty() {
                     timer.token();
                 }

@@ -264,7 +264,9 @@ async fn write_stream(
             }
         };
         let last = match next {
-            Some(Ok(Output::Delta { events, logprobs })) => {
+            Some(Ok(Output::Delta {
+                events, logprobs, ..
+            })) => {
                 if !events.is_empty() || !logprobs.is_empty() {
                     timer.token();
                 }
