@@ -462,12 +462,16 @@ impl GemvKernels {
     /// The most tokens (≤ `MAX_TOKENS`) one launch over `w` can take: the staged x grows with
     /// the tokens and must fit in shared memory (8 tokens of a 4096-wide bf16 row do not).
     pub fn max_tokens(&self, w: &Matrices) -> usize {
-        let format = format_of(w);
-        let shape = self.shape(w, 1);
+        self.most_rows(w, false).unwrap_or(1)
+    }
+
+    /// The most rows (≤ `MAX_TOKENS`) whose launch over `w` fits in shared memory, with or
+    /// without a residual input; `None` when not even one does.
+    fn most_rows(&self, w: &Matrices, residual: bool) -> Option<usize> {
+        let (format, shape) = (format_of(w), self.shape(w, 1));
         (1..=MAX_TOKENS)
             .rev()
-            .find(|&n| shared_bytes(format, w.cols, n, shape, false) <= self.max_shared)
-            .unwrap_or(1)
+            .find(|&n| shared_bytes(format, w.cols, n, shape, residual) <= self.max_shared)
     }
 
     /// `y = W · x` for matrix 0 of `w` with x made from `input` (see [`ResidualInput`]) for its
@@ -561,12 +565,7 @@ impl GemvKernels {
     /// The most rows one [`Self::gemv_residual`] launch over `w` takes: its x, sums and the staged
     /// x must fit in shared memory beside the copy rings.
     pub fn max_tokens_residual(&self, w: &Matrices) -> usize {
-        let format = format_of(w);
-        let shape = self.shape(w, 1);
-        (1..=MAX_TOKENS)
-            .rev()
-            .find(|&n| shared_bytes(format, w.cols, n, shape, true) <= self.max_shared)
-            .unwrap_or(0)
+        self.most_rows(w, true).unwrap_or(0)
     }
 
     /// `gemv_slots` with a given launch shape (for tuning).

@@ -312,7 +312,6 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     // Epilogue: lane holds rows 16i + g (+8) and weight columns 8j + 2t, +1 of the warp's 64.
     if constexpr (E == STORE) {
         const int n = a.n;
-        const bool pairs = (n % 2) == 0;
 #pragma unroll
         for (int i = 0; i < MI; ++i)
 #pragma unroll
@@ -323,18 +322,11 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     const int col = col_tile * BN + warp * 64 + j * 8 + 2 * t;
-                    const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
-                    if (pairs && col + 1 < n) {
-                        *reinterpret_cast<bf162*>(yrow + col) = __floats2bfloat162_rn(v0, v1);
-                    } else {
-                        if (col < n) yrow[col] = __float2bfloat16_rn(v0);
-                        if (col + 1 < n) yrow[col + 1] = __float2bfloat16_rn(v1);
-                    }
+                    store_pair(yrow, col, n, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
                 }
             }
     } else {
         const int half = a.n / 2;
-        const bool pairs = (half % 2) == 0;
 #pragma unroll
         for (int i = 0; i < MI; ++i)
 #pragma unroll
@@ -347,12 +339,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
                     const int col = col_tile * (BN / 2) + warp * 32 + j * 8 + 2 * t;
                     const float v0 = silu(acc[i][j][2 * h]) * acc[i][j + 4][2 * h];
                     const float v1 = silu(acc[i][j][2 * h + 1]) * acc[i][j + 4][2 * h + 1];
-                    if (pairs && col + 1 < half) {
-                        *reinterpret_cast<bf162*>(yrow + col) = __floats2bfloat162_rn(v0, v1);
-                    } else {
-                        if (col < half) yrow[col] = __float2bfloat16_rn(v0);
-                        if (col + 1 < half) yrow[col + 1] = __float2bfloat16_rn(v1);
-                    }
+                    store_pair(yrow, col, half, v0, v1);
                 }
             }
     }

@@ -52,6 +52,17 @@ __device__ __forceinline__ u32 dequant_q4(u32 w, u32 sel, bf162 s2, bf162 b2) {
     return as_u32(__hfma2(q, s2, b2));
 }
 
+// Epilogue store of two adjacent outputs: y[col], y[col + 1] of a row `n` wide, as one bf16x2
+// store when n is even (the pair is then 4-byte aligned), else one by one; columns ≥ n are skipped.
+__device__ __forceinline__ void store_pair(bf16* row, int col, int n, float v0, float v1) {
+    if (n % 2 == 0 && col + 1 < n) {
+        *reinterpret_cast<bf162*>(row + col) = __floats2bfloat162_rn(v0, v1);
+    } else {
+        if (col < n) row[col] = __float2bfloat16_rn(v0);
+        if (col + 1 < n) row[col + 1] = __float2bfloat16_rn(v1);
+    }
+}
+
 // The block's tile: matrix `mat`, positions p0 .. p0 + rows − 1 (rows ≤ bm), from the grouped tile
 // map or, for a dense product, blockIdx.x. False for a grouped block past the tiles in use, which
 // then exits before any barrier.

@@ -154,29 +154,12 @@ impl GemmKernels {
                 ],
             ])
         };
-        let expert_tile_override = match std::env::var("LILY_EXPERT_TILE_ROWS") {
-            Ok(v) => {
-                let rows = v.parse().ok().filter(|r| TILE_HEIGHTS.contains(r));
-                ensure!(
-                    rows.is_some(),
-                    "LILY_EXPERT_TILE_ROWS={v}: expected one of {TILE_HEIGHTS:?}"
-                );
-                rows
-            }
-            Err(_) => None,
-        };
+        let expert_tile_override = env_rows("LILY_EXPERT_TILE_ROWS", "one of 16, 32, 64", |r| {
+            TILE_HEIGHTS.contains(&r)
+        })?;
         // `LILY_GROUPED_MIN_ROWS=N` (A/B runs): the grouped GEMMs from N rows on instead of 9.
-        let grouped_from_rows = match std::env::var("LILY_GROUPED_MIN_ROWS") {
-            Ok(v) => {
-                let rows = v.parse().ok().filter(|&r: &usize| r >= 1);
-                ensure!(
-                    rows.is_some(),
-                    "LILY_GROUPED_MIN_ROWS={v}: expected a number ≥ 1"
-                );
-                rows.unwrap_or(GROUPED_FROM_ROWS)
-            }
-            Err(_) => GROUPED_FROM_ROWS,
-        };
+        let grouped_from_rows = env_rows("LILY_GROUPED_MIN_ROWS", "a number ≥ 1", |r| r >= 1)?
+            .unwrap_or(GROUPED_FROM_ROWS);
         Ok(Self {
             stream: dev.stream().clone(),
             funcs: [height(64)?, height(32)?, height(16)?],
@@ -432,6 +415,17 @@ impl GemmKernels {
         // launches read positions < pairs and pair ids that the grouping kernels wrote.
         unsafe { launch!(self.stream, func, cfg, &args) }
     }
+}
+
+/// A row count from the environment variable `name` (A/B settings): `None` when unset, an error
+/// naming the variable when it is not a number that `valid` accepts.
+fn env_rows(name: &str, expected: &str, valid: impl Fn(usize) -> bool) -> Result<Option<usize>> {
+    let Ok(v) = std::env::var(name) else {
+        return Ok(None);
+    };
+    let rows = v.parse().ok().filter(|&r| valid(r));
+    ensure!(rows.is_some(), "{name}={v}: expected {expected}");
+    Ok(rows)
 }
 
 /// Rows of `x` for matrix `w` (x is `[rows][w.cols]`).

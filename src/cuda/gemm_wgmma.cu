@@ -226,22 +226,14 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
         if (r >= rows) continue;
         if constexpr (E == STORE) {
             const int n = a.n;
-            const bool pairs = (n % 2) == 0;
             bf16* yrow = a.y + (i64)c_row_s[r] * n;
 #pragma unroll
             for (int i = 0; i < BN / 8; ++i) {
                 const int col = col_tile * BN + 8 * i + 2 * t;
-                const float v0 = d[4 * i + 2 * h], v1 = d[4 * i + 2 * h + 1];
-                if (pairs && col + 1 < n) {
-                    *reinterpret_cast<bf162*>(yrow + col) = __floats2bfloat162_rn(v0, v1);
-                } else {
-                    if (col < n) yrow[col] = __float2bfloat16_rn(v0);
-                    if (col + 1 < n) yrow[col + 1] = __float2bfloat16_rn(v1);
-                }
+                store_pair(yrow, col, n, d[4 * i + 2 * h], d[4 * i + 2 * h + 1]);
             }
         } else {
             const int half = a.n / 2;
-            const bool pairs = (half % 2) == 0;
             bf16* yrow = a.y + (i64)c_row_s[r] * half;
 #pragma unroll
             for (int i = 0; i < BN / 16; ++i) {
@@ -249,12 +241,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
                 const int gi = 4 * i + 2 * h, ui = 4 * (i + BN / 16) + 2 * h;
                 const float v0 = silu(d[gi]) * d[ui];
                 const float v1 = silu(d[gi + 1]) * d[ui + 1];
-                if (pairs && col + 1 < half) {
-                    *reinterpret_cast<bf162*>(yrow + col) = __floats2bfloat162_rn(v0, v1);
-                } else {
-                    if (col < half) yrow[col] = __float2bfloat16_rn(v0);
-                    if (col + 1 < half) yrow[col + 1] = __float2bfloat16_rn(v1);
-                }
+                store_pair(yrow, col, half, v0, v1);
             }
         }
     }

@@ -31,17 +31,7 @@ extern "C" __global__ void rmsnorm(const bf16* __restrict__ x, const float* __re
     const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)row * n);
     uint4* yr = reinterpret_cast<uint4*>(y + (u64)row * n);
     const float r = rsqrtf(sum_squares(xr, nvec, lane) / n + eps);
-    for (int v = lane; v < nvec; v += 32) {
-        float f[8];
-        unpack8(xr[v], f);
-        const float4 w0 = reinterpret_cast<const float4*>(w)[2 * v];
-        const float4 w1 = reinterpret_cast<const float4*>(w)[2 * v + 1];
-        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-        // (x * r) * w, in the reference's order.
-#pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] = f[i] * r * wv[i];
-        yr[v] = pack8(f);
-    }
+    for (int v = lane; v < nvec; v += 32) yr[v] = norm_vec8(xr[v], w, v, r);
 }
 
 // The residual add fused with the next norm, one block of RES_THREADS per row (norm.cuh).

@@ -10,6 +10,19 @@
 #pragma once
 #include "common.cuh"
 
+// The 8 values of vector v of a row, normalised: bf16(x · r · w) in the reference's order, for w
+// the norm's fp32 weights (rmsnorm in norm.cu and residual_rmsnorm_row below).
+__device__ __forceinline__ uint4 norm_vec8(uint4 x, const float* __restrict__ w, int v, float r) {
+    float f[8];
+    unpack8(x, f);
+    const float4 w0 = reinterpret_cast<const float4*>(w)[2 * v];
+    const float4 w1 = reinterpret_cast<const float4*>(w)[2 * v + 1];
+    const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = f[i] * r * wv[i];
+    return pack8(f);
+}
+
 __device__ __forceinline__ void residual_rmsnorm_row(const bf16* h, const bf16* __restrict__ parts,
                                                      const float* __restrict__ weights, int k,
                                                      const float* __restrict__ w, bf16* hn, bf16* y, int n,
@@ -46,14 +59,5 @@ __device__ __forceinline__ void residual_rmsnorm_row(const bf16* h, const bf16* 
     for (int i = 0; i < threads / 32; ++i) ss += warp_ss[i];
     const float r = rsqrtf(ss / n + eps);
     // Each thread re-reads only the vectors it wrote itself.
-    for (int v = threadIdx.x; v < nvec; v += threads) {
-        float f[8];
-        unpack8(hw[v], f);
-        const float4 w0 = reinterpret_cast<const float4*>(w)[2 * v];
-        const float4 w1 = reinterpret_cast<const float4*>(w)[2 * v + 1];
-        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] = f[i] * r * wv[i];
-        yr[v] = pack8(f);
-    }
+    for (int v = threadIdx.x; v < nvec; v += threads) yr[v] = norm_vec8(hw[v], w, v, r);
 }

@@ -17,11 +17,7 @@ pub static ROUTER_LOGITS_BF16: AtomicBool = AtomicBool::new(false);
 pub fn forward(c: &ModelConfig, w: &MoeWeights, x: &[f32], t: usize) -> Vec<f32> {
     let h = c.hidden_size;
     let mut logits = matmul(&w.router, x, t);
-    if ROUTER_LOGITS_BF16.load(Ordering::Relaxed) {
-        for v in &mut logits {
-            *v = half::bf16::from_f32(*v).to_f32();
-        }
-    }
+    round_router_logits(&mut logits);
     // Tokens routed to each expert, with their weights.
     let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); c.num_experts];
     for s in 0..t {
@@ -53,11 +49,7 @@ pub fn forward(c: &ModelConfig, w: &MoeWeights, x: &[f32], t: usize) -> Vec<f32>
     let shared = swiglu(&w.shared_expert, x, t);
     let mut gate = matmul(&w.shared_expert_gate, x, t);
     // The GPU computes the shared expert's gate logit with the router's, in bf16 too.
-    if ROUTER_LOGITS_BF16.load(Ordering::Relaxed) {
-        for v in &mut gate {
-            *v = half::bf16::from_f32(*v).to_f32();
-        }
-    }
+    round_router_logits(&mut gate);
     for s in 0..t {
         let g = sigmoid(gate[s]);
         y[s * h..(s + 1) * h]
@@ -66,6 +58,15 @@ pub fn forward(c: &ModelConfig, w: &MoeWeights, x: &[f32], t: usize) -> Vec<f32>
             .for_each(|(y, o)| *y += g * o);
     }
     y
+}
+
+/// Rounds router logits to bf16 when [`ROUTER_LOGITS_BF16`] asks for it.
+fn round_router_logits(logits: &mut [f32]) {
+    if ROUTER_LOGITS_BF16.load(Ordering::Relaxed) {
+        for v in logits {
+            *v = half::bf16::from_f32(*v).to_f32();
+        }
+    }
 }
 
 /// `down · (silu(gate · x) ⊙ (up · x))` for `t` rows.
