@@ -24,6 +24,7 @@
 # GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels and of the decode
 # step's (ncu-prefill.txt, ncu-decode.txt in logs.tar, with the other quants' and the A/B runs'
 # tables: at most 8 files come back from a call);
+# GPU_CHECK_SERVE_AB="VAR=VALUE ..." reruns `bench --serve` with each setting;
 # GPU_CHECK_TESTS=none (or a list of binaries) runs no (or only those) test binaries. The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
@@ -90,7 +91,7 @@ run)
         echo "$name: $status in $((SECONDS - start)) s" >> "$summary"
     done
     # Settings under trial (off by default until they pass here): the whole model again with each.
-    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1 LILY_GROUPED_MIN_ROWS=2}; do
+    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1 LILY_GROUPED_MIN_ROWS=2 LILY_ATTN_PREFILL_WARPS=4}; do
         [[ -x "$dir/cuda_forward" && "$tests" != none ]] || break
         echo "=== cuda_forward ($trial)"
         start=$SECONDS
@@ -164,14 +165,14 @@ PY
             echo "bench $quant: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
         done
     fi
-    # A/B: the q4 sweep again at 4K and 32K with one setting changed, once per setting in
-    # GPU_CHECK_AB (default: each setting under trial on, the early reads off), into
+    # A/B: the q4 sweep again at 4K and 32K (GPU_CHECK_AB_CONTEXTS) with one setting changed, once
+    # per setting in GPU_CHECK_AB (default: each setting under trial on, the early reads off), into
     # $OUT/ab-<setting>; GPU_CHECK_AB=none skips it.
-    for ab in ${GPU_CHECK_AB-LILY_L2_AHEAD=1 LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_EARLY_READS=0 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1}; do
+    for ab in ${GPU_CHECK_AB-LILY_L2_AHEAD=1 LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_EARLY_READS=0 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1 LILY_ATTN_PREFILL_WARPS=4}; do
         [[ "$ab" != none && "$contexts" != none && -x "$dir/lily" ]] || break
         echo "=== bench (q4, $ab)"
         env "$ab" timeout 200 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
-            --contexts 4096,32768 --decode-steps 64 --rounds 2 --out "$logs/ab-${ab//=/-}" > "$logs/bench-ab-${ab//=/-}.log" 2>&1
+            --contexts "${GPU_CHECK_AB_CONTEXTS:-4096,32768}" --decode-steps 64 --rounds 2 --out "$logs/ab-${ab//=/-}" > "$logs/bench-ab-${ab//=/-}.log" 2>&1
         rc=$?
         tail -6 "$logs/bench-ab-${ab//=/-}.log"
         echo "bench q4 with $ab: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
@@ -215,6 +216,18 @@ PY
         rc=$?
         tail -30 "$logs/bench-serve.log"
         echo "bench --serve: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+        # GPU_CHECK_SERVE_AB="VAR=VALUE ...": the same again with each setting, into serve-<setting>/
+        # in logs.tar.
+        for ab in ${GPU_CHECK_SERVE_AB:-}; do
+            echo "=== bench --serve ($ab)"
+            # shellcheck disable=SC2086
+            env "$ab" timeout 300 "$dir/lily" bench --serve --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+                ${GPU_CHECK_SERVE_ARGS:---batch-steps --streams 64 --prompt-tokens 1024 --output-tokens 128} \
+                --out "$logs/serve-${ab//=/-}" > "$logs/bench-serve-${ab//=/-}.log" 2>&1
+            rc=$?
+            tail -12 "$logs/bench-serve-${ab//=/-}.log"
+            echo "bench --serve with $ab: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+        done
     fi
     tar cf "$out/logs.tar" -C "$logs" .
     echo "=== summary"

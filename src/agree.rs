@@ -7,9 +7,19 @@
 //! device's token; where it does not, the divergence is explained by a near-tie when the CPU's
 //! own margin between its choice and the device's is within twice the largest difference
 //! between the two backends' logits at that position.
+//!
+//! A random model's router puts its 256 experts within a hair of each other, so the device's bf16
+//! rounding flips some of its choices, and each flip moves that token's output by an expert's
+//! whole contribution: over 40 layers the two backends drift apart without either being wrong
+//! (bench/NOTES.md v1.15). With the device's routing traced, the reference runs the experts the
+//! device chose instead of its own top-k: the two then compute the same function, so their
+//! logits must stay close, and every choice that differs is checked against the device's own
+//! router logits (a correct top-k of them) and measured against the reference's (how close a
+//! tie it was, and how far the device's router logits are from the reference's at each layer).
 
-use crate::model::cpu::{self, Logits};
-use crate::model::{argmax, Backend, SequenceState, Weights};
+use crate::model::cpu::moe::RoutingStats;
+use crate::model::cpu::{self, ImposedRouting, Logits};
+use crate::model::{argmax, Backend, RoutingTrace, SequenceState, Weights};
 
 /// The largest logit difference (of the CPU logits' range) a position may show: the whole-model
 /// GPU test's bound (tests/cuda_forward.rs). Past it, the backends compute different functions
@@ -48,6 +58,8 @@ pub struct Report {
     pub device: String,
     pub prompt_tokens: usize,
     pub positions: Vec<Position>,
+    /// Per layer, when the reference ran the device's routing.
+    pub routing: Option<Vec<RoutingStats>>,
 }
 
 impl Report {
@@ -68,9 +80,14 @@ impl Report {
             .filter(|p| p.out_of_tolerance())
             .count()
     }
-    /// Every divergence a near-tie and every position's logits within [`MAX_LOGIT_ERROR`].
+    /// Rows whose device routing is not the top-k of the device's own router logits.
+    pub fn inconsistent_routing(&self) -> usize {
+        self.routing.iter().flatten().map(|l| l.inconsistent).sum()
+    }
+    /// Every divergence a near-tie, every position's logits within [`MAX_LOGIT_ERROR`], and
+    /// (when traced) the device's routing the top-k of its own router logits.
     pub fn passes(&self) -> bool {
-        self.unexplained() == 0 && self.out_of_tolerance() == 0
+        self.unexplained() == 0 && self.out_of_tolerance() == 0 && self.inconsistent_routing() == 0
     }
 
     pub fn to_markdown(&self) -> String {
@@ -80,11 +97,16 @@ impl Report {
             .map(|p| p.logit_error)
             .fold(0f32, f32::max);
         let mut s = format!(
-            "{} vs the CPU reference: {} of {} greedy tokens after a {}-token prompt agree \
+            "{} vs the CPU reference{}: {} of {} greedy tokens after a {}-token prompt agree \
              (teacher-forced on the device's tokens); {} divergences, {} not explained by a \
              near-tie; largest logit difference {:.2e} of the logit range, {} positions above \
              the {:.0e} bound: {}\n",
             self.device,
+            if self.routing.is_some() {
+                " running the device's expert choices"
+            } else {
+                ""
+            },
             self.agreeing(),
             self.positions.len(),
             self.prompt_tokens,
@@ -95,6 +117,9 @@ impl Report {
             MAX_LOGIT_ERROR,
             if self.passes() { "PASS" } else { "FAIL" }
         );
+        if let Some(layers) = &self.routing {
+            s += &routing_markdown(layers);
+        }
         for (i, p) in self.positions.iter().enumerate() {
             if !p.agrees() {
                 s += &format!(
@@ -111,13 +136,51 @@ impl Report {
     }
 }
 
-/// Greedy steps on the device: its tokens and the logits each was chosen from.
+/// The routing comparison, a line per layer.
+fn routing_markdown(layers: &[RoutingStats]) -> String {
+    let choices: usize = layers.iter().map(|l| l.rows).sum::<usize>();
+    let flipped: usize = layers.iter().map(|l| l.flipped).sum();
+    let inconsistent: usize = layers.iter().map(|l| l.inconsistent).sum();
+    let mut s = format!(
+        "\nRouting: of {choices} (row, layer) routings the reference's own top-k differs from the \
+         device's in {flipped} expert choices; {inconsistent} rows where the device's choice is not \
+         the top-k of its own router logits. Per layer: rows, choices flipped, the largest \
+         reference margin of a flipped choice and the largest |device − reference| router logit \
+         (both over the row's reference logit range).\n\n\
+         | layer | rows | flipped | largest flip margin | largest router distance | inconsistent |\n\
+         |---:|---:|---:|---:|---:|---:|\n"
+    );
+    for (i, l) in layers.iter().enumerate() {
+        s += &format!(
+            "| {i} | {} | {} | {:.2e} | {:.2e} | {} |\n",
+            l.rows, l.flipped, l.largest_flip_margin, l.largest_distance, l.inconsistent
+        );
+    }
+    s + "\n"
+}
+
+/// What [`device_run`] brings back: each greedy step's token and the logits it was chosen from,
+/// and with tracing what the device's routers decided for every row.
+pub struct DeviceRun {
+    pub steps: Vec<(u32, Vec<f32>)>,
+    pub routing: Option<RoutingTrace>,
+}
+
+/// Greedy steps on the device after `prompt`, its routing traced when `trace_routing`.
 pub fn device_run(
     backend: &mut dyn Backend,
     prompt: &[u32],
     tokens: usize,
-) -> anyhow::Result<Vec<(u32, Vec<f32>)>> {
+    trace_routing: bool,
+) -> anyhow::Result<DeviceRun> {
     anyhow::ensure!(!prompt.is_empty() && tokens > 0, "nothing to compare");
+    if trace_routing {
+        anyhow::ensure!(
+            backend.trace_routing(),
+            "{} cannot trace its routing",
+            backend.device_name()
+        );
+    }
     backend.create_sequence(0)?;
     let mut steps = Vec::with_capacity(tokens);
     let mut logits = backend.forward(0, prompt)?;
@@ -135,27 +198,61 @@ pub fn device_run(
         }
     }
     backend.free_sequence(0);
-    Ok(steps)
+    let routing = if trace_routing {
+        backend.take_routing_trace()
+    } else {
+        None
+    };
+    Ok(DeviceRun { steps, routing })
 }
 
-/// The CPU reference on the same prompt, teacher-forced on the device's tokens.
+/// The CPU reference on the same prompt, teacher-forced on the device's tokens; with `routing`
+/// (the device's trace of [`device_run`]) running the experts the device chose.
 pub fn compare(
     weights: &Weights,
     device: String,
     prompt: &[u32],
-    steps: &[(u32, Vec<f32>)],
-) -> Report {
-    let vocab = weights.config.vocab_size;
-    let mut state = SequenceState::new(&weights.config);
+    run: &DeviceRun,
+) -> anyhow::Result<Report> {
+    let (steps, routing) = (&run.steps, run.routing.as_ref());
+    let c = &weights.config;
+    let vocab = c.vocab_size;
+    anyhow::ensure!(
+        !prompt.is_empty() && !steps.is_empty(),
+        "nothing to compare"
+    );
+    let mut state = SequenceState::new(c);
     // All but the last prompt token, then that one and the device's tokens (but the last) with
     // the logits of each position.
     let (head, last) = prompt.split_at(prompt.len() - 1);
-    if !head.is_empty() {
-        cpu::forward(weights, head, &mut state, Logits::Last);
-    }
     let mut forced: Vec<u32> = last.to_vec();
     forced.extend(steps[..steps.len() - 1].iter().map(|(t, _)| *t));
-    let cpu_logits = cpu::forward(weights, &forced, &mut state, Logits::All);
+    let (cpu_logits, routing) = match routing {
+        None => {
+            if !head.is_empty() {
+                cpu::forward(weights, head, &mut state, Logits::Last);
+            }
+            (
+                cpu::forward(weights, &forced, &mut state, Logits::All),
+                None,
+            )
+        }
+        Some(trace) => {
+            check_trace(weights, trace, head.len() + forced.len())?;
+            let mut stats = vec![RoutingStats::default(); weights.layers.len()];
+            let mut imposed = ImposedRouting {
+                trace,
+                row: 0,
+                stats: &mut stats,
+            };
+            if !head.is_empty() {
+                cpu::forward_routed(weights, head, &mut state, Logits::Last, &mut imposed);
+            }
+            let logits =
+                cpu::forward_routed(weights, &forced, &mut state, Logits::All, &mut imposed);
+            (logits, Some(stats))
+        }
+    };
     let positions = steps
         .iter()
         .zip(cpu_logits.chunks(vocab))
@@ -180,9 +277,36 @@ pub fn compare(
             }
         })
         .collect();
-    Report {
+    Ok(Report {
         device,
         prompt_tokens: prompt.len(),
         positions,
+        routing,
+    })
+}
+
+/// A trace of `rows` rows for every layer of the model, its experts in range.
+fn check_trace(weights: &Weights, trace: &RoutingTrace, rows: usize) -> anyhow::Result<()> {
+    let (e, k) = (
+        weights.config.num_experts,
+        weights.config.num_experts_per_tok,
+    );
+    let layers = weights.layers.len();
+    anyhow::ensure!(
+        trace.experts.len() == layers && trace.logits.len() == layers,
+        "the routing trace has {} layers, the model {layers}",
+        trace.experts.len()
+    );
+    for (i, (experts, logits)) in trace.experts.iter().zip(&trace.logits).enumerate() {
+        anyhow::ensure!(
+            experts.len() == rows * k && logits.len() == rows * e,
+            "layer {i} of the routing trace has {} rows of experts and {} of logits, not {rows}",
+            experts.len() / k,
+            logits.len() / e
+        );
+        if let Some(bad) = experts.iter().find(|&&x| x as usize >= e) {
+            anyhow::bail!("layer {i} of the routing trace names expert {bad} of {e}");
+        }
     }
+    Ok(())
 }

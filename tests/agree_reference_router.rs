@@ -16,10 +16,10 @@ fn bf16_router_logits_move_the_reference_a_little() {
     let weights = checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
     let prompt = synthetic_prompt(40, weights.config.vocab_size, 9);
     let mut device = CpuBackend::new(weights.clone());
-    let steps = agree::device_run(&mut device, &prompt, 8).unwrap();
-    let exact = agree::compare(&weights, "cpu".into(), &prompt, &steps);
+    let run = agree::device_run(&mut device, &prompt, 8, false).unwrap();
+    let exact = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap();
     ROUTER_LOGITS_BF16.store(true, Ordering::Relaxed);
-    let rounded = agree::compare(&weights, "cpu".into(), &prompt, &steps);
+    let rounded = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap();
     ROUTER_LOGITS_BF16.store(false, Ordering::Relaxed);
     let worst = |r: &agree::Report| {
         r.positions

@@ -441,3 +441,29 @@ fn op_timing_changes_nothing_and_names_the_sections() {
     }
     assert!(timed.take_op_times().is_empty(), "take starts over");
 }
+
+/// `lily agree --device-routing` on the GPU (src/agree.rs): a traced run (passes uncaptured, each
+/// layer's router logits and experts copied out) gives the plain run's logits bit for bit; the
+/// trace holds every row (a 300-token prompt in two chunks, then decode steps); the device's
+/// choices are the top-k of its own router logits; and the CPU reference running those choices
+/// stays within the whole-model bound.
+#[test]
+fn traced_routing_is_consistent_and_the_reference_follows_it() {
+    let weights = q4_weights(5);
+    let p = prompt(300, 13);
+    let mut plain = gpu_backend(&weights, 1, false);
+    let mut traced = gpu_backend(&weights, 1, false);
+    let untraced = lily::agree::device_run(&mut plain, &p, 16, false).unwrap();
+    let run = lily::agree::device_run(&mut traced, &p, 16, true).unwrap();
+    assert_eq!(run.steps, untraced.steps, "tracing changed the logits");
+    let trace = run
+        .routing
+        .as_ref()
+        .expect("the CUDA backend traces its routing");
+    let k = weights.config.num_experts_per_tok;
+    assert!(trace.experts.iter().all(|l| l.len() == (300 + 15) * k));
+    let report = lily::agree::compare(&weights, "cuda".into(), &p, &run).unwrap();
+    println!("{}", report.to_markdown());
+    assert_eq!(report.inconsistent_routing(), 0);
+    assert!(report.passes(), "{}", report.to_markdown());
+}

@@ -29,6 +29,11 @@ pub struct AgreeArgs {
     /// distance is then not routing flipped at near-ties by that rounding.
     #[arg(long)]
     pub reference_router_bf16: bool,
+    /// The CPU reference runs the experts the device chose (traced), instead of its own top-k:
+    /// routing flipped at a random router's near-ties then no longer separates the two, and
+    /// every flipped choice is checked against the device's own router logits (src/agree.rs).
+    #[arg(long)]
+    pub device_routing: bool,
 }
 
 pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
@@ -51,7 +56,7 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
         "{device}: {} greedy tokens after {} prompt tokens",
         args.tokens, args.prompt_tokens
     );
-    let steps = agree::device_run(backend.as_mut(), &prompt, args.tokens)?;
+    let run = agree::device_run(backend.as_mut(), &prompt, args.tokens, args.device_routing)?;
     drop(backend);
     eprintln!("CPU reference, teacher-forced on the device's tokens");
     let weights = checkpoint::load(&args.model)?;
@@ -59,7 +64,7 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
         args.reference_router_bf16,
         std::sync::atomic::Ordering::Relaxed,
     );
-    let report = agree::compare(&weights, device, &prompt, &steps);
+    let report = agree::compare(&weights, device, &prompt, &run)?;
     let md = report.to_markdown();
     print!("{md}");
     if let Some(out) = &args.out {
@@ -67,10 +72,12 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
     }
     anyhow::ensure!(
         report.passes(),
-        "{} divergences are not near-ties, {} positions' logits differ by more than {:.0e} of their range",
+        "{} divergences are not near-ties, {} positions' logits differ by more than {:.0e} of their \
+         range, {} rows' device routing is not the top-k of its own router logits",
         report.unexplained(),
         report.out_of_tolerance(),
-        agree::MAX_LOGIT_ERROR
+        agree::MAX_LOGIT_ERROR,
+        report.inconsistent_routing()
     );
     Ok(())
 }

@@ -207,10 +207,12 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
 // attn_prefill: causal flash attention for T new tokens (positions start .. start+T-1) of one
 // sequence over its cache rows 0 .. start+T-1 (attn_prepare has appended the new keys already).
 //
-// GQA packing: a block takes 8 consecutive tokens × the 8 query heads of one KV head = 64 rows
-// (row r: token t0 + r/8, head 8·kvh + r%8), so each K/V tile it loads serves 8 heads. Four
-// warps own 16 rows each: warp w's rows g are token t0 + 2w and rows g + 8 token t0 + 2w + 1
-// (head 8·kvh + g for both), which makes the causal mask one comparison per half.
+// GQA packing: a block takes 2·W consecutive tokens × the 8 query heads of one KV head = 16·W rows
+// (row r: token t0 + r/8, head 8·kvh + r%8), so each K/V tile it loads serves 8 heads and 2·W
+// tokens. W warps own 16 rows each: warp w's rows g are token t0 + 2w and rows g + 8 token
+// t0 + 2w + 1 (head 8·kvh + g for both), which makes the causal mask one comparison per half.
+// W = 8 (attn_prefill: 128 rows, one block per SM) reads each K/V tile from L2 half as often per
+// product as W = 4 (attn_prefill_w4: 64 rows, two blocks per SM), the layout before (NOTES v1.17).
 // Keys stream in tiles of 32 through a two-stage cp.async pipeline. Per tile and warp:
 //   S = Q·Kᵀ (16 rows × 32 keys; Q and K by ldmatrix), scaled into the log2 domain, masked;
 //   online softmax in fp32 (row max/sum over the 4 lanes of a quad);
@@ -219,26 +221,32 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
 // Blocks run in reverse token order, so the longest (latest) rows start first.
 //
 // Split over keys: a chunk of few tokens at a long context would be a handful of blocks each
-// streaming the whole cache. Then the host launches gridDim.z = nsplit > 1 blocks per 8 tokens,
+// streaming the whole cache. Then the host launches gridDim.z = nsplit > 1 blocks per 2·W tokens,
 // block z taking keys [z·chunk, (z+1)·chunk) (chunk a multiple of 32, the same for all blocks),
 // and the blocks write unnormalised partials like attn_decode_split (row = token) for
 // attn_combine. Token i (position start + i) has visible keys in splits 0 .. (start + i) / chunk.
 
-#define PF_THREADS 128
-#define PF_TOKENS 8
-#define PF_ROWS 64                              // PF_TOKENS × GROUP
-#define PF_TILE 32                              // keys per pipeline stage
-#define PF_Q_BYTES (PF_ROWS * ROW_BYTES)        // 33,792
+#define PF_TILE 32                                // keys per pipeline stage
 #define PF_STAGE_BYTES (2 * PF_TILE * ROW_BYTES)  // K and V: 33,792
-#define PF_SMEM_BYTES (PF_Q_BYTES + 2 * PF_STAGE_BYTES)  // 101,376: two blocks per SM
 
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
-    attn_prefill(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
-                 int start, int T, bf16* __restrict__ out, float scale_log2, int chunk,
-                 float* __restrict__ part_o, float* __restrict__ part_ml) {
+// Shared memory of the kernel with W warps: the Q tile, then two K/V stages (attention.rs mirrors
+// it): W = 4: 101,376 (two blocks per SM), W = 8: 135,168.
+template <int W> struct PrefillShape {
+    static constexpr int THREADS = 32 * W, TOKENS = 2 * W, ROWS = TOKENS * GROUP;
+    static constexpr int Q_BYTES = ROWS * ROW_BYTES;
+    static constexpr int SMEM_BYTES = Q_BYTES + 2 * PF_STAGE_BYTES;
+};
+
+template <int W>
+__device__ __forceinline__ void attn_prefill_body(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c,
+                                                  int slot, int start, int T, bf16* __restrict__ out, float scale_log2,
+                                                  int chunk, float* __restrict__ part_o, float* __restrict__ part_ml) {
+    using P = PrefillShape<W>;
+    constexpr int PF_THREADS = P::THREADS, PF_TOKENS = P::TOKENS, PF_ROWS = P::ROWS, PF_Q_BYTES = P::Q_BYTES;
     pdl_wait();
     pdl_launch_dependents();
-    extern __shared__ __align__(16) unsigned char smem[];
+    // Not "smem": a template and an extern "C" kernel may not share an extern __shared__ name.
+    extern __shared__ __align__(16) unsigned char pf_smem[];
     const int mt = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     const int t0 = mt * PF_TOKENS;
     const int kv_len = start + min(t0 + PF_TOKENS, T);  // keys any row of this block may see
@@ -249,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const bf16* kg = c.k + cache_offset(c, slot, kvh);
     const bf16* vg = c.v + cache_offset(c, slot, kvh);
-    const u32 sq = smem_u32(smem);
+    const u32 sq = smem_u32(pf_smem);
 
     // Q tile: 64 rows × 32 vectors of 16 bytes; rows of tokens ≥ T are zero.
     for (int i = tid; i < PF_ROWS * 32; i += PF_THREADS) {
@@ -414,6 +422,19 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
             *reinterpret_cast<bf162*>(dst + d) = __floats2bfloat162_rn(y0, y1);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(PrefillShape<8>::THREADS, 1)
+    attn_prefill(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot, int start,
+                 int T, bf16* __restrict__ out, float scale_log2, int chunk, float* __restrict__ part_o,
+                 float* __restrict__ part_ml) {
+    attn_prefill_body<8>(q, qkv, c, slot, start, T, out, scale_log2, chunk, part_o, part_ml);
+}
+extern "C" __global__ void __launch_bounds__(PrefillShape<4>::THREADS, 2)
+    attn_prefill_w4(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot, int start,
+                    int T, bf16* __restrict__ out, float scale_log2, int chunk, float* __restrict__ part_o,
+                    float* __restrict__ part_ml) {
+    attn_prefill_body<4>(q, qkv, c, slot, start, T, out, scale_log2, chunk, part_o, part_ml);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ use super::sample::SampleKernels;
 use super::snapshot::SnapshotPool;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::LayerKind;
-use crate::model::SeqId;
+use crate::model::{RoutingTrace, SeqId};
 use experts::moe_experts;
 use projection::{first_projection, gemv_rows};
 use residual::ResidualStream;
@@ -198,6 +198,9 @@ pub struct CudaBackend {
     profile: Option<OpProfile>,
     /// Decode passes of up to this many rows fold their norms into the GEMVs (0: never).
     fused_rows: usize,
+    /// What the routers decide, while `lily agree` traces it: passes run uncaptured and each MoE
+    /// layer's router logits and expert ids are copied out (record_routing).
+    routing: Option<RoutingTrace>,
 }
 
 /// A captured decode pass.
@@ -310,6 +313,7 @@ impl CudaBackend {
             shared_passes: 0,
             profile: None,
             fused_rows,
+            routing: None,
             options,
         })
     }
@@ -411,7 +415,7 @@ impl CudaBackend {
             self.profile = Some(timing);
             return timed;
         }
-        if !pass.spans.is_empty() || !self.options.cuda_graphs {
+        if !pass.spans.is_empty() || !self.options.cuda_graphs || self.routing.is_some() {
             return self.body(&pass);
         }
         // A decode pass reads its tokens, slots and positions from device memory, so one
@@ -621,6 +625,9 @@ impl CudaBackend {
             );
             let router_input = fused.then_some((&mut stream, &layer.post_norm));
             moe_experts(&c, k, &layer.moe, s, t, router_input, ahead, &section)?;
+            if let Some(trace) = self.routing.as_mut() {
+                record_routing(&c, &st, s, t, li, trace)?;
+            }
             // h += the experts' outputs weighted (the MoE combine); the next layer's input norm
             // (fused: in its first GEMV), or the final norm.
             let next = m.layers.get(li + 1);
@@ -683,6 +690,35 @@ impl CudaBackend {
         k.sample
             .argmax(&s.logits.slice(..n * v), v, &mut s.next.slice_mut(..n))
     }
+}
+
+/// Appends layer `li`'s router logits and expert ids of the pass's `t` rows to `trace` (a
+/// synchronising copy: tracing is for `lily agree`, not for speed).
+fn record_routing(
+    c: &crate::config::ModelConfig,
+    st: &Arc<CudaStream>,
+    s: &Scratch,
+    t: usize,
+    li: usize,
+    trace: &mut RoutingTrace,
+) -> Result<()> {
+    let (e, topk) = (c.num_experts, c.num_experts_per_tok);
+    let slots = topk + 1;
+    let logits: Vec<bf16> = st
+        .clone_dtoh(&s.router.slice(..t * (e + 1)))
+        .during(|| "copying the router logits".into())?;
+    let ids: Vec<i32> = st
+        .clone_dtoh(&s.expert_ids.slice(..t * slots))
+        .during(|| "copying the expert ids".into())?;
+    // Each row: e router logits, then the shared expert's gate (not a choice); top_k routed
+    // slots, then the shared expert's.
+    for row in logits.chunks(e + 1) {
+        trace.logits[li].extend(row[..e].iter().map(|x| x.to_f32()));
+    }
+    for row in ids.chunks(slots) {
+        trace.experts[li].extend(row[..topk].iter().map(|&x| x as u32));
+    }
+    Ok(())
 }
 
 /// The most rows of one decode pass: every sequence slot, below the rows where the dense

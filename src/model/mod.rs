@@ -143,11 +143,30 @@ pub trait Backend: Send {
     fn take_op_times(&mut self) -> Vec<OpTime> {
         Vec::new()
     }
+    /// Starts recording what the MoE routers decide for every row run from now on (`lily
+    /// agree`); returns whether this backend can.
+    fn trace_routing(&mut self) -> bool {
+        false
+    }
+    /// The routing recorded since [`trace_routing`](Backend::trace_routing), which stops.
+    fn take_routing_trace(&mut self) -> Option<RoutingTrace> {
+        None
+    }
     /// Peak device memory in use since the last reset, where the device can tell.
     fn peak_memory(&self) -> Option<u64> {
         None
     }
     fn reset_peak_memory(&mut self) {}
+}
+
+/// What a device's MoE routers decided (for `lily agree`, src/agree.rs): per MoE layer, the rows
+/// run since tracing began, in order (a pass's prompt rows, then its decode rows).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RoutingTrace {
+    /// `[layer][row · num_experts + e]`: the router logits as the device computed them.
+    pub logits: Vec<Vec<f32>>,
+    /// `[layer][row · top_k + j]`: the experts the device ran for the row.
+    pub experts: Vec<Vec<u32>>,
 }
 
 /// One step of a batch ([`Backend::forward_batch`]): the next tokens of one sequence, and
@@ -195,6 +214,8 @@ pub struct CpuBackend {
     states: HashMap<SeqId, SequenceState>,
     snapshots: HashMap<SnapshotId, SequenceState>,
     next_snapshot: SnapshotId,
+    /// What the routers decide while `lily agree` traces it (one call at a time then).
+    routing: Option<RoutingTrace>,
 }
 
 impl CpuBackend {
@@ -204,6 +225,7 @@ impl CpuBackend {
             states: HashMap::new(),
             snapshots: HashMap::new(),
             next_snapshot: 0,
+            routing: None,
         }
     }
 
@@ -239,16 +261,19 @@ impl Backend for CpuBackend {
             .states
             .get_mut(&seq)
             .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
-        Ok(cpu::forward(
-            &self.weights,
-            tokens,
-            state,
-            cpu::Logits::Last,
-        ))
+        let last = cpu::Logits::Last;
+        Ok(match self.routing.as_mut() {
+            Some(trace) => cpu::forward_recorded(&self.weights, tokens, state, last, trace),
+            None => cpu::forward(&self.weights, tokens, state, last),
+        })
     }
     /// The steps a batch can take ([`passes::plan`], tokens in the vocabulary) run as one
     /// [`cpu::forward_batch`]; the others one by one, which reports what is wrong with them.
     fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
+        if self.routing.is_some() {
+            // Traced rows go in the order the steps come.
+            return steps.iter().map(|s| self.forward_step(s)).collect();
+        }
         let vocab = self.weights.config.vocab_size;
         // One pass of any size; the CPU has no slots (0).
         let unlimited = PassLimits {
@@ -317,6 +342,17 @@ impl Backend for CpuBackend {
                 })
             })
             .collect()
+    }
+    fn trace_routing(&mut self) -> bool {
+        let layers = self.weights.layers.len();
+        self.routing = Some(RoutingTrace {
+            logits: vec![Vec::new(); layers],
+            experts: vec![Vec::new(); layers],
+        });
+        true
+    }
+    fn take_routing_trace(&mut self) -> Option<RoutingTrace> {
+        self.routing.take()
     }
     fn can_snapshot(&self) -> bool {
         true

@@ -13,7 +13,9 @@ use crate::cuda::sample::SampleKernels;
 use crate::cuda::snapshot::StatePools;
 use crate::cuda::{Context, Result};
 use crate::model::passes::{self, PassLimits, PassStep};
-use crate::model::{panic_message, Backend, OpTime, SeqId, Snapshot, SnapshotId, Step, StepOutput};
+use crate::model::{
+    panic_message, Backend, OpTime, RoutingTrace, SeqId, Snapshot, SnapshotId, Step, StepOutput,
+};
 use crate::sampling::DeviceSampling;
 
 impl Backend for CudaBackend {
@@ -166,6 +168,17 @@ impl Backend for CudaBackend {
     }
     fn take_op_times(&mut self) -> Vec<OpTime> {
         self.profile.as_mut().map_or_else(Vec::new, OpProfile::take)
+    }
+    fn trace_routing(&mut self) -> bool {
+        let layers = self.model.layers.len();
+        self.routing = Some(RoutingTrace {
+            logits: vec![Vec::new(); layers],
+            experts: vec![Vec::new(); layers],
+        });
+        true
+    }
+    fn take_routing_trace(&mut self) -> Option<RoutingTrace> {
+        self.routing.take()
     }
 }
 

@@ -8,6 +8,7 @@ pub mod ops;
 
 use crate::model::state::{LayerState, SequenceState};
 use crate::model::weights::{Mixer, Weights};
+use crate::model::RoutingTrace;
 use ops::{matmul, rms_norm_rows};
 
 /// Which positions of a forward call need logits.
@@ -35,6 +36,58 @@ pub fn forward_batch(
     w: &Weights,
     seqs: &mut [(&[u32], &mut SequenceState)],
     which: Logits,
+) -> Vec<Vec<f32>> {
+    run(w, seqs, which, Routing::Own)
+}
+
+/// What the MoE layers of a forward call do with routing beyond their own top-k.
+enum Routing<'r, 'a> {
+    Own,
+    Impose(&'r mut ImposedRouting<'a>),
+    Record(&'r mut RoutingTrace),
+}
+
+/// Routing another device decided, imposed on the reference's MoE layers (`lily agree`): the
+/// trace's rows from `row` on are this call's rows; how the device's routing compares with the
+/// reference's own is added to `stats` (one per layer).
+pub struct ImposedRouting<'a> {
+    pub trace: &'a RoutingTrace,
+    pub row: usize,
+    pub stats: &'a mut [moe::RoutingStats],
+}
+
+/// [`forward`] with every MoE layer running the experts `routing` names (moe::forward_routed);
+/// `routing.row` then moves past this call's rows. The trace must hold them (ids in range).
+pub fn forward_routed(
+    w: &Weights,
+    tokens: &[u32],
+    state: &mut SequenceState,
+    which: Logits,
+    routing: &mut ImposedRouting,
+) -> Vec<f32> {
+    let logits = run(w, &mut [(tokens, state)], which, Routing::Impose(routing));
+    routing.row += tokens.len();
+    logits.into_iter().next().expect("one sequence in, one out")
+}
+
+/// [`forward`], appending each MoE layer's router logits and top-k experts to `trace` (as a
+/// device traces them for `lily agree`; `trace` has a row list per layer).
+pub fn forward_recorded(
+    w: &Weights,
+    tokens: &[u32],
+    state: &mut SequenceState,
+    which: Logits,
+    trace: &mut RoutingTrace,
+) -> Vec<f32> {
+    let logits = run(w, &mut [(tokens, state)], which, Routing::Record(trace));
+    logits.into_iter().next().expect("one sequence in, one out")
+}
+
+fn run(
+    w: &Weights,
+    seqs: &mut [(&[u32], &mut SequenceState)],
+    which: Logits,
+    mut routing: Routing,
 ) -> Vec<Vec<f32>> {
     let c = &w.config;
     let hd = c.hidden_size;
@@ -80,7 +133,20 @@ pub fn forward_batch(
         };
         h.iter_mut().zip(&r).for_each(|(h, r)| *h += r);
         let m = rms_norm_rows(&h, &layer.post_attention_norm, c.rms_norm_eps);
-        let y = moe::forward(c, &layer.moe, &m, t);
+        let (e, k) = (c.num_experts, c.num_experts_per_tok);
+        let layer_routing = match &mut routing {
+            Routing::Own => moe::LayerRouting::Own,
+            Routing::Impose(r) => moe::LayerRouting::Impose(moe::Imposed {
+                experts: &r.trace.experts[li][r.row * k..(r.row + t) * k],
+                logits: &r.trace.logits[li][r.row * e..(r.row + t) * e],
+                stats: &mut r.stats[li],
+            }),
+            Routing::Record(trace) => moe::LayerRouting::Record {
+                logits: &mut trace.logits[li],
+                experts: &mut trace.experts[li],
+            },
+        };
+        let y = moe::forward_routed(c, &layer.moe, &m, t, layer_routing);
         h.iter_mut().zip(&y).for_each(|(h, y)| *h += y);
     }
     // The rows whose logits are wanted, per sequence.
