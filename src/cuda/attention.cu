@@ -207,12 +207,10 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
 // attn_prefill: causal flash attention for T new tokens (positions start .. start+T-1) of one
 // sequence over its cache rows 0 .. start+T-1 (attn_prepare has appended the new keys already).
 //
-// GQA packing: a block takes 2·W consecutive tokens × the 8 query heads of one KV head = 16·W rows
-// (row r: token t0 + r/8, head 8·kvh + r%8), so each K/V tile it loads serves 8 heads and 2·W
-// tokens. W warps own 16 rows each: warp w's rows g are token t0 + 2w and rows g + 8 token
-// t0 + 2w + 1 (head 8·kvh + g for both), which makes the causal mask one comparison per half.
-// W = 8 (attn_prefill: 128 rows, one block per SM) reads each K/V tile from L2 half as often per
-// product as W = 4 (attn_prefill_w4: 64 rows, two blocks per SM), the layout before (NOTES v1.17).
+// GQA packing: a block takes 8 consecutive tokens × the 8 query heads of one KV head = 64 rows
+// (row r: token t0 + r/8, head 8·kvh + r%8), so each K/V tile it loads serves 8 heads. Four
+// warps own 16 rows each: warp w's rows g are token t0 + 2w and rows g + 8 token t0 + 2w + 1
+// (head 8·kvh + g for both), which makes the causal mask one comparison per half.
 // Keys stream in tiles of 32 through a two-stage cp.async pipeline. Per tile and warp:
 //   S = Q·Kᵀ (16 rows × 32 keys; Q and K by ldmatrix), scaled into the log2 domain, masked;
 //   online softmax in fp32 (row max/sum over the 4 lanes of a quad);
@@ -221,32 +219,26 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
 // Blocks run in reverse token order, so the longest (latest) rows start first.
 //
 // Split over keys: a chunk of few tokens at a long context would be a handful of blocks each
-// streaming the whole cache. Then the host launches gridDim.z = nsplit > 1 blocks per 2·W tokens,
+// streaming the whole cache. Then the host launches gridDim.z = nsplit > 1 blocks per 8 tokens,
 // block z taking keys [z·chunk, (z+1)·chunk) (chunk a multiple of 32, the same for all blocks),
 // and the blocks write unnormalised partials like attn_decode_split (row = token) for
 // attn_combine. Token i (position start + i) has visible keys in splits 0 .. (start + i) / chunk.
 
-#define PF_TILE 32                                // keys per pipeline stage
+#define PF_THREADS 128
+#define PF_TOKENS 8
+#define PF_ROWS 64                              // PF_TOKENS × GROUP
+#define PF_TILE 32                              // keys per pipeline stage
+#define PF_Q_BYTES (PF_ROWS * ROW_BYTES)        // 33,792
 #define PF_STAGE_BYTES (2 * PF_TILE * ROW_BYTES)  // K and V: 33,792
+#define PF_SMEM_BYTES (PF_Q_BYTES + 2 * PF_STAGE_BYTES)  // 101,376: two blocks per SM
 
-// Shared memory of the kernel with W warps: the Q tile, then two K/V stages (attention.rs mirrors
-// it): W = 4: 101,376 (two blocks per SM), W = 8: 135,168.
-template <int W> struct PrefillShape {
-    static constexpr int THREADS = 32 * W, TOKENS = 2 * W, ROWS = TOKENS * GROUP;
-    static constexpr int Q_BYTES = ROWS * ROW_BYTES;
-    static constexpr int SMEM_BYTES = Q_BYTES + 2 * PF_STAGE_BYTES;
-};
-
-template <int W>
-__device__ __forceinline__ void attn_prefill_body(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c,
-                                                  int slot, int start, int T, bf16* __restrict__ out, float scale_log2,
-                                                  int chunk, float* __restrict__ part_o, float* __restrict__ part_ml) {
-    using P = PrefillShape<W>;
-    constexpr int PF_THREADS = P::THREADS, PF_TOKENS = P::TOKENS, PF_ROWS = P::ROWS, PF_Q_BYTES = P::Q_BYTES;
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
+    attn_prefill(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
+                 int start, int T, bf16* __restrict__ out, float scale_log2, int chunk,
+                 float* __restrict__ part_o, float* __restrict__ part_ml) {
     pdl_wait();
     pdl_launch_dependents();
-    // Not "smem": a template and an extern "C" kernel may not share an extern __shared__ name.
-    extern __shared__ __align__(16) unsigned char pf_smem[];
+    extern __shared__ __align__(16) unsigned char smem[];
     const int mt = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     const int t0 = mt * PF_TOKENS;
     const int kv_len = start + min(t0 + PF_TOKENS, T);  // keys any row of this block may see
@@ -257,7 +249,7 @@ __device__ __forceinline__ void attn_prefill_body(const bf16* __restrict__ q, co
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const bf16* kg = c.k + cache_offset(c, slot, kvh);
     const bf16* vg = c.v + cache_offset(c, slot, kvh);
-    const u32 sq = smem_u32(pf_smem);
+    const u32 sq = smem_u32(smem);
 
     // Q tile: 64 rows × 32 vectors of 16 bytes; rows of tokens ≥ T are zero.
     for (int i = tid; i < PF_ROWS * 32; i += PF_THREADS) {
@@ -317,27 +309,37 @@ __device__ __forceinline__ void attn_prefill_body(const bf16* __restrict__ q, co
                 mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
         }
-        // Scale into the log2 domain and mask: row g sees keys ≤ pos_lo, row g + 8 keys ≤ pos_hi
-        // (keys ≥ k1 are beyond both, for every row of a real token).
+        // Mask: row g sees keys ≤ pos_lo, row g + 8 keys ≤ pos_hi (keys ≥ k1 are beyond both, for
+        // every row of a real token). Only tiles reaching past the warp's first row need it (the
+        // same for the whole warp: the block's last tiles); the others skip the compares.
+        if (k0 + j * PF_TILE + PF_TILE - 1 > pos_lo) {
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = k0 + j * PF_TILE + n * 8 + 2 * t + e;
+                    if (key > pos_lo) s[n][e] = NEG_INF;
+                    if (key > pos_hi) s[n][2 + e] = NEG_INF;
+                }
+            }
+        }
         float mx_lo = NEG_INF, mx_hi = NEG_INF;
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const int key = k0 + j * PF_TILE + n * 8 + 2 * t + e;
-                s[n][e] = key <= pos_lo ? s[n][e] * scale_log2 : NEG_INF;
-                s[n][2 + e] = key <= pos_hi ? s[n][2 + e] * scale_log2 : NEG_INF;
                 mx_lo = fmaxf(mx_lo, s[n][e]);
                 mx_hi = fmaxf(mx_hi, s[n][2 + e]);
             }
         }
-        // Online softmax. A row's 32 keys are spread over the 4 lanes of its quad.
+        // Online softmax in the log2 domain (scores · scale_log2, applied inside the exponent's
+        // FFMA). A row's 32 keys are spread over the 4 lanes of its quad.
 #pragma unroll
         for (int off = 1; off < 4; off <<= 1) {
             mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
             mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
         }
-        const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+        const float new_lo = fmaxf(m_lo, mx_lo * scale_log2), new_hi = fmaxf(m_hi, mx_hi * scale_log2);
         // A row with no visible key yet keeps max −inf; subtracting 0 instead keeps exp2 at 0, not NaN.
         const float ref_lo = new_lo == NEG_INF ? 0.0f : new_lo, ref_hi = new_hi == NEG_INF ? 0.0f : new_hi;
         const float alpha_lo = exp2f(m_lo - ref_lo), alpha_hi = exp2f(m_hi - ref_hi);
@@ -348,20 +350,25 @@ __device__ __forceinline__ void attn_prefill_body(const bf16* __restrict__ q, co
         for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                s[n][e] = exp2f(s[n][e] - ref_lo);
-                s[n][2 + e] = exp2f(s[n][2 + e] - ref_hi);
+                s[n][e] = exp2f(fmaf(s[n][e], scale_log2, -ref_lo));
+                s[n][2 + e] = exp2f(fmaf(s[n][2 + e], scale_log2, -ref_hi));
                 sum_lo += s[n][e];
                 sum_hi += s[n][2 + e];
             }
         }
         l_lo = l_lo * alpha_lo + sum_lo;  // this lane's share; the quad is summed at the end
         l_hi = l_hi * alpha_hi + sum_hi;
+        // Rescale O only when some row's max moved: past the first few thousand keys a new tile
+        // rarely holds a new max, and the 128 multiplications are a third of a tile's non-mma work.
+        // (alpha is exactly 1 when the max stayed, so skipping changes no bit.)
+        if (!__all_sync(0xffffffffu, alpha_lo == 1.0f && alpha_hi == 1.0f)) {
 #pragma unroll
-        for (int n = 0; n < 32; ++n) {
-            o[n][0] *= alpha_lo;
-            o[n][1] *= alpha_lo;
-            o[n][2] *= alpha_hi;
-            o[n][3] *= alpha_hi;
+            for (int n = 0; n < 32; ++n) {
+                o[n][0] *= alpha_lo;
+                o[n][1] *= alpha_lo;
+                o[n][2] *= alpha_hi;
+                o[n][3] *= alpha_hi;
+            }
         }
 
         // O += P V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
@@ -422,19 +429,6 @@ __device__ __forceinline__ void attn_prefill_body(const bf16* __restrict__ q, co
             *reinterpret_cast<bf162*>(dst + d) = __floats2bfloat162_rn(y0, y1);
         }
     }
-}
-
-extern "C" __global__ void __launch_bounds__(PrefillShape<8>::THREADS, 1)
-    attn_prefill(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot, int start,
-                 int T, bf16* __restrict__ out, float scale_log2, int chunk, float* __restrict__ part_o,
-                 float* __restrict__ part_ml) {
-    attn_prefill_body<8>(q, qkv, c, slot, start, T, out, scale_log2, chunk, part_o, part_ml);
-}
-extern "C" __global__ void __launch_bounds__(PrefillShape<4>::THREADS, 2)
-    attn_prefill_w4(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot, int start,
-                    int T, bf16* __restrict__ out, float scale_log2, int chunk, float* __restrict__ part_o,
-                    float* __restrict__ part_ml) {
-    attn_prefill_body<4>(q, qkv, c, slot, start, T, out, scale_log2, chunk, part_o, part_ml);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -43,6 +43,9 @@ pub const OUT_WIDTH: usize = Q_HEADS * HEAD_DIM;
 // Launch shapes; each must match the #define of the same name in attention.cu.
 const PREP_UNITS: usize = 20;
 const PREP_WARPS: usize = 4;
+const PF_TOKENS: usize = 8;
+const PF_THREADS: usize = 128;
+const PF_SMEM_BYTES: usize = 101_376;
 const PF_TILE: usize = 32;
 /// The fewest keys a split of prefill attention takes (eight tiles); to be tuned.
 const PF_MIN_CHUNK: usize = 256;
@@ -52,41 +55,6 @@ const DEC_SMEM_BYTES: usize = 202_752;
 /// The most key splits one (row, head) can have: attn_combine's thread count.
 const MAX_SPLITS: usize = 256;
 const COMBINE_THREADS: usize = 256;
-
-/// The launch shape of prefill attention (attention.cu `PrefillShape<W>`): W warps of 16 rows,
-/// 2·W tokens per block. `LILY_ATTN_PREFILL_WARPS=4` picks the 4-warp kernel (64 rows, two blocks
-/// per SM) for A/B; 8 (128 rows, one block per SM, half the K/V traffic per product) by default.
-#[derive(Debug, Clone, Copy)]
-struct PrefillShape {
-    kernel: &'static str,
-    warps: usize,
-}
-
-impl PrefillShape {
-    fn from_env() -> Self {
-        match std::env::var("LILY_ATTN_PREFILL_WARPS").as_deref() {
-            Ok("4") => PrefillShape {
-                kernel: "attn_prefill_w4",
-                warps: 4,
-            },
-            _ => PrefillShape {
-                kernel: "attn_prefill",
-                warps: 8,
-            },
-        }
-    }
-    fn tokens(self) -> usize {
-        2 * self.warps
-    }
-    fn threads(self) -> usize {
-        32 * self.warps
-    }
-    /// The Q tile (8 heads per token, rows of 528 bytes) and two K/V stages of 32 keys.
-    fn smem_bytes(self) -> usize {
-        const ROW_BYTES: usize = (HEAD_DIM + 8) * 2;
-        self.tokens() * 8 * ROW_BYTES + 2 * 2 * PF_TILE * ROW_BYTES
-    }
-}
 
 /// The KV caches of the attention layers for a pool of `slots` sequences of up to `capacity`
 /// tokens each. K and V are separate buffers of bf16 `[slot][layer][kv_head][capacity][256]`:
@@ -290,7 +258,6 @@ pub struct AttentionKernels {
     stream: Arc<CudaStream>,
     prepare: CudaFunction,
     prefill: CudaFunction,
-    prefill_shape: PrefillShape,
     decode_split: CudaFunction,
     combine: CudaFunction,
     rope: RopeFreqs,
@@ -329,7 +296,6 @@ impl AttentionKernels {
             }
             Ok(f)
         };
-        let prefill_shape = PrefillShape::from_env();
         // Exactly as the CPU reference (model::cpu::ops::rope_angles): f64, rounded to f32.
         let mut inv_freq = [0f32; ROTARY_DIM / 2];
         for (i, f) in inv_freq.iter_mut().enumerate() {
@@ -338,8 +304,7 @@ impl AttentionKernels {
         Ok(Self {
             stream: dev.stream().clone(),
             prepare: load("attn_prepare", 0)?,
-            prefill: load(prefill_shape.kernel, prefill_shape.smem_bytes())?,
-            prefill_shape,
+            prefill: load("attn_prefill", PF_SMEM_BYTES)?,
             decode_split: load("attn_decode_split", DEC_SMEM_BYTES)?,
             combine: load("attn_combine", 0)?,
             rope: RopeFreqs { inv_freq },
@@ -371,9 +336,9 @@ impl AttentionKernels {
 
     /// How prefill attention of `tokens` new tokens over `kv` keys (the last new position + 1)
     /// is split over the keys: `(splits, chunk)`, split z taking keys `z·chunk .. (z+1)·chunk`.
-    /// One split (chunk = kv) when the blocks (16 tokens each) of both KV heads give every SM one;
+    /// One split (chunk = kv) when the 8-token blocks of both KV heads give every SM one;
     /// otherwise about that many blocks, chunks of at least 256 keys, a multiple of 32. E.g. on
-    /// 132 SMs: 5 tokens after 4000 → 16 splits of 256 keys; 64 after 4000 → 16 of 256; 300 → 4;
+    /// 132 SMs: 5 tokens after 4000 → 16 splits of 256 keys; 64 after 4000 → 9 of 480; 300 → 2;
     /// 4096 → 1. (To be tuned on the H200.)
     pub fn prefill_split(&self, tokens: usize, kv: usize) -> (usize, usize) {
         let splits = self.prefill_split_limit(tokens, kv);
@@ -387,7 +352,7 @@ impl AttentionKernels {
     /// The split count before rounding the chunk, which can only lower it; it grows with `kv`,
     /// so it bounds the splits of any shorter context too (the workspace is sized by it).
     fn prefill_split_limit(&self, tokens: usize, kv: usize) -> usize {
-        let blocks = tokens.div_ceil(self.prefill_shape.tokens()) * KV_HEADS;
+        let blocks = tokens.div_ceil(PF_TOKENS) * KV_HEADS;
         self.sm_count
             .div_ceil(blocks)
             .min(kv.div_ceil(PF_MIN_CHUNK))
@@ -461,13 +426,9 @@ impl AttentionKernels {
         let (c, _guards) = cache.args(stream, layer);
         let null = 0u64; // no device slots/positions: prefill passes them as scalars
         let pf_cfg = LaunchConfig {
-            grid_dim: (
-                t.div_ceil(self.prefill_shape.tokens()) as u32,
-                KV_HEADS as u32,
-                splits as u32,
-            ),
-            block_dim: (self.prefill_shape.threads() as u32, 1, 1),
-            shared_mem_bytes: self.prefill_shape.smem_bytes() as u32,
+            grid_dim: (t.div_ceil(PF_TOKENS) as u32, KV_HEADS as u32, splits as u32),
+            block_dim: (PF_THREADS as u32, 1, 1),
+            shared_mem_bytes: PF_SMEM_BYTES as u32,
         };
         // SAFETY: the checks above bound every index: t rows of qkv/out/q, positions
         // start..start+t < capacity in slot < slots, layer < layers.
