@@ -23,7 +23,7 @@
 # (default: the same settings under trial) reruns cuda_forward under each setting;
 # GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels and of the decode
 # step's (ncu-prefill.txt, ncu-decode.txt in logs.tar, with the other quants' and the A/B runs'
-# tables: at most 8 files come back from a call);
+# tables: at most 8 files come back from a call; GPU_CHECK_NCU_KINDS=decode: only the decode step's);
 # GPU_CHECK_SERVE_AB="VAR=VALUE ..." reruns `bench --serve` with each setting;
 # GPU_CHECK_TESTS=none (or a list of binaries) runs no (or only those) test binaries. The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
@@ -91,7 +91,7 @@ run)
         echo "$name: $status in $((SECONDS - start)) s" >> "$summary"
     done
     # Settings under trial (off by default until they pass here): the whole model again with each.
-    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1 LILY_GROUPED_MIN_ROWS=2 LILY_ATTN_PREFILL_WARPS=4}; do
+    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1}; do
         [[ -x "$dir/cuda_forward" && "$tests" != none ]] || break
         echo "=== cuda_forward ($trial)"
         start=$SECONDS
@@ -168,7 +168,7 @@ PY
     # A/B: the q4 sweep again at 4K and 32K (GPU_CHECK_AB_CONTEXTS) with one setting changed, once
     # per setting in GPU_CHECK_AB (default: each setting under trial on, the early reads off), into
     # $OUT/ab-<setting>; GPU_CHECK_AB=none skips it.
-    for ab in ${GPU_CHECK_AB-LILY_L2_AHEAD=1 LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_EARLY_READS=0 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1 LILY_ATTN_PREFILL_WARPS=4}; do
+    for ab in ${GPU_CHECK_AB-LILY_L2_AHEAD=1 LILY_WGMMA=1 LILY_FUSED_NORMS=1 LILY_EARLY_READS=0 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1}; do
         [[ "$ab" != none && "$contexts" != none && -x "$dir/lily" ]] || break
         echo "=== bench (q4, $ab)"
         env "$ab" timeout 200 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
@@ -184,7 +184,7 @@ PY
         # top-k; ncu-decode.txt). Each kernel runs alone under ncu: its time without the neighbours
         # that PDL would overlap. Sections print their details too (the warp stall reasons).
         ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
-        for what in prefill decode; do
+        for what in ${GPU_CHECK_NCU_KINDS:-prefill decode}; do
             echo "=== ncu ($what kernels, 4K)"
             if [[ -z "$ncu_bin" ]]; then echo "ncu: not found" >> "$summary"; break; fi
             if [[ $what == prefill ]]; then

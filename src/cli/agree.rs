@@ -29,6 +29,11 @@ pub struct AgreeArgs {
     /// distance is then not routing flipped at near-ties by that rounding.
     #[arg(long)]
     pub reference_router_bf16: bool,
+    /// The CPU reference rounds its activations to bf16 where a bf16 engine stores them (every
+    /// matmul and norm output, the residual stream, ...; src/model/cpu/ops.rs): how far bf16
+    /// activations alone move the model from the f32 reference (with `--device cpu`).
+    #[arg(long)]
+    pub reference_bf16_activations: bool,
     /// The CPU reference runs the experts the device chose (traced), instead of its own top-k:
     /// routing flipped at a random router's near-ties then no longer separates the two, and
     /// every flipped choice is checked against the device's own router logits (src/agree.rs).
@@ -62,6 +67,10 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
     let weights = checkpoint::load(&args.model)?;
     lily::model::cpu::moe::ROUTER_LOGITS_BF16.store(
         args.reference_router_bf16,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    lily::model::cpu::ops::ACTIVATIONS_BF16.store(
+        args.reference_bf16_activations,
         std::sync::atomic::Ordering::Relaxed,
     );
     let report = agree::compare(&weights, device, &prompt, &run)?;

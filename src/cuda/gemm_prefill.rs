@@ -118,8 +118,6 @@ pub struct GemmKernels {
     funcs: [[[CudaFunction; 2]; 3]; 3],
     /// `LILY_EXPERT_TILE_ROWS` (16, 32 or 64): one height for every grouped product (A/B runs).
     expert_tile_override: Option<usize>,
-    /// The fewest rows whose experts run as grouped GEMMs (fewer: the decode GEMVs, gemm.rs).
-    grouped_from_rows: usize,
     /// Q4 on wgmma (gemm_wgmma.cu), [epilogue].
     wgmma: [CudaFunction; 2],
     use_wgmma: bool,
@@ -157,14 +155,10 @@ impl GemmKernels {
         let expert_tile_override = env_rows("LILY_EXPERT_TILE_ROWS", "one of 16, 32, 64", |r| {
             TILE_HEIGHTS.contains(&r)
         })?;
-        // `LILY_GROUPED_MIN_ROWS=N` (A/B runs): the grouped GEMMs from N rows on instead of 9.
-        let grouped_from_rows = env_rows("LILY_GROUPED_MIN_ROWS", "a number ≥ 1", |r| r >= 1)?
-            .unwrap_or(GROUPED_FROM_ROWS);
         Ok(Self {
             stream: dev.stream().clone(),
             funcs: [height(64)?, height(32)?, height(16)?],
             expert_tile_override,
-            grouped_from_rows,
             wgmma: [wgmma("wgmma_q4")?, wgmma("wgmma_swiglu_q4")?],
             use_wgmma: std::env::var("LILY_WGMMA").is_ok_and(|v| v == "1"),
         })
@@ -177,9 +171,10 @@ impl GemmKernels {
 
     /// Whether the experts of a pass of `rows` rows run as grouped GEMMs (each expert's weights
     /// read once for all its rows) rather than as the decode GEMVs' (row, expert) slots: from 9
-    /// rows on, the most one GEMV launch takes (`LILY_GROUPED_MIN_ROWS` moves it for A/B runs).
+    /// rows on, the most one GEMV launch takes (from 2 rows measured 15 % slower at 8 streams,
+    /// bench/NOTES.md v1.16).
     pub fn groups_experts(&self, rows: usize) -> bool {
-        rows >= self.grouped_from_rows
+        rows >= GROUPED_FROM_ROWS
     }
 
     /// The tile height for grouping `pairs` (token, slot) pairs over `experts` experts: 16 rows

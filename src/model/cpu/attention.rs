@@ -3,7 +3,9 @@
 
 use rayon::prelude::*;
 
-use super::ops::{apply_rope, dot, matmul, rms_norm, rope_angles, sigmoid, softmax};
+use super::ops::{
+    apply_rope, dot, matmul, rms_norm, rope_angles, round_activations, sigmoid, softmax,
+};
 use crate::config::ModelConfig;
 use crate::model::state::KvCache;
 use crate::model::weights::AttentionWeights;
@@ -78,6 +80,7 @@ fn attend(
             let qh = &mut q[(s * nq + h) * dh..(s * nq + h + 1) * dh];
             rms_norm(&src[..dh], &w.q_norm, c.rms_norm_eps, qh);
             apply_rope(qh, &cos, &sin);
+            round_activations(qh);
             gate[(s * nq + h) * dh..(s * nq + h + 1) * dh].copy_from_slice(&src[dh..]);
         }
         for h in 0..nkv {
@@ -89,6 +92,7 @@ fn attend(
                 &mut kh,
             );
             apply_rope(&mut kh, &cos, &sin);
+            round_activations(&mut kh);
             cache.keys.extend_from_slice(&kh);
         }
         cache
@@ -120,6 +124,7 @@ fn attend(
         }
         let g = &gate[i * dh..(i + 1) * dh];
         out.iter_mut().zip(g).for_each(|(o, &g)| *o *= sigmoid(g));
+        round_activations(out);
     });
     o
 }

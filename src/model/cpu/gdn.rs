@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::ops::{l2_normalize, matmul, rms_norm, sigmoid, silu, softplus};
+use super::ops::{l2_normalize, matmul, rms_norm, round_activations, sigmoid, silu, softplus};
 use crate::config::ModelConfig;
 use crate::model::state::DeltaNetState;
 use crate::model::weights::DeltaNetWeights;
@@ -153,6 +153,7 @@ fn mix(
             rms_norm(o, &w.norm, c.rms_norm_eps, out);
             let zj = &z[s * value_dim + j * dv..s * value_dim + (j + 1) * dv];
             out.iter_mut().zip(zj).for_each(|(o, &z)| *o *= silu(z));
+            round_activations(out);
         }
     }
     y

@@ -9,7 +9,7 @@ pub mod ops;
 use crate::model::state::{LayerState, SequenceState};
 use crate::model::weights::{Mixer, Weights};
 use crate::model::RoutingTrace;
-use ops::{matmul, rms_norm_rows};
+use ops::{matmul, rms_norm_rows, round_activations};
 
 /// Which positions of a forward call need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,6 +132,7 @@ fn run(
             }
         };
         h.iter_mut().zip(&r).for_each(|(h, r)| *h += r);
+        round_activations(&mut h);
         let m = rms_norm_rows(&h, &layer.post_attention_norm, c.rms_norm_eps);
         let (e, k) = (c.num_experts, c.num_experts_per_tok);
         let layer_routing = match &mut routing {
@@ -148,6 +149,7 @@ fn run(
         };
         let y = moe::forward_routed(c, &layer.moe, &m, t, layer_routing);
         h.iter_mut().zip(&y).for_each(|(h, y)| *h += y);
+        round_activations(&mut h);
     }
     // The rows whose logits are wanted, per sequence.
     let mut rows = Vec::new();

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::ops::{matmul, sigmoid, silu, softmax, top_k};
+use super::ops::{matmul, round_activations, sigmoid, silu, softmax, top_k};
 use crate::config::ModelConfig;
 use crate::model::weights::{FeedForward, MoeWeights};
 
@@ -188,6 +188,7 @@ fn round_router_logits(logits: &mut [f32]) {
 pub fn swiglu(f: &FeedForward, x: &[f32], t: usize) -> Vec<f32> {
     let g = matmul(&f.gate, x, t);
     let u = matmul(&f.up, x, t);
-    let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect();
+    let mut act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g) * u).collect();
+    round_activations(&mut act);
     matmul(&f.down, &act, t)
 }

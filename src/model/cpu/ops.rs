@@ -1,9 +1,28 @@
 //! The elementary operations of the forward pass, in f32, as plainly as MODEL.md writes them.
 //! These are also the references the CUDA kernels are tested against.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use rayon::prelude::*;
 
 use crate::model::weights::Matrix;
+
+/// Round activations to bf16 where a bf16 engine keeps them (`lily agree
+/// --reference-bf16-activations`): every matmul's output, every norm's output, the gated mixer
+/// outputs, the SwiGLU activations, the rotated keys and queries, the residual stream after each
+/// add — the points where the CUDA backend (and transformers in bf16) store a bf16 tensor. Off in
+/// the reference, which keeps f32; `lily agree` turns it on for its reference side only, to
+/// measure how far bf16 activations alone move a model from the f32 reference.
+pub static ACTIVATIONS_BF16: AtomicBool = AtomicBool::new(false);
+
+/// Rounds `v` to bf16 when [`ACTIVATIONS_BF16`] asks for it.
+pub fn round_activations(v: &mut [f32]) {
+    if ACTIVATIONS_BF16.load(Ordering::Relaxed) {
+        for x in v {
+            *x = half::bf16::from_f32(*x).to_f32();
+        }
+    }
+}
 
 /// `y[t] = W · x[t]` for `t` tokens: `x` is `[t, cols]`, the result `[t, rows]`.
 /// Rows are decoded (dequantised) once and used for every token; work is split across threads
@@ -46,6 +65,7 @@ pub fn matmul(w: &Matrix, x: &[f32], tokens: usize) -> Vec<f32> {
             }
         }
     }
+    round_activations(&mut y);
     y
 }
 
@@ -78,6 +98,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     for ((o, v), w) in out.iter_mut().zip(x).zip(w) {
         *o = v * inv * w;
     }
+    round_activations(out);
 }
 
 /// RMSNorm applied to each row of `x` (`[rows, w.len()]`).

@@ -1,0 +1,53 @@
+//! `lily agree --reference-bf16-activations`: the CPU reference rounds its activations to bf16
+//! where a bf16 engine stores them (src/model/cpu/ops.rs). Its own binary, since the switch is
+//! process-wide.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+
+use common::{fixture_dir, rel_error, Reference};
+use lily::checkpoint;
+use lily::model::cpu::ops::ACTIVATIONS_BF16;
+use lily::model::cpu::{forward, Logits};
+use lily::model::SequenceState;
+
+/// transformers' bf16 runs of the bf16 fixtures against our f32 and bf16-activation runs. Random
+/// tiny models amplify rounding, so two bf16 engines that round at different points do not land
+/// near each other (measured: ours is 2e-2 to 4e-1 from transformers' bf16 run); what must hold is
+/// that our rounding moves the model from transformers' f32 run about as far as transformers' own
+/// bf16 does (measured ratios 0.33–1.05): within 4× either way. Missing roundings would leave the
+/// f32 run (ratio ~1e-3); a coarser format would overshoot.
+#[test]
+fn bf16_activations_move_the_model_as_transformers_bf16_does() {
+    for name in ["tiny-a-bf16", "tiny-c"] {
+        let weights = checkpoint::load(&fixture_dir(name)).unwrap();
+        let reference = Reference::load(name);
+        for p in 0..reference.prompts() {
+            let ids = reference.ids(p, "ids");
+            let run = |bf16: bool| {
+                ACTIVATIONS_BF16.store(bf16, Ordering::Relaxed);
+                let mut state = SequenceState::new(&weights.config);
+                let logits = forward(&weights, &ids, &mut state, Logits::All);
+                ACTIVATIONS_BF16.store(false, Ordering::Relaxed);
+                logits
+            };
+            let (f32_run, bf16_run) = (run(false), run(true));
+            let tf_bf16 = reference.f32s(p, "logits");
+            let tf_f32 = reference.f32s(p, "logits_f32");
+            println!(
+                "{name} prompt {p}: bf16 activations vs transformers bf16 {:.2e}, vs transformers f32 {:.2e}; \
+                 f32 vs transformers bf16 {:.2e}; transformers bf16 vs f32 {:.2e}",
+                rel_error(&bf16_run, &tf_bf16),
+                rel_error(&bf16_run, &tf_f32),
+                rel_error(&f32_run, &tf_bf16),
+                rel_error(&tf_bf16, &tf_f32),
+            );
+            let ratio = rel_error(&bf16_run, &tf_f32) / rel_error(&tf_bf16, &tf_f32);
+            assert!(
+                (0.25..=4.0).contains(&ratio),
+                "{name} prompt {p}: bf16 activations move the logits {ratio:.2}× as far as transformers' bf16"
+            );
+        }
+    }
+}
