@@ -15,7 +15,7 @@ fn the_cpu_agrees_with_itself() {
     let mut device = CpuBackend::new(weights.clone());
     let run = agree::device_run(&mut device, &prompt, 12, false).unwrap();
     assert_eq!(run.steps.len(), 12);
-    let report = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap();
+    let report = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap();
     // Token by token (device_run) and chunked (compare) differ only by f32 summation order.
     assert_eq!(report.agreeing(), 12, "{}", report.to_markdown());
     assert!(report.positions.iter().all(|p| p.logit_error < 1e-4));
@@ -42,7 +42,7 @@ fn far_apart_logits_fail_even_where_tokens_agree() {
     for (i, v) in logits.iter_mut().enumerate() {
         *v += if i % 2 == 0 { shift } else { -shift };
     }
-    let report = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap();
+    let report = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap();
     assert_eq!(report.agreeing(), 6, "{}", report.to_markdown());
     assert_eq!(report.unexplained(), 0);
     assert_eq!(report.out_of_tolerance(), 1, "{}", report.to_markdown());
@@ -66,7 +66,7 @@ fn wrong_device_tokens_are_caught() {
         .unwrap()
         .0 as u32;
     run.steps[3].0 = worst;
-    let report = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap();
+    let report = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap();
     assert!(!report.positions[3].agrees());
     assert!(report.unexplained() >= 1, "{}", report.to_markdown());
 }
@@ -90,7 +90,7 @@ fn the_reference_runs_the_traced_routing() {
     let (layers, k) = (weights.layers.len(), weights.config.num_experts_per_tok);
     assert_eq!(trace.experts.len(), layers);
     assert!(trace.experts.iter().all(|l| l.len() == (40 + 7) * k));
-    let report = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap();
+    let report = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap();
     let stats = report.routing.as_ref().unwrap();
     assert!(stats.iter().all(|l| l.rows == 47 && l.inconsistent == 0));
     // The same f32 arithmetic in another order: the router logits agree to rounding.
@@ -117,7 +117,7 @@ fn a_choice_below_the_devices_own_logits_is_caught() {
         .min_by(|&a, &b| logits[row * e + a].total_cmp(&logits[row * e + b]))
         .unwrap() as u32;
     trace.experts[1][row * k] = lowest;
-    let report = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap();
+    let report = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap();
     let layer = &report.routing.as_ref().unwrap()[1];
     assert_eq!(layer.inconsistent, 1, "{}", report.to_markdown());
     assert!(layer.flipped >= 1 && layer.largest_flip_margin > 0.0);
@@ -139,7 +139,7 @@ fn imposed_experts_are_the_ones_that_run() {
     let other = (0..e as u32).find(|x| !chosen.contains(x)).unwrap();
     trace.logits[2][row * e + other as usize] = 1e3;
     trace.experts[2][row * k + k - 1] = other;
-    let report = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap();
+    let report = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap();
     let layer = &report.routing.as_ref().unwrap()[2];
     assert_eq!(
         (layer.flipped, layer.inconsistent),
@@ -159,6 +159,6 @@ fn imposed_experts_are_the_ones_that_run() {
 fn a_trace_of_other_rows_is_an_error() {
     let (weights, prompt, mut run) = traced(14, 4);
     run.routing.as_mut().unwrap().experts[3].truncate(5);
-    let err = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap_err();
+    let err = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap_err();
     assert!(err.to_string().contains("layer 3"), "{err}");
 }

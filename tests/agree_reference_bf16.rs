@@ -5,12 +5,16 @@
 mod common;
 
 use std::sync::atomic::Ordering;
+use std::sync::Mutex;
 
 use common::{fixture_dir, rel_error, Reference};
 use lily::checkpoint;
 use lily::model::cpu::ops::ACTIVATIONS_BF16;
 use lily::model::cpu::{forward, Logits};
 use lily::model::SequenceState;
+
+/// The tests of this binary one at a time: they turn the process-wide switch.
+static SWITCH: Mutex<()> = Mutex::new(());
 
 /// transformers' bf16 runs of the bf16 fixtures against our f32 and bf16-activation runs. Random
 /// tiny models amplify rounding, so two bf16 engines that round at different points do not land
@@ -20,6 +24,7 @@ use lily::model::SequenceState;
 /// f32 run (ratio ~1e-3); a coarser format would overshoot.
 #[test]
 fn bf16_activations_move_the_model_as_transformers_bf16_does() {
+    let _one_at_a_time = SWITCH.lock().unwrap();
     for name in ["tiny-a-bf16", "tiny-c"] {
         let weights = checkpoint::load(&fixture_dir(name)).unwrap();
         let reference = Reference::load(name);
@@ -50,4 +55,41 @@ fn bf16_activations_move_the_model_as_transformers_bf16_does() {
             );
         }
     }
+}
+
+/// `lily agree --bf16-bound`: the reference runs again with bf16 activations, and each position's
+/// bound is twice how far that moves it (when above 8e-2). The CPU as the device is far inside it;
+/// a device whose logits sit three times that distance (and past 8e-2) away is not.
+#[test]
+fn the_bf16_bound_is_twice_what_bf16_activations_do() {
+    let _one_at_a_time = SWITCH.lock().unwrap();
+    let weights = checkpoint::load(&fixture_dir("tiny-a")).unwrap();
+    let prompt = lily::bench::synthetic_prompt(40, weights.config.vocab_size, 21);
+    let mut device = lily::model::CpuBackend::new(weights.clone());
+    let mut run = lily::agree::device_run(&mut device, &prompt, 8, true).unwrap();
+    let report = lily::agree::compare(&weights, "cpu".into(), &prompt, &run, true).unwrap();
+    println!("{}", report.to_markdown());
+    assert!(!ACTIVATIONS_BF16.load(Ordering::Relaxed), "the switch is restored");
+    for p in &report.positions {
+        let b = p.bf16_error.expect("the bf16 reference ran");
+        assert!(b > 1e-4, "bf16 activations moved the logits by only {b:.2e}");
+        assert_eq!(p.tolerance(), lily::agree::MAX_LOGIT_ERROR.max(2.0 * b));
+    }
+    assert!(report.passes(), "{}", report.to_markdown());
+    // Position 3's device logits moved by 3× its bf16 distance (at least 0.1 of the range).
+    let b = report.positions[3].bf16_error.unwrap();
+    let logits = &mut run.steps[3].1;
+    let (lo, hi) = logits
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), &v| (l.min(v), h.max(v)));
+    let shift = (3.0 * b).max(0.1) * (hi - lo);
+    let top = lily::model::argmax(logits) as usize;
+    for (i, v) in logits.iter_mut().enumerate() {
+        if i != top {
+            *v -= shift;
+        }
+    }
+    let report = lily::agree::compare(&weights, "cpu".into(), &prompt, &run, true).unwrap();
+    assert!(report.positions[3].out_of_tolerance(), "{}", report.to_markdown());
+    assert!(!report.passes());
 }

@@ -17,9 +17,9 @@ fn bf16_router_logits_move_the_reference_a_little() {
     let prompt = synthetic_prompt(40, weights.config.vocab_size, 9);
     let mut device = CpuBackend::new(weights.clone());
     let run = agree::device_run(&mut device, &prompt, 8, false).unwrap();
-    let exact = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap();
+    let exact = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap();
     ROUTER_LOGITS_BF16.store(true, Ordering::Relaxed);
-    let rounded = agree::compare(&weights, "cpu".into(), &prompt, &run).unwrap();
+    let rounded = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap();
     ROUTER_LOGITS_BF16.store(false, Ordering::Relaxed);
     let worst = |r: &agree::Report| {
         r.positions

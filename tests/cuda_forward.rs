@@ -462,7 +462,7 @@ fn traced_routing_is_consistent_and_the_reference_follows_it() {
         .expect("the CUDA backend traces its routing");
     let k = weights.config.num_experts_per_tok;
     assert!(trace.experts.iter().all(|l| l.len() == (300 + 15) * k));
-    let report = lily::agree::compare(&weights, "cuda".into(), &p, &run).unwrap();
+    let report = lily::agree::compare(&weights, "cuda".into(), &p, &run, false).unwrap();
     println!("{}", report.to_markdown());
     assert_eq!(report.inconsistent_routing(), 0);
     assert!(report.passes(), "{}", report.to_markdown());
