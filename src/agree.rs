@@ -106,7 +106,12 @@ impl Report {
             .iter()
             .map(|p| p.logit_error)
             .fold(0f32, f32::max);
-        let bound = match self.positions.iter().filter_map(|p| p.bf16_error).reduce(f32::max) {
+        let bound = match self
+            .positions
+            .iter()
+            .filter_map(|p| p.bf16_error)
+            .reduce(f32::max)
+        {
             Some(b) => format!(
                 "the bound (max of {MAX_LOGIT_ERROR:.0e} and twice the bf16-activation \
                  reference's distance from the f32 one at that position; that distance at most \
@@ -245,7 +250,10 @@ pub fn compare(
 ) -> anyhow::Result<Report> {
     let vocab = weights.config.vocab_size;
     let steps = &run.steps;
-    anyhow::ensure!(!prompt.is_empty() && !steps.is_empty(), "nothing to compare");
+    anyhow::ensure!(
+        !prompt.is_empty() && !steps.is_empty(),
+        "nothing to compare"
+    );
     if let Some(trace) = &run.routing {
         check_trace(weights, trace, prompt.len() + steps.len() - 1)?;
     }
@@ -314,7 +322,10 @@ fn reference(
             if !head.is_empty() {
                 cpu::forward(weights, head, &mut state, Logits::Last);
             }
-            (cpu::forward(weights, &forced, &mut state, Logits::All), None)
+            (
+                cpu::forward(weights, &forced, &mut state, Logits::All),
+                None,
+            )
         }
         Some(trace) => {
             let mut stats = vec![RoutingStats::default(); weights.layers.len()];

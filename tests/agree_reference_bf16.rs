@@ -69,10 +69,16 @@ fn the_bf16_bound_is_twice_what_bf16_activations_do() {
     let mut run = lily::agree::device_run(&mut device, &prompt, 8, true).unwrap();
     let report = lily::agree::compare(&weights, "cpu".into(), &prompt, &run, true).unwrap();
     println!("{}", report.to_markdown());
-    assert!(!ACTIVATIONS_BF16.load(Ordering::Relaxed), "the switch is restored");
+    assert!(
+        !ACTIVATIONS_BF16.load(Ordering::Relaxed),
+        "the switch is restored"
+    );
     for p in &report.positions {
         let b = p.bf16_error.expect("the bf16 reference ran");
-        assert!(b > 1e-4, "bf16 activations moved the logits by only {b:.2e}");
+        assert!(
+            b > 1e-4,
+            "bf16 activations moved the logits by only {b:.2e}"
+        );
         assert_eq!(p.tolerance(), lily::agree::MAX_LOGIT_ERROR.max(2.0 * b));
     }
     assert!(report.passes(), "{}", report.to_markdown());
@@ -81,7 +87,9 @@ fn the_bf16_bound_is_twice_what_bf16_activations_do() {
     let logits = &mut run.steps[3].1;
     let (lo, hi) = logits
         .iter()
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), &v| (l.min(v), h.max(v)));
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), &v| {
+            (l.min(v), h.max(v))
+        });
     let shift = (3.0 * b).max(0.1) * (hi - lo);
     let top = lily::model::argmax(logits) as usize;
     for (i, v) in logits.iter_mut().enumerate() {
@@ -90,6 +98,10 @@ fn the_bf16_bound_is_twice_what_bf16_activations_do() {
         }
     }
     let report = lily::agree::compare(&weights, "cpu".into(), &prompt, &run, true).unwrap();
-    assert!(report.positions[3].out_of_tolerance(), "{}", report.to_markdown());
+    assert!(
+        report.positions[3].out_of_tolerance(),
+        "{}",
+        report.to_markdown()
+    );
     assert!(!report.passes());
 }

@@ -306,3 +306,36 @@ fn backend_batch_steps_equal_each_alone_and_bad_steps_fail_alone() {
         assert_eq!(g, w, "sequence {seq} after its failed step");
     }
 }
+
+/// The CPU matmul (rows dequantised in blocks, threaded for large products) gives exactly what
+/// one `dot` per (row, token) gives: odd and even row and token counts, widths with and without a
+/// tail past the last 8 columns, serial and threaded sizes.
+#[test]
+fn matmul_is_one_dot_per_row_and_token() {
+    use lily::model::cpu::ops::{dot, matmul};
+    use lily::model::weights::Matrix;
+    use rand::RngExt;
+    let mut rng = rand::rng();
+    let mut next = || rng.random_range(-1.0f32..1.0);
+    for (rows, cols, tokens) in [
+        (1, 8, 1),
+        (3, 13, 5),
+        (16, 64, 2),
+        (33, 70, 7),
+        (300, 1024, 9),
+    ] {
+        let w: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
+        let x: Vec<f32> = (0..tokens * cols).map(|_| next()).collect();
+        let y = matmul(&Matrix::from_f32(rows, cols, &w), &x, tokens);
+        for t in 0..tokens {
+            for r in 0..rows {
+                let want = dot(&w[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                assert_eq!(
+                    y[t * rows + r].to_bits(),
+                    want.to_bits(),
+                    "[{rows}×{cols}] × {tokens}: row {r}, token {t}"
+                );
+            }
+        }
+    }
+}
