@@ -114,14 +114,6 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 
 __device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
 
-// 2^x, results below 2^-126 flushed to zero: the bare MUFU.EX2, where exp2f adds instructions to
-// keep denormal results (weights under 1e-38 of the row's largest, which change no sum).
-__device__ __forceinline__ float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // ---------------------------------------------------------------------------------------------
 // attn_prepare: q/k RMSNorm + RoPE, K/V cache append.
 //
@@ -350,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
         const float new_lo = fmaxf(m_lo, mx_lo * scale_log2), new_hi = fmaxf(m_hi, mx_hi * scale_log2);
         // A row with no visible key yet keeps max −inf; subtracting 0 instead keeps exp2 at 0, not NaN.
         const float ref_lo = new_lo == NEG_INF ? 0.0f : new_lo, ref_hi = new_hi == NEG_INF ? 0.0f : new_hi;
-        const float alpha_lo = exp2_ftz(m_lo - ref_lo), alpha_hi = exp2_ftz(m_hi - ref_hi);
+        const float alpha_lo = exp2f(m_lo - ref_lo), alpha_hi = exp2f(m_hi - ref_hi);
         m_lo = new_lo;
         m_hi = new_hi;
         float sum_lo = 0.0f, sum_hi = 0.0f;
@@ -358,8 +350,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
         for (int n = 0; n < 4; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                s[n][e] = exp2_ftz(fmaf(s[n][e], scale_log2, -ref_lo));
-                s[n][2 + e] = exp2_ftz(fmaf(s[n][2 + e], scale_log2, -ref_hi));
+                s[n][e] = exp2f(fmaf(s[n][e], scale_log2, -ref_lo));
+                s[n][2 + e] = exp2f(fmaf(s[n][2 + e], scale_log2, -ref_hi));
                 sum_lo += s[n][e];
                 sum_hi += s[n][2 + e];
             }
