@@ -128,24 +128,39 @@ PY
     fi
     if [[ -n "${GPU_CHECK_AGREE:-}" && -x "$dir/lily" ]]; then
         # The full-size Q4 model, written to disk so that the CPU can load it too: 256 greedy
-        # tokens after a 4K prompt on the GPU, the CPU teacher-forced on them (src/agree.rs).
+        # tokens after a 4K prompt on the GPU, the CPU teacher-forced on them (src/agree/).
         # About 20 GB of disk and ~7 minutes in all. GPU_CHECK_AGREE=4,8,16 instead runs the
         # full-width model cut to each depth (64 tokens after the 4K prompt, a minute or two
         # each): how the distance from the CPU grows with depth (agree-<layers>.md).
+        # GPU_CHECK_AGREE_STAGE=device|reference|finish splits one depth's comparison over three
+        # back-to-back calls (a warm machine keeps /tmp): the model and the device's run, then
+        # the f32 reference, then the bf16 pass and the report (GPU_CHECK_AGREE_ARGS must hold
+        # the same options each time, e.g. "--device-routing --bf16-bound").
+        stage="${GPU_CHECK_AGREE_STAGE:-}"
+        keep=/tmp/lily-agree
         for layers in $([[ "$GPU_CHECK_AGREE" == 1 ]] && echo 40 || echo "${GPU_CHECK_AGREE//,/ }"); do
-            echo "=== agree ($layers layers, cuda vs cpu)"
-            full="$(mktemp -d)"
+            echo "=== agree ($layers layers, cuda vs cpu${stage:+, stage $stage})"
             tokens=$([[ $layers == 40 ]] && echo 256 || echo 64)
-            "$dir/lily" synth --config qwen3.6-35b-a3b --layers "$layers" --quant q4 --out "$full" > "$logs/agree-$layers.log" 2>&1
+            split=()
+            case "$stage" in
+            "") full="$(mktemp -d)" ;;
+            device) full="$keep/model-$layers"; mkdir -p "$full"; split=(--save-run "$keep/run-$layers") ;;
+            reference) full="$keep/model-$layers"; split=(--load-run "$keep/run-$layers" --save-reference "$keep/ref-$layers") ;;
+            finish) full="$keep/model-$layers"; split=(--load-run "$keep/run-$layers" --load-reference "$keep/ref-$layers") ;;
+            *) echo "GPU_CHECK_AGREE_STAGE=$stage: expected device, reference or finish" | tee -a "$summary"; failed=1; break ;;
+            esac
+            if [[ -z "$stage" || "$stage" == device ]]; then
+                "$dir/lily" synth --config qwen3.6-35b-a3b --layers "$layers" --quant q4 --out "$full" > "$logs/agree-$layers.log" 2>&1
+            fi
             # ${GPU_CHECK_AGREE_ARGS} (e.g. --reference-router-bf16) is passed on to `lily agree`.
             # shellcheck disable=SC2086
-            timeout 480 "$dir/lily" agree --model "$full" --device cuda --prompt-tokens 4096 --tokens "$tokens" \
-                ${GPU_CHECK_AGREE_ARGS:-} --out "$out/agree-$layers.md" >> "$logs/agree-$layers.log" 2>&1
+            timeout 540 "$dir/lily" agree --model "$full" --device cuda --prompt-tokens 4096 --tokens "$tokens" \
+                ${GPU_CHECK_AGREE_ARGS:-} "${split[@]}" --out "$out/agree-$layers.md" >> "$logs/agree-$layers.log" 2>&1
             rc=$?
             grep -v '^- position' "$logs/agree-$layers.log" | tail -3
-            echo "agree ($layers layers): $([[ $rc == 0 ]] && echo PASS || echo "FAIL (exit $rc)")" >> "$summary"
+            echo "agree ($layers layers${stage:+, stage $stage}): $([[ $rc == 0 ]] && echo PASS || echo "FAIL (exit $rc)")" >> "$summary"
             [[ $rc == 0 ]] || failed=1
-            rm -rf "$full"
+            [[ -n "$stage" && "$stage" != finish ]] || rm -rf "$full"
         done
     fi
     contexts="${GPU_CHECK_CONTEXTS:-256,1024,4096,16384,32768}"

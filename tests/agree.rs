@@ -162,3 +162,49 @@ fn a_trace_of_other_rows_is_an_error() {
     let err = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap_err();
     assert!(err.to_string().contains("layer 3"), "{err}");
 }
+
+/// A comparison split over processes (tests/agree_reference_bf16.rs has the bf16 pass): the
+/// device's run and the reference's survive the disk bit for bit and give the one-shot report;
+/// truncated, foreign or mismatched files are errors.
+#[test]
+fn runs_saved_and_loaded_give_the_same_report() {
+    use lily::agree::store;
+    let (weights, prompt, run) = traced(15, 6);
+    let dir = tempfile::tempdir().unwrap();
+    let (run_file, ref_file) = (dir.path().join("run"), dir.path().join("ref"));
+    let saved = store::SavedRun {
+        device: "cpu".into(),
+        prompt_tokens: prompt.len(),
+        run: run.clone(),
+    };
+    store::save_run(&run_file, &saved).unwrap();
+    assert_eq!(store::load_run(&run_file).unwrap(), saved);
+    let reference = agree::reference_run(&weights, &prompt, &run, false).unwrap();
+    store::save_reference(&ref_file, &reference).unwrap();
+    let values = run.steps.len() * weights.config.vocab_size;
+    let loaded = store::load_reference(&ref_file, values).unwrap();
+    assert_eq!(loaded, reference);
+    let split = agree::report("cpu".into(), prompt.len(), &run, &loaded, None);
+    let whole = agree::compare(&weights, "cpu".into(), &prompt, &run, false).unwrap();
+    assert_eq!(split.positions, whole.positions);
+    assert_eq!(split.routing, whole.routing);
+
+    // Truncated, foreign, or of another size: errors that say so.
+    let bytes = std::fs::read(&run_file).unwrap();
+    std::fs::write(&run_file, &bytes[..bytes.len() - 3]).unwrap();
+    let err = store::load_run(&run_file).unwrap_err().to_string();
+    assert!(
+        err.contains("ends early") || err.contains("past the end"),
+        "{err}"
+    );
+    let err = store::load_run(&ref_file).unwrap_err().to_string();
+    assert!(err.contains("not a lily agree device run file"), "{err}");
+    let err = store::load_reference(&ref_file, values + 1)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("this comparison has"), "{err}");
+    let mut huge = b"LILYREF1".to_vec();
+    huge.extend_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&ref_file, &huge).unwrap();
+    assert!(store::load_reference(&ref_file, values).is_err());
+}

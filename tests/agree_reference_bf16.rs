@@ -105,3 +105,29 @@ fn the_bf16_bound_is_twice_what_bf16_activations_do() {
     );
     assert!(!report.passes());
 }
+
+/// `--bf16-bound` split over processes: the f32 reference saved, then loaded beside a bf16 pass,
+/// gives the one-shot report.
+#[test]
+fn the_bf16_bound_split_over_runs_is_the_same() {
+    let _one_at_a_time = SWITCH.lock().unwrap();
+    let weights = checkpoint::load(&fixture_dir("tiny-a")).unwrap();
+    let prompt = lily::bench::synthetic_prompt(40, weights.config.vocab_size, 22);
+    let mut device = lily::model::CpuBackend::new(weights.clone());
+    let run = lily::agree::device_run(&mut device, &prompt, 6, true).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ref");
+    let f32_run = lily::agree::reference_run(&weights, &prompt, &run, false).unwrap();
+    lily::agree::store::save_reference(&file, &f32_run).unwrap();
+    let values = run.steps.len() * weights.config.vocab_size;
+    let loaded = lily::agree::store::load_reference(&file, values).unwrap();
+    let bf16_run = lily::agree::reference_run(&weights, &prompt, &run, true).unwrap();
+    assert!(
+        !ACTIVATIONS_BF16.load(Ordering::Relaxed),
+        "the switch is restored"
+    );
+    let split = lily::agree::report("cpu".into(), prompt.len(), &run, &loaded, Some(&bf16_run));
+    let whole = lily::agree::compare(&weights, "cpu".into(), &prompt, &run, true).unwrap();
+    assert_eq!(split.positions, whole.positions);
+    assert!(split.positions.iter().all(|p| p.bf16_error.is_some()));
+}

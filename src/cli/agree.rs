@@ -44,6 +44,20 @@ pub struct AgreeArgs {
     /// every flipped choice is checked against the device's own router logits (src/agree.rs).
     #[arg(long)]
     pub device_routing: bool,
+    /// Save the device's run here and stop (the reference runs later with --load-run): a
+    /// full-size comparison can then span several calls on the GPU machine.
+    #[arg(long)]
+    pub save_run: Option<PathBuf>,
+    /// Compare a run saved with --save-run instead of running the device.
+    #[arg(long)]
+    pub load_run: Option<PathBuf>,
+    /// Save the f32 reference's run here (with --bf16-bound, stop before the bf16 pass; finish
+    /// with --load-reference).
+    #[arg(long)]
+    pub save_reference: Option<PathBuf>,
+    /// Use the f32 reference run saved with --save-reference instead of running it again.
+    #[arg(long)]
+    pub load_reference: Option<PathBuf>,
 }
 
 pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
@@ -51,6 +65,83 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
         args.prompt_tokens > 0 && args.tokens > 0,
         "--prompt-tokens and --tokens must be positive"
     );
+    let (device, run) = match &args.load_run {
+        Some(path) => {
+            let saved = agree::store::load_run(path)?;
+            anyhow::ensure!(
+                saved.prompt_tokens == args.prompt_tokens && saved.run.steps.len() == args.tokens,
+                "{} holds {} tokens after a {}-token prompt, not {} after {}",
+                path.display(),
+                saved.run.steps.len(),
+                saved.prompt_tokens,
+                args.tokens,
+                args.prompt_tokens
+            );
+            (saved.device, saved.run)
+        }
+        None => device_side(&args)?,
+    };
+    if let Some(path) = &args.save_run {
+        let saved = agree::store::SavedRun {
+            device,
+            prompt_tokens: args.prompt_tokens,
+            run,
+        };
+        agree::store::save_run(path, &saved)?;
+        eprintln!("device run saved to {}", path.display());
+        return Ok(());
+    }
+    eprintln!("CPU reference, teacher-forced on the device's tokens");
+    let weights = checkpoint::load(&args.model)?;
+    let prompt = synthetic_prompt(args.prompt_tokens, weights.config.vocab_size, 7);
+    lily::model::cpu::moe::ROUTER_LOGITS_BF16.store(
+        args.reference_router_bf16,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    lily::model::cpu::ops::ACTIVATIONS_BF16.store(
+        args.reference_bf16_activations,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    let f32_run = match &args.load_reference {
+        Some(path) => {
+            let values = run.steps.len() * weights.config.vocab_size;
+            agree::store::load_reference(path, values)?
+        }
+        None => agree::reference_run(&weights, &prompt, &run, false)?,
+    };
+    if let Some(path) = &args.save_reference {
+        agree::store::save_reference(path, &f32_run)?;
+        eprintln!("reference run saved to {}", path.display());
+        if args.bf16_bound {
+            return Ok(());
+        }
+    }
+    let bf16_run = if args.bf16_bound {
+        eprintln!("CPU reference again, with bf16 activations");
+        Some(agree::reference_run(&weights, &prompt, &run, true)?)
+    } else {
+        None
+    };
+    let report = agree::report(device, prompt.len(), &run, &f32_run, bf16_run.as_ref());
+    let md = report.to_markdown();
+    print!("{md}");
+    if let Some(out) = &args.out {
+        std::fs::write(out, &md)?;
+    }
+    anyhow::ensure!(
+        report.passes(),
+        "{} divergences are not near-ties, {} positions' logits differ by more than {:.0e} of their \
+         range, {} rows' device routing is not the top-k of its own router logits",
+        report.unexplained(),
+        report.out_of_tolerance(),
+        agree::MAX_LOGIT_ERROR,
+        report.inconsistent_routing()
+    );
+    Ok(())
+}
+
+/// The device's greedy run (its routing traced with --device-routing).
+fn device_side(args: &AgreeArgs) -> anyhow::Result<(String, agree::DeviceRun)> {
     // The device first, then the CPU on a second copy of the weights (the device backend keeps
     // what it needs on the GPU).
     let weights = checkpoint::load(&args.model)?;
@@ -67,31 +158,5 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
         args.tokens, args.prompt_tokens
     );
     let run = agree::device_run(backend.as_mut(), &prompt, args.tokens, args.device_routing)?;
-    drop(backend);
-    eprintln!("CPU reference, teacher-forced on the device's tokens");
-    let weights = checkpoint::load(&args.model)?;
-    lily::model::cpu::moe::ROUTER_LOGITS_BF16.store(
-        args.reference_router_bf16,
-        std::sync::atomic::Ordering::Relaxed,
-    );
-    lily::model::cpu::ops::ACTIVATIONS_BF16.store(
-        args.reference_bf16_activations,
-        std::sync::atomic::Ordering::Relaxed,
-    );
-    let report = agree::compare(&weights, device, &prompt, &run, args.bf16_bound)?;
-    let md = report.to_markdown();
-    print!("{md}");
-    if let Some(out) = &args.out {
-        std::fs::write(out, &md)?;
-    }
-    anyhow::ensure!(
-        report.passes(),
-        "{} divergences are not near-ties, {} positions' logits differ by more than {:.0e} of their \
-         range, {} rows' device routing is not the top-k of its own router logits",
-        report.unexplained(),
-        report.out_of_tolerance(),
-        agree::MAX_LOGIT_ERROR,
-        report.inconsistent_routing()
-    );
-    Ok(())
+    Ok((device, run))
 }

@@ -17,6 +17,8 @@
 //! router logits (a correct top-k of them) and measured against the reference's (how close a
 //! tie it was, and how far the device's router logits are from the reference's at each layer).
 
+pub mod store;
+
 use crate::model::cpu::moe::RoutingStats;
 use crate::model::cpu::{self, ImposedRouting, Logits};
 use crate::model::{argmax, Backend, RoutingTrace, SequenceState, Weights};
@@ -191,6 +193,7 @@ fn routing_markdown(layers: &[RoutingStats]) -> String {
 
 /// What [`device_run`] brings back: each greedy step's token and the logits it was chosen from,
 /// and with tracing what the device's routers decided for every row.
+#[derive(Debug, Clone, PartialEq)]
 pub struct DeviceRun {
     pub steps: Vec<(u32, Vec<f32>)>,
     pub routing: Option<RoutingTrace>,
@@ -238,9 +241,8 @@ pub fn device_run(
 
 /// The CPU reference on the same prompt, teacher-forced on the device's tokens; with the device's
 /// routing traced (`run.routing`) running the experts the device chose. With `bf16_bound` the
-/// reference runs a second time with bf16 activations (cpu::ops::ACTIVATIONS_BF16, process-wide),
-/// and each position may differ from the f32 reference by twice what that moves it
-/// ([`Position::tolerance`]).
+/// reference runs a second time with bf16 activations, and each position may differ from the f32
+/// reference by twice what that moves it ([`Position::tolerance`]).
 pub fn compare(
     weights: &Weights,
     device: String,
@@ -248,27 +250,69 @@ pub fn compare(
     run: &DeviceRun,
     bf16_bound: bool,
 ) -> anyhow::Result<Report> {
-    let vocab = weights.config.vocab_size;
-    let steps = &run.steps;
+    let f32_run = reference_run(weights, prompt, run, false)?;
+    let bf16_run = if bf16_bound {
+        Some(reference_run(weights, prompt, run, true)?)
+    } else {
+        None
+    };
+    Ok(report(
+        device,
+        prompt.len(),
+        run,
+        &f32_run,
+        bf16_run.as_ref(),
+    ))
+}
+
+/// The CPU reference's side of a comparison: its logits at the compared positions
+/// (`[positions][vocab]`) and, when it ran the device's routing, how the routings compare.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReferenceRun {
+    pub logits: Vec<f32>,
+    pub routing: Option<Vec<RoutingStats>>,
+}
+
+/// One pass of the reference over the prompt and the device's tokens, in f32 or with bf16
+/// activations (cpu::ops::ACTIVATIONS_BF16, process-wide, restored after).
+pub fn reference_run(
+    weights: &Weights,
+    prompt: &[u32],
+    run: &DeviceRun,
+    bf16_activations: bool,
+) -> anyhow::Result<ReferenceRun> {
     anyhow::ensure!(
-        !prompt.is_empty() && !steps.is_empty(),
+        !prompt.is_empty() && !run.steps.is_empty(),
         "nothing to compare"
     );
     if let Some(trace) = &run.routing {
-        check_trace(weights, trace, prompt.len() + steps.len() - 1)?;
+        check_trace(weights, trace, prompt.len() + run.steps.len() - 1)?;
     }
-    let (cpu_logits, routing) = reference(weights, prompt, run);
-    let bf16_logits = bf16_bound.then(|| {
-        use std::sync::atomic::Ordering;
-        let flag = &cpu::ops::ACTIVATIONS_BF16;
-        let before = flag.swap(true, Ordering::Relaxed);
-        let (logits, _) = reference(weights, prompt, run);
-        flag.store(before, Ordering::Relaxed);
-        logits
-    });
-    let positions = steps
+    use std::sync::atomic::Ordering;
+    let flag = &cpu::ops::ACTIVATIONS_BF16;
+    let before = flag.swap(
+        bf16_activations || flag.load(Ordering::Relaxed),
+        Ordering::Relaxed,
+    );
+    let (logits, routing) = reference(weights, prompt, run);
+    flag.store(before, Ordering::Relaxed);
+    Ok(ReferenceRun { logits, routing })
+}
+
+/// The report from the device's run and the reference's (and, for the bf16 bound, the
+/// reference's with bf16 activations), which may have been made in separate processes (store.rs).
+pub fn report(
+    device: String,
+    prompt_tokens: usize,
+    run: &DeviceRun,
+    f32_run: &ReferenceRun,
+    bf16_run: Option<&ReferenceRun>,
+) -> Report {
+    let vocab = f32_run.logits.len() / run.steps.len().max(1);
+    let positions = run
+        .steps
         .iter()
-        .zip(cpu_logits.chunks(vocab))
+        .zip(f32_run.logits.chunks(vocab))
         .enumerate()
         .map(|(i, ((token, device_logits), cpu_row))| {
             let cpu_token = argmax(cpu_row);
@@ -291,18 +335,16 @@ pub fn compare(
                 cpu_token,
                 logit_error: distance(device_logits),
                 cpu_margin: (cpu_row[cpu_token as usize] - cpu_row[*token as usize]) / range,
-                bf16_error: bf16_logits
-                    .as_ref()
-                    .map(|b| distance(&b[i * vocab..(i + 1) * vocab])),
+                bf16_error: bf16_run.map(|b| distance(&b.logits[i * vocab..(i + 1) * vocab])),
             }
         })
         .collect();
-    Ok(Report {
+    Report {
         device,
-        prompt_tokens: prompt.len(),
+        prompt_tokens,
         positions,
-        routing,
-    })
+        routing: f32_run.routing.clone(),
+    }
 }
 
 /// The reference's logits at the compared positions (all but the last prompt token first, then
