@@ -65,6 +65,9 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
         args.prompt_tokens > 0 && args.tokens > 0,
         "--prompt-tokens and --tokens must be positive"
     );
+    // Each stage's wall time, to plan runs that must fit the GPU machine's calls.
+    let start = std::time::Instant::now();
+    let done = |what: &str| eprintln!("{what} after {:.1} s", start.elapsed().as_secs_f64());
     let (device, run) = match &args.load_run {
         Some(path) => {
             let saved = agree::store::load_run(path)?;
@@ -81,6 +84,7 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
         }
         None => device_side(&args)?,
     };
+    done("device run");
     if let Some(path) = &args.save_run {
         let saved = agree::store::SavedRun {
             device,
@@ -109,6 +113,7 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
         }
         None => agree::reference_run(&weights, &prompt, &run, false)?,
     };
+    done("reference");
     if let Some(path) = &args.save_reference {
         agree::store::save_reference(path, &f32_run)?;
         eprintln!("reference run saved to {}", path.display());
@@ -118,7 +123,9 @@ pub fn run(args: AgreeArgs) -> anyhow::Result<()> {
     }
     let bf16_run = if args.bf16_bound {
         eprintln!("CPU reference again, with bf16 activations");
-        Some(agree::reference_run(&weights, &prompt, &run, true)?)
+        let bf16 = agree::reference_run(&weights, &prompt, &run, true)?;
+        done("reference with bf16 activations");
+        Some(bf16)
     } else {
         None
     };
