@@ -169,6 +169,16 @@ pub struct RoutingTrace {
     pub experts: Vec<Vec<u32>>,
 }
 
+impl RoutingTrace {
+    /// A trace of no rows yet for a model of `layers` layers.
+    pub fn new(layers: usize) -> Self {
+        RoutingTrace {
+            logits: vec![Vec::new(); layers],
+            experts: vec![Vec::new(); layers],
+        }
+    }
+}
+
 /// One step of a batch ([`Backend::forward_batch`]): the next tokens of one sequence, and
 /// what comes back after them.
 #[derive(Debug, Clone, Copy)]
@@ -344,11 +354,7 @@ impl Backend for CpuBackend {
             .collect()
     }
     fn trace_routing(&mut self) -> bool {
-        let layers = self.weights.layers.len();
-        self.routing = Some(RoutingTrace {
-            logits: vec![Vec::new(); layers],
-            experts: vec![Vec::new(); layers],
-        });
+        self.routing = Some(RoutingTrace::new(self.weights.layers.len()));
         true
     }
     fn take_routing_trace(&mut self) -> Option<RoutingTrace> {

@@ -170,11 +170,7 @@ impl Backend for CudaBackend {
         self.profile.as_mut().map_or_else(Vec::new, OpProfile::take)
     }
     fn trace_routing(&mut self) -> bool {
-        let layers = self.model.layers.len();
-        self.routing = Some(RoutingTrace {
-            logits: vec![Vec::new(); layers],
-            experts: vec![Vec::new(); layers],
-        });
+        self.routing = Some(RoutingTrace::new(self.model.layers.len()));
         true
     }
     fn take_routing_trace(&mut self) -> Option<RoutingTrace> {
