@@ -365,9 +365,16 @@ fn grouped_experts_match_cpu() {
     let s = dev.stream();
     let mut rng = rng("grouped experts");
     // Qwen3.6-35B-A3B: 256 experts, hidden 2048, I = 512, MLX Q4: the mma.sync kernel in each
-    // tile height, and wgmma (64-row tiles).
+    // tile height, and wgmma (tile maps of 128 rows: tiles of up to 64 rows take its N = 64
+    // products, taller ones N = 128; and of 64 rows).
     let real = Experts::random(s, &mut rng, Kind::Q4, 256, 2048, 512);
-    for kernel in [(64, false), (32, false), (16, false), (64, true)] {
+    for kernel in [
+        (64, false),
+        (32, false),
+        (16, false),
+        (128, true),
+        (64, true),
+    ] {
         grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Same, 70, kernel);
@@ -514,7 +521,7 @@ fn run_block(
     )
     .expect("router_topk");
     // The tile height forward.rs would pick for this many rows.
-    let tile_rows = g.expert_tile_rows(b.ids.len(), e + 1);
+    let tile_rows = g.expert_tile_rows(b.ids.len(), e + 1, &blk.gate_up.view());
     mk.group_by_expert(&b.ids.as_view(), SLOTS, tile_rows, &mut b.groups)
         .expect("group_by_expert");
     g.experts_gate_up(&blk.gate_up.view(), x, &b.groups, &mut b.act.as_view_mut())
@@ -653,7 +660,7 @@ fn timing_grouped_moe_at_4096_tokens() {
     let dx = upload(s, &xb);
     // The routed experts alone (8 slots per token, 256 experts), for the per-step timings: a
     // 4K chunk, and the few rows of a 64-sequence decode step or a 512-token prompt, in each tile
-    // height (the 64-row one also on wgmma).
+    // height, and wgmma (tile maps of 128 and of 64 rows).
     let mut groups = ExpertGroups::new(s, T, TOP_K, e, MIN_TILE_ROWS).expect("groups");
     for (routing, tokens) in [
         (Routing::Uniform, T),
@@ -665,7 +672,13 @@ fn timing_grouped_moe_at_4096_tokens() {
         let ids = route(&mut rng, routing, tokens, e);
         s.memcpy_htod(&ids, &mut b.ids.slice_mut(..pairs))
             .expect("ids");
-        let kernels = [(64, false), (64, true), (32, false), (16, false)];
+        let kernels = [
+            (64, false),
+            (128, true),
+            (64, true),
+            (32, false),
+            (16, false),
+        ];
         for (rows, wgmma) in kernels {
             let group_ms = median_ms(&dev, 20, || {
                 mk.group_by_expert(&b.ids.slice(..pairs), TOP_K, rows, &mut groups)

@@ -6,7 +6,10 @@
 //!
 //! The kernel and the reasons for its shape are described at the top of gemm_prefill.cu. For
 //! 4-bit weights a second kernel does the same products on Hopper's warpgroup instructions
-//! (gemm_wgmma.cu; `LILY_WGMMA=1`, off by default: slower than mma.sync on the H200 so far).
+//! (gemm_wgmma.cu, the weights dequantised into wgmma's register operand, tiles of up to 128
+//! rows), the default for them since it measured faster (bench/NOTES.md v1.21; `LILY_WGMMA=0`
+//! turns it off for A/B runs). Its tiles of 128 rows halve the dequantisation per product, which
+//! is what bounds both kernels.
 
 use std::sync::Arc;
 
@@ -21,8 +24,11 @@ use super::{
     CudaView, CudaViewMut, Result,
 };
 
-/// Rows (tokens, or an expert's rows) per block tile of the dense products and the wgmma kernel.
+/// Rows (tokens, or an expert's rows) per block tile of the dense products.
 pub const TILE_ROWS: usize = 64;
+/// Rows per block tile of the wgmma kernels (a tile of at most 64 runs their N = 64 products):
+/// what the experts' tile map is built for when they run on wgmma.
+pub const WGMMA_TILE_ROWS: usize = 128;
 /// The tile heights of the mma.sync kernels (MI = 4, 2, 1 in gemm_prefill.cu): the grouped expert
 /// products take the short ones when each expert sees few rows ([`GemmKernels::expert_tile_rows`]).
 pub const TILE_HEIGHTS: [usize; 3] = [64, 32, 16];
@@ -34,9 +40,11 @@ const GROUPED_FROM_ROWS: usize = super::gemm::MAX_TOKENS + 1;
 /// Weight rows per block tile (BN in gemm_prefill.cu).
 const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
-/// Dynamic shared memory of the wgmma kernels (SMEM_BYTES in gemm_wgmma.cu): four stages of X and
-/// packed weights, two bf16 weight tiles, 1 KB to align.
-const WGMMA_SMEM_BYTES: usize = 4 * (TILE_ROWS * 128 + TILE_COLS * 32) + 2 * TILE_COLS * 128 + 1024;
+/// The wgmma kernels' block: 4 warpgroups (THREADS in gemm_wgmma.cu).
+const WGMMA_THREADS: u32 = 512;
+/// Dynamic shared memory of the wgmma kernels (SMEM_BYTES in gemm_wgmma.cu): six stages of X and
+/// packed weights, 1 KB to align.
+const WGMMA_SMEM_BYTES: usize = 6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * 32) + 1024;
 
 /// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cu.
 #[repr(C)]
@@ -152,19 +160,20 @@ impl GemmKernels {
                 ],
             ])
         };
-        let expert_tile_override = env_rows("LILY_EXPERT_TILE_ROWS", "one of 16, 32, 64", |r| {
-            TILE_HEIGHTS.contains(&r)
-        })?;
+        let expert_tile_override =
+            env_rows("LILY_EXPERT_TILE_ROWS", "one of 16, 32, 64, 128", |r| {
+                TILE_HEIGHTS.contains(&r) || r == WGMMA_TILE_ROWS
+            })?;
         Ok(Self {
             stream: dev.stream().clone(),
             funcs: [height(64)?, height(32)?, height(16)?],
             expert_tile_override,
             wgmma: [wgmma("wgmma_q4")?, wgmma("wgmma_swiglu_q4")?],
-            use_wgmma: std::env::var("LILY_WGMMA").is_ok_and(|v| v == "1"),
+            use_wgmma: std::env::var("LILY_WGMMA").map_or(true, |v| v != "0"),
         })
     }
 
-    /// Runs 4-bit products on the wgmma kernel (or not); the default follows `LILY_WGMMA=1`.
+    /// Runs 4-bit products on the wgmma kernel (or not); on unless `LILY_WGMMA=0`.
     pub fn set_wgmma(&mut self, on: bool) {
         self.use_wgmma = on;
     }
@@ -177,17 +186,20 @@ impl GemmKernels {
         rows >= GROUPED_FROM_ROWS
     }
 
-    /// The tile height for grouping `pairs` (token, slot) pairs over `experts` experts: 16 rows
-    /// while the experts average at most 16 (a batched decode step, a short prompt), 32 up to
-    /// 48, else 64 — a 64-row tile of a few rows is mostly padding, whose tensor work costs as
-    /// much as real rows.
-    pub fn expert_tile_rows(&self, pairs: usize, experts: usize) -> usize {
+    /// The tile height for grouping `pairs` (token, slot) pairs over `experts` experts whose
+    /// weights are `w`: 16 rows while the experts average at most 16 (a batched decode step, a
+    /// short prompt), 32 up to 48, else 64 — a 64-row tile of a few rows is mostly padding, whose
+    /// tensor work costs as much as real rows — or, for 4-bit weights on the wgmma kernel, 128
+    /// (its tiles of at most 64 rows run shorter products, so they pad no more than 64-row tiles).
+    pub fn expert_tile_rows(&self, pairs: usize, experts: usize, w: &Matrices) -> usize {
         if let Some(rows) = self.expert_tile_override {
             return rows;
         }
+        let wgmma = self.use_wgmma && check_matrices(w).is_ok_and(|f| f == Format::Q4);
         match pairs.div_ceil(experts.max(1)) {
             0..=16 => 16,
             17..=48 => 32,
+            _ if wgmma => WGMMA_TILE_ROWS,
             _ => 64,
         }
     }
@@ -335,12 +347,25 @@ impl GemmKernels {
             "gemm: weights at {wp:#x} are not 16-byte aligned"
         );
         let xp = addr(x, stream, &mut guards);
-        let height = rows.grouped.map_or(TILE_ROWS, |(g, _, _)| g.tile_rows());
-        let Some(height_index) = TILE_HEIGHTS.iter().position(|&h| h == height) else {
+        // The wgmma kernel takes tiles of up to 128 rows (dense products: 128), the mma.sync
+        // kernels one of TILE_HEIGHTS.
+        let grouped_height = rows.grouped.map(|(g, _, _)| g.tile_rows());
+        let wgmma = format == Format::Q4
+            && self.use_wgmma
+            && matches!(
+                grouped_height,
+                None | Some(TILE_ROWS) | Some(WGMMA_TILE_ROWS)
+            );
+        let height = match (wgmma, grouped_height) {
+            (true, None) => WGMMA_TILE_ROWS,
+            (_, h) => h.unwrap_or(TILE_ROWS),
+        };
+        let height_index = TILE_HEIGHTS.iter().position(|&h| h == height);
+        if !wgmma && height_index.is_none() {
             return Err(CudaError::Shape(format!(
                 "gemm: expert groups built for tiles of {height} rows, the kernels take {TILE_HEIGHTS:?}"
             )));
-        };
+        }
         let (tiles_x, a_rows, c_rows, tiles, num_tiles, a_div) = match (rows.grouped, &group_views)
         {
             (Some((groups, gather, div)), Some((sorted, map, count))) => {
@@ -361,7 +386,7 @@ impl GemmKernels {
                     div,
                 )
             }
-            _ => (rows.positions.div_ceil(TILE_ROWS), 0, 0, 0, 0, 1),
+            _ => (rows.positions.div_ceil(height), 0, 0, 0, 0, 1),
         };
         let (yp, _y) = y.device_ptr_mut(stream);
         let args = GemmArgs {
@@ -391,19 +416,22 @@ impl GemmKernels {
             "gemm: {} weight rows are too many for one launch",
             w.rows
         );
-        // Both kernels take the same arguments, tiles and grid (wgmma: 64-row tiles only).
-        let (func, shared_bytes) = if format == Format::Q4 && self.use_wgmma && height == TILE_ROWS
-        {
-            (&self.wgmma[epilogue as usize], WGMMA_SMEM_BYTES)
-        } else {
-            (
-                &self.funcs[height_index][format as usize][epilogue as usize],
+        // Both kernels take the same arguments, tile map and grid.
+        let (func, shared_bytes, threads) = match height_index {
+            Some(i) if !wgmma => (
+                &self.funcs[i][format as usize][epilogue as usize],
                 format.shared_bytes(height),
-            )
+                THREADS,
+            ),
+            _ => (
+                &self.wgmma[epilogue as usize],
+                WGMMA_SMEM_BYTES,
+                WGMMA_THREADS,
+            ),
         };
         let cfg = LaunchConfig {
             grid_dim: (as_i32(tiles_x, "row tiles")? as u32, col_tiles as u32, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: shared_bytes as u32,
         };
         // SAFETY: check_matrices and the checks above bound every index the kernel forms; grouped
