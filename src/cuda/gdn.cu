@@ -471,6 +471,7 @@ __device__ __forceinline__ void load_b_split(u32 hi[2], u32 lo[2], const float* 
 // ch0 and ch1, into dst0 and dst1 ([64][PITCH] floats in shared memory). Rows past T are zeros.
 // Lane l of each warp takes 8 channels (lanes 0..15 head 0, 16..31 head 1: each half a coalesced
 // 256-byte row segment); warp w takes rows 8w .. 8w+7, sliding a window of the 4 taps down them.
+// The 11 input rows a lane needs are all loaded before any is used: one memory latency, not 11.
 __device__ void chunk_conv(const GdnArgs& p, int t0, int ch0, int ch1, float* dst0, float* dst1) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, T = p.rows;
     const int ch = (lane < 16 ? ch0 : ch1) + (lane % 16) * 8;
@@ -484,24 +485,24 @@ __device__ void chunk_conv(const GdnArgs& p, int t0, int ch0, int ch1, float* ds
         w[2][j] = wj.z;
         w[3][j] = wj.w;
     }
-    // Input row `src` (token index; −3..−1 are the conv state's rows 0..2), zeros past T.
-    auto row = [&](int src, float f[8]) {
-        if (src >= T) {
+    constexpr int ROWS = CHUNK / (PF_THREADS / 32);  // output rows per warp
+    const int r0 = warp * ROWS;
+    // Input row t0 + r0 − 3 + i (token index; −3..−1 are the conv state's rows 0..2), zeros past T.
+    uint4 in[ROWS + GDN_HIST];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) f[j] = 0.0f;
-            return;
-        }
+    for (int i = 0; i < ROWS + GDN_HIST; ++i) {
+        const int src = t0 + r0 - GDN_HIST + i;
         const bf16* x = src >= 0 ? p.qkv + src * p.qkv_stride : p.conv_state + (src + GDN_HIST) * GDN_CONV_DIM;
-        unpack8(*reinterpret_cast<const uint4*>(x + ch), f);
-    };
-    const int r0 = warp * (CHUNK / (PF_THREADS / 32));
+        in[i] = src < T ? *reinterpret_cast<const uint4*>(x + ch) : make_uint4(0u, 0u, 0u, 0u);
+    }
     float x0[8], x1[8], x2[8], x3[8];  // rows t−3, t−2, t−1, t
-    row(t0 + r0 - 3, x0);
-    row(t0 + r0 - 2, x1);
-    row(t0 + r0 - 1, x2);
-#pragma unroll 1
-    for (int r = r0; r < r0 + CHUNK / (PF_THREADS / 32); ++r) {
-        row(t0 + r, x3);
+    unpack8(in[0], x0);
+    unpack8(in[1], x1);
+    unpack8(in[2], x2);
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+        unpack8(in[i + GDN_HIST], x3);
+        const int r = r0 + i;
         float out[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -533,10 +534,14 @@ __device__ void chunk_gates(const GdnArgs& p, int t0, int hv, float* beta_s, flo
         G_s[tid] = valid ? gdn_decay(p.a_log[hv], p.dt_bias[hv], bf(p.a[t * p.a_stride + hv])) : 0.0f;
     }
     __syncthreads();
-    if (tid == 0) {  // sequential, as the reference sums (64 adds)
+    if (tid == 0) {  // sequential, as the reference sums (64 adds); loads first, then the chain
+        float g[CHUNK];
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) g[i] = G_s[i];
         float acc = 0.0f;
+#pragma unroll
         for (int i = 0; i < CHUNK; ++i) {
-            acc += G_s[i];
+            acc += g[i];
             G_s[i] = acc;
         }
     }
@@ -638,6 +643,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     // side β k e^G), 128..255 those of U (β v). Row r: X_r = B_r − Σ_(s<r) L[r][s] X_s. The column
     // lives in registers (both loops unrolled, so every index is a constant) and L is read four
     // values at a time, a broadcast to the warp: ~600 shared loads per thread instead of 4000.
+    // The sum runs in four partial sums (s mod 4), so that its chain of dependent FMAs is a quarter
+    // as long; only the last term of each row waits for the row before.
     {
         const bool is_w = tid < GDN_DK;
         float* X = (is_w ? k_s : v_s) + tid % GDN_DK;
@@ -646,16 +653,17 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
         for (int r = 0; r < CHUNK; ++r) {
             float acc = beta_s[r] * X[r * PITCH];
             if (is_w) acc *= expf(G_s[r]);
+            float acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;
             const float* Lr = L_s + r * LPITCH;
 #pragma unroll
             for (int s = 0; s < r; s += 4) {
                 const float4 l = *reinterpret_cast<const float4*>(Lr + s);
                 acc -= l.x * x[s];
-                if (s + 1 < r) acc -= l.y * x[s + 1];
-                if (s + 2 < r) acc -= l.z * x[s + 2];
-                if (s + 3 < r) acc -= l.w * x[s + 3];
+                if (s + 1 < r) acc1 -= l.y * x[s + 1];
+                if (s + 2 < r) acc2 -= l.z * x[s + 2];
+                if (s + 3 < r) acc3 -= l.w * x[s + 3];
             }
-            x[r] = acc;
+            x[r] = (acc + acc1) + (acc2 + acc3);
         }
 #pragma unroll
         for (int r = 0; r < CHUNK; ++r) X[r * PITCH] = x[r];
@@ -849,6 +857,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
     __syncthreads();  // q and k no longer read as they are
 
     const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
+#pragma unroll
     for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
         const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
         float4* qr = reinterpret_cast<float4*>(q_s + r * PITCH + d);
@@ -869,15 +878,29 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
 
-    // The inter-chunk part (q e^G)·S_chunk, S streamed through shared memory 32 rows at a time.
+    // The inter-chunk part (q e^G)·S_chunk, S streamed through shared memory 32 rows at a time;
+    // each slab's loads are issued into registers before the previous slab's products, so their
+    // latency hides behind them.
     const float* hsrc = p.ws_h + ((i64)chunk * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE;
+    constexpr int SLAB_VECS = 32 * GDN_DV / 4 / PF_THREADS;  // float4 per thread per slab
+    float4 slab[SLAB_VECS];
+    auto load_slab = [&](int d0) {
+#pragma unroll
+        for (int u = 0; u < SLAB_VECS; ++u) {
+            const int e = tid + u * PF_THREADS, r = e / (GDN_DV / 4), v = (e % (GDN_DV / 4)) * 4;
+            slab[u] = *reinterpret_cast<const float4*>(hsrc + (d0 + r) * GDN_DV + v);
+        }
+    };
+    load_slab(0);
 #pragma unroll 1
     for (int d0 = 0; d0 < GDN_DK; d0 += 32) {
-        for (int e = tid; e < 32 * GDN_DV / 4; e += PF_THREADS) {
-            const int r = e / (GDN_DV / 4), v = (e % (GDN_DV / 4)) * 4;
-            *reinterpret_cast<float4*>(H_s + r * VPITCH + v) = *reinterpret_cast<const float4*>(hsrc + (d0 + r) * GDN_DV + v);
+#pragma unroll
+        for (int u = 0; u < SLAB_VECS; ++u) {
+            const int e = tid + u * PF_THREADS, r = e / (GDN_DV / 4), v = (e % (GDN_DV / 4)) * 4;
+            *reinterpret_cast<float4*>(H_s + r * VPITCH + v) = slab[u];
         }
         __syncthreads();  // the slab (and, the first time, q e^G and Vn) are in place
+        if (d0 + 32 < GDN_DK) load_slab(d0 + 32);
 #pragma unroll 2
         for (int k0 = 0; k0 < 32; k0 += 8) {
             u32 ahi[4], alo[4];
@@ -917,14 +940,23 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
     // written for the real rows only.
     const float4 w4 = *reinterpret_cast<const float4*>(p.norm_w + 4 * lane);
     const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
-    for (int r = warp; r < CHUNK; r += PF_THREADS / 32) {
+    const int col = hv * GDN_DV + 4 * lane;
+    constexpr int NORM_ROWS = CHUNK / (PF_THREADS / 32);  // rows per warp
+    uint2 zrow[NORM_ROWS];  // the gate inputs of the warp's rows, loaded before any is needed
+#pragma unroll
+    for (int i = 0; i < NORM_ROWS; ++i) {
+        const int tok = t0 + warp + i * (PF_THREADS / 32);
+        zrow[i] = tok < p.rows ? *reinterpret_cast<const uint2*>(p.z + tok * p.z_stride + col) : make_uint2(0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < NORM_ROWS; ++i) {
+        const int r = warp + i * (PF_THREADS / 32);
         const float4 o4 = *reinterpret_cast<const float4*>(q_s + r * PITCH + 4 * lane);
         const float ob[4] = {bf16_round(o4.x), bf16_round(o4.y), bf16_round(o4.z), bf16_round(o4.w)};
         const float rinv = rsqrtf(warp_sum(ob[0] * ob[0] + ob[1] * ob[1] + ob[2] * ob[2] + ob[3] * ob[3]) / GDN_DV + p.eps);
         const int tok = t0 + r;
         if (tok >= p.rows) continue;
-        const int col = hv * GDN_DV + 4 * lane;
-        const uint2 zw = *reinterpret_cast<const uint2*>(p.z + tok * p.z_stride + col);
+        const uint2 zw = zrow[i];
         const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&zw.x));
         const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&zw.y));
         const float zf[4] = {z01.x, z01.y, z23.x, z23.y};
