@@ -147,22 +147,31 @@ fn q4_at_model_shapes(wgmma: bool) {
 #[test]
 fn q8_and_bf16_match_cpu() {
     let dev = device();
-    let k = GemmKernels::load(&dev).expect("kernels");
+    let mut k = GemmKernels::load(&dev).expect("kernels");
+    let mut rng = rng("q8/bf16 gemm");
+    // Q8 on both kernels (wgmma, mma.sync): the router (256 experts), the shared-expert gate (one
+    // row), odd widths, a 4K-token chunk.
+    for wgmma in [true, false] {
+        k.set_wgmma(wgmma);
+        let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
+            k.gemm(w, x, y).expect("gemm")
+        };
+        let label = if wgmma { "q8 wgmma" } else { "q8" };
+        for (n, cols, t) in [
+            (256, 2048, 300),
+            (1, 2048, 100),
+            (257, 2048, 17),
+            (16, 512, 64),
+            (512, 128, 40),
+            (2048, 512, 4096),
+        ] {
+            let m = matrix(&mut rng, Kind::Q8, n, cols, 0.05);
+            dense_case(g, &dev, &mut rng, &m, &row_sq(&m), t, label);
+        }
+    }
     let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
         k.gemm(w, x, y).expect("gemm")
     };
-    let mut rng = rng("q8/bf16 gemm");
-    // Q8: the router (256 experts), the shared-expert gate (one row), odd widths.
-    for (n, k, t) in [
-        (256, 2048, 300),
-        (1, 2048, 100),
-        (257, 2048, 17),
-        (16, 512, 64),
-        (512, 128, 40),
-    ] {
-        let m = matrix(&mut rng, Kind::Q8, n, k, 0.05);
-        dense_case(g, &dev, &mut rng, &m, &row_sq(&m), t, "q8");
-    }
     for (n, k, t) in [
         (2048, 2048, 100),
         (9216, 512, 64),

@@ -392,6 +392,20 @@ fn grouped_experts_match_cpu() {
         grouped_case(&dev, &mut rng, &q8, Routing::Uniform, 100, (rows, false));
     }
     grouped_case(&dev, &mut rng, &small_q4, Routing::Skewed, 300, (64, true));
+    grouped_case(
+        &dev,
+        &mut rng,
+        &small_q4,
+        Routing::Uniform,
+        300,
+        (128, true),
+    );
+    grouped_case(&dev, &mut rng, &q8, Routing::Uniform, 100, (128, true));
+    grouped_case(&dev, &mut rng, &q8, Routing::Skewed, 300, (128, true));
+    // Q8 at the real shapes on wgmma (what GGUF K-quants and FP8 checkpoints run as).
+    let real_q8 = Experts::random(s, &mut rng, Kind::Q8, 256, 2048, 512);
+    grouped_case(&dev, &mut rng, &real_q8, Routing::Skewed, 600, (128, true));
+    grouped_case(&dev, &mut rng, &real_q8, Routing::Same, 200, (128, true));
 }
 
 fn real_config() -> ModelConfig {

@@ -101,18 +101,10 @@ __device__ __forceinline__ void mma(float d[4], const u32 a[4], u32 b0, u32 b1) 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Q8: bytes 2h, 2h+1 of `w` (selectors sel_lo = 0x7440 | 2h, sel_hi = 0x7440 | (2h+1) pick the
-// byte and the 0x4B of 0x4B000000: fp32 2²³ + q) → {s·q_lo + b, s·q_hi + b} as bf16x2.
-__device__ __forceinline__ u32 dequant_q8(u32 w, u32 sel_lo, u32 sel_hi, float s, float b) {
-    const float lo = __uint_as_float(__byte_perm(w, 0x4B000000u, sel_lo)) - 8388608.0f;
-    const float hi = __uint_as_float(__byte_perm(w, 0x4B000000u, sel_hi)) - 8388608.0f;
-    return as_u32(__floats2bfloat162_rn(fmaf(lo, s, b), fmaf(hi, s, b)));
-}
-
 // Physical 16-byte chunk of logical chunk c in row r of a weight tile (see the bank notes below).
 template <int F> __device__ __forceinline__ int b_chunk(int c, int r) {
     if constexpr (F == Q4) return c;                    // lds.64 of 8 rows × 32 B: no conflict
-    else if constexpr (F == Q8) return c ^ ((r >> 1) & 3);  // 8 rows × 64 B: rows g, g+2 would collide
+    else if constexpr (F == Q8) return q8_chunk(c, r);  // 8 rows × 64 B: rows g, g+2 would collide
     else return c ^ (r & 7);                            // ldmatrix: 8 rows × 128 B
 }
 

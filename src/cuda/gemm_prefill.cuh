@@ -52,6 +52,18 @@ __device__ __forceinline__ u32 dequant_q4(u32 w, u32 sel, bf162 s2, bf162 b2) {
     return as_u32(__hfma2(q, s2, b2));
 }
 
+// Q8: bytes 2h, 2h+1 of `w` (selectors sel_lo = 0x7440 | 2h, sel_hi = 0x7440 | (2h+1) pick the
+// byte and the 0x4B of 0x4B000000: fp32 2²³ + q) → {s·q_lo + b, s·q_hi + b} as bf16x2.
+__device__ __forceinline__ u32 dequant_q8(u32 w, u32 sel_lo, u32 sel_hi, float s, float b) {
+    const float lo = __uint_as_float(__byte_perm(w, 0x4B000000u, sel_lo)) - 8388608.0f;
+    const float hi = __uint_as_float(__byte_perm(w, 0x4B000000u, sel_hi)) - 8388608.0f;
+    return as_u32(__floats2bfloat162_rn(fmaf(lo, s, b), fmaf(hi, s, b)));
+}
+
+// Physical 16-byte chunk of logical chunk c in row r of a Q8 weight tile (rows of 64 bytes): read
+// 8 rows at a time (rows g = 0..7 of a fragment), rows g and g + 2 would share banks unswizzled.
+__device__ __forceinline__ int q8_chunk(int c, int r) { return c ^ ((r >> 1) & 3); }
+
 // Epilogue store of two adjacent outputs: y[col], y[col + 1] of a row `n` wide, as one bf16x2
 // store when n is even (the pair is then 4-byte aligned), else one by one; columns ≥ n are skipped.
 __device__ __forceinline__ void store_pair(bf16* row, int col, int n, float v0, float v1) {

@@ -5,7 +5,7 @@
 //! tokens) uses the GEMV of gemm.rs instead.
 //!
 //! The kernel and the reasons for its shape are described at the top of gemm_prefill.cu. For
-//! 4-bit weights a second kernel does the same products on Hopper's warpgroup instructions
+//! 4-bit and 8-bit weights a second kernel does the same products on Hopper's warpgroup instructions
 //! (gemm_wgmma.cu, the weights dequantised into wgmma's register operand, tiles of up to 128
 //! rows), the default for them since it measured faster (bench/NOTES.md v1.21; `LILY_WGMMA=0`
 //! turns it off for A/B runs). Its tiles of 128 rows halve the dequantisation per product, which
@@ -42,9 +42,12 @@ const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
 /// The wgmma kernels' block: 4 warpgroups (THREADS in gemm_wgmma.cu).
 const WGMMA_THREADS: u32 = 512;
-/// Dynamic shared memory of the wgmma kernels (SMEM_BYTES in gemm_wgmma.cu): six stages of X and
-/// packed weights, 1 KB to align.
-const WGMMA_SMEM_BYTES: usize = 6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * 32) + 1024;
+/// Dynamic shared memory of a wgmma kernel (smem_bytes in gemm_wgmma.cu): six stages of X and
+/// packed weights (32 bytes per row and k-tile in Q4, 64 in Q8), 1 KB to align.
+fn wgmma_shared_bytes(format: Format) -> usize {
+    let row_bytes = if format == Format::Q4 { 32 } else { 64 };
+    6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * row_bytes) + 1024
+}
 
 /// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cu.
 #[repr(C)]
@@ -79,6 +82,11 @@ enum Format {
 }
 
 impl Format {
+    /// Whether the wgmma kernels take this format (the quantised ones; bf16 weights stay on
+    /// mma.sync or cuBLAS).
+    fn on_wgmma(self) -> bool {
+        matches!(self, Format::Q4 | Format::Q8)
+    }
     fn bits(self) -> usize {
         match self {
             Format::Q4 => 4,
@@ -126,8 +134,8 @@ pub struct GemmKernels {
     funcs: [[[CudaFunction; 2]; 3]; 3],
     /// `LILY_EXPERT_TILE_ROWS` (16, 32 or 64): one height for every grouped product (A/B runs).
     expert_tile_override: Option<usize>,
-    /// Q4 on wgmma (gemm_wgmma.cu), [epilogue].
-    wgmma: [CudaFunction; 2],
+    /// Q4 and Q8 on wgmma (gemm_wgmma.cu), [format][epilogue].
+    wgmma: [[CudaFunction; 2]; 2],
     use_wgmma: bool,
 }
 
@@ -139,7 +147,7 @@ impl GemmKernels {
             dev.allow_dynamic_shared(&f, name, need)?;
             Ok(f)
         };
-        let wgmma = |name: &str| load_from("gemm_wgmma", name, WGMMA_SMEM_BYTES);
+        let wgmma = |name: &str, format| load_from("gemm_wgmma", name, wgmma_shared_bytes(format));
         // gemm_q4, gemm_swiglu_q4_m32, ...: [format][epilogue] for one height.
         let height = |rows: usize| -> Result<[[CudaFunction; 2]; 3]> {
             let suffix = if rows == TILE_ROWS {
@@ -168,7 +176,16 @@ impl GemmKernels {
             stream: dev.stream().clone(),
             funcs: [height(64)?, height(32)?, height(16)?],
             expert_tile_override,
-            wgmma: [wgmma("wgmma_q4")?, wgmma("wgmma_swiglu_q4")?],
+            wgmma: [
+                [
+                    wgmma("wgmma_q4", Format::Q4)?,
+                    wgmma("wgmma_swiglu_q4", Format::Q4)?,
+                ],
+                [
+                    wgmma("wgmma_q8", Format::Q8)?,
+                    wgmma("wgmma_swiglu_q8", Format::Q8)?,
+                ],
+            ],
             use_wgmma: std::env::var("LILY_WGMMA").map_or(true, |v| v != "0"),
         })
     }
@@ -189,13 +206,13 @@ impl GemmKernels {
     /// The tile height for grouping `pairs` (token, slot) pairs over `experts` experts whose
     /// weights are `w`: 16 rows while the experts average at most 16 (a batched decode step, a
     /// short prompt), 32 up to 48, else 64 — a 64-row tile of a few rows is mostly padding, whose
-    /// tensor work costs as much as real rows — or, for 4-bit weights on the wgmma kernel, 128
+    /// tensor work costs as much as real rows — or, for 4/8-bit weights on the wgmma kernel, 128
     /// (its tiles of at most 64 rows run shorter products, so they pad no more than 64-row tiles).
     pub fn expert_tile_rows(&self, pairs: usize, experts: usize, w: &Matrices) -> usize {
         if let Some(rows) = self.expert_tile_override {
             return rows;
         }
-        let wgmma = self.use_wgmma && check_matrices(w).is_ok_and(|f| f == Format::Q4);
+        let wgmma = self.use_wgmma && check_matrices(w).is_ok_and(Format::on_wgmma);
         match pairs.div_ceil(experts.max(1)) {
             0..=16 => 16,
             17..=48 => 32,
@@ -350,7 +367,7 @@ impl GemmKernels {
         // The wgmma kernel takes tiles of up to 128 rows (dense products: 128), the mma.sync
         // kernels one of TILE_HEIGHTS.
         let grouped_height = rows.grouped.map(|(g, _, _)| g.tile_rows());
-        let wgmma = format == Format::Q4
+        let wgmma = format.on_wgmma()
             && self.use_wgmma
             && matches!(
                 grouped_height,
@@ -424,8 +441,8 @@ impl GemmKernels {
                 THREADS,
             ),
             _ => (
-                &self.wgmma[epilogue as usize],
-                WGMMA_SMEM_BYTES,
+                &self.wgmma[format as usize][epilogue as usize],
+                wgmma_shared_bytes(format),
                 WGMMA_THREADS,
             ),
         };

@@ -1,4 +1,4 @@
-// Prefill matrix products with 4-bit weights on Hopper's warpgroup tensor cores (wgmma): the same
+// Prefill matrix products with 4- or 8-bit weights on Hopper's warpgroup tensor cores (wgmma): the same
 // products, arguments, tile map, grid and epilogues as gemm_prefill.cu (whose header explains
 // them), a different inner loop.
 //
@@ -23,7 +23,8 @@
 // A fragment (m64k16, bf16, as mma.m16n8k16's A per warp): lane (g = lane/4, t = lane%4) of warp
 // w (w % 4 within its warpgroup) holds rows 16w + g and 16w + g + 8 (in the block tile, w = 0..15),
 // registers {row g, k 2t..2t+1}, {row g+8, k 2t..}, {row g, k 2t+8..}, {row g+8, k 2t+8..}: both
-// nibbles of byte t of Q4 word 2s (k 16s..16s+7) or 2s+1 of the row — exactly what dequant_q4 makes.
+// nibbles of byte t of Q4 word 2s (k 16s..16s+7) or 2s+1 of the row — exactly what dequant_q4 makes;
+// for Q8, bytes 2(t%2), +1 of words 4s + t/2 and 4s + 2 + t/2 (dequant_q8), as in gemm_prefill.cu.
 // Accumulators (m64n64, fp32): d[4i + e] = D[row 16w + g + 8(e/2)][token 8i + 2t + e%2].
 // SWIGLU tiles put gate row j at tile row 16w + g and the up row of the same j at 16w + g + 8, so a
 // thread holds gate and up of the same (j, token): d[4i + e] and d[4i + e + 2].
@@ -32,20 +33,22 @@
 namespace {
 
 enum Epilogue { STORE = 0, SWIGLU = 1 };
+enum Format { Q4 = 0, Q8 = 1 };
 
 constexpr int BM = 128;       // token rows per tile, at most (wgmma N)
 constexpr int BN = 256;       // weight rows per tile: 4 warpgroups × wgmma M = 64
 constexpr int BK = 64;        // k-tile: one quantisation group
 constexpr int THREADS = 512;  // 4 warpgroups
 constexpr int STAGES = 6;
-constexpr int WQ_BYTES = BN * BK / 2;  // 8 KB of packed 4-bit weights
-// A stage: the X tile (N rows of 128 bytes), then the packed weights.
-template <int N> __host__ __device__ constexpr int stage_bytes() { return N * BK * 2 + WQ_BYTES; }
-// Must match WGMMA_SMEM_BYTES in gemm_prefill.rs: the stages and slack to align the start to 1024
-// bytes (the swizzle pattern repeats every 1024).
-constexpr int SMEM_BYTES = STAGES * stage_bytes<BM>() + 1024;
-static_assert(stage_bytes<64>() % 1024 == 0 && stage_bytes<128>() % 1024 == 0, "X tiles stay 1024-byte aligned");
-static_assert(SMEM_BYTES <= 227 * 1024, "one block per SM must fit");
+// Bytes of one weight row in a k-tile: 32 (Q4) or 64 (Q8).
+template <int F> __host__ __device__ constexpr int row_bytes() { return F == Q4 ? BK / 2 : BK; }
+// A stage: the X tile (N rows of 128 bytes), then the packed weights (BN rows).
+template <int N, int F> __host__ __device__ constexpr int stage_bytes() { return N * BK * 2 + BN * row_bytes<F>(); }
+// Must match wgmma_shared_bytes in gemm_prefill.rs: the stages and slack to align the start to
+// 1024 bytes (the swizzle pattern repeats every 1024).
+template <int F> __host__ __device__ constexpr int smem_bytes() { return STAGES * stage_bytes<BM, F>() + 1024; }
+static_assert(stage_bytes<64, Q4>() % 1024 == 0 && stage_bytes<64, Q8>() % 1024 == 0, "X tiles stay 1024-byte aligned");
+static_assert(smem_bytes<Q8>() + 2048 <= 227 * 1024, "one block per SM must fit");
 
 // Shared-memory matrix descriptor: start address, leading byte offset (unused with a swizzle: 1),
 // stride byte offset 1024 (8 rows of 128 bytes), 128-byte swizzle (mode 1 in bits 62-63).
@@ -114,11 +117,12 @@ template <int E> __device__ __forceinline__ int weight_row(int r, int col_tile, 
 
 // The block's products for a tile of `rows` ≤ N token rows of matrix `mat`: the tables of
 // gemm<E> (X row, Y row of each token row; word offset of each weight row) are in place.
-template <int E, int N>
+template <int E, int F, int N>
 __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, const int* a_row_s, const int* c_row_s,
                                          const int* b_off_s) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    constexpr int X_BYTES = N * BK * 2, STAGE_BYTES = stage_bytes<N>();
+    constexpr int X_BYTES = N * BK * 2, STAGE_BYTES = stage_bytes<N, F>(), ROW = row_bytes<F>();
+    constexpr int W_CHUNKS = BN * ROW / 16 / THREADS;  // weight chunks per thread per k-tile: 1 or 2
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int col_tile = blockIdx.y;
@@ -133,13 +137,17 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
         const int row = weight_row<E>(r_lo + 8 * h, col_tile, a.n);
         sb_off[h] = row < 0 ? -1 : ((i64)mat * a.n + row) * ngroups;
     }
-    // What this thread copies per k-tile: X chunk c of rows xr0 + 64u (u < N / 64), and chunk
-    // tid % 2 of weight row tid / 2.
+    // What this thread copies per k-tile: X chunk c of rows xr0 + 64u (u < N / 64), and weight
+    // chunk tid % (ROW / 16) of rows tid / (ROW / 16) + u · THREADS / (ROW / 16) (u < W_CHUNKS).
     const int xc = tid % 8, xr0 = tid / 8;
     int x_src[N / 64];
 #pragma unroll
     for (int u = 0; u < N / 64; ++u) x_src[u] = a_row_s[xr0 + 64 * u];
-    const int w_off = b_off_s[tid / 2];
+    constexpr int CPR = ROW / 16;  // chunks per weight row
+    const int wc = tid % CPR;
+    int w_off[W_CHUNKS];
+#pragma unroll
+    for (int u = 0; u < W_CHUNKS; ++u) w_off[u] = b_off_s[tid / CPR + u * (THREADS / CPR)];
 
     // 1024-byte-aligned start of the stages.
     const u32 raw = smem_u32(smem_raw);
@@ -155,8 +163,13 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
             const bf16* src = a.x + (i64)max(xr, 0) * a.k + kt * BK + xc * 8;
             cp_async16(x_tile(s) + r * 128 + ((xc ^ (r & 7)) << 4), src, xr >= 0);
         }
-        const u32* src = wmat + max(w_off, 0) + kt * 8 + (tid % 2) * 4;
-        cp_async16(x_tile(s) + X_BYTES + (tid / 2) * 32 + ((tid % 2) << 4), src, w_off >= 0);
+#pragma unroll
+        for (int u = 0; u < W_CHUNKS; ++u) {
+            const int r = tid / CPR + u * (THREADS / CPR);
+            const int pc = F == Q4 ? wc : q8_chunk(wc, r);
+            const u32* src = wmat + max(w_off[u], 0) + kt * (ROW / 4) + wc * 4;
+            cp_async16(x_tile(s) + X_BYTES + r * ROW + (pc << 4), src, w_off[u] >= 0);
+        }
     };
     // {scale, bias} of this thread's two rows for k-tile kt as bf16 pairs (zeros for absent rows).
     auto load_sb = [&](int kt, u32 out[2]) {
@@ -186,24 +199,42 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
         if (kt + 1 < KT) load_sb(kt + 1, sb_next);
-        // Rows r_lo and r_lo + 8 of the stage's packed weights: words 0..7 = k 8w..8w+7.
         const unsigned char* wq = smem + (kt % STAGES) * STAGE_BYTES + X_BYTES;
-        const uint4 lo0 = *reinterpret_cast<const uint4*>(wq + r_lo * 32);
-        const uint4 lo1 = *reinterpret_cast<const uint4*>(wq + r_lo * 32 + 16);
-        const uint4 hi0 = *reinterpret_cast<const uint4*>(wq + (r_lo + 8) * 32);
-        const uint4 hi1 = *reinterpret_cast<const uint4*>(wq + (r_lo + 8) * 32 + 16);
-        const u32 wlo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
-        const u32 whi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
-        const bf162 s_lo = as_bf162(__byte_perm(sb_cur[0], 0u, 0x1010)), b_lo = as_bf162(__byte_perm(sb_cur[0], 0u, 0x3232));
-        const bf162 s_hi = as_bf162(__byte_perm(sb_cur[1], 0u, 0x1010)), b_hi = as_bf162(__byte_perm(sb_cur[1], 0u, 0x3232));
-        const u32 sel = 0x4440u | t;
         u32 frag[16];  // the A registers of the four k16 steps
+        if constexpr (F == Q4) {
+            // Rows r_lo and r_lo + 8 of the stage's packed weights: words 0..7 = k 8w..8w+7.
+            const uint4 lo0 = *reinterpret_cast<const uint4*>(wq + r_lo * 32);
+            const uint4 lo1 = *reinterpret_cast<const uint4*>(wq + r_lo * 32 + 16);
+            const uint4 hi0 = *reinterpret_cast<const uint4*>(wq + (r_lo + 8) * 32);
+            const uint4 hi1 = *reinterpret_cast<const uint4*>(wq + (r_lo + 8) * 32 + 16);
+            const u32 wlo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
+            const u32 whi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
+            const bf162 s_lo = as_bf162(__byte_perm(sb_cur[0], 0u, 0x1010)), b_lo = as_bf162(__byte_perm(sb_cur[0], 0u, 0x3232));
+            const bf162 s_hi = as_bf162(__byte_perm(sb_cur[1], 0u, 0x1010)), b_hi = as_bf162(__byte_perm(sb_cur[1], 0u, 0x3232));
+            const u32 sel = 0x4440u | t;
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-            frag[4 * ks + 0] = dequant_q4(wlo[2 * ks], sel, s_lo, b_lo);
-            frag[4 * ks + 1] = dequant_q4(whi[2 * ks], sel, s_hi, b_hi);
-            frag[4 * ks + 2] = dequant_q4(wlo[2 * ks + 1], sel, s_lo, b_lo);
-            frag[4 * ks + 3] = dequant_q4(whi[2 * ks + 1], sel, s_hi, b_hi);
+            for (int ks = 0; ks < 4; ++ks) {
+                frag[4 * ks + 0] = dequant_q4(wlo[2 * ks], sel, s_lo, b_lo);
+                frag[4 * ks + 1] = dequant_q4(whi[2 * ks], sel, s_hi, b_hi);
+                frag[4 * ks + 2] = dequant_q4(wlo[2 * ks + 1], sel, s_lo, b_lo);
+                frag[4 * ks + 3] = dequant_q4(whi[2 * ks + 1], sel, s_hi, b_hi);
+            }
+        } else {
+            // k 16ks + 2t, +1 are bytes 2(t%2), +1 of word 4ks + t/2; k 16ks + 8 + 2t, +1 the same
+            // bytes of word 4ks + 2 + t/2: both in chunk ks of the row.
+            const float s_lo = __uint_as_float(sb_cur[0] << 16), b_lo = __uint_as_float(sb_cur[0] & 0xFFFF0000u);
+            const float s_hi = __uint_as_float(sb_cur[1] << 16), b_hi = __uint_as_float(sb_cur[1] & 0xFFFF0000u);
+            const u32 sel_lo = 0x7440u | (2 * (t % 2)), sel_hi = sel_lo + 1;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                const uint4 lo = *reinterpret_cast<const uint4*>(wq + r_lo * ROW + (q8_chunk(ks, r_lo) << 4));
+                const uint4 hi = *reinterpret_cast<const uint4*>(wq + (r_lo + 8) * ROW + (q8_chunk(ks, r_lo + 8) << 4));
+                const bool odd = t & 2;  // t / 2: words 1 and 3 of the chunk, else 0 and 2
+                frag[4 * ks + 0] = dequant_q8(odd ? lo.y : lo.x, sel_lo, sel_hi, s_lo, b_lo);
+                frag[4 * ks + 1] = dequant_q8(odd ? hi.y : hi.x, sel_lo, sel_hi, s_hi, b_hi);
+                frag[4 * ks + 2] = dequant_q8(odd ? lo.w : lo.z, sel_lo, sel_hi, s_lo, b_lo);
+                frag[4 * ks + 3] = dequant_q8(odd ? hi.w : hi.z, sel_lo, sel_hi, s_hi, b_hi);
+            }
         }
 
         wgmma_fence();
@@ -252,7 +283,7 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     }
 }
 
-template <int E>
+template <int E, int F>
 __device__ __forceinline__ void gemm(const GemmArgs& a) {
     __shared__ int a_row_s[BM];
     __shared__ int c_row_s[BM];
@@ -264,18 +295,20 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     token_rows(a, BM, p0, rows, a_row_s, c_row_s);
     if (tid < BN) {
         const int row = weight_row<E>(tid, blockIdx.y, a.n);
-        b_off_s[tid] = row < 0 ? -1 : row * (a.k / 8);
+        b_off_s[tid] = row < 0 ? -1 : row * (a.k * row_bytes<F>() / BK / 4);  // words per row
     }
     __syncthreads();
     // The tile's height decides N for the whole block.
-    if (rows > 64) products<E, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else products<E, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    if (rows > 64) products<E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else products<E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
 }
 
 }  // namespace
 
-#define WGMMA_KERNEL(name, E) \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<E>(a); }
+#define WGMMA_KERNEL(name, E, F) \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<E, F>(a); }
 
-WGMMA_KERNEL(wgmma_q4, STORE)
-WGMMA_KERNEL(wgmma_swiglu_q4, SWIGLU)
+WGMMA_KERNEL(wgmma_q4, STORE, Q4)
+WGMMA_KERNEL(wgmma_swiglu_q4, SWIGLU, Q4)
+WGMMA_KERNEL(wgmma_q8, STORE, Q8)
+WGMMA_KERNEL(wgmma_swiglu_q8, SWIGLU, Q8)
