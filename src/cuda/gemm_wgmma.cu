@@ -10,15 +10,17 @@
 // Block: 4 warpgroups (512 threads), tile of 256 weight rows × up to 128 token rows; warpgroup q
 // owns weight rows 64q..64q+63 and issues m64nNk16 products, N = 128 token rows (64 fp32
 // accumulators per thread) or, for a tile of at most 64 rows (an expert's last few), N = 64. Each
-// dequantised weight serves N tokens: the dequantisation (5 instructions per 2 weights) is what
-// bounds these kernels, not the tensor cores (bench/NOTES.md v1.21), so the taller tile halves it
-// per product. k-tiles of 64 columns (one quantisation group) stream through STAGES shared-memory
-// stages by cp.async: the X tile (N rows × 128 bytes, 128-byte swizzle, the layout wgmma reads)
-// and the packed Q4 words (256 rows × 32 bytes). Per k-tile kt each thread dequantises its 16 A
-// registers and issues the four k16 products; while they run, it waits for k-tile kt + 1's stage
-// (its copies, a barrier for everyone's) and refills the stage k-tile kt − 1 used (every warpgroup
-// has finished those products before the barrier); then it waits for its products (ptxas
-// serialises the products if the next fragments are written while they run).
+// dequantised weight serves N tokens: the dequantisation (5 instructions per 2 weights in Q4, 7 in
+// Q8) is what bounds these kernels, not the tensor cores (bench/NOTES.md v1.21), so the taller tile
+// halves it per product. k-tiles of 64 columns (one quantisation group) stream through STAGES
+// shared-memory stages by cp.async: the X tile (N rows × 128 bytes, 128-byte swizzle, the layout
+// wgmma reads) and the packed weights (256 rows × 32 bytes in Q4, 64 in Q8). Per k-tile kt each
+// thread dequantises its 16 A registers and issues the four k16 products; while they run, it waits
+// for k-tile kt + 1's stage (its copies, a barrier for everyone's) and refills the stage k-tile
+// kt − 1 used (every warpgroup has finished those products before the barrier); then it waits for
+// its products, whose fragment registers the next k-tile rewrites. (Two sets of fragments, so that
+// the next k-tile's dequantisation overlaps the products, cost spilled registers at N = 128 and
+// measured slower: NOTES v1.21.)
 //
 // A fragment (m64k16, bf16, as mma.m16n8k16's A per warp): lane (g = lane/4, t = lane%4) of warp
 // w (w % 4 within its warpgroup) holds rows 16w + g and 16w + g + 8 (in the block tile, w = 0..15),
