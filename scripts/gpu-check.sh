@@ -3,9 +3,11 @@
 # one call.
 #
 #   scripts/gpu-check.sh build [DIR]   on the build machine: builds the GPU test binaries and the
-#                                      lily binary (release) with feature `cuda` and copies them, without
-#                                      symbols, into DIR (default: carry/, git-ignored), with a
-#                                      copy of this script.
+#                                      lily binary (release) with feature `cuda` and packs them, without
+#                                      symbols, into DIR/bins.tar.gz (default DIR: carry/, git-ignored;
+#                                      ≈ 20 MB, where the binaries themselves are ≈ 57 MB and a call
+#                                      carries at most 64 MiB with the working tree), with a copy of
+#                                      this script.
 #   bash DIR/gpu-check.sh run [DIR]    on the GPU machine, from the repo root: runs every test
 #                                      binary in DIR, then `lily bench` and `lily bench --serve` on
 #                                      the full-size synthetic Q4 model; writes summary.txt, logs.tar
@@ -39,7 +41,7 @@ build)
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
     cd "$root" || exit 1
     mkdir -p "$dir"
-    rm -f "$dir"/cuda_* "$dir"/lily
+    rm -f "$dir"/cuda_* "$dir"/lily "$dir"/bins.tar.gz
     # The dev profile (optimised, see Cargo.toml) shares its build with `cargo test`; cargo prints
     # one JSON line per artifact, and test binaries carry "test": true in their profile.
     cargo test --features cuda --no-run --message-format=json-render-diagnostics \
@@ -65,9 +67,19 @@ for line in sys.stdin:
         objcopy --strip-all "$bin" "$dir/$name" && echo "copied $name ($(du -h "$dir/$name" | cut -f1))"
     done < "$dir/.binaries"
     rm "$dir/.binaries"
+    (cd "$dir" && tar czf bins.tar.gz cuda_* lily && rm cuda_* lily) || exit 1
+    echo "packed $dir/bins.tar.gz ($(du -h "$dir/bins.tar.gz" | cut -f1))"
     cp "${BASH_SOURCE[0]}" "$dir/gpu-check.sh"
     ;;
 run)
+    # Binaries packed by `build` are unpacked next to a copy of this script in a scratch folder
+    # (the carried folder may be read-only); loose binaries in DIR are used as they are.
+    if [[ -f "$dir/bins.tar.gz" ]]; then
+        unpacked="$(mktemp -d)"
+        tar xzf "$dir/bins.tar.gz" -C "$unpacked" 2>/dev/null \
+            || python3 -m tarfile -e "$dir/bins.tar.gz" "$unpacked" || exit 1
+        dir="$unpacked"
+    fi
     out="${OUT:-./gpu-out}"
     logs="$(mktemp -d)"
     mkdir -p "$out"
