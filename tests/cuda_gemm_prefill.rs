@@ -104,19 +104,25 @@ fn dense_case(
     );
 }
 
-/// Both 4-bit kernels: mma.sync (gemm_prefill.cu) and wgmma (gemm_wgmma.cu).
+/// Both 4-bit kernels: mma.sync (gemm_prefill.cu) and wgmma (gemm_wgmma.cu), the latter with
+/// its default and its ping-pong schedule.
 #[test]
 fn q4_matches_cpu_at_model_shapes() {
-    for wgmma in [false, true] {
-        q4_at_model_shapes(wgmma);
+    for (wgmma, pingpong) in [(false, false), (true, false), (true, true)] {
+        q4_at_model_shapes(wgmma, pingpong);
     }
 }
 
-fn q4_at_model_shapes(wgmma: bool) {
+fn q4_at_model_shapes(wgmma: bool, pingpong: bool) {
     let dev = device();
     let mut k = GemmKernels::load(&dev).expect("kernels");
     k.set_wgmma(wgmma);
-    let label = if wgmma { "q4 wgmma" } else { "q4" };
+    k.set_wgmma_pingpong(pingpong);
+    let label = match (wgmma, pingpong) {
+        (false, _) => "q4",
+        (true, false) => "q4 wgmma",
+        (true, true) => "q4 wgmma ping-pong",
+    };
     let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
         k.gemm(w, x, y).expect("gemm")
     };
@@ -149,14 +155,19 @@ fn q8_and_bf16_match_cpu() {
     let dev = device();
     let mut k = GemmKernels::load(&dev).expect("kernels");
     let mut rng = rng("q8/bf16 gemm");
-    // Q8 on both kernels (wgmma, mma.sync): the router (256 experts), the shared-expert gate (one
-    // row), odd widths, a 4K-token chunk.
-    for wgmma in [true, false] {
+    // Q8 on both kernels (wgmma with either schedule, mma.sync): the router (256 experts), the
+    // shared-expert gate (one row), odd widths, a 4K-token chunk.
+    for (wgmma, pingpong) in [(true, false), (true, true), (false, false)] {
         k.set_wgmma(wgmma);
+        k.set_wgmma_pingpong(pingpong);
         let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
             k.gemm(w, x, y).expect("gemm")
         };
-        let label = if wgmma { "q8 wgmma" } else { "q8" };
+        let label = match (wgmma, pingpong) {
+            (false, _) => "q8",
+            (true, false) => "q8 wgmma",
+            (true, true) => "q8 wgmma ping-pong",
+        };
         for (n, cols, t) in [
             (256, 2048, 300),
             (1, 2048, 100),
@@ -225,20 +236,21 @@ fn cublas_path_matches_cpu() {
 /// `act = silu(x·gateᵀ) ⊙ (x·upᵀ)` from one gate‖up matrix, against the CPU; Q4 on both kernels.
 #[test]
 fn swiglu_matches_cpu() {
-    for wgmma in [false, true] {
-        swiglu_cases(wgmma);
+    for (wgmma, pingpong) in [(false, false), (true, false), (true, true)] {
+        swiglu_cases(wgmma, pingpong);
     }
 }
 
-fn swiglu_cases(wgmma: bool) {
+fn swiglu_cases(wgmma: bool, pingpong: bool) {
     let dev = device();
     let s = dev.stream();
     let mut g = GemmKernels::load(&dev).expect("kernels");
     g.set_wgmma(wgmma);
-    let mut rng = rng(if wgmma {
-        "swiglu gemm wgmma"
-    } else {
-        "swiglu gemm"
+    g.set_wgmma_pingpong(pingpong);
+    let mut rng = rng(match (wgmma, pingpong) {
+        (false, _) => "swiglu gemm",
+        (true, false) => "swiglu gemm wgmma",
+        (true, true) => "swiglu gemm wgmma ping-pong",
     });
     // The shared expert (I = 512), the test model's (I = 128), a partial last tile, an odd I.
     let cases = [
@@ -259,7 +271,9 @@ fn swiglu_cases(wgmma: bool) {
         let mut act = Output::new(s, t * inter);
         g.gemm_swiglu(&dm.view(), &dx.as_view(), &mut act.view())
             .expect("gemm_swiglu");
-        let what = format!("swiglu {kind:?} I={inter} K={k} × {t} tokens (wgmma: {wgmma})");
+        let what = format!(
+            "swiglu {kind:?} I={inter} K={k} × {t} tokens (wgmma: {wgmma}, ping-pong: {pingpong})"
+        );
         let got = act.get(s, &what);
         let rows = rows_to_check(&mut rng, t);
         let xs = gather(&xf, &rows, k);
@@ -339,6 +353,10 @@ fn timing_at_4096_tokens() {
     g.set_wgmma(false); // the "fused" column: mma.sync
     let mut gw = GemmKernels::load(&dev).expect("kernels");
     gw.set_wgmma(true);
+    gw.set_wgmma_pingpong(false);
+    let mut gp = GemmKernels::load(&dev).expect("kernels");
+    gp.set_wgmma(true);
+    gp.set_wgmma_pingpong(true);
     let mut rng = rng("gemm timing");
     const T: usize = 4096;
     // (what, kind, rows, cols, swiglu, layers using it)
@@ -359,7 +377,7 @@ fn timing_at_4096_tokens() {
     // in tests/cuda_moe.rs.
     let mut mixer_ms = 0.0;
     let mut dense = DenseGemm::new(&dev, 12352 * 2048).expect("cuBLAS");
-    println!("| product | rows × cols | fused ms @4096 (TFLOP/s) | wgmma ms @4096 (TFLOP/s) | cuBLAS path ms @4096 (TFLOP/s) | ms @512 fused / cuBLAS | layers | best ms per 4K prefill |");
+    println!("| product | rows × cols | fused ms @4096 (TFLOP/s) | wgmma ms @4096 (TFLOP/s) | wgmma ping-pong ms @4096 (TFLOP/s) | cuBLAS path ms @4096 (TFLOP/s) | ms @512 fused / cuBLAS | layers | best ms per 4K prefill |");
     for (what, kind, n, k, swiglu, layers) in shapes {
         let m = random_weights(&mut rng, kind, n, k);
         let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
@@ -376,11 +394,7 @@ fn timing_at_4096_tokens() {
             })
         };
         let ms = fused(&g);
-        let wg = if kind == Kind::Q4 {
-            fused(&gw)
-        } else {
-            f32::NAN
-        };
+        let (wg, wp) = (fused(&gw), fused(&gp));
         // The cuBLAS path (dequantise + cuBLAS) for the plain products, at 4096 and 512 tokens,
         // beside the fused kernel at 512.
         let mut cublas = |t: usize, yv: &mut CudaViewMut<bf16>| {
@@ -401,7 +415,7 @@ fn timing_at_4096_tokens() {
             (cublas(T, &mut yv), cublas(512, &mut yv), f512)
         };
         let tflops = |ms: f32, t: usize| 2.0 * (t * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
-        let best = [ms, wg, cb]
+        let best = [ms, wg, wp, cb]
             .into_iter()
             .filter(|v| !v.is_nan())
             .fold(f32::INFINITY, f32::min);
@@ -409,9 +423,10 @@ fn timing_at_4096_tokens() {
             mixer_ms += best as f64 * layers as f64;
         }
         println!(
-            "| {what} | {n} × {k} | {ms:.3} ({:.0}) | {wg:.3} ({:.0}) | {cb:.3} ({:.0}) | {fused512:.3} / {cb512:.3} | {layers} | {:.2} |",
+            "| {what} | {n} × {k} | {ms:.3} ({:.0}) | {wg:.3} ({:.0}) | {wp:.3} ({:.0}) | {cb:.3} ({:.0}) | {fused512:.3} / {cb512:.3} | {layers} | {:.2} |",
             tflops(ms, T),
             tflops(wg, T),
+            tflops(wp, T),
             tflops(cb, T),
             best as f64 * layers as f64
         );

@@ -255,6 +255,22 @@ impl Experts {
     }
 }
 
+/// Which prefill GEMM kernel a case runs: mma.sync (gemm_prefill.cu) or wgmma (gemm_wgmma.cu), the
+/// latter with its default or its ping-pong schedule.
+#[derive(Clone, Copy, Debug)]
+enum Kernel {
+    MmaSync,
+    Wgmma,
+    WgmmaPingPong,
+}
+
+impl Kernel {
+    fn select(self, g: &mut GemmKernels) {
+        g.set_wgmma(!matches!(self, Kernel::MmaSync));
+        g.set_wgmma_pingpong(matches!(self, Kernel::WgmmaPingPong));
+    }
+}
+
 /// The grouped gate‖up (SwiGLU) and down products for `ids`, element by element against the CPU.
 fn grouped_case(
     dev: &CudaDevice,
@@ -262,14 +278,14 @@ fn grouped_case(
     ex: &Experts,
     routing: Routing,
     tokens: usize,
-    (tile_rows, wgmma): (usize, bool),
+    (tile_rows, kernel): (usize, Kernel),
 ) {
     let s = dev.stream();
     let (mk, mut g) = (
         MoeKernels::load(dev).expect("kernels"),
         GemmKernels::load(dev).expect("kernels"),
     );
-    g.set_wgmma(wgmma);
+    kernel.select(&mut g);
     let experts = ex.host.len();
     let (hidden, inter) = (ex.host[0].gate.cols, ex.host[0].gate.rows);
     let pairs = tokens * TOP_K;
@@ -278,7 +294,7 @@ fn grouped_case(
     let dx = upload(s, &xb);
     let groups = group_on_gpu(s, &mk, &ids, experts, tile_rows);
     let what = format!(
-        "{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}] (tiles of {tile_rows}, wgmma: {wgmma})"
+        "{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}] (tiles of {tile_rows}, {kernel:?})"
     );
     check_grouping(s, &groups, &ids, experts, &what);
     let mut act = Output::new(s, pairs * inter);
@@ -369,11 +385,12 @@ fn grouped_experts_match_cpu() {
     // products, taller ones N = 128; and of 64 rows).
     let real = Experts::random(s, &mut rng, Kind::Q4, 256, 2048, 512);
     for kernel in [
-        (64, false),
-        (32, false),
-        (16, false),
-        (128, true),
-        (64, true),
+        (64, Kernel::MmaSync),
+        (32, Kernel::MmaSync),
+        (16, Kernel::MmaSync),
+        (128, Kernel::Wgmma),
+        (64, Kernel::Wgmma),
+        (128, Kernel::WgmmaPingPong),
     ] {
         grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600, kernel);
@@ -387,25 +404,86 @@ fn grouped_experts_match_cpu() {
     let small_q4 = Experts::random(s, &mut rng, Kind::Q4, 16, 512, 128);
     let q8 = Experts::random(s, &mut rng, Kind::Q8, 12, 256, 192);
     for rows in TILE_HEIGHTS {
-        grouped_case(&dev, &mut rng, &small, Routing::Uniform, 300, (rows, false));
-        grouped_case(&dev, &mut rng, &small, Routing::Skewed, 44, (rows, false));
-        grouped_case(&dev, &mut rng, &q8, Routing::Uniform, 100, (rows, false));
+        grouped_case(
+            &dev,
+            &mut rng,
+            &small,
+            Routing::Uniform,
+            300,
+            (rows, Kernel::MmaSync),
+        );
+        grouped_case(
+            &dev,
+            &mut rng,
+            &small,
+            Routing::Skewed,
+            44,
+            (rows, Kernel::MmaSync),
+        );
+        grouped_case(
+            &dev,
+            &mut rng,
+            &q8,
+            Routing::Uniform,
+            100,
+            (rows, Kernel::MmaSync),
+        );
     }
-    grouped_case(&dev, &mut rng, &small_q4, Routing::Skewed, 300, (64, true));
+    grouped_case(
+        &dev,
+        &mut rng,
+        &small_q4,
+        Routing::Skewed,
+        300,
+        (64, Kernel::Wgmma),
+    );
     grouped_case(
         &dev,
         &mut rng,
         &small_q4,
         Routing::Uniform,
         300,
-        (128, true),
+        (128, Kernel::Wgmma),
     );
-    grouped_case(&dev, &mut rng, &q8, Routing::Uniform, 100, (128, true));
-    grouped_case(&dev, &mut rng, &q8, Routing::Skewed, 300, (128, true));
+    grouped_case(
+        &dev,
+        &mut rng,
+        &q8,
+        Routing::Uniform,
+        100,
+        (128, Kernel::Wgmma),
+    );
+    grouped_case(
+        &dev,
+        &mut rng,
+        &q8,
+        Routing::Skewed,
+        300,
+        (128, Kernel::Wgmma),
+    );
     // Q8 at the real shapes on wgmma (what GGUF K-quants and FP8 checkpoints run as).
     let real_q8 = Experts::random(s, &mut rng, Kind::Q8, 256, 2048, 512);
-    grouped_case(&dev, &mut rng, &real_q8, Routing::Skewed, 600, (128, true));
-    grouped_case(&dev, &mut rng, &real_q8, Routing::Same, 200, (128, true));
+    grouped_case(
+        &dev,
+        &mut rng,
+        &real_q8,
+        Routing::Skewed,
+        600,
+        (128, Kernel::Wgmma),
+    );
+    grouped_case(
+        &dev,
+        &mut rng,
+        &real_q8,
+        Routing::Same,
+        200,
+        (128, Kernel::Wgmma),
+    );
+    for kernel in [(128, Kernel::WgmmaPingPong), (64, Kernel::WgmmaPingPong)] {
+        grouped_case(&dev, &mut rng, &small_q4, Routing::Uniform, 300, kernel);
+        grouped_case(&dev, &mut rng, &q8, Routing::Skewed, 300, kernel);
+        grouped_case(&dev, &mut rng, &real_q8, Routing::Same, 200, kernel);
+    }
 }
 
 fn real_config() -> ModelConfig {
@@ -687,19 +765,20 @@ fn timing_grouped_moe_at_4096_tokens() {
         s.memcpy_htod(&ids, &mut b.ids.slice_mut(..pairs))
             .expect("ids");
         let kernels = [
-            (64, false),
-            (128, true),
-            (64, true),
-            (32, false),
-            (16, false),
+            (64, Kernel::MmaSync),
+            (128, Kernel::Wgmma),
+            (128, Kernel::WgmmaPingPong),
+            (64, Kernel::Wgmma),
+            (32, Kernel::MmaSync),
+            (16, Kernel::MmaSync),
         ];
-        for (rows, wgmma) in kernels {
+        for (rows, kernel) in kernels {
             let group_ms = median_ms(&dev, 20, || {
                 mk.group_by_expert(&b.ids.slice(..pairs), TOP_K, rows, &mut groups)
                     .expect("group")
             });
             let mut g = GemmKernels::load(&dev).expect("kernels");
-            g.set_wgmma(wgmma);
+            kernel.select(&mut g);
             let gu_ms = median_ms(&dev, 10, || {
                 g.experts_gate_up(
                     &ex.gate_up.view(),
@@ -721,7 +800,7 @@ fn timing_grouped_moe_at_4096_tokens() {
             let tf = |flop: f64, ms: f32| flop / (ms as f64 * 1e-3) / 1e12;
             let p = pairs as f64;
             println!(
-                "{routing:?} routing, {tokens} tokens, tiles of {rows} (wgmma: {wgmma}): grouping {group_ms:.3} ms; gate‖up+SwiGLU {gu_ms:.3} ms ({:.0} TFLOP/s); down {down_ms:.3} ms ({:.0} TFLOP/s)",
+                "{routing:?} routing, {tokens} tokens, tiles of {rows} ({kernel:?}): grouping {group_ms:.3} ms; gate‖up+SwiGLU {gu_ms:.3} ms ({:.0} TFLOP/s); down {down_ms:.3} ms ({:.0} TFLOP/s)",
                 tf(2.0 * p * (2 * inter * h) as f64, gu_ms),
                 tf(2.0 * p * (h * inter) as f64, down_ms)
             );

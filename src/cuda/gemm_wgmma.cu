@@ -119,7 +119,7 @@ template <int E> __device__ __forceinline__ int weight_row(int r, int col_tile, 
 
 // The block's products for a tile of `rows` ≤ N token rows of matrix `mat`: the tables of
 // gemm<E> (X row, Y row of each token row; word offset of each weight row) are in place.
-template <int E, int F, int N>
+template <int E, int F, bool PINGPONG, int N>
 __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, const int* a_row_s, const int* c_row_s,
                                          const int* b_off_s) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -182,27 +182,10 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
             out[h] = sb_off[h] < 0 ? 0u : (u32)__ldg(s + sb_off[h] + kt) | ((u32)__ldg(b + sb_off[h] + kt) << 16);
     };
 
-    const int KT = a.k / BK;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) load_tile(s, s);
-        cp_async_commit();  // possibly empty: keeps the group count uniform for the waits below
-    }
-    cp_async_wait<STAGES - 2>();  // k-tile 0 has landed (this thread's copies) ...
-    fence_async_shared();         // ... is visible to the tensor cores ...
-    __syncthreads();              // ... and so is everyone's
-    u32 sb_cur[2], sb_next[2] = {0u, 0u};
-    load_sb(0, sb_cur);
-
-    float d[N / 2];
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
-
-#pragma unroll 1
-    for (int kt = 0; kt < KT; ++kt) {
-        if (kt + 1 < KT) load_sb(kt + 1, sb_next);
+    // This thread's 16 A registers (four k16 steps) of k-tile kt from its stage, with {scale, bias}
+    // sb of the thread's two rows.
+    auto dequantise = [&](int kt, const u32 sb[2], u32 frag[16]) {
         const unsigned char* wq = smem + (kt % STAGES) * STAGE_BYTES + X_BYTES;
-        u32 frag[16];  // the A registers of the four k16 steps
         if constexpr (F == Q4) {
             // Rows r_lo and r_lo + 8 of the stage's packed weights: words 0..7 = k 8w..8w+7.
             const uint4 lo0 = *reinterpret_cast<const uint4*>(wq + r_lo * 32);
@@ -211,8 +194,8 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
             const uint4 hi1 = *reinterpret_cast<const uint4*>(wq + (r_lo + 8) * 32 + 16);
             const u32 wlo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
             const u32 whi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
-            const bf162 s_lo = as_bf162(__byte_perm(sb_cur[0], 0u, 0x1010)), b_lo = as_bf162(__byte_perm(sb_cur[0], 0u, 0x3232));
-            const bf162 s_hi = as_bf162(__byte_perm(sb_cur[1], 0u, 0x1010)), b_hi = as_bf162(__byte_perm(sb_cur[1], 0u, 0x3232));
+            const bf162 s_lo = as_bf162(__byte_perm(sb[0], 0u, 0x1010)), b_lo = as_bf162(__byte_perm(sb[0], 0u, 0x3232));
+            const bf162 s_hi = as_bf162(__byte_perm(sb[1], 0u, 0x1010)), b_hi = as_bf162(__byte_perm(sb[1], 0u, 0x3232));
             const u32 sel = 0x4440u | t;
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks) {
@@ -224,8 +207,8 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
         } else {
             // k 16ks + 2t, +1 are bytes 2(t%2), +1 of word 4ks + t/2; k 16ks + 8 + 2t, +1 the same
             // bytes of word 4ks + 2 + t/2: both in chunk ks of the row.
-            const float s_lo = __uint_as_float(sb_cur[0] << 16), b_lo = __uint_as_float(sb_cur[0] & 0xFFFF0000u);
-            const float s_hi = __uint_as_float(sb_cur[1] << 16), b_hi = __uint_as_float(sb_cur[1] & 0xFFFF0000u);
+            const float s_lo = __uint_as_float(sb[0] << 16), b_lo = __uint_as_float(sb[0] & 0xFFFF0000u);
+            const float s_hi = __uint_as_float(sb[1] << 16), b_hi = __uint_as_float(sb[1] & 0xFFFF0000u);
             const u32 sel_lo = 0x7440u | (2 * (t % 2)), sel_hi = sel_lo + 1;
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks) {
@@ -238,28 +221,110 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
                 frag[4 * ks + 3] = dequant_q8(odd ? hi.w : hi.z, sel_lo, sel_hi, s_hi, b_hi);
             }
         }
-
+    };
+    float d[N / 2];
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
+    // The four k16 products of k-tile kt, asynchronous (one commit group).
+    auto issue = [&](int kt, const u32 frag[16]) {
         wgmma_fence();
         const u32 xb = x_tile(kt % STAGES);
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks) wgmma_k16<N>(d, &frag[4 * ks], smem_desc(xb + ks * 32));
         wgmma_commit();
         fence_accumulators<N>(d);
+    };
 
-        // While the products run: the next k-tile's stage ready for everyone, and a refill.
-        if (kt + 1 < KT) {
-            cp_async_wait<STAGES - 3>();  // this thread's copies of k-tile kt + 1 have landed ...
-            fence_async_shared();
-            __syncthreads();  // ... and everyone's; every warpgroup is past k-tile kt − 1's products
-            const int next = kt + STAGES - 1;
-            if (next < KT) load_tile(next, next % STAGES);  // into the stage of k-tile kt − 1
+    const int KT = a.k / BK;
+    u32 frag[16];
+    u32 sb[2];
+    if constexpr (!PINGPONG) {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < KT) load_tile(s, s);
+            cp_async_commit();  // possibly empty: keeps the group count uniform for the waits below
+        }
+        cp_async_wait<STAGES - 2>();  // k-tile 0 has landed (this thread's copies) ...
+        fence_async_shared();         // ... is visible to the tensor cores ...
+        __syncthreads();              // ... and so is everyone's
+        load_sb(0, sb);
+#pragma unroll 1
+        for (int kt = 0; kt < KT; ++kt) {
+            dequantise(kt, sb, frag);
+            if (kt + 1 < KT) load_sb(kt + 1, sb);
+            issue(kt, frag);
+            // While the products run: the next k-tile's stage ready for everyone, and a refill.
+            if (kt + 1 < KT) {
+                cp_async_wait<STAGES - 3>();  // this thread's copies of k-tile kt + 1 have landed ...
+                fence_async_shared();
+                __syncthreads();  // ... and everyone's; every warpgroup is past k-tile kt − 1's products
+                const int next = kt + STAGES - 1;
+                if (next < KT) load_tile(next, next % STAGES);  // into the stage of k-tile kt − 1
+                cp_async_commit();
+            }
+            wgmma_wait<0>();  // the fragments are free again
+            fence_accumulators<N>(d);
+        }
+    } else {
+        // Ping-pong: warpgroups 0, 1 (pair A) and 2, 3 (pair B) take turns on the tensor cores, so
+        // that one pair's products run while the other pair dequantises. Each k-tile has two
+        // half-steps, each closed by a block barrier: in the first, A issues k-tile kt (dequantised
+        // in the half-step before) while B waits for its products of kt − 1 and dequantises kt; in
+        // the second, B issues kt while A waits for its products of kt and dequantises kt + 1. A
+        // pair issues right after a barrier, behind the other pair's products still queued, so
+        // the tensor cores are never left without work for a dequantisation.
+        // Stages: prologue copies k-tiles 0 .. STAGES − 1; after k-tile kt's second barrier, every
+        // product and every read of k-tile kt − 1 is done, and its stage takes k-tile
+        // kt − 1 + STAGES. So k-tile m ≥ STAGES is copy group m + 1 (group STAGES is the empty
+        // one of kt = 0), and before kt's first barrier, of the STAGES + kt groups committed, all
+        // but the last STAGES − 3 must have landed for k-tile kt + 1 to be there.
+        const bool pair_a = warp < 8;
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            if (s < KT) load_tile(s, s);
             cp_async_commit();
         }
-        wgmma_wait<0>();  // the fragments are free again
-        fence_accumulators<N>(d);
-        sb_cur[0] = sb_next[0];
-        sb_cur[1] = sb_next[1];
+        cp_async_wait<STAGES - 1>();  // k-tile 0
+        fence_async_shared();
+        __syncthreads();
+        load_sb(0, sb);
+        if (pair_a) {
+            dequantise(0, sb, frag);
+            if (1 < KT) load_sb(1, sb);
+        }
+#pragma unroll 1
+        for (int kt = 0; kt < KT; ++kt) {
+            if (pair_a) {
+                issue(kt, frag);
+            } else {
+                wgmma_wait<0>();  // B's products of k-tile kt − 1: its fragments are free
+                fence_accumulators<N>(d);
+                dequantise(kt, sb, frag);
+                if (kt + 1 < KT) load_sb(kt + 1, sb);
+            }
+            if (kt + 1 < KT) {
+                cp_async_wait<STAGES - 3>();  // k-tile kt + 1 has landed (this thread's copies)
+                fence_async_shared();
+            }
+            __syncthreads();
+            if (!pair_a) {
+                issue(kt, frag);
+            } else {
+                wgmma_wait<0>();  // A's products of k-tile kt
+                fence_accumulators<N>(d);
+                if (kt + 1 < KT) {
+                    dequantise(kt + 1, sb, frag);
+                    if (kt + 2 < KT) load_sb(kt + 2, sb);
+                }
+            }
+            __syncthreads();  // k-tile kt − 1 is done with: its stage takes k-tile kt − 1 + STAGES
+            const int next = kt - 1 + STAGES;
+            if (kt >= 1 && next < KT) load_tile(next, next % STAGES);
+            cp_async_commit();
+        }
     }
+    wgmma_wait<0>();
+    fence_accumulators<N>(d);
     cp_async_wait<0>();
 
     // Epilogue: d[4i + e] = D[tile row r_lo + 8(e/2)][token 8i + 2t + e%2] (see the top).
@@ -285,7 +350,7 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     }
 }
 
-template <int E, int F>
+template <int E, int F, bool PINGPONG>
 __device__ __forceinline__ void gemm(const GemmArgs& a) {
     __shared__ int a_row_s[BM];
     __shared__ int c_row_s[BM];
@@ -301,16 +366,22 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     }
     __syncthreads();
     // The tile's height decides N for the whole block.
-    if (rows > 64) products<E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else products<E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    if (rows > 64) products<E, F, PINGPONG, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else products<E, F, PINGPONG, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
 }
 
 }  // namespace
 
-#define WGMMA_KERNEL(name, E, F) \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<E, F>(a); }
+// The `_pingpong` kernels run the ping-pong schedule of products() (LILY_WGMMA_PINGPONG=1, under
+// trial).
+#define WGMMA_KERNEL(name, E, F, PINGPONG) \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<E, F, PINGPONG>(a); }
 
-WGMMA_KERNEL(wgmma_q4, STORE, Q4)
-WGMMA_KERNEL(wgmma_swiglu_q4, SWIGLU, Q4)
-WGMMA_KERNEL(wgmma_q8, STORE, Q8)
-WGMMA_KERNEL(wgmma_swiglu_q8, SWIGLU, Q8)
+WGMMA_KERNEL(wgmma_q4, STORE, Q4, false)
+WGMMA_KERNEL(wgmma_swiglu_q4, SWIGLU, Q4, false)
+WGMMA_KERNEL(wgmma_q8, STORE, Q8, false)
+WGMMA_KERNEL(wgmma_swiglu_q8, SWIGLU, Q8, false)
+WGMMA_KERNEL(wgmma_q4_pingpong, STORE, Q4, true)
+WGMMA_KERNEL(wgmma_swiglu_q4_pingpong, SWIGLU, Q4, true)
+WGMMA_KERNEL(wgmma_q8_pingpong, STORE, Q8, true)
+WGMMA_KERNEL(wgmma_swiglu_q8_pingpong, SWIGLU, Q8, true)
