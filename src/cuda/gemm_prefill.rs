@@ -197,7 +197,7 @@ impl GemmKernels {
         })
     }
 
-    /// Runs 4-bit products on the wgmma kernel (or not); on unless `LILY_WGMMA=0`.
+    /// Runs 4- and 8-bit products on the wgmma kernel (or not); on unless `LILY_WGMMA=0`.
     pub fn set_wgmma(&mut self, on: bool) {
         self.use_wgmma = on;
     }
@@ -221,11 +221,15 @@ impl GemmKernels {
     /// short prompt), 32 up to 48, else 64 — a 64-row tile of a few rows is mostly padding, whose
     /// tensor work costs as much as real rows — or, for 4/8-bit weights on the wgmma kernel, 128
     /// (its tiles of at most 64 rows run shorter products, so they pad no more than 64-row tiles).
+    /// `LILY_EXPERT_TILE_ROWS` forces one height (128 only where the wgmma kernel runs these
+    /// weights; elsewhere it means 64).
     pub fn expert_tile_rows(&self, pairs: usize, experts: usize, w: &Matrices) -> usize {
-        if let Some(rows) = self.expert_tile_override {
-            return rows;
-        }
         let wgmma = self.use_wgmma && check_matrices(w).is_ok_and(Format::on_wgmma);
+        match self.expert_tile_override {
+            Some(WGMMA_TILE_ROWS) if !wgmma => return TILE_ROWS,
+            Some(rows) => return rows,
+            None => {}
+        }
         match pairs.div_ceil(experts.max(1)) {
             0..=16 => 16,
             17..=48 => 32,
