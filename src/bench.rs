@@ -4,7 +4,8 @@
 
 use std::time::Instant;
 
-use crate::model::{Backend, OpTime, SeqId};
+use crate::model::{Backend, OpTime, SeqId, Step, StepOutput};
+use crate::sampling::DeviceSampling;
 
 /// The contexts of the standard sweep.
 pub const CONTEXTS: [usize; 10] = [
@@ -121,7 +122,16 @@ pub struct ProfilePoint {
     pub decode_steps: usize,
     pub prefill: Vec<OpTime>,
     pub decode: Vec<OpTime>,
+    /// The same decode steps for [`PROFILE_BATCH`] sequences at once (shared passes, as the
+    /// server runs concurrent streams), at contexts up to [`PROFILE_BATCH_MAX_CONTEXT`].
+    pub batched_decode: Option<Vec<OpTime>>,
 }
+
+/// Sequences per decode step in the batched part of a profile: issue 10's 8 streams.
+pub const PROFILE_BATCH: usize = 8;
+/// Longest context whose profile also times batched decode steps (their prompts are
+/// PROFILE_BATCH prefills of the context each).
+pub const PROFILE_BATCH_MAX_CONTEXT: usize = 4096;
 
 /// Times the ops of one prefill and `steps` decode steps at each context, or None where the
 /// backend cannot time its ops. Run it after the sweep: it takes the sweep's shapes as warm.
@@ -152,14 +162,71 @@ pub fn profile(
                 decode_steps: steps,
                 prefill,
                 decode: backend.take_op_times(),
+                batched_decode: None,
             })
         };
         let point = run();
         backend.free_sequence(seq);
-        points.push(point?);
+        let mut point = point?;
+        if context <= PROFILE_BATCH_MAX_CONTEXT {
+            // Reported beside the rest, never in its way: a failure here costs only this table.
+            seq += PROFILE_BATCH as SeqId;
+            match profile_batched_decode(backend, seq, context, steps) {
+                Ok(ops) => point.batched_decode = Some(ops),
+                Err(e) => eprintln!("profile: batched decode at context {context}: {e:#}"),
+            }
+        }
+        points.push(point);
     }
     backend.set_op_timing(false);
     Ok(Some(points))
+}
+
+/// The op times of `steps` decode steps of PROFILE_BATCH sequences at once (sequence ids
+/// `first − PROFILE_BATCH + 1 ..= first`), each after its own prompt of `context` tokens; the
+/// sequences are freed again. Empty where the backend does not time its ops.
+pub fn profile_batched_decode(
+    backend: &mut dyn Backend,
+    first: SeqId,
+    context: usize,
+    steps: usize,
+) -> anyhow::Result<Vec<OpTime>> {
+    let vocab = backend.config().vocab_size;
+    let seqs: Vec<SeqId> = (0..PROFILE_BATCH as SeqId).map(|i| first - i).collect();
+    let run = |backend: &mut dyn Backend| -> anyhow::Result<Vec<OpTime>> {
+        let mut next = Vec::with_capacity(seqs.len());
+        for (i, &seq) in seqs.iter().enumerate() {
+            backend.create_sequence(seq)?;
+            let prompt = synthetic_prompt(context, vocab, (context + i) as u64);
+            next.push(backend.forward_greedy(seq, &prompt)?);
+        }
+        let greedy = DeviceSampling::greedy(vocab);
+        backend.take_op_times();
+        for _ in 0..steps {
+            let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+            let batch: Vec<Step> = seqs
+                .iter()
+                .zip(&tokens)
+                .map(|(&seq, token)| Step {
+                    seq,
+                    tokens: token,
+                    sample: Some((&greedy, 0.0)),
+                })
+                .collect();
+            for (slot, out) in backend.forward_batch(&batch).into_iter().enumerate() {
+                next[slot] = match out? {
+                    StepOutput::Token(t) => t,
+                    StepOutput::Logits(l) => crate::model::argmax(&l),
+                };
+            }
+        }
+        Ok(backend.take_op_times())
+    };
+    let ops = run(backend);
+    for &seq in &seqs {
+        backend.free_sequence(seq);
+    }
+    ops
 }
 
 /// Tables of a profile: time per section of the forward pass, then per kernel; prefill in ms
@@ -213,8 +280,52 @@ pub fn profile_markdown(points: &[ProfilePoint]) -> String {
         table("section: kernel", |o| {
             format!("{}: {}", o.section, o.kernel)
         });
+        if let Some(batched) = &p.batched_decode {
+            s += &batched_markdown(&p.decode, batched, steps);
+        }
     }
     s
+}
+
+/// The batched decode steps beside the single-sequence ones, by section: µs per step each, and
+/// how many times longer the batched step is (issue 10 asks each of 8 streams to decode at ≥ 60 %
+/// of one stream's speed alone: a batched step at most 1 / 0.6 ≈ 1.67× the single step).
+fn batched_markdown(single: &[OpTime], batched: &[OpTime], steps: f64) -> String {
+    let total = |ops: &[OpTime]| ops.iter().map(|o| o.ms).sum::<f64>();
+    let (one, many) = (total(single) * 1e3 / steps, total(batched) * 1e3 / steps);
+    let mut s = format!(
+        "Decode with {PROFILE_BATCH} sequences per step: {many:.0} µs per step ({:.2}× one sequence's {one:.0} µs)\n\n",
+        if one > 0.0 { many / one } else { 0.0 }
+    );
+    let mut rows: Vec<(String, f64, f64)> = Vec::new();
+    for (ops, col) in [(single, 0), (batched, 1)] {
+        for o in ops {
+            let i = match rows.iter().position(|r| r.0 == o.section) {
+                Some(i) => i,
+                None => {
+                    rows.push((o.section.clone(), 0.0, 0.0));
+                    rows.len() - 1
+                }
+            };
+            let us = o.ms * 1e3 / steps;
+            if col == 0 {
+                rows[i].1 += us;
+            } else {
+                rows[i].2 += us;
+            }
+        }
+    }
+    rows.sort_by(|a, b| b.2.total_cmp(&a.2));
+    s += &format!("| section | µs/step, 1 sequence | µs/step, {PROFILE_BATCH} sequences | ratio |\n|---|---:|---:|---:|\n");
+    for (section, a, b) in rows {
+        let ratio = if a > 0.0 {
+            format!("{:.2}×", b / a)
+        } else {
+            "–".into()
+        };
+        s += &format!("| {section} | {a:.1} | {b:.1} | {ratio} |\n");
+    }
+    s + "\n"
 }
 
 pub fn to_csv(points: &[BenchPoint]) -> String {

@@ -5,7 +5,7 @@ mod common;
 
 use lily::bench::{self, ProfilePoint};
 use lily::checkpoint;
-use lily::model::{CpuBackend, OpTime};
+use lily::model::{Backend, CpuBackend, OpTime};
 
 fn op(section: &str, kernel: &str, ms: f64) -> OpTime {
     OpTime {
@@ -33,6 +33,11 @@ fn profile_tables_sum_by_section_and_by_kernel() {
             op("moe experts", "gemv slots", 2.0),
             op("attn mixer", "attention decode_split", 2.0),
         ],
+        // 8 sequences: experts 3× as long, attention 2×.
+        batched_decode: Some(vec![
+            op("moe experts", "gemv slots", 6.0),
+            op("attn mixer", "attention decode_split", 4.0),
+        ]),
     };
     let md = bench::profile_markdown(&[point]);
     assert!(
@@ -64,6 +69,40 @@ fn profile_tables_sum_by_section_and_by_kernel() {
         md.contains("| attn mixer: attention decode_split | 0.00 | 0.0 % | 500.0 | 50.0 % |"),
         "{md}"
     );
+    // The batched steps beside the single ones, by section, longest batched first.
+    assert!(
+        md.contains(
+            "Decode with 8 sequences per step: 2500 µs per step (2.50× one sequence's 1000 µs)"
+        ),
+        "{md}"
+    );
+    let batched: Vec<&str> = md
+        .lines()
+        .skip_while(|l| !l.starts_with("| section | µs/step, 1 sequence |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .collect();
+    assert_eq!(
+        batched,
+        [
+            "| moe experts | 500.0 | 1500.0 | 3.00× |",
+            "| attn mixer | 500.0 | 1000.0 | 2.00× |",
+        ],
+        "{md}"
+    );
+}
+
+#[test]
+fn batched_decode_steps_run_and_free_their_sequences() {
+    let weights = checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
+    let mut cpu = CpuBackend::new(weights);
+    // No op timing on the CPU: nothing to report, but the 8 sequences prefill, decode together
+    // and are freed (a step for any of them fails: unknown sequence).
+    let ops = bench::profile_batched_decode(&mut cpu, 100, 12, 3).unwrap();
+    assert!(ops.is_empty());
+    for seq in 100 - bench::PROFILE_BATCH as u64 + 1..=100 {
+        assert!(cpu.forward(seq, &[1]).is_err(), "sequence {seq} was not freed");
+    }
 }
 
 #[test]

@@ -240,17 +240,7 @@ pub fn greedy_device_sampler(vocab_limit: usize) -> Box<dyn DeviceSampler> {
             }
         }
     }
-    Box::new(Greedy(DeviceSampling {
-        temperature: 0.0,
-        top_k: None,
-        top_p: 1.0,
-        min_p: 0.0,
-        repetition_penalty: 1.0,
-        frequency_penalty: 0.0,
-        presence_penalty: 0.0,
-        vocab_limit,
-        history: Vec::new(),
-    }))
+    Box::new(Greedy(DeviceSampling::greedy(vocab_limit)))
 }
 
 /// A greedy sampler (argmax, lowest index on ties) with no logprobs: tests and `generate`.

@@ -26,6 +26,21 @@ pub struct DeviceSampling {
 }
 
 impl DeviceSampling {
+    /// The argmax (lowest id on ties) below `vocab_limit`, no penalties.
+    pub fn greedy(vocab_limit: usize) -> Self {
+        DeviceSampling {
+            temperature: 0.0,
+            top_k: None,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            vocab_limit,
+            history: Vec::new(),
+        }
+    }
+
     pub fn is_greedy(&self) -> bool {
         self.temperature < GREEDY_TEMPERATURE
     }
