@@ -246,24 +246,7 @@ pub fn profile_markdown(points: &[ProfilePoint]) -> String {
         let share = |ms: f64, all: f64| if all > 0.0 { 100.0 * ms / all } else { 0.0 };
         let mut table = |title: &str, key: fn(&OpTime) -> String| {
             // Rows in order of prefill time, then decode-only rows in order of decode time.
-            let mut rows: Vec<(String, f64, f64)> = Vec::new();
-            for (ops, is_prefill) in [(&p.prefill, true), (&p.decode, false)] {
-                for o in ops.iter() {
-                    let k = key(o);
-                    let i = match rows.iter().position(|r| r.0 == k) {
-                        Some(i) => i,
-                        None => {
-                            rows.push((k, 0.0, 0.0));
-                            rows.len() - 1
-                        }
-                    };
-                    if is_prefill {
-                        rows[i].1 += o.ms;
-                    } else {
-                        rows[i].2 += o.ms;
-                    }
-                }
-            }
+            let mut rows = sum_by(&p.prefill, &p.decode, key);
             rows.sort_by(|a, b| b.1.total_cmp(&a.1).then(b.2.total_cmp(&a.2)));
             s += &format!("| {title} | prefill ms | share | decode µs/step | share |\n|---|---:|---:|---:|---:|\n");
             for (k, a, b) in rows {
@@ -297,24 +280,7 @@ fn batched_markdown(single: &[OpTime], batched: &[OpTime], steps: f64) -> String
         "Decode with {PROFILE_BATCH} sequences per step: {many:.0} µs per step ({:.2}× one sequence's {one:.0} µs)\n\n",
         if one > 0.0 { many / one } else { 0.0 }
     );
-    let mut rows: Vec<(String, f64, f64)> = Vec::new();
-    for (ops, col) in [(single, 0), (batched, 1)] {
-        for o in ops {
-            let i = match rows.iter().position(|r| r.0 == o.section) {
-                Some(i) => i,
-                None => {
-                    rows.push((o.section.clone(), 0.0, 0.0));
-                    rows.len() - 1
-                }
-            };
-            let us = o.ms * 1e3 / steps;
-            if col == 0 {
-                rows[i].1 += us;
-            } else {
-                rows[i].2 += us;
-            }
-        }
-    }
+    let mut rows = sum_by(single, batched, |o| o.section.clone());
     rows.sort_by(|a, b| b.2.total_cmp(&a.2));
     s += &format!("| section | µs/step, 1 sequence | µs/step, {PROFILE_BATCH} sequences | ratio |\n|---|---:|---:|---:|\n");
     for (section, a, b) in rows {
@@ -323,9 +289,41 @@ fn batched_markdown(single: &[OpTime], batched: &[OpTime], steps: f64) -> String
         } else {
             "–".into()
         };
-        s += &format!("| {section} | {a:.1} | {b:.1} | {ratio} |\n");
+        s += &format!(
+            "| {section} | {:.1} | {:.1} | {ratio} |\n",
+            a * 1e3 / steps,
+            b * 1e3 / steps
+        );
     }
     s + "\n"
+}
+
+/// The ms of two op lists summed per `key`, as (key, ms in `first`, ms in `second`), keys in
+/// order of first appearance.
+fn sum_by(
+    first: &[OpTime],
+    second: &[OpTime],
+    key: impl Fn(&OpTime) -> String,
+) -> Vec<(String, f64, f64)> {
+    let mut rows: Vec<(String, f64, f64)> = Vec::new();
+    for (ops, in_first) in [(first, true), (second, false)] {
+        for o in ops {
+            let k = key(o);
+            let i = match rows.iter().position(|r| r.0 == k) {
+                Some(i) => i,
+                None => {
+                    rows.push((k, 0.0, 0.0));
+                    rows.len() - 1
+                }
+            };
+            if in_first {
+                rows[i].1 += o.ms;
+            } else {
+                rows[i].2 += o.ms;
+            }
+        }
+    }
+    rows
 }
 
 pub fn to_csv(points: &[BenchPoint]) -> String {

@@ -101,7 +101,10 @@ fn batched_decode_steps_run_and_free_their_sequences() {
     let ops = bench::profile_batched_decode(&mut cpu, 100, 12, 3).unwrap();
     assert!(ops.is_empty());
     for seq in 100 - bench::PROFILE_BATCH as u64 + 1..=100 {
-        assert!(cpu.forward(seq, &[1]).is_err(), "sequence {seq} was not freed");
+        assert!(
+            cpu.forward(seq, &[1]).is_err(),
+            "sequence {seq} was not freed"
+        );
     }
 }
 

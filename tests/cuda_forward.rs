@@ -230,17 +230,7 @@ fn gpu_backend(weights: &Weights, max_sequences: usize, batch_steps: bool) -> Cu
 /// the device by plain greedy, greedy over a vocabulary prefix, or top-1 sampling (the sampler's
 /// whole pipeline) — each reading its own row of the pass.
 fn way(seq: usize, vocab: usize) -> Option<DeviceSampling> {
-    let greedy = DeviceSampling {
-        temperature: 0.0,
-        top_k: None,
-        top_p: 1.0,
-        min_p: 0.0,
-        repetition_penalty: 1.0,
-        frequency_penalty: 0.0,
-        presence_penalty: 0.0,
-        vocab_limit: vocab,
-        history: Vec::new(),
-    };
+    let greedy = DeviceSampling::greedy(vocab);
     match seq % 4 {
         0 => None,
         1 => Some(greedy),

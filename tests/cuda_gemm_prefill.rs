@@ -113,16 +113,22 @@ fn q4_matches_cpu_at_model_shapes() {
     }
 }
 
+/// Sets which kernel `k` runs (mma.sync, wgmma, wgmma in ping-pong) and names it for messages.
+fn select(k: &mut GemmKernels, wgmma: bool, pingpong: bool) -> &'static str {
+    k.set_wgmma(wgmma);
+    k.set_wgmma_pingpong(pingpong);
+    match (wgmma, pingpong) {
+        (false, _) => "",
+        (true, false) => " wgmma",
+        (true, true) => " wgmma ping-pong",
+    }
+}
+
 fn q4_at_model_shapes(wgmma: bool, pingpong: bool) {
     let dev = device();
     let mut k = GemmKernels::load(&dev).expect("kernels");
-    k.set_wgmma(wgmma);
-    k.set_wgmma_pingpong(pingpong);
-    let label = match (wgmma, pingpong) {
-        (false, _) => "q4",
-        (true, false) => "q4 wgmma",
-        (true, true) => "q4 wgmma ping-pong",
-    };
+    let label = format!("q4{}", select(&mut k, wgmma, pingpong));
+    let label = label.as_str();
     let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
         k.gemm(w, x, y).expect("gemm")
     };
@@ -158,15 +164,10 @@ fn q8_and_bf16_match_cpu() {
     // Q8 on both kernels (wgmma with either schedule, mma.sync): the router (256 experts), the
     // shared-expert gate (one row), odd widths, a 4K-token chunk.
     for (wgmma, pingpong) in [(true, false), (true, true), (false, false)] {
-        k.set_wgmma(wgmma);
-        k.set_wgmma_pingpong(pingpong);
+        let label = format!("q8{}", select(&mut k, wgmma, pingpong));
+        let label = label.as_str();
         let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
             k.gemm(w, x, y).expect("gemm")
-        };
-        let label = match (wgmma, pingpong) {
-            (false, _) => "q8",
-            (true, false) => "q8 wgmma",
-            (true, true) => "q8 wgmma ping-pong",
         };
         for (n, cols, t) in [
             (256, 2048, 300),
@@ -245,13 +246,7 @@ fn swiglu_cases(wgmma: bool, pingpong: bool) {
     let dev = device();
     let s = dev.stream();
     let mut g = GemmKernels::load(&dev).expect("kernels");
-    g.set_wgmma(wgmma);
-    g.set_wgmma_pingpong(pingpong);
-    let mut rng = rng(match (wgmma, pingpong) {
-        (false, _) => "swiglu gemm",
-        (true, false) => "swiglu gemm wgmma",
-        (true, true) => "swiglu gemm wgmma ping-pong",
-    });
+    let mut rng = rng(&format!("swiglu gemm{}", select(&mut g, wgmma, pingpong)));
     // The shared expert (I = 512), the test model's (I = 128), a partial last tile, an odd I.
     let cases = [
         (Kind::Q4, 512, 2048, 100),
@@ -349,14 +344,11 @@ fn rejects_bad_shapes() {
 fn timing_at_4096_tokens() {
     let dev = device();
     let s = dev.stream();
-    let mut g = GemmKernels::load(&dev).expect("kernels");
-    g.set_wgmma(false); // the "fused" column: mma.sync
-    let mut gw = GemmKernels::load(&dev).expect("kernels");
-    gw.set_wgmma(true);
-    gw.set_wgmma_pingpong(false);
-    let mut gp = GemmKernels::load(&dev).expect("kernels");
-    gp.set_wgmma(true);
-    gp.set_wgmma_pingpong(true);
+    // The "fused" column is mma.sync; then wgmma in either schedule.
+    let [mut g, mut gw, mut gp] = [0; 3].map(|_| GemmKernels::load(&dev).expect("kernels"));
+    select(&mut g, false, false);
+    select(&mut gw, true, false);
+    select(&mut gp, true, true);
     let mut rng = rng("gemm timing");
     const T: usize = 4096;
     // (what, kind, rows, cols, swiglu, layers using it)

@@ -82,11 +82,6 @@ enum Format {
 }
 
 impl Format {
-    /// Whether the wgmma kernels take this format (the quantised ones; bf16 weights stay on
-    /// mma.sync or cuBLAS).
-    fn on_wgmma(self) -> bool {
-        matches!(self, Format::Q4 | Format::Q8)
-    }
     fn bits(self) -> usize {
         match self {
             Format::Q4 => 4,
@@ -208,6 +203,12 @@ impl GemmKernels {
         self.wgmma_pingpong = on;
     }
 
+    /// Whether products with weights of `format` run on the wgmma kernels: the quantised ones
+    /// unless `LILY_WGMMA=0` (bf16 weights stay on mma.sync or cuBLAS).
+    fn on_wgmma(&self, format: Format) -> bool {
+        self.use_wgmma && matches!(format, Format::Q4 | Format::Q8)
+    }
+
     /// Whether the experts of a pass of `rows` rows run as grouped GEMMs (each expert's weights
     /// read once for all its rows) rather than as the decode GEMVs' (row, expert) slots: from 9
     /// rows on, the most one GEMV launch takes (from 2 rows measured 15 % slower at 8 streams,
@@ -224,7 +225,7 @@ impl GemmKernels {
     /// `LILY_EXPERT_TILE_ROWS` forces one height (128 only where the wgmma kernel runs these
     /// weights; elsewhere it means 64).
     pub fn expert_tile_rows(&self, pairs: usize, experts: usize, w: &Matrices) -> usize {
-        let wgmma = self.use_wgmma && check_matrices(w).is_ok_and(Format::on_wgmma);
+        let wgmma = check_matrices(w).is_ok_and(|f| self.on_wgmma(f));
         match self.expert_tile_override {
             Some(WGMMA_TILE_ROWS) if !wgmma => return TILE_ROWS,
             Some(rows) => return rows,
@@ -384,8 +385,7 @@ impl GemmKernels {
         // The wgmma kernel takes tiles of up to 128 rows (dense products: 128), the mma.sync
         // kernels one of TILE_HEIGHTS.
         let grouped_height = rows.grouped.map(|(g, _, _)| g.tile_rows());
-        let wgmma = format.on_wgmma()
-            && self.use_wgmma
+        let wgmma = self.on_wgmma(format)
             && matches!(
                 grouped_height,
                 None | Some(TILE_ROWS) | Some(WGMMA_TILE_ROWS)

@@ -23,9 +23,7 @@ pub enum Logits {
 /// Runs `tokens` (new tokens of one sequence) through the model, advancing `state`.
 /// Returns logits `[n, vocab]` for the positions chosen by `which`.
 pub fn forward(w: &Weights, tokens: &[u32], state: &mut SequenceState, which: Logits) -> Vec<f32> {
-    forward_batch(w, &mut [(tokens, state)], which)
-        .pop()
-        .expect("one sequence in, one out")
+    run_one(w, tokens, state, which, Routing::Own)
 }
 
 /// Runs the new tokens of several sequences as one batch: their rows go through every
@@ -65,9 +63,9 @@ pub fn forward_routed(
     which: Logits,
     routing: &mut ImposedRouting,
 ) -> Vec<f32> {
-    let logits = run(w, &mut [(tokens, state)], which, Routing::Impose(routing));
+    let logits = run_one(w, tokens, state, which, Routing::Impose(routing));
     routing.row += tokens.len();
-    logits.into_iter().next().expect("one sequence in, one out")
+    logits
 }
 
 /// [`forward`], appending each MoE layer's router logits and top-k experts to `trace` (as a
@@ -79,8 +77,20 @@ pub fn forward_recorded(
     which: Logits,
     trace: &mut RoutingTrace,
 ) -> Vec<f32> {
-    let logits = run(w, &mut [(tokens, state)], which, Routing::Record(trace));
-    logits.into_iter().next().expect("one sequence in, one out")
+    run_one(w, tokens, state, which, Routing::Record(trace))
+}
+
+/// [`run`] for one sequence: its logits.
+fn run_one(
+    w: &Weights,
+    tokens: &[u32],
+    state: &mut SequenceState,
+    which: Logits,
+    routing: Routing,
+) -> Vec<f32> {
+    run(w, &mut [(tokens, state)], which, routing)
+        .pop()
+        .expect("one sequence in, one out")
 }
 
 fn run(
