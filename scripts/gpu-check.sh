@@ -215,7 +215,7 @@ PY
             echo "=== ncu ($what kernels, 4K)"
             if [[ -z "$ncu_bin" ]]; then echo "ncu: not found" >> "$summary"; break; fi
             if [[ $what == prefill ]]; then
-                kernels='gemm_swiglu_q4|gemm_q4|gdn_prefill|attn_prefill' count=24
+                kernels='gemm_swiglu_q4|gemm_q4|wgmma_|gdn_prefill|attn_prefill' count=24
             else
                 kernels='gemv_q4|gemv_q8|gemv_bf16|gdn_decode|attn_decode|attn_combine|attn_prepare|router_topk|residual_rmsnorm'
                 count=48
@@ -224,6 +224,7 @@ PY
                 --launch-skip "$([[ $what == prefill ]] && echo 0 || echo 300)" --launch-count $count \
                 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
                 --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                --section SchedulerStats --section InstructionStats --section SourceCounters \
                 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda --contexts 4096 \
                 --decode-steps 4 --rounds 1 > "$logs/ncu-$what.txt" 2>&1
             echo "ncu $what: exit $? ($(grep -c 'Section: GPU Speed Of Light' "$logs/ncu-$what.txt") kernels)" >> "$summary"

@@ -87,7 +87,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         (longest, gpu)
     } else {
         let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps + 16;
-        (longest, GpuOptions::default())
+        // --profile also times decode steps of PROFILE_BATCH sequences at once.
+        let slots = args.profile.then_some(bench::PROFILE_BATCH);
+        (
+            longest,
+            GpuOptions {
+                slots,
+                ..GpuOptions::default()
+            },
+        )
     };
     let backend = match (&args.model, &args.synthetic) {
         (Some(dir), _) => {
