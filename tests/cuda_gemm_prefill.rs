@@ -104,30 +104,28 @@ fn dense_case(
     );
 }
 
-/// Both 4-bit kernels: mma.sync (gemm_prefill.cu) and wgmma (gemm_wgmma.cu), the latter with
-/// its default and its ping-pong schedule.
+/// Both 4-bit kernels: mma.sync (gemm_prefill.cu) and wgmma (gemm_wgmma.cu).
 #[test]
 fn q4_matches_cpu_at_model_shapes() {
-    for (wgmma, pingpong) in [(false, false), (true, false), (true, true)] {
-        q4_at_model_shapes(wgmma, pingpong);
+    for wgmma in [false, true] {
+        q4_at_model_shapes(wgmma);
     }
 }
 
-/// Sets which kernel `k` runs (mma.sync, wgmma, wgmma in ping-pong) and names it for messages.
-fn select(k: &mut GemmKernels, wgmma: bool, pingpong: bool) -> &'static str {
+/// Sets which kernel `k` runs (mma.sync or wgmma) and names it for messages.
+fn select(k: &mut GemmKernels, wgmma: bool) -> &'static str {
     k.set_wgmma(wgmma);
-    k.set_wgmma_pingpong(pingpong);
-    match (wgmma, pingpong) {
-        (false, _) => "",
-        (true, false) => " wgmma",
-        (true, true) => " wgmma ping-pong",
+    if wgmma {
+        " wgmma"
+    } else {
+        ""
     }
 }
 
-fn q4_at_model_shapes(wgmma: bool, pingpong: bool) {
+fn q4_at_model_shapes(wgmma: bool) {
     let dev = device();
     let mut k = GemmKernels::load(&dev).expect("kernels");
-    let label = format!("q4{}", select(&mut k, wgmma, pingpong));
+    let label = format!("q4{}", select(&mut k, wgmma));
     let label = label.as_str();
     let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
         k.gemm(w, x, y).expect("gemm")
@@ -161,10 +159,10 @@ fn q8_and_bf16_match_cpu() {
     let dev = device();
     let mut k = GemmKernels::load(&dev).expect("kernels");
     let mut rng = rng("q8/bf16 gemm");
-    // Q8 on both kernels (wgmma with either schedule, mma.sync): the router (256 experts), the
-    // shared-expert gate (one row), odd widths, a 4K-token chunk.
-    for (wgmma, pingpong) in [(true, false), (true, true), (false, false)] {
-        let label = format!("q8{}", select(&mut k, wgmma, pingpong));
+    // Q8 on both kernels (wgmma, mma.sync): the router (256 experts), the shared-expert gate
+    // (one row), odd widths, a 4K-token chunk.
+    for wgmma in [true, false] {
+        let label = format!("q8{}", select(&mut k, wgmma));
         let label = label.as_str();
         let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
             k.gemm(w, x, y).expect("gemm")
@@ -237,16 +235,16 @@ fn cublas_path_matches_cpu() {
 /// `act = silu(x·gateᵀ) ⊙ (x·upᵀ)` from one gate‖up matrix, against the CPU; Q4 on both kernels.
 #[test]
 fn swiglu_matches_cpu() {
-    for (wgmma, pingpong) in [(false, false), (true, false), (true, true)] {
-        swiglu_cases(wgmma, pingpong);
+    for wgmma in [false, true] {
+        swiglu_cases(wgmma);
     }
 }
 
-fn swiglu_cases(wgmma: bool, pingpong: bool) {
+fn swiglu_cases(wgmma: bool) {
     let dev = device();
     let s = dev.stream();
     let mut g = GemmKernels::load(&dev).expect("kernels");
-    let mut rng = rng(&format!("swiglu gemm{}", select(&mut g, wgmma, pingpong)));
+    let mut rng = rng(&format!("swiglu gemm{}", select(&mut g, wgmma)));
     // The shared expert (I = 512), the test model's (I = 128), a partial last tile, an odd I.
     let cases = [
         (Kind::Q4, 512, 2048, 100),
@@ -267,7 +265,7 @@ fn swiglu_cases(wgmma: bool, pingpong: bool) {
         g.gemm_swiglu(&dm.view(), &dx.as_view(), &mut act.view())
             .expect("gemm_swiglu");
         let what = format!(
-            "swiglu {kind:?} I={inter} K={k} × {t} tokens (wgmma: {wgmma}, ping-pong: {pingpong})"
+            "swiglu {kind:?} I={inter} K={k} × {t} tokens (wgmma: {wgmma})"
         );
         let got = act.get(s, &what);
         let rows = rows_to_check(&mut rng, t);
@@ -344,11 +342,10 @@ fn rejects_bad_shapes() {
 fn timing_at_4096_tokens() {
     let dev = device();
     let s = dev.stream();
-    // The "fused" column is mma.sync; then wgmma in either schedule.
-    let [mut g, mut gw, mut gp] = [0; 3].map(|_| GemmKernels::load(&dev).expect("kernels"));
-    select(&mut g, false, false);
-    select(&mut gw, true, false);
-    select(&mut gp, true, true);
+    // The "fused" column is mma.sync; then wgmma.
+    let [mut g, mut gw] = [0; 2].map(|_| GemmKernels::load(&dev).expect("kernels"));
+    select(&mut g, false);
+    select(&mut gw, true);
     let mut rng = rng("gemm timing");
     const T: usize = 4096;
     // (what, kind, rows, cols, swiglu, layers using it)
@@ -369,7 +366,7 @@ fn timing_at_4096_tokens() {
     // in tests/cuda_moe.rs.
     let mut mixer_ms = 0.0;
     let mut dense = DenseGemm::new(&dev, 12352 * 2048).expect("cuBLAS");
-    println!("| product | rows × cols | fused ms @4096 (TFLOP/s) | wgmma ms @4096 (TFLOP/s) | wgmma ping-pong ms @4096 (TFLOP/s) | cuBLAS path ms @4096 (TFLOP/s) | ms @512 fused / cuBLAS | layers | best ms per 4K prefill |");
+    println!("| product | rows × cols | fused ms @4096 (TFLOP/s) | wgmma ms @4096 (TFLOP/s) | cuBLAS path ms @4096 (TFLOP/s) | ms @512 fused / cuBLAS | layers | best ms per 4K prefill |");
     for (what, kind, n, k, swiglu, layers) in shapes {
         let m = random_weights(&mut rng, kind, n, k);
         let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
@@ -386,7 +383,7 @@ fn timing_at_4096_tokens() {
             })
         };
         let ms = fused(&g);
-        let (wg, wp) = (fused(&gw), fused(&gp));
+        let wg = fused(&gw);
         // The cuBLAS path (dequantise + cuBLAS) for the plain products, at 4096 and 512 tokens,
         // beside the fused kernel at 512.
         let mut cublas = |t: usize, yv: &mut CudaViewMut<bf16>| {
@@ -407,7 +404,7 @@ fn timing_at_4096_tokens() {
             (cublas(T, &mut yv), cublas(512, &mut yv), f512)
         };
         let tflops = |ms: f32, t: usize| 2.0 * (t * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
-        let best = [ms, wg, wp, cb]
+        let best = [ms, wg, cb]
             .into_iter()
             .filter(|v| !v.is_nan())
             .fold(f32::INFINITY, f32::min);
@@ -415,10 +412,9 @@ fn timing_at_4096_tokens() {
             mixer_ms += best as f64 * layers as f64;
         }
         println!(
-            "| {what} | {n} × {k} | {ms:.3} ({:.0}) | {wg:.3} ({:.0}) | {wp:.3} ({:.0}) | {cb:.3} ({:.0}) | {fused512:.3} / {cb512:.3} | {layers} | {:.2} |",
+            "| {what} | {n} × {k} | {ms:.3} ({:.0}) | {wg:.3} ({:.0}) | {cb:.3} ({:.0}) | {fused512:.3} / {cb512:.3} | {layers} | {:.2} |",
             tflops(ms, T),
             tflops(wg, T),
-            tflops(wp, T),
             tflops(cb, T),
             best as f64 * layers as f64
         );

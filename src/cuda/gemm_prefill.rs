@@ -129,11 +129,9 @@ pub struct GemmKernels {
     funcs: [[[CudaFunction; 2]; 3]; 3],
     /// `LILY_EXPERT_TILE_ROWS` (16, 32 or 64): one height for every grouped product (A/B runs).
     expert_tile_override: Option<usize>,
-    /// Q4 and Q8 on wgmma (gemm_wgmma.cu), [schedule][format][epilogue]: schedule 1 is the
-    /// ping-pong one (`LILY_WGMMA_PINGPONG=1`, under trial).
-    wgmma: [[[CudaFunction; 2]; 2]; 2],
+    /// Q4 and Q8 on wgmma (gemm_wgmma.cu), [format][epilogue].
+    wgmma: [[CudaFunction; 2]; 2],
     use_wgmma: bool,
-    wgmma_pingpong: bool,
 }
 
 impl GemmKernels {
@@ -145,19 +143,6 @@ impl GemmKernels {
             Ok(f)
         };
         let wgmma = |name: &str, format| load_from("gemm_wgmma", name, wgmma_shared_bytes(format));
-        // wgmma_q4{suffix}, wgmma_swiglu_q4{suffix}, ...: [format][epilogue].
-        let wgmma_set = |suffix: &str| -> Result<[[CudaFunction; 2]; 2]> {
-            Ok([
-                [
-                    wgmma(&format!("wgmma_q4{suffix}"), Format::Q4)?,
-                    wgmma(&format!("wgmma_swiglu_q4{suffix}"), Format::Q4)?,
-                ],
-                [
-                    wgmma(&format!("wgmma_q8{suffix}"), Format::Q8)?,
-                    wgmma(&format!("wgmma_swiglu_q8{suffix}"), Format::Q8)?,
-                ],
-            ])
-        };
         // gemm_q4, gemm_swiglu_q4_m32, ...: [format][epilogue] for one height.
         let height = |rows: usize| -> Result<[[CudaFunction; 2]; 3]> {
             let suffix = if rows == TILE_ROWS {
@@ -186,21 +171,23 @@ impl GemmKernels {
             stream: dev.stream().clone(),
             funcs: [height(64)?, height(32)?, height(16)?],
             expert_tile_override,
-            wgmma: [wgmma_set("")?, wgmma_set("_pingpong")?],
+            wgmma: [
+                [
+                    wgmma("wgmma_q4", Format::Q4)?,
+                    wgmma("wgmma_swiglu_q4", Format::Q4)?,
+                ],
+                [
+                    wgmma("wgmma_q8", Format::Q8)?,
+                    wgmma("wgmma_swiglu_q8", Format::Q8)?,
+                ],
+            ],
             use_wgmma: std::env::var("LILY_WGMMA").map_or(true, |v| v != "0"),
-            wgmma_pingpong: std::env::var("LILY_WGMMA_PINGPONG").is_ok_and(|v| v == "1"),
         })
     }
 
     /// Runs 4- and 8-bit products on the wgmma kernel (or not); on unless `LILY_WGMMA=0`.
     pub fn set_wgmma(&mut self, on: bool) {
         self.use_wgmma = on;
-    }
-
-    /// Runs the wgmma kernels' ping-pong schedule (two pairs of warpgroups taking turns on the
-    /// tensor cores, gemm_wgmma.cu) or not; off unless `LILY_WGMMA_PINGPONG=1`.
-    pub fn set_wgmma_pingpong(&mut self, on: bool) {
-        self.wgmma_pingpong = on;
     }
 
     /// Whether products with weights of `format` run on the wgmma kernels: the quantised ones
@@ -458,7 +445,7 @@ impl GemmKernels {
                 THREADS,
             ),
             _ => (
-                &self.wgmma[self.wgmma_pingpong as usize][format as usize][epilogue as usize],
+                &self.wgmma[format as usize][epilogue as usize],
                 wgmma_shared_bytes(format),
                 WGMMA_THREADS,
             ),

@@ -119,7 +119,7 @@ template <int E> __device__ __forceinline__ int weight_row(int r, int col_tile, 
 
 // The block's products for a tile of `rows` ≤ N token rows of matrix `mat`: the tables of
 // gemm<E> (X row, Y row of each token row; word offset of each weight row) are in place.
-template <int E, int F, bool PINGPONG, int N>
+template <int E, int F, int N>
 __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, const int* a_row_s, const int* c_row_s,
                                          const int* b_off_s) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -238,90 +238,31 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     const int KT = a.k / BK;
     u32 frag[16];
     u32 sb[2];
-    if constexpr (!PINGPONG) {
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < KT) load_tile(s, s);
-            cp_async_commit();  // possibly empty: keeps the group count uniform for the waits below
-        }
-        cp_async_wait<STAGES - 2>();  // k-tile 0 has landed (this thread's copies) ...
-        fence_async_shared();         // ... is visible to the tensor cores ...
-        __syncthreads();              // ... and so is everyone's
-        load_sb(0, sb);
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < KT) load_tile(s, s);
+        cp_async_commit();  // possibly empty: keeps the group count uniform for the waits below
+    }
+    cp_async_wait<STAGES - 2>();  // k-tile 0 has landed (this thread's copies) ...
+    fence_async_shared();         // ... is visible to the tensor cores ...
+    __syncthreads();              // ... and so is everyone's
+    load_sb(0, sb);
 #pragma unroll 1
-        for (int kt = 0; kt < KT; ++kt) {
-            dequantise(kt, sb, frag);
-            if (kt + 1 < KT) load_sb(kt + 1, sb);
-            issue(kt, frag);
-            // While the products run: the next k-tile's stage ready for everyone, and a refill.
-            if (kt + 1 < KT) {
-                cp_async_wait<STAGES - 3>();  // this thread's copies of k-tile kt + 1 have landed ...
-                fence_async_shared();
-                __syncthreads();  // ... and everyone's; every warpgroup is past k-tile kt − 1's products
-                const int next = kt + STAGES - 1;
-                if (next < KT) load_tile(next, next % STAGES);  // into the stage of k-tile kt − 1
-                cp_async_commit();
-            }
-            wgmma_wait<0>();  // the fragments are free again
-            fence_accumulators<N>(d);
-        }
-    } else {
-        // Ping-pong: warpgroups 0, 1 (pair A) and 2, 3 (pair B) take turns on the tensor cores, so
-        // that one pair's products run while the other pair dequantises. Each k-tile has two
-        // half-steps, each closed by a block barrier: in the first, A issues k-tile kt (dequantised
-        // in the half-step before) while B waits for its products of kt − 1 and dequantises kt; in
-        // the second, B issues kt while A waits for its products of kt and dequantises kt + 1. A
-        // pair issues right after a barrier, behind the other pair's products still queued, so
-        // the tensor cores are never left without work for a dequantisation.
-        // Stages: prologue copies k-tiles 0 .. STAGES − 1; after k-tile kt's second barrier, every
-        // product and every read of k-tile kt − 1 is done, and its stage takes k-tile
-        // kt − 1 + STAGES. So k-tile m ≥ STAGES is copy group m + 1 (group STAGES is the empty
-        // one of kt = 0), and before kt's first barrier, of the STAGES + kt groups committed, all
-        // but the last STAGES − 3 must have landed for k-tile kt + 1 to be there.
-        const bool pair_a = warp < 8;
-#pragma unroll
-        for (int s = 0; s < STAGES; ++s) {
-            if (s < KT) load_tile(s, s);
+    for (int kt = 0; kt < KT; ++kt) {
+        dequantise(kt, sb, frag);
+        if (kt + 1 < KT) load_sb(kt + 1, sb);
+        issue(kt, frag);
+        // While the products run: the next k-tile's stage ready for everyone, and a refill.
+        if (kt + 1 < KT) {
+            cp_async_wait<STAGES - 3>();  // this thread's copies of k-tile kt + 1 have landed ...
+            fence_async_shared();
+            __syncthreads();  // ... and everyone's; every warpgroup is past k-tile kt − 1's products
+            const int next = kt + STAGES - 1;
+            if (next < KT) load_tile(next, next % STAGES);  // into the stage of k-tile kt − 1
             cp_async_commit();
         }
-        cp_async_wait<STAGES - 1>();  // k-tile 0
-        fence_async_shared();
-        __syncthreads();
-        load_sb(0, sb);
-        if (pair_a) {
-            dequantise(0, sb, frag);
-            if (1 < KT) load_sb(1, sb);
-        }
-#pragma unroll 1
-        for (int kt = 0; kt < KT; ++kt) {
-            if (pair_a) {
-                issue(kt, frag);
-            } else {
-                wgmma_wait<0>();  // B's products of k-tile kt − 1: its fragments are free
-                fence_accumulators<N>(d);
-                dequantise(kt, sb, frag);
-                if (kt + 1 < KT) load_sb(kt + 1, sb);
-            }
-            if (kt + 1 < KT) {
-                cp_async_wait<STAGES - 3>();  // k-tile kt + 1 has landed (this thread's copies)
-                fence_async_shared();
-            }
-            __syncthreads();
-            if (!pair_a) {
-                issue(kt, frag);
-            } else {
-                wgmma_wait<0>();  // A's products of k-tile kt
-                fence_accumulators<N>(d);
-                if (kt + 1 < KT) {
-                    dequantise(kt + 1, sb, frag);
-                    if (kt + 2 < KT) load_sb(kt + 2, sb);
-                }
-            }
-            __syncthreads();  // k-tile kt − 1 is done with: its stage takes k-tile kt − 1 + STAGES
-            const int next = kt - 1 + STAGES;
-            if (kt >= 1 && next < KT) load_tile(next, next % STAGES);
-            cp_async_commit();
-        }
+        wgmma_wait<0>();  // the fragments are free again
+        fence_accumulators<N>(d);
     }
     wgmma_wait<0>();
     fence_accumulators<N>(d);
@@ -350,7 +291,7 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     }
 }
 
-template <int E, int F, bool PINGPONG>
+template <int E, int F>
 __device__ __forceinline__ void gemm(const GemmArgs& a) {
     __shared__ int a_row_s[BM];
     __shared__ int c_row_s[BM];
@@ -366,22 +307,16 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     }
     __syncthreads();
     // The tile's height decides N for the whole block.
-    if (rows > 64) products<E, F, PINGPONG, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else products<E, F, PINGPONG, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    if (rows > 64) products<E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else products<E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
 }
 
 }  // namespace
 
-// The `_pingpong` kernels run the ping-pong schedule of products() (LILY_WGMMA_PINGPONG=1, under
-// trial).
-#define WGMMA_KERNEL(name, E, F, PINGPONG) \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<E, F, PINGPONG>(a); }
+#define WGMMA_KERNEL(name, E, F) \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<E, F>(a); }
 
-WGMMA_KERNEL(wgmma_q4, STORE, Q4, false)
-WGMMA_KERNEL(wgmma_swiglu_q4, SWIGLU, Q4, false)
-WGMMA_KERNEL(wgmma_q8, STORE, Q8, false)
-WGMMA_KERNEL(wgmma_swiglu_q8, SWIGLU, Q8, false)
-WGMMA_KERNEL(wgmma_q4_pingpong, STORE, Q4, true)
-WGMMA_KERNEL(wgmma_swiglu_q4_pingpong, SWIGLU, Q4, true)
-WGMMA_KERNEL(wgmma_q8_pingpong, STORE, Q8, true)
-WGMMA_KERNEL(wgmma_swiglu_q8_pingpong, SWIGLU, Q8, true)
+WGMMA_KERNEL(wgmma_q4, STORE, Q4)
+WGMMA_KERNEL(wgmma_swiglu_q4, SWIGLU, Q4)
+WGMMA_KERNEL(wgmma_q8, STORE, Q8)
+WGMMA_KERNEL(wgmma_swiglu_q8, SWIGLU, Q8)
