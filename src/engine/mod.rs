@@ -12,7 +12,7 @@ pub mod prefix_cache;
 pub mod scheduler;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -146,10 +146,30 @@ impl Default for EngineOptions {
 /// A handle to the engine thread; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
+    // Declared first, so dropped first: the last handle's drop closes the channel, which ends
+    // the engine loop, before `joined` waits for the thread.
     tx: mpsc::Sender<scheduler::Submission>,
     config: Arc<ModelConfig>,
     device: Arc<String>,
     stats: Arc<EngineStats>,
+    /// For [`Engine::start`]: the thread, joined when the last handle is dropped.
+    joined: Option<Arc<JoinOnDrop>>,
+}
+
+/// Joins the engine thread when dropped, so that the backend (GPU memory, CUDA streams) is freed
+/// before the process can exit: a process that exits while the thread is still freeing device
+/// memory can crash in the CUDA driver's teardown (seen at the end of a GPU test binary).
+struct JoinOnDrop(Mutex<Option<JoinHandle<Box<dyn Backend>>>>);
+
+impl Drop for JoinOnDrop {
+    fn drop(&mut self) {
+        let handle = self.0.get_mut().map(Option::take).unwrap_or_default();
+        if let Some(handle) = handle {
+            // The backend comes back and is dropped here; a panicked engine thread has
+            // already reported itself.
+            let _ = handle.join();
+        }
+    }
 }
 
 /// Counters for `/metrics`, admission and tests (updated after every engine iteration).
@@ -176,7 +196,9 @@ pub struct EngineStats {
 impl Engine {
     /// Starts the engine thread over `backend`.
     pub fn start(backend: Box<dyn Backend>, options: EngineOptions) -> Engine {
-        Engine::spawn(backend, options).0
+        let (mut engine, thread) = Engine::spawn(backend, options);
+        engine.joined = Some(Arc::new(JoinOnDrop(Mutex::new(Some(thread)))));
+        engine
     }
 
     /// Starts the engine thread; the thread hands the backend back (with every sequence and
@@ -199,6 +221,7 @@ impl Engine {
             config,
             device,
             stats,
+            joined: None,
         };
         (engine, thread)
     }
