@@ -104,42 +104,28 @@ fn dense_case(
     );
 }
 
-/// Which kernel a case runs: mma.sync (gemm_prefill.cu), or wgmma (gemm_wgmma.cu) in blocks of
-/// 4 or 2 warpgroups.
-#[derive(Clone, Copy)]
-enum Kernel {
-    MmaSync,
-    Wgmma(usize),
-}
-const KERNELS: [Kernel; 3] = [Kernel::MmaSync, Kernel::Wgmma(4), Kernel::Wgmma(2)];
-
-/// Sets which kernel `k` runs and names it for messages.
-fn select(k: &mut GemmKernels, kernel: Kernel) -> String {
-    match kernel {
-        Kernel::MmaSync => {
-            k.set_wgmma(false);
-            String::new()
-        }
-        Kernel::Wgmma(wg) => {
-            k.set_wgmma(true);
-            k.set_wgmma_warpgroups(wg);
-            format!(" wgmma×{wg}")
-        }
-    }
-}
-
-/// Both 4-bit kernels: mma.sync and wgmma (both block shapes).
+/// Both 4-bit kernels: mma.sync (gemm_prefill.cu) and wgmma (gemm_wgmma.cu).
 #[test]
 fn q4_matches_cpu_at_model_shapes() {
-    for kernel in KERNELS {
-        q4_at_model_shapes(kernel);
+    for wgmma in [false, true] {
+        q4_at_model_shapes(wgmma);
     }
 }
 
-fn q4_at_model_shapes(kernel: Kernel) {
+/// Sets which kernel `k` runs (mma.sync or wgmma) and names it for messages.
+fn select(k: &mut GemmKernels, wgmma: bool) -> &'static str {
+    k.set_wgmma(wgmma);
+    if wgmma {
+        " wgmma"
+    } else {
+        ""
+    }
+}
+
+fn q4_at_model_shapes(wgmma: bool) {
     let dev = device();
     let mut k = GemmKernels::load(&dev).expect("kernels");
-    let label = format!("q4{}", select(&mut k, kernel));
+    let label = format!("q4{}", select(&mut k, wgmma));
     let label = label.as_str();
     let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
         k.gemm(w, x, y).expect("gemm")
@@ -173,10 +159,10 @@ fn q8_and_bf16_match_cpu() {
     let dev = device();
     let mut k = GemmKernels::load(&dev).expect("kernels");
     let mut rng = rng("q8/bf16 gemm");
-    // Q8 on both kernels (wgmma in both shapes, mma.sync): the router (256 experts), the
-    // shared-expert gate (one row), odd widths, a 4K-token chunk.
-    for kernel in KERNELS {
-        let label = format!("q8{}", select(&mut k, kernel));
+    // Q8 on both kernels (wgmma, mma.sync): the router (256 experts), the shared-expert gate
+    // (one row), odd widths, a 4K-token chunk.
+    for wgmma in [true, false] {
+        let label = format!("q8{}", select(&mut k, wgmma));
         let label = label.as_str();
         let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
             k.gemm(w, x, y).expect("gemm")
@@ -249,17 +235,16 @@ fn cublas_path_matches_cpu() {
 /// `act = silu(x·gateᵀ) ⊙ (x·upᵀ)` from one gate‖up matrix, against the CPU; Q4 on both kernels.
 #[test]
 fn swiglu_matches_cpu() {
-    for kernel in KERNELS {
-        swiglu_cases(kernel);
+    for wgmma in [false, true] {
+        swiglu_cases(wgmma);
     }
 }
 
-fn swiglu_cases(kernel: Kernel) {
+fn swiglu_cases(wgmma: bool) {
     let dev = device();
     let s = dev.stream();
     let mut g = GemmKernels::load(&dev).expect("kernels");
-    let name = select(&mut g, kernel);
-    let mut rng = rng(&format!("swiglu gemm{name}"));
+    let mut rng = rng(&format!("swiglu gemm{}", select(&mut g, wgmma)));
     // The shared expert (I = 512), the test model's (I = 128), a partial last tile, an odd I.
     let cases = [
         (Kind::Q4, 512, 2048, 100),
@@ -279,7 +264,9 @@ fn swiglu_cases(kernel: Kernel) {
         let mut act = Output::new(s, t * inter);
         g.gemm_swiglu(&dm.view(), &dx.as_view(), &mut act.view())
             .expect("gemm_swiglu");
-        let what = format!("swiglu{name} {kind:?} I={inter} K={k} × {t} tokens");
+        let what = format!(
+            "swiglu {kind:?} I={inter} K={k} × {t} tokens (wgmma: {wgmma})"
+        );
         let got = act.get(s, &what);
         let rows = rows_to_check(&mut rng, t);
         let xs = gather(&xf, &rows, k);
@@ -355,11 +342,10 @@ fn rejects_bad_shapes() {
 fn timing_at_4096_tokens() {
     let dev = device();
     let s = dev.stream();
-    // The "fused" column is mma.sync; then wgmma in blocks of 4 and of 2 warpgroups.
-    let [mut g, mut gw, mut gw2] = [0; 3].map(|_| GemmKernels::load(&dev).expect("kernels"));
-    select(&mut g, Kernel::MmaSync);
-    select(&mut gw, Kernel::Wgmma(4));
-    select(&mut gw2, Kernel::Wgmma(2));
+    // The "fused" column is mma.sync; then wgmma.
+    let [mut g, mut gw] = [0; 2].map(|_| GemmKernels::load(&dev).expect("kernels"));
+    select(&mut g, false);
+    select(&mut gw, true);
     let mut rng = rng("gemm timing");
     const T: usize = 4096;
     // (what, kind, rows, cols, swiglu, layers using it)
@@ -380,7 +366,7 @@ fn timing_at_4096_tokens() {
     // in tests/cuda_moe.rs.
     let mut mixer_ms = 0.0;
     let mut dense = DenseGemm::new(&dev, 12352 * 2048).expect("cuBLAS");
-    println!("| product | rows × cols | fused ms @4096 (TFLOP/s) | wgmma ms @4096 (TFLOP/s) | wgmma×2 ms @4096 (TFLOP/s) | cuBLAS path ms @4096 (TFLOP/s) | ms @512 fused / cuBLAS | layers | best ms per 4K prefill |");
+    println!("| product | rows × cols | fused ms @4096 (TFLOP/s) | wgmma ms @4096 (TFLOP/s) | cuBLAS path ms @4096 (TFLOP/s) | ms @512 fused / cuBLAS | layers | best ms per 4K prefill |");
     for (what, kind, n, k, swiglu, layers) in shapes {
         let m = random_weights(&mut rng, kind, n, k);
         let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
@@ -397,7 +383,7 @@ fn timing_at_4096_tokens() {
             })
         };
         let ms = fused(&g);
-        let (wg, wg2) = (fused(&gw), fused(&gw2));
+        let wg = fused(&gw);
         // The cuBLAS path (dequantise + cuBLAS) for the plain products, at 4096 and 512 tokens,
         // beside the fused kernel at 512.
         let mut cublas = |t: usize, yv: &mut CudaViewMut<bf16>| {
@@ -418,7 +404,7 @@ fn timing_at_4096_tokens() {
             (cublas(T, &mut yv), cublas(512, &mut yv), f512)
         };
         let tflops = |ms: f32, t: usize| 2.0 * (t * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
-        let best = [ms, wg, wg2, cb]
+        let best = [ms, wg, cb]
             .into_iter()
             .filter(|v| !v.is_nan())
             .fold(f32::INFINITY, f32::min);
@@ -426,10 +412,9 @@ fn timing_at_4096_tokens() {
             mixer_ms += best as f64 * layers as f64;
         }
         println!(
-            "| {what} | {n} × {k} | {ms:.3} ({:.0}) | {wg:.3} ({:.0}) | {wg2:.3} ({:.0}) | {cb:.3} ({:.0}) | {fused512:.3} / {cb512:.3} | {layers} | {:.2} |",
+            "| {what} | {n} × {k} | {ms:.3} ({:.0}) | {wg:.3} ({:.0}) | {cb:.3} ({:.0}) | {fused512:.3} / {cb512:.3} | {layers} | {:.2} |",
             tflops(ms, T),
             tflops(wg, T),
-            tflops(wg2, T),
             tflops(cb, T),
             best as f64 * layers as f64
         );

@@ -258,19 +258,16 @@ impl Experts {
     }
 }
 
-/// Which prefill GEMM kernel a case runs: mma.sync (gemm_prefill.cu) or wgmma (gemm_wgmma.cu) in
-/// blocks of 4 warpgroups or (Wgmma2) of 2.
+/// Which prefill GEMM kernel a case runs: mma.sync (gemm_prefill.cu) or wgmma (gemm_wgmma.cu).
 #[derive(Clone, Copy, Debug)]
 enum Kernel {
     MmaSync,
     Wgmma,
-    Wgmma2,
 }
 
 impl Kernel {
     fn select(self, g: &mut GemmKernels) {
-        g.set_wgmma(!matches!(self, Kernel::MmaSync));
-        g.set_wgmma_warpgroups(if matches!(self, Kernel::Wgmma2) { 2 } else { 4 });
+        g.set_wgmma(matches!(self, Kernel::Wgmma));
     }
 }
 
@@ -393,8 +390,6 @@ fn grouped_experts_match_cpu() {
         (16, Kernel::MmaSync),
         (128, Kernel::Wgmma),
         (64, Kernel::Wgmma),
-        (128, Kernel::Wgmma2),
-        (64, Kernel::Wgmma2),
     ] {
         grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600, kernel);
@@ -491,12 +486,6 @@ fn grouped_experts_match_cpu() {
         200,
         (64, Kernel::Wgmma),
     );
-    // The same on blocks of 2 warpgroups.
-    for kernel in [(128, Kernel::Wgmma2), (64, Kernel::Wgmma2)] {
-        grouped_case(&dev, &mut rng, &small_q4, Routing::Skewed, 300, kernel);
-        grouped_case(&dev, &mut rng, &q8, Routing::Uniform, 100, kernel);
-        grouped_case(&dev, &mut rng, &real_q8, Routing::Skewed, 600, kernel);
-    }
 }
 
 fn real_config() -> ModelConfig {
@@ -780,7 +769,6 @@ fn timing_grouped_moe_at_4096_tokens() {
         let kernels = [
             (64, Kernel::MmaSync),
             (128, Kernel::Wgmma),
-            (128, Kernel::Wgmma2),
             (64, Kernel::Wgmma),
             (32, Kernel::MmaSync),
             (16, Kernel::MmaSync),

@@ -40,16 +40,13 @@ const GROUPED_FROM_ROWS: usize = super::gemm::MAX_TOKENS + 1;
 /// Weight rows per block tile (BN in gemm_prefill.cu).
 const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
-/// Warpgroups of the wgmma kernels' block (WG in gemm_wgmma.cu): 4 (one block per SM) by
-/// default, 2 (two blocks per SM) under trial (`LILY_WGMMA_WARPGROUPS=2`).
-pub const WGMMA_WARPGROUPS: [usize; 2] = [4, 2];
-/// Dynamic shared memory of a wgmma kernel of `wg` warpgroups (smem_bytes in gemm_wgmma.cu): six
-/// stages (four at 2 warpgroups) of X and packed weights (64·wg rows of 32 bytes per k-tile in
-/// Q4, 64 in Q8), 1 KB to align.
-fn wgmma_shared_bytes(format: Format, wg: usize) -> usize {
+/// The wgmma kernels' block: 4 warpgroups (THREADS in gemm_wgmma.cu).
+const WGMMA_THREADS: u32 = 512;
+/// Dynamic shared memory of a wgmma kernel (smem_bytes in gemm_wgmma.cu): six stages of X and
+/// packed weights (32 bytes per row and k-tile in Q4, 64 in Q8), 1 KB to align.
+fn wgmma_shared_bytes(format: Format) -> usize {
     let row_bytes = if format == Format::Q4 { 32 } else { 64 };
-    let stages = if wg == 4 { 6 } else { 4 };
-    stages * (WGMMA_TILE_ROWS * 128 + 64 * wg * row_bytes) + 1024
+    6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * row_bytes) + 1024
 }
 
 /// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cu.
@@ -132,11 +129,9 @@ pub struct GemmKernels {
     funcs: [[[CudaFunction; 2]; 3]; 3],
     /// `LILY_EXPERT_TILE_ROWS` (16, 32 or 64): one height for every grouped product (A/B runs).
     expert_tile_override: Option<usize>,
-    /// Q4 and Q8 on wgmma (gemm_wgmma.cu), [index in WGMMA_WARPGROUPS][format][epilogue].
-    wgmma: [[[CudaFunction; 2]; 2]; 2],
+    /// Q4 and Q8 on wgmma (gemm_wgmma.cu), [format][epilogue].
+    wgmma: [[CudaFunction; 2]; 2],
     use_wgmma: bool,
-    /// Index in WGMMA_WARPGROUPS of the block shape the wgmma products run.
-    wgmma_shape: usize,
 }
 
 impl GemmKernels {
@@ -147,18 +142,7 @@ impl GemmKernels {
             dev.allow_dynamic_shared(&f, name, need)?;
             Ok(f)
         };
-        // wgmma{prefix}_q4, wgmma{prefix}_swiglu_q4, ...: [format][epilogue] for one block shape.
-        let wgmma_set = |wg: usize| -> Result<[[CudaFunction; 2]; 2]> {
-            let prefix = if wg == 4 { "wgmma" } else { "wgmma2" };
-            let load = |kind: &str, format| {
-                let name = format!("{prefix}_{kind}");
-                load_from("gemm_wgmma", &name, wgmma_shared_bytes(format, wg))
-            };
-            Ok([
-                [load("q4", Format::Q4)?, load("swiglu_q4", Format::Q4)?],
-                [load("q8", Format::Q8)?, load("swiglu_q8", Format::Q8)?],
-            ])
-        };
+        let wgmma = |name: &str, format| load_from("gemm_wgmma", name, wgmma_shared_bytes(format));
         // gemm_q4, gemm_swiglu_q4_m32, ...: [format][epilogue] for one height.
         let height = |rows: usize| -> Result<[[CudaFunction; 2]; 3]> {
             let suffix = if rows == TILE_ROWS {
@@ -180,32 +164,30 @@ impl GemmKernels {
             ])
         };
         let expert_tile_override =
-            env_number("LILY_EXPERT_TILE_ROWS", "one of 16, 32, 64, 128", |r| {
+            env_rows("LILY_EXPERT_TILE_ROWS", "one of 16, 32, 64, 128", |r| {
                 TILE_HEIGHTS.contains(&r) || r == WGMMA_TILE_ROWS
             })?;
         Ok(Self {
             stream: dev.stream().clone(),
             funcs: [height(64)?, height(32)?, height(16)?],
             expert_tile_override,
-            wgmma: [wgmma_set(4)?, wgmma_set(2)?],
+            wgmma: [
+                [
+                    wgmma("wgmma_q4", Format::Q4)?,
+                    wgmma("wgmma_swiglu_q4", Format::Q4)?,
+                ],
+                [
+                    wgmma("wgmma_q8", Format::Q8)?,
+                    wgmma("wgmma_swiglu_q8", Format::Q8)?,
+                ],
+            ],
             use_wgmma: std::env::var("LILY_WGMMA").map_or(true, |v| v != "0"),
-            wgmma_shape: env_number("LILY_WGMMA_WARPGROUPS", "4 or 2", |w| {
-                WGMMA_WARPGROUPS.contains(&w)
-            })?
-            .map_or(0, |w| usize::from(w == 2)),
         })
     }
 
     /// Runs 4- and 8-bit products on the wgmma kernel (or not); on unless `LILY_WGMMA=0`.
     pub fn set_wgmma(&mut self, on: bool) {
         self.use_wgmma = on;
-    }
-
-    /// Runs the wgmma products in blocks of `warpgroups` warpgroups (one of WGMMA_WARPGROUPS; 4
-    /// unless `LILY_WGMMA_WARPGROUPS=2`).
-    pub fn set_wgmma_warpgroups(&mut self, warpgroups: usize) {
-        assert!(WGMMA_WARPGROUPS.contains(&warpgroups), "warpgroups: 4 or 2");
-        self.wgmma_shape = usize::from(warpgroups == 2);
     }
 
     /// Whether products with weights of `format` run on the wgmma kernels: the quantised ones
@@ -446,12 +428,9 @@ impl GemmKernels {
             a_div: as_i32(a_div, "top_k")?,
             count: as_i32(w.count, "count")?,
         };
-        // Weight rows per block: 256, or 64 per warpgroup on wgmma.
-        let wg = WGMMA_WARPGROUPS[self.wgmma_shape];
-        let tile_cols = if wgmma { 64 * wg } else { TILE_COLS };
         let col_tiles = match epilogue {
-            Epilogue::Store => w.rows.div_ceil(tile_cols),
-            Epilogue::SwiGlu => out_width.div_ceil(tile_cols / 2),
+            Epilogue::Store => w.rows.div_ceil(TILE_COLS),
+            Epilogue::SwiGlu => out_width.div_ceil(TILE_COLS / 2),
         };
         ensure!(
             col_tiles <= 65535,
@@ -466,9 +445,9 @@ impl GemmKernels {
                 THREADS,
             ),
             _ => (
-                &self.wgmma[self.wgmma_shape][format as usize][epilogue as usize],
-                wgmma_shared_bytes(format, wg),
-                128 * wg as u32,
+                &self.wgmma[format as usize][epilogue as usize],
+                wgmma_shared_bytes(format),
+                WGMMA_THREADS,
             ),
         };
         let cfg = LaunchConfig {
@@ -482,9 +461,9 @@ impl GemmKernels {
     }
 }
 
-/// A number (rows, warpgroups) from the environment variable `name` (A/B settings): `None` when unset, an error
+/// A row count from the environment variable `name` (A/B settings): `None` when unset, an error
 /// naming the variable when it is not a number that `valid` accepts.
-fn env_number(name: &str, expected: &str, valid: impl Fn(usize) -> bool) -> Result<Option<usize>> {
+fn env_rows(name: &str, expected: &str, valid: impl Fn(usize) -> bool) -> Result<Option<usize>> {
     let Ok(v) = std::env::var(name) else {
         return Ok(None);
     };

@@ -7,14 +7,14 @@
 // tokens are the N side, read by the tensor cores from shared memory. So the block computes Yᵀ:
 // D[weight row][token] = Σ_k W[row][k] · X[token][k].
 //
-// Block: WG = 4 warpgroups (512 threads; or WG = 2, two blocks per SM, under trial), tile of 64·WG
-// weight rows × up to 128 token rows; warpgroup q owns weight rows 64q..64q+63 and issues m64nNk16 products, N = 128 token rows (64 fp32
+// Block: 4 warpgroups (512 threads), tile of 256 weight rows × up to 128 token rows; warpgroup q
+// owns weight rows 64q..64q+63 and issues m64nNk16 products, N = 128 token rows (64 fp32
 // accumulators per thread) or, for a tile of at most 64 rows (an expert's last few), N = 64. Each
 // dequantised weight serves N tokens: the dequantisation (5 instructions per 2 weights in Q4, 7 in
 // Q8) is what bounds these kernels, not the tensor cores (bench/NOTES.md v1.21), so the taller tile
 // halves it per product. k-tiles of 64 columns (one quantisation group) stream through STAGES
 // shared-memory stages by cp.async: the X tile (N rows × 128 bytes, 128-byte swizzle, the layout
-// wgmma reads) and the packed weights (64·WG rows × 32 bytes in Q4, 64 in Q8). Per k-tile kt each
+// wgmma reads) and the packed weights (256 rows × 32 bytes in Q4, 64 in Q8). Per k-tile kt each
 // thread dequantises its 16 A registers and issues the four k16 products; while they run, it waits
 // for k-tile kt + 1's stage (its copies, a barrier for everyone's) and refills the stage k-tile
 // kt − 1 used (every warpgroup has finished those products before the barrier); then it waits for
@@ -37,26 +37,20 @@ namespace {
 enum Epilogue { STORE = 0, SWIGLU = 1 };
 enum Format { Q4 = 0, Q8 = 1 };
 
-constexpr int BM = 128;  // token rows per tile, at most (wgmma N)
-constexpr int BK = 64;   // k-tile: one quantisation group
-// Block shapes, by warpgroups WG: 4 (one 512-thread block per SM, six stages) or 2 (two 256-thread
-// blocks per SM, four stages each, whose barriers are independent: one block's products can run
-// while the other dequantises; LILY_WGMMA_WARPGROUPS=2, under trial).
-template <int WG> constexpr int BN = 64 * WG;        // weight rows per tile: WG × wgmma M = 64
-template <int WG> constexpr int THREADS = 128 * WG;  // WG warpgroups
-template <int WG> constexpr int STAGES = WG == 4 ? 6 : 4;
-template <int WG> constexpr int BLOCKS_PER_SM = 4 / WG;
+constexpr int BM = 128;       // token rows per tile, at most (wgmma N)
+constexpr int BN = 256;       // weight rows per tile: 4 warpgroups × wgmma M = 64
+constexpr int BK = 64;        // k-tile: one quantisation group
+constexpr int THREADS = 512;  // 4 warpgroups
+constexpr int STAGES = 6;
 // Bytes of one weight row in a k-tile: 32 (Q4) or 64 (Q8).
 template <int F> __host__ __device__ constexpr int row_bytes() { return F == Q4 ? BK / 2 : BK; }
 // A stage: the X tile (N rows of 128 bytes), then the packed weights (BN rows).
-template <int WG, int N, int F> __host__ __device__ constexpr int stage_bytes() { return N * BK * 2 + BN<WG> * row_bytes<F>(); }
+template <int N, int F> __host__ __device__ constexpr int stage_bytes() { return N * BK * 2 + BN * row_bytes<F>(); }
 // Must match wgmma_shared_bytes in gemm_prefill.rs: the stages and slack to align the start to
 // 1024 bytes (the swizzle pattern repeats every 1024).
-template <int WG, int F> __host__ __device__ constexpr int smem_bytes() { return STAGES<WG> * stage_bytes<WG, BM, F>() + 1024; }
-static_assert(stage_bytes<2, 64, Q4>() % 1024 == 0 && stage_bytes<2, 64, Q8>() % 1024 == 0, "X tiles stay 1024-byte aligned");
-static_assert(stage_bytes<4, 64, Q4>() % 1024 == 0 && stage_bytes<4, 64, Q8>() % 1024 == 0, "X tiles stay 1024-byte aligned");
-static_assert(smem_bytes<4, Q8>() + 2048 <= 227 * 1024, "one 4-warpgroup block per SM must fit");
-static_assert(2 * (smem_bytes<2, Q8>() + 2048) <= 227 * 1024, "two 2-warpgroup blocks per SM must fit");
+template <int F> __host__ __device__ constexpr int smem_bytes() { return STAGES * stage_bytes<BM, F>() + 1024; }
+static_assert(stage_bytes<64, Q4>() % 1024 == 0 && stage_bytes<64, Q8>() % 1024 == 0, "X tiles stay 1024-byte aligned");
+static_assert(smem_bytes<Q8>() + 2048 <= 227 * 1024, "one block per SM must fit");
 
 // Shared-memory matrix descriptor: start address, leading byte offset (unused with a swizzle: 1),
 // stride byte offset 1024 (8 rows of 128 bytes), 128-byte swizzle (mode 1 in bits 62-63).
@@ -112,12 +106,12 @@ template <int N> __device__ __forceinline__ void fence_accumulators(float* d) {
 // Global weight row of tile row r (0..255) in column tile `col_tile`, −1 past the matrix. SWIGLU:
 // tile rows 16w..16w+7 are gate rows j = 128·col_tile + 8w .. +7, rows 16w+8..16w+15 the up rows
 // of the same j (see the top).
-template <int WG, int E> __device__ __forceinline__ int weight_row(int r, int col_tile, int n) {
+template <int E> __device__ __forceinline__ int weight_row(int r, int col_tile, int n) {
     if constexpr (E == STORE) {
-        const int row = col_tile * BN<WG> + r;
+        const int row = col_tile * BN + r;
         return row < n ? row : -1;
     } else {
-        const int half = n / 2, j = col_tile * (BN<WG> / 2) + (r / 16) * 8 + (r % 8);
+        const int half = n / 2, j = col_tile * (BN / 2) + (r / 16) * 8 + (r % 8);
         if (j >= half) return -1;
         return r % 16 < 8 ? j : half + j;
     }
@@ -125,14 +119,12 @@ template <int WG, int E> __device__ __forceinline__ int weight_row(int r, int co
 
 // The block's products for a tile of `rows` ≤ N token rows of matrix `mat`: the tables of
 // gemm<E> (X row, Y row of each token row; word offset of each weight row) are in place.
-template <int WG, int E, int F, int N>
+template <int E, int F, int N>
 __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, const int* a_row_s, const int* c_row_s,
                                          const int* b_off_s) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    constexpr int BN = ::BN<WG>, THREADS = ::THREADS<WG>, STAGES = ::STAGES<WG>;
-    constexpr int X_BYTES = N * BK * 2, STAGE_BYTES = stage_bytes<WG, N, F>(), ROW = row_bytes<F>();
+    constexpr int X_BYTES = N * BK * 2, STAGE_BYTES = stage_bytes<N, F>(), ROW = row_bytes<F>();
     constexpr int W_CHUNKS = BN * ROW / 16 / THREADS;  // weight chunks per thread per k-tile: 1 or 2
-    constexpr int X_PASS = THREADS / 8;                // X rows copied per pass (8 chunks a row)
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int col_tile = blockIdx.y;
@@ -144,18 +136,15 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     i64 sb_off[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = weight_row<WG, E>(r_lo + 8 * h, col_tile, a.n);
+        const int row = weight_row<E>(r_lo + 8 * h, col_tile, a.n);
         sb_off[h] = row < 0 ? -1 : ((i64)mat * a.n + row) * ngroups;
     }
-    // What this thread copies per k-tile: X chunk c of rows xr0 + X_PASS·u (u < N / X_PASS), and
-    // weight chunk tid % (ROW / 16) of rows tid / (ROW / 16) + u · THREADS / (ROW / 16) (u < W_CHUNKS).
-    // The X source rows stay in registers where they are at most two (4 warpgroups), else they
-    // are read from a_row_s at each copy (registers are short at 2 warpgroups).
+    // What this thread copies per k-tile: X chunk c of rows xr0 + 64u (u < N / 64), and weight
+    // chunk tid % (ROW / 16) of rows tid / (ROW / 16) + u · THREADS / (ROW / 16) (u < W_CHUNKS).
     const int xc = tid % 8, xr0 = tid / 8;
-    constexpr int X_ROWS = N / X_PASS, X_CACHED = X_ROWS <= 2 ? X_ROWS : 1;
-    int x_src[X_CACHED];
+    int x_src[N / 64];
 #pragma unroll
-    for (int u = 0; u < X_CACHED; ++u) x_src[u] = a_row_s[xr0 + X_PASS * u];
+    for (int u = 0; u < N / 64; ++u) x_src[u] = a_row_s[xr0 + 64 * u];
     constexpr int CPR = ROW / 16;  // chunks per weight row
     const int wc = tid % CPR;
     int w_off[W_CHUNKS];
@@ -168,11 +157,11 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     const unsigned char* smem = smem_raw + (base - raw);
     auto x_tile = [&](int s) { return base + s * STAGE_BYTES; };
 
-    // k-tile kt into stage s: X N rows × 8 chunks (swizzled), W BN rows of ROW bytes (plain).
+    // k-tile kt into stage s: X N rows × 8 chunks (swizzled), W 256 rows × 2 chunks (plain).
     auto load_tile = [&](int kt, int s) {
 #pragma unroll
-        for (int u = 0; u < X_ROWS; ++u) {
-            const int r = xr0 + X_PASS * u, xr = X_ROWS <= 2 ? x_src[u % X_CACHED] : a_row_s[r];
+        for (int u = 0; u < N / 64; ++u) {
+            const int r = xr0 + 64 * u, xr = x_src[u];
             const bf16* src = a.x + (i64)max(xr, 0) * a.k + kt * BK + xc * 8;
             cp_async16(x_tile(s) + r * 128 + ((xc ^ (r & 7)) << 4), src, xr >= 0);
         }
@@ -302,41 +291,32 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     }
 }
 
-template <int WG, int E, int F>
+template <int E, int F>
 __device__ __forceinline__ void gemm(const GemmArgs& a) {
     __shared__ int a_row_s[BM];
     __shared__ int c_row_s[BM];
-    __shared__ int b_off_s[BN<WG>];  // word offset of each weight row in its matrix, −1: none
+    __shared__ int b_off_s[BN];  // word offset of each weight row in its matrix, −1: none
 
     int mat, p0, rows;
     if (!block_tile(a, BM, mat, p0, rows)) return;  // the whole block: before any barrier
     const int tid = threadIdx.x;
     token_rows(a, BM, p0, rows, a_row_s, c_row_s);
-    if (tid < BN<WG>) {
-        const int row = weight_row<WG, E>(tid, blockIdx.y, a.n);
+    if (tid < BN) {
+        const int row = weight_row<E>(tid, blockIdx.y, a.n);
         b_off_s[tid] = row < 0 ? -1 : row * (a.k * row_bytes<F>() / BK / 4);  // words per row
     }
     __syncthreads();
     // The tile's height decides N for the whole block.
-    if (rows > 64) products<WG, E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else products<WG, E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    if (rows > 64) products<E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else products<E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
 }
 
 }  // namespace
 
-// wgmma_* : 4 warpgroups; wgmma2_* : 2 warpgroups, two blocks per SM (LILY_WGMMA_WARPGROUPS=2).
-#define WGMMA_KERNEL(name, WG, E, F)                                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS<WG>, BLOCKS_PER_SM<WG>) name(const GemmArgs a) { \
-        pdl_wait();                                                                           \
-        pdl_launch_dependents();                                                              \
-        gemm<WG, E, F>(a);                                                                    \
-    }
+#define WGMMA_KERNEL(name, E, F) \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<E, F>(a); }
 
-WGMMA_KERNEL(wgmma_q4, 4, STORE, Q4)
-WGMMA_KERNEL(wgmma_swiglu_q4, 4, SWIGLU, Q4)
-WGMMA_KERNEL(wgmma_q8, 4, STORE, Q8)
-WGMMA_KERNEL(wgmma_swiglu_q8, 4, SWIGLU, Q8)
-WGMMA_KERNEL(wgmma2_q4, 2, STORE, Q4)
-WGMMA_KERNEL(wgmma2_swiglu_q4, 2, SWIGLU, Q4)
-WGMMA_KERNEL(wgmma2_q8, 2, STORE, Q8)
-WGMMA_KERNEL(wgmma2_swiglu_q8, 2, SWIGLU, Q8)
+WGMMA_KERNEL(wgmma_q4, STORE, Q4)
+WGMMA_KERNEL(wgmma_swiglu_q4, SWIGLU, Q4)
+WGMMA_KERNEL(wgmma_q8, STORE, Q8)
+WGMMA_KERNEL(wgmma_swiglu_q8, SWIGLU, Q8)
