@@ -26,6 +26,9 @@
 # GPU_CHECK_NCU=1 adds Nsight Compute counters of the prefill's heavy kernels and of the decode
 # step's (ncu-prefill.txt, ncu-decode.txt in logs.tar, with the other quants' and the A/B runs'
 # tables: at most 8 files come back from a call; GPU_CHECK_NCU_KINDS=decode: only the decode step's);
+# GPU_CHECK_NCU_SOURCE=REGEX adds the per-instruction (SASS) stall samples of the first
+# GPU_CHECK_NCU_SOURCE_COUNT (default 1) launches of a 4K prefill whose kernel names match
+# (ncu-source.csv in logs.tar);
 # GPU_CHECK_SERVE_AB="VAR=VALUE ..." reruns `bench --serve` with each setting;
 # GPU_CHECK_TESTS=none (or a list of binaries) runs no (or only those) test binaries. The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
@@ -229,6 +232,22 @@ PY
                 --decode-steps 4 --rounds 1 > "$logs/ncu-$what.txt" 2>&1
             echo "ncu $what: exit $? ($(grep -c 'Section: GPU Speed Of Light' "$logs/ncu-$what.txt") kernels)" >> "$summary"
         done
+    fi
+    if [[ -n "${GPU_CHECK_NCU_SOURCE:-}" && -x "$dir/lily" ]]; then
+        # Where each kernel's warps wait, instruction by instruction: the source page of the
+        # SourceCounters section (sampled stall reasons per SASS line), as CSV.
+        echo "=== ncu source ($GPU_CHECK_NCU_SOURCE, 4K prefill)"
+        ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+        if [[ -z "$ncu_bin" ]]; then
+            echo "ncu: not found" >> "$summary"
+        else
+            timeout 300 "$ncu_bin" --clock-control none --kernel-name regex:"$GPU_CHECK_NCU_SOURCE" \
+                --launch-count "${GPU_CHECK_NCU_SOURCE_COUNT:-1}" --section SourceCounters --section WarpStateStats \
+                --page source --print-source sass --csv \
+                "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda --contexts 4096 \
+                --decode-steps 4 --rounds 1 > "$logs/ncu-source.csv" 2>&1
+            echo "ncu source: exit $? ($(wc -l < "$logs/ncu-source.csv") lines)" >> "$summary"
+        fi
     fi
     if [[ "${GPU_CHECK_SERVE:-1}" != none && -x "$dir/lily" ]]; then
         # The engine under load (issue 10's settings): 64 streams of 1K-token prompts and 128
