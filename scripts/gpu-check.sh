@@ -107,7 +107,7 @@ run)
     done
     # Settings under trial (off by default until they pass here): the whole model again with each.
     for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA=0 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1}; do
-        [[ -x "$dir/cuda_forward" && "$tests" != none ]] || break
+        [[ -x "$dir/cuda_forward" && "$tests" != none && "$trial" != none ]] || break
         echo "=== cuda_forward ($trial)"
         start=$SECONDS
         env "$trial" timeout 300 "$dir/cuda_forward" --test-threads=1 --nocapture > "$logs/cuda_forward-$trial.log" 2>&1

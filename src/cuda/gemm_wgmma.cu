@@ -173,13 +173,20 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
             cp_async16(x_tile(s) + X_BYTES + r * ROW + (pc << 4), src, w_off[u] >= 0);
         }
     };
-    // {scale, bias} of this thread's two rows for k-tile kt as bf16 pairs (zeros for absent rows).
-    auto load_sb = [&](int kt, u32 out[2]) {
+    // {scale, bias} of this thread's two rows for k-tile kt, as loaded (zeros for absent rows) ...
+    auto load_sb = [&](int kt, unsigned short raw[4]) {
         const unsigned short* s = reinterpret_cast<const unsigned short*>(a.scales);
         const unsigned short* b = reinterpret_cast<const unsigned short*>(a.biases);
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-            out[h] = sb_off[h] < 0 ? 0u : (u32)__ldg(s + sb_off[h] + kt) | ((u32)__ldg(b + sb_off[h] + kt) << 16);
+        for (int h = 0; h < 2; ++h) {
+            raw[2 * h] = sb_off[h] < 0 ? (unsigned short)0 : __ldg(s + sb_off[h] + kt);
+            raw[2 * h + 1] = sb_off[h] < 0 ? (unsigned short)0 : __ldg(b + sb_off[h] + kt);
+        }
+    };
+    // ... and as the bf16 pairs dequantise takes.
+    auto pack_sb = [](const unsigned short raw[4], u32 sb[2]) {
+        sb[0] = (u32)raw[0] | ((u32)raw[1] << 16);
+        sb[1] = (u32)raw[2] | ((u32)raw[3] << 16);
     };
 
     // This thread's 16 A registers (four k16 steps) of k-tile kt from its stage, with {scale, bias}
@@ -246,11 +253,16 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     cp_async_wait<STAGES - 2>();  // k-tile 0 has landed (this thread's copies) ...
     fence_async_shared();         // ... is visible to the tensor cores ...
     __syncthreads();              // ... and so is everyone's
-    load_sb(0, sb);
+    unsigned short sb_raw[4];
+    load_sb(0, sb_raw);
+    pack_sb(sb_raw, sb);
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
         dequantise(kt, sb, frag);
-        if (kt + 1 < KT) load_sb(kt + 1, sb);
+        // The next k-tile's scales and biases are loaded now and packed only after this k-tile's
+        // products: packed right after the loads, their latency held up the products' issue (and,
+        // through the barrier, every warp: bench/NOTES.md v1.28).
+        if (kt + 1 < KT) load_sb(kt + 1, sb_raw);
         issue(kt, frag);
         // While the products run: the next k-tile's stage ready for everyone, and a refill.
         if (kt + 1 < KT) {
@@ -262,6 +274,7 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
             cp_async_commit();
         }
         wgmma_wait<0>();  // the fragments are free again
+        pack_sb(sb_raw, sb);
         fence_accumulators<N>(d);
     }
     wgmma_wait<0>();
