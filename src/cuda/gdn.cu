@@ -405,12 +405,6 @@ __device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_
 // operands as x = hi + lo (both tf32) and sums hi·hi + hi·lo + lo·hi ("3xTF32"): as accurate as
 // fp32, at three tensor-core products for one, still several times the fp32 CUDA-core rate.
 
-__device__ __forceinline__ u32 tf32(float x) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
 // d += a·b.
 __device__ __forceinline__ void mma_tf32(float d[4], const u32 a[4], const u32 b[2]) {
     asm volatile(
@@ -433,10 +427,14 @@ __device__ __forceinline__ void load_b(float v[2], const float* x, int ks, int n
     v[1] = x[(k0 + t + 4) * ks + (n0 + g) * ns];
 }
 
-// x = hi + lo with hi, lo tf32.
+// x = hi + lo with hi tf32 (x rounded to 10 mantissa bits, half an ulp up in magnitude) and lo the
+// exact remainder (|lo| ≤ 2⁻¹¹|x|), passed as fp32: the tensor core reads a tf32 operand's top 19
+// bits, so lo loses at most 2⁻¹⁰ of itself (≤ 2⁻²¹|x|), as much as a second rounding would. Two
+// integer/float instructions and a subtraction, where cvt.rna.tf32 costs four (a compare, an add,
+// a select, a mask) per conversion: the splits were most of the 3xTF32 kernels' instructions.
 __device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
-    hi = tf32(x);
-    lo = tf32(x - __uint_as_float(hi));
+    hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 // d += a·b to fp32 accuracy from split operands (the small products first).
@@ -638,6 +636,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
         if (tid == 0) p.ws_decay[chunk * GDN_VALUE_HEADS + hv] = expf(g_last);
     }
     __syncthreads();  // L complete; k_s no longer read by other threads
+    // G_s becomes e^G (the W columns' right-hand side factor), computed once per row here rather
+    // than 64 times by each W thread, which left the U half of the block waiting at the barrier
+    // after the substitution (bench/NOTES.md v1.28).
+    if (tid < CHUNK) G_s[tid] = expf(G_s[tid]);
+    __syncthreads();
 
     // Forward substitution, one column per thread: threads 0..127 the columns of W (right-hand
     // side β k e^G), 128..255 those of U (β v). Row r: X_r = B_r − Σ_(s<r) L[r][s] X_s. The column
@@ -652,7 +655,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
 #pragma unroll
         for (int r = 0; r < CHUNK; ++r) {
             float acc = beta_s[r] * X[r * PITCH];
-            if (is_w) acc *= expf(G_s[r]);
+            if (is_w) acc *= G_s[r];  // e^G (above)
             float acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;
             const float* Lr = L_s + r * LPITCH;
 #pragma unroll
