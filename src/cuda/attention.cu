@@ -207,12 +207,10 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
 // attn_prefill: causal flash attention for T new tokens (positions start .. start+T-1) of one
 // sequence over its cache rows 0 .. start+T-1 (attn_prepare has appended the new keys already).
 //
-// GQA packing: a block takes 16 consecutive tokens × the 8 query heads of one KV head = 128 rows
-// (row r: token t0 + r/8, head 8·kvh + r%8), so each K/V tile it loads serves 16 tokens of 8
-// heads. Eight warps own 16 rows each: warp w's rows g are token t0 + 2w and rows g + 8 token
-// t0 + 2w + 1 (head 8·kvh + g for both), which makes the causal mask one comparison per half.
-// At long context the K/V tiles stream from L2 once per block, so the rows a block serves set the
-// L2 traffic: 8-token blocks (two per SM) moved ≈ 3.9 TB/s at 32K (bench/NOTES.md v1.30).
+// GQA packing: a block takes 8 consecutive tokens × the 8 query heads of one KV head = 64 rows
+// (row r: token t0 + r/8, head 8·kvh + r%8), so each K/V tile it loads serves 8 heads. Four
+// warps own 16 rows each: warp w's rows g are token t0 + 2w and rows g + 8 token t0 + 2w + 1
+// (head 8·kvh + g for both), which makes the causal mask one comparison per half.
 // Keys stream in tiles of 32 through a two-stage cp.async pipeline. Per tile and warp:
 //   S = Q·Kᵀ (16 rows × 32 keys; Q and K by ldmatrix), scaled into the log2 domain, masked;
 //   online softmax in fp32 (row max/sum over the 4 lanes of a quad);
@@ -221,20 +219,20 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
 // Blocks run in reverse token order, so the longest (latest) rows start first.
 //
 // Split over keys: a chunk of few tokens at a long context would be a handful of blocks each
-// streaming the whole cache. Then the host launches gridDim.z = nsplit > 1 blocks per 16 tokens,
+// streaming the whole cache. Then the host launches gridDim.z = nsplit > 1 blocks per 8 tokens,
 // block z taking keys [z·chunk, (z+1)·chunk) (chunk a multiple of 32, the same for all blocks),
 // and the blocks write unnormalised partials like attn_decode_split (row = token) for
 // attn_combine. Token i (position start + i) has visible keys in splits 0 .. (start + i) / chunk.
 
-#define PF_THREADS 256
-#define PF_TOKENS 16
-#define PF_ROWS 128                             // PF_TOKENS × GROUP
+#define PF_THREADS 128
+#define PF_TOKENS 8
+#define PF_ROWS 64                              // PF_TOKENS × GROUP
 #define PF_TILE 32                              // keys per pipeline stage
-#define PF_Q_BYTES (PF_ROWS * ROW_BYTES)        // 67,584
+#define PF_Q_BYTES (PF_ROWS * ROW_BYTES)        // 33,792
 #define PF_STAGE_BYTES (2 * PF_TILE * ROW_BYTES)  // K and V: 33,792
-#define PF_SMEM_BYTES (PF_Q_BYTES + 2 * PF_STAGE_BYTES)  // 135,168: one block per SM
+#define PF_SMEM_BYTES (PF_Q_BYTES + 2 * PF_STAGE_BYTES)  // 101,376: two blocks per SM
 
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
     attn_prefill(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
                  int start, int T, bf16* __restrict__ out, float scale_log2, int chunk,
                  float* __restrict__ part_o, float* __restrict__ part_ml) {
@@ -253,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1)
     const bf16* vg = c.v + cache_offset(c, slot, kvh);
     const u32 sq = smem_u32(smem);
 
-    // Q tile: 128 rows × 32 vectors of 16 bytes; rows of tokens ≥ T are zero.
+    // Q tile: 64 rows × 32 vectors of 16 bytes; rows of tokens ≥ T are zero.
     for (int i = tid; i < PF_ROWS * 32; i += PF_THREADS) {
         const int r = i >> 5, part = i & 31, tok = t0 + r / GROUP;
         const bool ok = tok < T;

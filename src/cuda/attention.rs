@@ -43,9 +43,9 @@ pub const OUT_WIDTH: usize = Q_HEADS * HEAD_DIM;
 // Launch shapes; each must match the #define of the same name in attention.cu.
 const PREP_UNITS: usize = 20;
 const PREP_WARPS: usize = 4;
-const PF_TOKENS: usize = 16;
-const PF_THREADS: usize = 256;
-const PF_SMEM_BYTES: usize = 135_168;
+const PF_TOKENS: usize = 8;
+const PF_THREADS: usize = 128;
+const PF_SMEM_BYTES: usize = 101_376;
 const PF_TILE: usize = 32;
 /// The fewest keys a split of prefill attention takes (eight tiles); to be tuned.
 const PF_MIN_CHUNK: usize = 256;
@@ -336,10 +336,10 @@ impl AttentionKernels {
 
     /// How prefill attention of `tokens` new tokens over `kv` keys (the last new position + 1)
     /// is split over the keys: `(splits, chunk)`, split z taking keys `z·chunk .. (z+1)·chunk`.
-    /// One split (chunk = kv) when the 16-token blocks of both KV heads give every SM one;
+    /// One split (chunk = kv) when the 8-token blocks of both KV heads give every SM one;
     /// otherwise about that many blocks, chunks of at least 256 keys, a multiple of 32. E.g. on
-    /// 132 SMs: 5 tokens after 4000 → 16 splits of 256 keys; 64 after 4000 → 16 of 256; 300 → 4
-    /// of 1088; 4096 → 1. (To be tuned on the H200.)
+    /// 132 SMs: 5 tokens after 4000 → 16 splits of 256 keys; 64 after 4000 → 9 of 480; 300 → 2;
+    /// 4096 → 1. (To be tuned on the H200.)
     pub fn prefill_split(&self, tokens: usize, kv: usize) -> (usize, usize) {
         let splits = self.prefill_split_limit(tokens, kv);
         if splits == 1 {
