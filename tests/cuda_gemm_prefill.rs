@@ -201,16 +201,23 @@ fn cublas_path_matches_cpu() {
     let dev = device();
     let mut rng = rng("cublas gemm");
     let mut dense = DenseGemm::new(&dev, 12352 * 2048).expect("cuBLAS");
-    let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
-        dense.gemm(w, x, y).expect("dense gemm")
-    };
-    for (kind, n, k, t) in [
-        (Kind::Q4, 12352, 2048, 4096),
-        (Kind::Q4, 2048, 4096, 512),
-        (Kind::Q4, 9216, 2048, 700),
-        (Kind::Q8, 257, 2048, 513),
-        (Kind::Bf16, 2048, 2048, 600),
+    // Row counts that are no multiple of 8 (the router with the shared gate, odd ones) also with
+    // the outputs written at an aligned pitch and copied into place (LILY_DENSE_PAD).
+    for (kind, n, k, t, pad) in [
+        (Kind::Q4, 12352, 2048, 4096, false),
+        (Kind::Q4, 2048, 4096, 512, false),
+        (Kind::Q4, 9216, 2048, 700, false),
+        (Kind::Q8, 257, 2048, 513, false),
+        (Kind::Q8, 257, 2048, 513, true),
+        (Kind::Q8, 257, 2048, 4096, true),
+        (Kind::Q4, 131, 512, 600, true),
+        (Kind::Q4, 1, 2048, 512, true),
+        (Kind::Bf16, 2048, 2048, 600, true),
     ] {
+        dense.set_pad_outputs(pad);
+        let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
+            dense.gemm(w, x, y).expect("dense gemm")
+        };
         let m = matrix(&mut rng, kind, n, k, 0.05);
         dense_case(
             g,
@@ -219,7 +226,7 @@ fn cublas_path_matches_cpu() {
             &m,
             &row_sq(&m),
             t,
-            &format!("cublas {kind:?}"),
+            &format!("cublas {kind:?}{}", if pad { " padded" } else { "" }),
         );
     }
     // A matrix larger than the scratch is an error, not an overrun.
@@ -264,9 +271,7 @@ fn swiglu_cases(wgmma: bool) {
         let mut act = Output::new(s, t * inter);
         g.gemm_swiglu(&dm.view(), &dx.as_view(), &mut act.view())
             .expect("gemm_swiglu");
-        let what = format!(
-            "swiglu {kind:?} I={inter} K={k} × {t} tokens (wgmma: {wgmma})"
-        );
+        let what = format!("swiglu {kind:?} I={inter} K={k} × {t} tokens (wgmma: {wgmma})");
         let got = act.get(s, &what);
         let rows = rows_to_check(&mut rng, t);
         let xs = gather(&xf, &rows, k);
@@ -420,6 +425,24 @@ fn timing_at_4096_tokens() {
         );
     }
     println!("GDN and attention projections of a 4096-token prefill: {mixer_ms:.1} ms (the MoE block: tests/cuda_moe.rs)");
+    // The router as the model runs it: 256 experts' rows and the shared expert's gate, 257 rows,
+    // through cuBLAS at the row count as pitch and at an aligned pitch (LILY_DENSE_PAD).
+    let m = random_weights(&mut rng, Kind::Q8, 257, 2048);
+    let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
+    let x = dx.slice(..T * 2048);
+    let mut yv = y.slice_mut(..T * 257);
+    let mut router = |pad: bool| {
+        dense.set_pad_outputs(pad);
+        median_ms(&dev, 10, || {
+            dense.gemm(&dm.view(), &x, &mut yv).expect("dense gemm")
+        })
+    };
+    let (plain, padded) = (router(false), router(true));
+    println!(
+        "router ‖ shared gate (Q8) 257 × 2048 @4096, cuBLAS path: {plain:.3} ms at pitch 257, {padded:.3} ms at pitch 264 (× 40 layers: {:.2} / {:.2} ms)",
+        plain * 40.0,
+        padded * 40.0
+    );
 }
 
 /// Random weights of the given kind without running the quantiser (timing only).

@@ -26,3 +26,18 @@ extern "C" __global__ void dequant_affine(const u32* __restrict__ packed, const 
         reinterpret_cast<uint4*>(out)[v] = pack8(f);
     }
 }
+
+// Rows of `width` values from a buffer whose rows are `pitch` values apart into a packed one: the
+// cuBLAS output of a matrix whose row count is no multiple of 8 (the router and the shared
+// expert's gate, 257 rows), written at an aligned pitch, where cuBLAS runs its fast kernels
+// (dense.rs). One thread per value.
+extern "C" __global__ void dense_unpad(const bf16* __restrict__ src, int pitch, bf16* __restrict__ dst, int width,
+                                       int rows) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const u64 n = (u64)rows * width;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / width, c = i % width;
+        dst[i] = src[r * pitch + c];
+    }
+}

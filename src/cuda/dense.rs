@@ -6,6 +6,12 @@
 //!
 //! The weights the product sees are rounded to bf16 once (the fused kernels apply scale and bias
 //! in fp32): ≤ 2⁻⁹ relative per weight, below the bf16 rounding of the output.
+//!
+//! An output row of a matrix whose row count is no multiple of 8 (the router with the shared
+//! expert's gate: 257 rows) is not 16-byte aligned, and cuBLAS then takes a slow kernel (≈ 94 µs
+//! for the router at 4096 tokens, where 256 rows take ≈ 20: bench/NOTES.md v1.31). With
+//! `LILY_DENSE_PAD=1` (under trial) such products are written at a pitch rounded up to 8 into a
+//! scratch buffer and copied into place by `dense_unpad`.
 
 use std::sync::Arc;
 
@@ -26,8 +32,12 @@ pub struct DenseGemm {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     dequant: CudaFunction,
+    unpad: CudaFunction,
     /// Room for the largest dequantised matrix.
     scratch: CudaSlice<bf16>,
+    /// Outputs at an aligned pitch, grown on demand (see the top).
+    padded: Option<CudaSlice<bf16>>,
+    pad_outputs: bool,
 }
 
 impl DenseGemm {
@@ -41,10 +51,19 @@ impl DenseGemm {
             .during(|| format!("{max_values} values of dequantisation scratch"))?;
         Ok(Self {
             dequant: dev.function("dense", "dequant_affine")?,
+            unpad: dev.function("dense", "dense_unpad")?,
             stream,
             blas,
             scratch,
+            padded: None,
+            pad_outputs: std::env::var("LILY_DENSE_PAD").is_ok_and(|v| v == "1"),
         })
+    }
+
+    /// Writes the outputs of matrices whose row count is no multiple of 8 at an aligned pitch
+    /// first (see the top); off unless `LILY_DENSE_PAD=1`.
+    pub fn set_pad_outputs(&mut self, on: bool) {
+        self.pad_outputs = on;
     }
 
     /// `y = x · Wᵀ` for matrix 0 of `w` (bf16, or 4/8-bit affine): x `[t][cols]`, y `[t][rows]`.
@@ -98,12 +117,32 @@ impl DenseGemm {
             }
         };
         let xp = x.device_ptr(stream).0;
-        let yp = y.device_ptr_mut(stream).0;
+        // The output's pitch: the row count, or the next multiple of 8 into `padded`.
+        let pitch = if self.pad_outputs && rows % 8 != 0 {
+            rows.next_multiple_of(8)
+        } else {
+            rows
+        };
+        let yp = if pitch == rows {
+            y.device_ptr_mut(stream).0
+        } else {
+            if self.padded.as_ref().is_none_or(|p| p.len() < t * pitch) {
+                self.padded = None; // freed before the larger one is allocated
+                self.padded = Some(
+                    self.stream
+                        .alloc_zeros::<bf16>(t * pitch)
+                        .during(|| format!("{t}×{pitch} values of padded GEMM output"))?,
+                );
+            }
+            let padded = self.padded.as_mut().expect("allocated above");
+            padded.device_ptr_mut(stream).0
+        };
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let (m, nn, k) = (
+        let (m, nn, k, ldc) = (
             as_i32(rows, "rows")?,
             as_i32(t, "tokens")?,
             as_i32(cols, "cols")?,
+            as_i32(pitch, "pitch")?,
         );
         // Column-major view: Y is [rows × t] (ld rows) = W [cols × rows]ᵀ (ld cols) · X [cols × t].
         // SAFETY: the pointers are live device buffers of the sizes checked above; cuBLAS runs on
@@ -126,13 +165,25 @@ impl DenseGemm {
                 (&beta as *const f32).cast(),
                 yp as *mut _,
                 blas::cudaDataType::CUDA_R_16BF,
-                m,
+                ldc,
                 blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
         .map_err(|e| CudaError::Shape(format!("cuBLAS GEMM [{t}×{cols}]·[{rows}×{cols}]ᵀ: {e}")))?;
-        super::profile::after_launch(stream, "dense cublas")
+        super::profile::after_launch(stream, "dense cublas")?;
+        if pitch != rows {
+            let padded = self.padded.as_ref().expect("allocated above");
+            let cfg = LaunchConfig {
+                grid_dim: ((t * rows).div_ceil(256).min(132 * 16) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `padded` holds t rows at `pitch` ≥ `rows` (allocated above), y t × rows
+            // values (checked at the top).
+            unsafe { launch!(stream, &self.unpad, cfg, padded, &ldc, y, &m, &nn) }?;
+        }
+        Ok(())
     }
 
     fn dequantise(
