@@ -10,8 +10,8 @@ use half::bf16;
 
 use super::pdl::KernelValue;
 use super::{
-    addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaStream,
-    CudaView, CudaViewMut, Result,
+    addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaError, CudaFunction,
+    CudaStream, CudaView, CudaViewMut, Result,
 };
 
 /// Tokens one launch can take: the mma's N.
@@ -360,6 +360,9 @@ pub struct GemvKernels {
     /// The prefetching is on with `LILY_L2_AHEAD=1` (off by default: 17 % slower decode on the
     /// H200, bench/NOTES.md v1.13).
     ahead_enabled: bool,
+    /// Warps per SM that [`GemvKernels::shape`] splits K until it has: 16, or
+    /// `LILY_GEMV_WARPS_PER_SM` (4, 8, 16 or 32; under trial, bench/NOTES.md v1.33).
+    warps_per_sm: usize,
 }
 
 impl GemvKernels {
@@ -381,6 +384,17 @@ impl GemvKernels {
             Ok(f)
         };
         let (q4, q8, bf16) = (load("gemv_q4")?, load("gemv_q8")?, load("gemv_bf16")?);
+        let warps_per_sm = match std::env::var("LILY_GEMV_WARPS_PER_SM") {
+            Err(_) => 16,
+            Ok(v) => match v.parse() {
+                Ok(n @ (4 | 8 | 16 | 32)) => n,
+                _ => {
+                    return Err(CudaError::Shape(format!(
+                        "LILY_GEMV_WARPS_PER_SM={v}: expected 4, 8, 16 or 32"
+                    )))
+                }
+            },
+        };
         Ok(Self {
             stream: dev.stream().clone(),
             q4,
@@ -394,6 +408,7 @@ impl GemvKernels {
             fused_topk: std::env::var("LILY_FUSED_TOPK").is_ok_and(|v| v == "1"),
             early_reads: early_reads(),
             ahead_enabled: std::env::var("LILY_L2_AHEAD").is_ok_and(|v| v == "1"),
+            warps_per_sm,
         })
     }
 
@@ -763,12 +778,13 @@ impl GemvKernels {
     }
 
     /// The default launch shape: the fewest warps along K (each then streams longer) that still
-    /// give about two blocks' worth of warps per SM, then tiles per block to make 8-warp blocks.
+    /// give about two blocks' worth of warps per SM (16 warps; `LILY_GEMV_WARPS_PER_SM`), then
+    /// tiles per block to make 8-warp blocks.
     pub fn shape(&self, w: &Matrices, slots: usize) -> GemvShape {
         let format = format_of(w);
         let tiles = w.rows.div_ceil(TILE_ROWS) * slots;
         let mut warps_per_tile = 1;
-        while tiles * warps_per_tile < 16 * self.sm_count
+        while tiles * warps_per_tile < self.warps_per_sm * self.sm_count
             && warps_per_tile < MAX_WARPS
             && splits_evenly(format, w.cols, 2 * warps_per_tile)
         {
