@@ -72,22 +72,22 @@ run)
 collect)
     shift
     (($# > 0)) || { echo "usage: scripts/bench-all.sh collect TAR... (the calls' bench-all.tar, oldest first)" >&2; exit 2; }
-    name=""
+    # One series (DATE-COMMIT/) or several: each series' folder is replaced by its archives, and
+    # collect.py takes each job from the first series that ran it.
+    names=()
     for tar in "$@"; do
         top=$(tar tf "$tar" | head -1 | cut -d/ -f1) || exit 1
-        [[ -z "$name" || "$top" == "$name" ]] ||
-            { echo "$tar holds $top/, not $name/: give the archives of one series of calls" >&2; exit 1; }
-        name=$top
-    done
-    [[ -n "$name" ]] || { echo "$1: empty archive" >&2; exit 1; }
-    rm -rf "bench/runs/$name"
-    for tar in "$@"; do
+        [[ -n "$top" ]] || { echo "$tar: empty archive" >&2; exit 1; }
+        if [[ " ${names[*]} " != *" $top "* ]]; then
+            names+=("$top")
+            rm -rf "bench/runs/$top"
+        fi
         tar xf "$tar" -C bench/runs --exclude=log.txt --exclude='*.log' --exclude='*.png' || exit 1
     done
     venv="${LILY_PLOT_VENV:-target/plot-venv}"
     [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv" || exit 1
     "$venv/bin/pip" install -q -r tools/peers/requirements-plot.txt || exit 1
-    "$venv/bin/python" tools/peers/collect.py "bench/runs/$name" --write bench/RESULTS.md --png bench/peers.png
+    "$venv/bin/python" tools/peers/collect.py "${names[@]/#/bench/runs/}" --write bench/RESULTS.md --png bench/peers.png
     ;;
 *)
     echo "usage: scripts/bench-all.sh build [DIR] | bash scripts/bench-all.sh run [ARGS] | scripts/bench-all.sh collect TAR..." >&2

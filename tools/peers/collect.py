@@ -2,9 +2,11 @@
 """The generated section of bench/RESULTS.md and the PNG of every engine's curves, from bench-all's results.
 
 Its input is one series of `scripts/bench-all.sh run` calls: the folder DATE-COMMIT/ with state.json, lily/
-and a folder per peer run, as bench_all.py writes it.
+and a folder per peer run, as bench_all.py writes it; or several series, oldest first, each job's results
+taken from the first series that ran it (a peer measured in a later session beside an earlier lily run:
+the section says which series each call belongs to).
 
-Usage: python3 tools/peers/collect.py RUN_DIR [--write bench/RESULTS.md] [--md FILE] [--png bench/peers.png]
+Usage: python3 tools/peers/collect.py RUN_DIR... [--write bench/RESULTS.md] [--md FILE] [--png bench/peers.png]
 --write puts the section between the markers BEGIN and END below, replacing what a previous run wrote
 there, or above the file's first `## ` section when it has none yet; the rest of the file is kept.
 Runs of the same engine (a second pass over the contexts a time cap skipped) are merged: a measured row
@@ -75,31 +77,50 @@ class Engine:
 def read_run(run_dir):
     """(state, engines): lily first, then every peer of bench_all.JOBS, in that order, each with its
     results merged over its passes, or with why it has none."""
+    state, by_job = _read_jobs(run_dir)
+    return state, [e for name, _, _ in bench_all.JOBS for e in by_job[name]]
+
+
+def read_runs(run_dirs):
+    """read_run over several series (oldest first): each job's engines from the first series that ran
+    it, else the first series' reason; the state of the first series, with every series' calls, each
+    marked with its series."""
+    runs = [(d, *_read_jobs(d)) for d in run_dirs]
+    state = dict(runs[0][1])
+    state["calls"] = [dict(call, series=d.name) for d, st, _ in runs for call in st["calls"]]
+    engines = []
+    for name, _, _ in bench_all.JOBS:
+        ran = [by_job[name] for _, st, by_job in runs if name in st["jobs"]]
+        engines += ran[0] if ran else runs[0][2][name]
+    return state, engines
+
+
+def _read_jobs(run_dir):
+    """(state, {job: [Engine]}) of one series."""
     state_path = run_dir / "state.json"
     if not state_path.is_file():
         raise SystemExit(f"{state_path} is missing: is {run_dir} a folder from scripts/bench-all.sh run?")
     state = json.loads(state_path.read_text())
-    engines = []
+    by_job = {}
     for name, _, _ in bench_all.JOBS:
         job = state["jobs"].get(name)
         if job is None:
-            engines.append(Engine(name, missing="not run: " + state.get("not_run", {}).get(name, "no call ran it")))
+            by_job[name] = [Engine(name, missing="not run: " + state.get("not_run", {}).get(name, "no call ran it"))]
             continue
         if name == "lily":
             csv_path = run_dir / "lily" / "bench.csv"
             if csv_path.is_file():
                 meta = json.loads((run_dir / "lily" / "meta.json").read_text())
-                engines.append(Engine(meta["engine"], meta, read_lily(csv_path)))
+                by_job[name] = [Engine(meta["engine"], meta, read_lily(csv_path))]
             else:
-                engines.append(Engine(name, missing=f"no results: {job['status']}"))
+                by_job[name] = [Engine(name, missing=f"no results: {job['status']}")]
             continue
         passes = [read_peer(run_dir / d) for d in job["dirs"] if (run_dir / d / "results.csv").is_file()]
         if not passes:
-            engines.append(Engine(name, missing=f"no results: {job['status']}"))
+            by_job[name] = [Engine(name, missing=f"no results: {job['status']}")]
             continue
-        for meta, rows in merge_same_engine(passes):
-            engines.append(Engine(meta["engine"], meta, rows))
-    return state, engines
+        by_job[name] = [Engine(meta["engine"], meta, rows) for meta, rows in merge_same_engine(passes)]
+    return state, by_job
 
 
 def ctx_label(c):
@@ -135,7 +156,9 @@ def context_table(c, engines):
     return out
 
 
-def markdown(run_name, state, engines, png_link):
+def markdown(run_names, state, engines, png_link):
+    """The section; `run_names`: the series folder, or a list of them (read_runs)."""
+    names = [run_names] if isinstance(run_names, str) else list(run_names)
     contexts = sorted(set(sweep.CONTEXTS) | {c for e in engines for c in e.rows})
     out = [BEGIN, f"## {state['date']}, commit {state['commit']}, {state['gpu']} — lily and its peers", "",
            "Batch 1, prompt = context, synthetic token ids, one prefill (to the first token) then "
@@ -143,10 +166,15 @@ def markdown(run_name, state, engines, png_link):
            "of the full Qwen3.6-35B-A3B shape with random weights; every engine on the same GPU, one after the "
            "other, in back-to-back device calls. Ratios are lily / engine (above 1: lily is faster). "
            "Each peer has a time cap: the contexts it skipped read `not run (time cap)` (tools/peers/README.md). "
-           f"Raw results: `bench/runs/{run_name}/`.", "", "Device calls (`scripts/bench-all.sh run`):", ""]
+           "Raw results: " + ", ".join(f"`bench/runs/{n}/`" for n in names) + ".", ""]
+    if len(names) > 1:
+        out += [f"Merged from {len(names)} series of calls (oldest first): each engine's numbers come from the "
+                "first series that ran it; lily's from its run in the first.", ""]
+    out += ["Device calls (`scripts/bench-all.sh run`):", ""]
     for i, call in enumerate(state["calls"], 1):
         found = ", ".join(f"`{p}`" for p in call["found"]) or "nothing carried"
-        out.append(f"{i}. {call['started']}, found {found}: {'; '.join(call['ran']) or 'ran nothing'}")
+        series = f" (series {call['series']})" if len(names) > 1 and "series" in call else ""
+        out.append(f"{i}. {call['started']}{series}, found {found}: {'; '.join(call['ran']) or 'ran nothing'}")
     out += ["", f"![prefill and decode tok/s of every engine]({png_link})", ""]
     for c in contexts:
         out += [f"### {ctx_label(c)}", ""] + context_table(c, engines) + [""]
@@ -210,14 +238,16 @@ def plot(engines, gpu, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", type=Path, help="DATE-COMMIT folder from bench-all.tar")
+    parser.add_argument("run_dirs", type=Path, nargs="+",
+                        help="DATE-COMMIT folders from bench-all.tar, oldest first")
     parser.add_argument("--write", type=Path, help="RESULTS.md whose generated section to write")
     parser.add_argument("--md", type=Path, help="also write the section alone to this file")
     parser.add_argument("--png", type=Path, help="the plot (its link in the section is relative to --write)")
     args = parser.parse_args()
-    state, engines = read_run(args.run_dir)
+    state, engines = read_runs(args.run_dirs)
     base = args.write.parent if args.write else Path(".")
-    section = markdown(args.run_dir.name, state, engines, os.path.relpath(args.png, base) if args.png else "peers.png")
+    section = markdown([d.name for d in args.run_dirs], state, engines,
+                       os.path.relpath(args.png, base) if args.png else "peers.png")
     if args.md:
         args.md.write_text(section)
     if args.write:

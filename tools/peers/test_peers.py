@@ -183,6 +183,39 @@ class CollectTest(unittest.TestCase):
         self.assertIn("2026-12-01, commit abc1234, NVIDIA H200", md)
         self.assertIn("![prefill and decode tok/s of every engine](peers.png)", md)
 
+    def test_later_series_fill_the_jobs_the_first_did_not_run(self):
+        """A second series (a later session) that ran mlx and lily again: mlx comes from it, every other
+        engine (lily included) from the first, and the calls of both are listed with their series."""
+        with tempfile.TemporaryDirectory() as d:
+            first, lily, tf, llama = self.make_run(Path(d))
+            second = Path(d) / "2026-12-02-def5678"
+            write_lily(second, random_rates(sweep.CONTEXTS))
+            mlx = random_rates(sweep.CONTEXTS[:2])
+            write_peer(second, "mlx", "mlx-lm", mlx, sweep.CONTEXTS[2:])
+            state2 = {"date": "2026-12-02", "commit": "def5678", "gpu": "NVIDIA H200, driver 580", "build": {},
+                      "calls": [{"started": "t3", "found": [".peers/mlx-cuda-2"], "ran": ["mlx: done"]}],
+                      "jobs": {"lily": {"status": "done", "dirs": ["lily"]},
+                               "mlx": {"status": "done", "dirs": ["mlx"]}},
+                      "not_run": {"transformers": "skipped (--skip)"}}
+            (second / "state.json").write_text(json.dumps(state2))
+            state, engines = collect.read_runs([first, second])
+            self.assertEqual([e.label for e in engines],
+                             ["lily", "transformers", "llama.cpp", "mlx-lm", "transformers-nofla"])
+            md = collect.markdown([first.name, second.name], state, engines, "peers.png")
+        tables = context_tables(md)
+        for c in sweep.CONTEXTS:
+            t = tables[collect.ctx_label(c)]
+            if c in lily:
+                self.assertEqual(t["lily"][:2], [collect.fmt(lily[c][0]), collect.fmt(lily[c][1], 1)])
+            if c in mlx and c in lily:
+                self.assertEqual(t["mlx-lm"][2:], [f"{lily[c][0] / mlx[c][0]:.2f}×", f"{lily[c][1] / mlx[c][1]:.2f}×"])
+            elif c not in mlx:
+                self.assertEqual(t["mlx-lm"][0], sweep.NOT_RUN)
+            self.assertEqual(t["llama.cpp"][:2], [collect.fmt(llama[c][0]), collect.fmt(llama[c][1], 1)])
+        self.assertIn("2026-12-01, commit abc1234", md, "the header is the first series'")
+        self.assertIn("`bench/runs/2026-12-01-abc1234/`, `bench/runs/2026-12-02-def5678/`", md)
+        self.assertIn("3. t3 (series 2026-12-02-def5678), found `.peers/mlx-cuda-2`: mlx: done", md)
+
     def test_section_is_replaced_not_duplicated(self):
         with tempfile.TemporaryDirectory() as d:
             d = Path(d)
