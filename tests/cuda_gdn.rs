@@ -948,33 +948,22 @@ fn timing() {
         ms * LAYERS as f32
     );
     // Each of the chunked rule's kernels apart (CUDA events between them: lily bench --profile's).
-    let mut profile = OpProfile::default();
-    for _ in 0..3 {
-        profile
-            .time(&stream, || {
-                run_with(&kernels);
-                Ok(())
-            })
-            .expect("profiled prefill");
-    }
-    for op in profile.take() {
-        println!("  {}: {:.3} ms per prefill", op.kernel, op.ms / 3.0);
-    }
+    let mut per_kernel = |k: &GdnKernels, suffix: &str| {
+        let mut profile = OpProfile::default();
+        for _ in 0..3 {
+            profile
+                .time(&stream, || {
+                    run_with(k);
+                    Ok(())
+                })
+                .expect("profiled prefill");
+        }
+        for op in profile.take() {
+            println!("  {}{suffix}: {:.3} ms per prefill", op.kernel, op.ms / 3.0);
+        }
+    };
+    per_kernel(&kernels, "");
     // The state kernel with three accumulator chains (LILY_GDN_STATE_CHAINS).
     kernels.set_state_chains(true);
-    for _ in 0..3 {
-        profile
-            .time(&stream, || {
-                run_with(&kernels);
-                Ok(())
-            })
-            .expect("profiled prefill");
-    }
-    for op in profile.take() {
-        println!(
-            "  {} (chains): {:.3} ms per prefill",
-            op.kernel,
-            op.ms / 3.0
-        );
-    }
+    per_kernel(&kernels, " (chains)");
 }

@@ -462,30 +462,20 @@ fn grouped_experts_match_cpu() {
     );
     // Q8 at the real shapes on wgmma (what GGUF K-quants and FP8 checkpoints run as).
     let real_q8 = Experts::random(s, &mut rng, Kind::Q8, 256, 2048, 512);
-    grouped_case(
-        &dev,
-        &mut rng,
-        &real_q8,
-        Routing::Skewed,
-        600,
-        (128, Kernel::Wgmma),
-    );
-    grouped_case(
-        &dev,
-        &mut rng,
-        &real_q8,
-        Routing::Same,
-        200,
-        (128, Kernel::Wgmma),
-    );
-    grouped_case(
-        &dev,
-        &mut rng,
-        &real_q8,
-        Routing::Same,
-        200,
-        (64, Kernel::Wgmma),
-    );
+    for (routing, tokens, rows) in [
+        (Routing::Skewed, 600, 128),
+        (Routing::Same, 200, 128),
+        (Routing::Same, 200, 64),
+    ] {
+        grouped_case(
+            &dev,
+            &mut rng,
+            &real_q8,
+            routing,
+            tokens,
+            (rows, Kernel::Wgmma),
+        );
+    }
 }
 
 fn real_config() -> ModelConfig {

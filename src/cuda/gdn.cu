@@ -444,14 +444,31 @@ __device__ __forceinline__ void mma_3xtf32(float d[4], const u32 ahi[4], const u
     mma_tf32(d, ahi, bhi);
 }
 
-// The same three products into three accumulators (d gets hi·hi, c0 lo·hi, c1 hi·lo; the caller
-// adds c0 + c1 to d at the end): three independent chains of dependent mma instead of one three
-// times as long, for kernels whose time is those chains (gdn_prefill_state).
+// With CHAINS, the same three products into three accumulators (d gets hi·hi, c0 lo·hi, c1 hi·lo;
+// fold_chains adds c0 + c1 to d at the end): three independent chains of dependent mma instead of
+// one three times as long, for kernels whose time is those chains (gdn_prefill_state). Without,
+// mma_3xtf32 into d (c0 and c1 unused).
+template <bool CHAINS>
 __device__ __forceinline__ void mma_3xtf32_chains(float d[4], float c0[4], float c1[4], const u32 ahi[4], const u32 alo[4],
                                                   const u32 bhi[2], const u32 blo[2]) {
-    mma_tf32(c0, alo, bhi);
-    mma_tf32(c1, ahi, blo);
-    mma_tf32(d, ahi, bhi);
+    if constexpr (CHAINS) {
+        mma_tf32(c0, alo, bhi);
+        mma_tf32(c1, ahi, blo);
+        mma_tf32(d, ahi, bhi);
+    } else {
+        mma_3xtf32(d, ahi, alo, bhi, blo);
+    }
+}
+
+// d[j] += c0[j] + c1[j] for TILES accumulator tiles, with CHAINS (see mma_3xtf32_chains).
+template <bool CHAINS, int TILES>
+__device__ __forceinline__ void fold_chains(float d[][4], const float c0[][4], const float c1[][4]) {
+    if constexpr (CHAINS) {
+#pragma unroll
+        for (int j = 0; j < TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) d[j][e] += c0[j][e] + c1[j][e];
+    }
 }
 
 // The split A fragment of the tile at (m0, k0) (see load_a), negated when `neg`.
@@ -780,16 +797,10 @@ __device__ __forceinline__ void prefill_state(const GdnArgs& p, float* smem) {
                 for (int j = 0; j < 2; ++j) {
                     u32 bhi[2], blo[2];
                     load_b_split(bhi, blo, S_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
-                    if constexpr (CHAINS) mma_3xtf32_chains(acc[j], c0[j], c1[j], ahi, alo, bhi, blo);
-                    else mma_3xtf32(acc[j], ahi, alo, bhi, blo);
+                    mma_3xtf32_chains<CHAINS>(acc[j], c0[j], c1[j], ahi, alo, bhi, blo);
                 }
             }
-            if constexpr (CHAINS) {
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[j][e] += c0[j][e] + c1[j][e];
-            }
+            fold_chains<CHAINS, 2>(acc, c0, c1);
             // Each value goes back to the U element it started from (no other thread reads those
             // before the barrier) and to the workspace for gdn_prefill_out.
 #pragma unroll
@@ -821,16 +832,10 @@ __device__ __forceinline__ void prefill_state(const GdnArgs& p, float* smem) {
             for (int j = 0; j < 4; ++j) {
                 u32 bhi[2], blo[2];
                 load_b_split(bhi, blo, U, SPITCH, 1, k0, 8 * j, g, t);
-                if constexpr (CHAINS) mma_3xtf32_chains(s[j], c0[j], c1[j], ahi, alo, bhi, blo);
-                else mma_3xtf32(s[j], ahi, alo, bhi, blo);
+                mma_3xtf32_chains<CHAINS>(s[j], c0[j], c1[j], ahi, alo, bhi, blo);
             }
         }
-        if constexpr (CHAINS) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[j][e] += c0[j][e] + c1[j][e];
-        }
+        fold_chains<CHAINS, 4>(s, c0, c1);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
