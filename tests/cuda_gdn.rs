@@ -491,14 +491,9 @@ fn decode_matches_reference() {
 fn prefill_matches_reference() {
     let dev = device();
     let stream = dev.stream().clone();
-    let mut kernels = GdnKernels::load(&dev).expect("load");
+    let kernels = GdnKernels::load(&dev).expect("load");
     let mut rng = rng("prefill_matches_reference");
-    // Both state kernels: the default and the one with three accumulator chains.
-    for (t, chains) in [1, 7, 64, 65, 200, 1000]
-        .into_iter()
-        .flat_map(|t| [(t, false), (t, true)])
-    {
-        kernels.set_state_chains(chains);
+    for t in [1, 7, 64, 65, 200, 1000] {
         let layer = HostLayer::random(&mut rng);
         let dl = DevLayer::upload(&stream, &layer);
         let x = HostInputs::random(&mut rng, t);
@@ -523,11 +518,10 @@ fn prefill_matches_reference() {
             .expect("prefill");
         let y = download(&stream, &y);
         let want = reference(&layer, &x, &mut st, true);
-        let what = format!("prefill T={t}{}", if chains { " (chains)" } else { "" });
-        let (max_rel, mean_rel) = check_y(&what, &y, &want, Y_REL);
+        let (max_rel, mean_rel) = check_y(&format!("prefill T={t}"), &y, &want, Y_REL);
         let (ssm, conv) = &pools.download(&stream)[0];
-        let state_err = check_state(&what, ssm, conv, &st);
-        println!("{what}: y max/mean relative error {max_rel:.2e}/{mean_rel:.2e}, state error / scale {state_err:.2e}");
+        let state_err = check_state(&format!("prefill T={t}"), ssm, conv, &st);
+        println!("prefill T={t}: y max/mean relative error {max_rel:.2e}/{mean_rel:.2e}, state error / scale {state_err:.2e}");
     }
 }
 
@@ -862,7 +856,7 @@ fn timing() {
     const LAYERS: usize = 30;
     let dev = device();
     let stream = dev.stream().clone();
-    let mut kernels = GdnKernels::load(&dev).expect("load");
+    let kernels = GdnKernels::load(&dev).expect("load");
     let mut rng = rng("timing");
     let layers: Vec<DevLayer> = (0..LAYERS)
         .map(|_| DevLayer::upload(&stream, &HostLayer::random(&mut rng)))
@@ -928,42 +922,37 @@ fn timing() {
     let mut y = stream
         .clone_htod(&vec![bf16::ZERO; t * VALUE_DIM])
         .expect("upload");
-    let mut run_with = |k: &GdnKernels| {
-        k.prefill(
-            &dl.weights(),
-            &dx.inputs(),
-            t,
-            &mut pools.ssm.slice_mut(..),
-            &mut pools.conv.slice_mut(..),
-            &mut ws,
-            &mut y.slice_mut(..),
-        )
-        .expect("prefill")
+    let mut run = || {
+        kernels
+            .prefill(
+                &dl.weights(),
+                &dx.inputs(),
+                t,
+                &mut pools.ssm.slice_mut(..),
+                &mut pools.conv.slice_mut(..),
+                &mut ws,
+                &mut y.slice_mut(..),
+            )
+            .expect("prefill")
     };
-    run_with(&kernels);
-    let ms = median_ms(&dev, 5, || run_with(&kernels));
+    run();
+    let ms = median_ms(&dev, 5, &mut run);
     println!(
         "prefill, one layer, {t} tokens: {ms:.3} ms ({:.0} tokens/s per layer; ×{LAYERS} layers: {:.1} ms)",
         t as f32 / (ms * 1e-3),
         ms * LAYERS as f32
     );
     // Each of the chunked rule's kernels apart (CUDA events between them: lily bench --profile's).
-    let mut per_kernel = |k: &GdnKernels, suffix: &str| {
-        let mut profile = OpProfile::default();
-        for _ in 0..3 {
-            profile
-                .time(&stream, || {
-                    run_with(k);
-                    Ok(())
-                })
-                .expect("profiled prefill");
-        }
-        for op in profile.take() {
-            println!("  {}{suffix}: {:.3} ms per prefill", op.kernel, op.ms / 3.0);
-        }
-    };
-    per_kernel(&kernels, "");
-    // The state kernel with three accumulator chains (LILY_GDN_STATE_CHAINS).
-    kernels.set_state_chains(true);
-    per_kernel(&kernels, " (chains)");
+    let mut profile = OpProfile::default();
+    for _ in 0..3 {
+        profile
+            .time(&stream, || {
+                run();
+                Ok(())
+            })
+            .expect("profiled prefill");
+    }
+    for op in profile.take() {
+        println!("  {}: {:.3} ms per prefill", op.kernel, op.ms / 3.0);
+    }
 }

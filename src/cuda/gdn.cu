@@ -444,33 +444,6 @@ __device__ __forceinline__ void mma_3xtf32(float d[4], const u32 ahi[4], const u
     mma_tf32(d, ahi, bhi);
 }
 
-// With CHAINS, the same three products into three accumulators (d gets hi·hi, c0 lo·hi, c1 hi·lo;
-// fold_chains adds c0 + c1 to d at the end): three independent chains of dependent mma instead of
-// one three times as long, for kernels whose time is those chains (gdn_prefill_state). Without,
-// mma_3xtf32 into d (c0 and c1 unused).
-template <bool CHAINS>
-__device__ __forceinline__ void mma_3xtf32_chains(float d[4], float c0[4], float c1[4], const u32 ahi[4], const u32 alo[4],
-                                                  const u32 bhi[2], const u32 blo[2]) {
-    if constexpr (CHAINS) {
-        mma_tf32(c0, alo, bhi);
-        mma_tf32(c1, ahi, blo);
-        mma_tf32(d, ahi, bhi);
-    } else {
-        mma_3xtf32(d, ahi, alo, bhi, blo);
-    }
-}
-
-// d[j] += c0[j] + c1[j] for TILES accumulator tiles, with CHAINS (see mma_3xtf32_chains).
-template <bool CHAINS, int TILES>
-__device__ __forceinline__ void fold_chains(float d[][4], const float c0[][4], const float c1[][4]) {
-    if constexpr (CHAINS) {
-#pragma unroll
-        for (int j = 0; j < TILES; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) d[j][e] += c0[j][e] + c1[j][e];
-    }
-}
-
 // The split A fragment of the tile at (m0, k0) (see load_a), negated when `neg`.
 __device__ __forceinline__ void load_a_split(u32 hi[4], u32 lo[4], const float* x, int ms, int ks, int m0, int k0, int g, int t,
                                              bool neg = false) {
@@ -714,9 +687,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
 // 16w..16w+15 as 4 tiles of 16 × 8 (C-fragment layout), and a copy in shared memory feeds W·S.
 // The next chunk's W, K̃ and U are prefetched with cp.async while the current one is computed.
 // Both products use 3xTF32 (fp32 accuracy): the state is carried over thousands of tokens.
-template <bool CHAINS>
-__device__ __forceinline__ void prefill_state(const GdnArgs& p, float* smem) {
-    float* W_s = smem;                             // [2][64][PITCH]
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(const GdnArgs p) {
+    pdl_wait();
+    pdl_launch_dependents();
+    extern __shared__ float4 smem4[];
+    float* W_s = reinterpret_cast<float*>(smem4);  // [2][64][PITCH]
     float* K_s = W_s + 2 * CHUNK * PITCH;            // [2][64][VPITCH]
     float* U_s = K_s + 2 * CHUNK * VPITCH;           // [2][64][SPITCH], U then Vn
     float* S_s = U_s + 2 * CHUNK * SPITCH;           // [128][SPITCH]
@@ -781,14 +756,11 @@ __device__ __forceinline__ void prefill_state(const GdnArgs& p, float* smem) {
 
         // Vn = U − W·S, accumulated onto U with −W as the A operand.
         {
-            float acc[2][4], c0[2][4], c1[2][4];
+            float acc[2][4];
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    acc[j][e] = U[(vm0 + g + 8 * (e / 2)) * SPITCH + vn0 + 8 * j + 2 * t + e % 2];
-                    c0[j][e] = c1[j][e] = 0.0f;
-                }
+                for (int e = 0; e < 4; ++e) acc[j][e] = U[(vm0 + g + 8 * (e / 2)) * SPITCH + vn0 + 8 * j + 2 * t + e % 2];
 #pragma unroll 4
             for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
                 u32 ahi[4], alo[4];
@@ -797,10 +769,9 @@ __device__ __forceinline__ void prefill_state(const GdnArgs& p, float* smem) {
                 for (int j = 0; j < 2; ++j) {
                     u32 bhi[2], blo[2];
                     load_b_split(bhi, blo, S_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
-                    mma_3xtf32_chains<CHAINS>(acc[j], c0[j], c1[j], ahi, alo, bhi, blo);
+                    mma_3xtf32(acc[j], ahi, alo, bhi, blo);
                 }
             }
-            fold_chains<CHAINS, 2>(acc, c0, c1);
             // Each value goes back to the U element it started from (no other thread reads those
             // before the barrier) and to the workspace for gdn_prefill_out.
 #pragma unroll
@@ -816,14 +787,10 @@ __device__ __forceinline__ void prefill_state(const GdnArgs& p, float* smem) {
         __syncthreads();  // Vn complete; S_s reads done
 
         // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) at K[r][d]), B = Vn.
-        float c0[4][4], c1[4][4];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[j][e] *= decay;
-                c0[j][e] = c1[j][e] = 0.0f;
-            }
+            for (int e = 0; e < 4; ++e) s[j][e] *= decay;
 #pragma unroll 2
         for (int k0 = 0; k0 < CHUNK; k0 += 8) {
             u32 ahi[4], alo[4];
@@ -832,10 +799,9 @@ __device__ __forceinline__ void prefill_state(const GdnArgs& p, float* smem) {
             for (int j = 0; j < 4; ++j) {
                 u32 bhi[2], blo[2];
                 load_b_split(bhi, blo, U, SPITCH, 1, k0, 8 * j, g, t);
-                mma_3xtf32_chains<CHAINS>(s[j], c0[j], c1[j], ahi, alo, bhi, blo);
+                mma_3xtf32(s[j], ahi, alo, bhi, blo);
             }
         }
-        fold_chains<CHAINS, 4>(s, c0, c1);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -850,21 +816,6 @@ __device__ __forceinline__ void prefill_state(const GdnArgs& p, float* smem) {
         for (int hh = 0; hh < 2; ++hh)
             *reinterpret_cast<float2*>(state + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
                 make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
-}
-
-// gdn_prefill_state_chains: the same with the 3xTF32 products in three accumulator chains
-// (LILY_GDN_STATE_CHAINS=1, under trial: bench/NOTES.md v1.32).
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(const GdnArgs p) {
-    pdl_wait();
-    pdl_launch_dependents();
-    extern __shared__ float4 smem4[];
-    prefill_state<false>(p, reinterpret_cast<float*>(smem4));
-}
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state_chains(const GdnArgs p) {
-    pdl_wait();
-    pdl_launch_dependents();
-    extern __shared__ float4 smem4[];
-    prefill_state<true>(p, reinterpret_cast<float*>(smem4));
 }
 
 // Dynamic shared memory of gdn_prefill_out (bytes): q, k/Vn, A, a 32-row slab of S, G.

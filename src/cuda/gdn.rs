@@ -235,10 +235,6 @@ pub struct GdnKernels {
     zero: CudaFunction,
     prep: CudaFunction,
     state: CudaFunction,
-    /// The state kernel with its 3xTF32 products in three accumulator chains (gdn.cu).
-    state_chains: CudaFunction,
-    /// Prefill runs `state_chains` (`LILY_GDN_STATE_CHAINS=1`, under trial).
-    use_state_chains: bool,
     out: CudaFunction,
     conv_update: CudaFunction,
     /// `decode_in_pass` reads the state before the PDL wait (unless `LILY_EARLY_READS=0`).
@@ -259,18 +255,10 @@ impl GdnKernels {
             zero: dev.function("gdn", "gdn_zero_state")?,
             prep: big("gdn_prefill_prep", PREP_SMEM)?,
             state: big("gdn_prefill_state", STATE_SMEM)?,
-            state_chains: big("gdn_prefill_state_chains", STATE_SMEM)?,
-            use_state_chains: std::env::var("LILY_GDN_STATE_CHAINS").is_ok_and(|v| v == "1"),
             out: big("gdn_prefill_out", OUT_SMEM)?,
             conv_update: dev.function("gdn", "gdn_conv_update")?,
             early_state: super::gemm::early_reads(),
         })
-    }
-
-    /// Runs prefill's state kernel with its products in three accumulator chains (or not); off
-    /// unless `LILY_GDN_STATE_CHAINS=1`.
-    pub fn set_state_chains(&mut self, on: bool) {
-        self.use_state_chains = on;
     }
 
     /// One decode step of one GDN layer for `slots.len()` sequences: sequence i takes row i of
@@ -439,11 +427,7 @@ impl GdnKernels {
         // one sequence's state, and the workspace holds ceil(tokens / 64) chunks.
         unsafe {
             launch!(self.stream, &self.prep, prep, &args)?;
-            if self.use_state_chains {
-                launch!(self.stream, &self.state_chains, state, &args)?;
-            } else {
-                launch!(self.stream, &self.state, state, &args)?;
-            }
+            launch!(self.stream, &self.state, state, &args)?;
             launch!(self.stream, &self.out, out, &args)?;
             // Last: the kernels above read the old conv state.
             launch!(self.stream, &self.conv_update, conv_update, &args)

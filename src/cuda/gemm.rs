@@ -360,8 +360,8 @@ pub struct GemvKernels {
     /// The prefetching is on with `LILY_L2_AHEAD=1` (off by default: 17 % slower decode on the
     /// H200, bench/NOTES.md v1.13).
     ahead_enabled: bool,
-    /// Warps per SM that [`GemvKernels::shape`] splits K until it has: 16, or
-    /// `LILY_GEMV_WARPS_PER_SM` (4, 8, 16 or 32; under trial, bench/NOTES.md v1.33).
+    /// Warps per SM that [`GemvKernels::shape`] splits K until it has: 4 (decode +6 % over 16 on
+    /// the H200, bench/NOTES.md v1.34), or `LILY_GEMV_WARPS_PER_SM` (1, 2, 4, 8, 16 or 32).
     warps_per_sm: usize,
 }
 
@@ -385,12 +385,12 @@ impl GemvKernels {
         };
         let (q4, q8, bf16) = (load("gemv_q4")?, load("gemv_q8")?, load("gemv_bf16")?);
         let warps_per_sm = match std::env::var("LILY_GEMV_WARPS_PER_SM") {
-            Err(_) => 16,
+            Err(_) => 4,
             Ok(v) => match v.parse() {
-                Ok(n @ (4 | 8 | 16 | 32)) => n,
+                Ok(n @ (1 | 2 | 4 | 8 | 16 | 32)) => n,
                 _ => {
                     return Err(CudaError::Shape(format!(
-                        "LILY_GEMV_WARPS_PER_SM={v}: expected 4, 8, 16 or 32"
+                        "LILY_GEMV_WARPS_PER_SM={v}: expected 1, 2, 4, 8, 16 or 32"
                     )))
                 }
             },
@@ -778,8 +778,9 @@ impl GemvKernels {
     }
 
     /// The default launch shape: the fewest warps along K (each then streams longer) that still
-    /// give about two blocks' worth of warps per SM (16 warps; `LILY_GEMV_WARPS_PER_SM`), then
-    /// tiles per block to make 8-warp blocks.
+    /// give 4 warps per SM (`LILY_GEMV_WARPS_PER_SM`), then tiles per block to make 8-warp
+    /// blocks. Splitting K further only adds partial sums: each warp's stream is then too short
+    /// to cover its ramp (bench/NOTES.md v1.33–v1.34).
     pub fn shape(&self, w: &Matrices, slots: usize) -> GemvShape {
         let format = format_of(w);
         let tiles = w.rows.div_ceil(TILE_ROWS) * slots;
