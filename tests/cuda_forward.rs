@@ -64,6 +64,7 @@ fn compare(weights: Weights, label: &str, tolerance: f32) {
         cuda_graphs: true,
         batch_steps: false,
         fused_norms: fused_norms(),
+        ..CudaOptions::default()
     };
     let mut gpu = CudaBackend::new(dev, model, options).unwrap();
 
@@ -158,6 +159,7 @@ fn greedy_on_device_equals_argmax_of_logits() {
             cuda_graphs: true,
             batch_steps: false,
             fused_norms: fused_norms(),
+            ..CudaOptions::default()
         },
     )
     .unwrap();
@@ -173,6 +175,7 @@ fn greedy_on_device_equals_argmax_of_logits() {
             cuda_graphs: false,
             batch_steps: false,
             fused_norms: fused_norms(),
+            ..CudaOptions::default()
         },
     )
     .unwrap();
@@ -185,6 +188,46 @@ fn greedy_on_device_equals_argmax_of_logits() {
         logits = b.forward(0, &[tok]).unwrap();
         tok = a.forward_greedy(0, &[tok]).unwrap();
     }
+}
+
+/// Prefill chunks of ≥ 512 tokens take the cuBLAS path (src/cuda/dense.rs), the 257-row router
+/// with zero rows appended: from kept bf16 copies of the dense matrices (the default) and
+/// dequantised per product the logits are the same bit for bit, and within the bound of the CPU's.
+#[test]
+fn long_chunks_through_cublas_match_cpu_with_and_without_kept_copies() {
+    let weights = q4_weights(6);
+    let p = prompt(700, 3);
+    let logits = |keep: bool| {
+        let dev = CudaDevice::new(0).expect("a CUDA GPU");
+        let model = CudaModel::upload(&dev, &weights).unwrap();
+        let options = CudaOptions {
+            max_sequences: 1,
+            max_context: 1024,
+            prefill_chunk: 1024,
+            keep_dense_bf16: keep,
+            ..CudaOptions::default()
+        };
+        let mut gpu = CudaBackend::new(dev, model, options).unwrap();
+        gpu.create_sequence(0).unwrap();
+        gpu.forward(0, &p).unwrap()
+    };
+    let (kept, per_product) = (logits(true), logits(false));
+    assert!(
+        kept.iter()
+            .zip(&per_product)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "kept copies change the logits: rel. difference {:.2e}",
+        rel(&kept, &per_product)
+    );
+    let mut cpu = CpuBackend::new(weights);
+    cpu.create_sequence(0).unwrap();
+    let c = cpu.forward(0, &p).unwrap();
+    let err = rel(&kept, &c);
+    println!("q4, 700-token chunk through cuBLAS: logits rel. error {err:.2e}");
+    assert!(
+        err <= TOLERANCE,
+        "logits differ by {err:.2e} > {TOLERANCE:e}"
+    );
 }
 
 fn q4_weights(seed: u64) -> Weights {
@@ -222,6 +265,7 @@ fn gpu_backend(weights: &Weights, max_sequences: usize, batch_steps: bool) -> Cu
         cuda_graphs: true,
         batch_steps,
         fused_norms: fused_norms(),
+        ..CudaOptions::default()
     };
     CudaBackend::new(dev, model, options).unwrap()
 }

@@ -200,22 +200,29 @@ fn q8_and_bf16_match_cpu() {
 fn cublas_path_matches_cpu() {
     let dev = device();
     let mut rng = rng("cublas gemm");
-    let mut dense = DenseGemm::new(&dev, 12352 * 2048).expect("cuBLAS");
-    // Row counts that are no multiple of 8 (the router with the shared gate, odd ones) also with
-    // the outputs written at an aligned pitch and copied into place (LILY_DENSE_PAD).
-    for (kind, n, k, t, pad) in [
+    // Row counts that are no multiple of 8 (the router with the shared gate, odd ones) are
+    // multiplied with zero rows appended; `keep`: from a kept bf16 copy (DenseGemm::keep), else
+    // dequantised (or copied, for bf16 with padding) per product. A fresh DenseGemm each case: a
+    // kept copy is found by its weights' address, which a later upload may reuse.
+    for (kind, n, k, t, keep) in [
         (Kind::Q4, 12352, 2048, 4096, false),
-        (Kind::Q4, 2048, 4096, 512, false),
+        (Kind::Q4, 2048, 4096, 512, true),
         (Kind::Q4, 9216, 2048, 700, false),
         (Kind::Q8, 257, 2048, 513, false),
-        (Kind::Q8, 257, 2048, 513, true),
         (Kind::Q8, 257, 2048, 4096, true),
-        (Kind::Q4, 131, 512, 600, true),
+        (Kind::Q4, 131, 512, 600, false),
         (Kind::Q4, 1, 2048, 512, true),
-        (Kind::Bf16, 2048, 2048, 600, true),
+        (Kind::Bf16, 2048, 2048, 600, false),
+        (Kind::Bf16, 257, 512, 600, false),
+        (Kind::Bf16, 131, 512, 600, true),
     ] {
-        dense.set_pad_outputs(pad);
+        let mut dense = DenseGemm::new(&dev, if keep { 0 } else { 12352 * 2048 }).expect("cuBLAS");
         let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
+            if keep {
+                let bytes = dense.keep(w).expect("keep");
+                assert_eq!(bytes, w.rows.next_multiple_of(8) * w.cols * 2);
+                assert_eq!(dense.kept_bytes(), bytes);
+            }
             dense.gemm(w, x, y).expect("dense gemm")
         };
         let m = matrix(&mut rng, kind, n, k, 0.05);
@@ -226,7 +233,7 @@ fn cublas_path_matches_cpu() {
             &m,
             &row_sq(&m),
             t,
-            &format!("cublas {kind:?}{}", if pad { " padded" } else { "" }),
+            &format!("cublas {kind:?}{}", if keep { " kept" } else { "" }),
         );
     }
     // A matrix larger than the scratch is an error, not an overrun.
@@ -371,7 +378,7 @@ fn timing_at_4096_tokens() {
     // in tests/cuda_moe.rs.
     let mut mixer_ms = 0.0;
     let mut dense = DenseGemm::new(&dev, 12352 * 2048).expect("cuBLAS");
-    println!("| product | rows × cols | fused ms @4096 (TFLOP/s) | wgmma ms @4096 (TFLOP/s) | cuBLAS path ms @4096 (TFLOP/s) | ms @512 fused / cuBLAS | layers | best ms per 4K prefill |");
+    println!("| product | rows × cols | fused ms @4096 (TFLOP/s) | wgmma ms @4096 (TFLOP/s) | cuBLAS path ms @4096 (TFLOP/s) | cuBLAS on a kept bf16 copy | ms @512 fused / cuBLAS | layers | best ms per 4K prefill |");
     for (what, kind, n, k, swiglu, layers) in shapes {
         let m = random_weights(&mut rng, kind, n, k);
         let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
@@ -390,26 +397,33 @@ fn timing_at_4096_tokens() {
         let ms = fused(&g);
         let wg = fused(&gw);
         // The cuBLAS path (dequantise + cuBLAS) for the plain products, at 4096 and 512 tokens,
-        // beside the fused kernel at 512.
-        let mut cublas = |t: usize, yv: &mut CudaViewMut<bf16>| {
+        // beside the fused kernel at 512; and on a kept bf16 copy (what the model runs).
+        let cublas = |dense: &mut DenseGemm, t: usize, yv: &mut CudaViewMut<bf16>| {
             let x = dx.slice(..t * k);
             let mut yv = yv.slice_mut(..t * n);
             median_ms(&dev, 10, || {
                 dense.gemm(&dm.view(), &x, &mut yv).expect("dense gemm")
             })
         };
-        let (cb, cb512, fused512) = if swiglu {
-            (f32::NAN, f32::NAN, f32::NAN)
+        let (cb, kept, cb512, fused512) = if swiglu {
+            (f32::NAN, f32::NAN, f32::NAN, f32::NAN)
         } else {
             let x512 = dx.slice(..512 * k);
             let f512 = median_ms(&dev, 10, || {
                 g.gemm(&dm.view(), &x512, &mut yv.slice_mut(..512 * n))
                     .expect("gemm")
             });
-            (cublas(T, &mut yv), cublas(512, &mut yv), f512)
+            let mut keeping = DenseGemm::new(&dev, 0).expect("cuBLAS");
+            keeping.keep(&dm.view()).expect("keep");
+            (
+                cublas(&mut dense, T, &mut yv),
+                cublas(&mut keeping, T, &mut yv),
+                cublas(&mut dense, 512, &mut yv),
+                f512,
+            )
         };
         let tflops = |ms: f32, t: usize| 2.0 * (t * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
-        let best = [ms, wg, cb]
+        let best = [ms, wg, kept]
             .into_iter()
             .filter(|v| !v.is_nan())
             .fold(f32::INFINITY, f32::min);
@@ -417,31 +431,32 @@ fn timing_at_4096_tokens() {
             mixer_ms += best as f64 * layers as f64;
         }
         println!(
-            "| {what} | {n} × {k} | {ms:.3} ({:.0}) | {wg:.3} ({:.0}) | {cb:.3} ({:.0}) | {fused512:.3} / {cb512:.3} | {layers} | {:.2} |",
+            "| {what} | {n} × {k} | {ms:.3} ({:.0}) | {wg:.3} ({:.0}) | {cb:.3} ({:.0}) | {kept:.3} ({:.0}) | {fused512:.3} / {cb512:.3} | {layers} | {:.2} |",
             tflops(ms, T),
             tflops(wg, T),
             tflops(cb, T),
+            tflops(kept, T),
             best as f64 * layers as f64
         );
     }
     println!("GDN and attention projections of a 4096-token prefill: {mixer_ms:.1} ms (the MoE block: tests/cuda_moe.rs)");
     // The router as the model runs it: 256 experts' rows and the shared expert's gate, 257 rows,
-    // through cuBLAS at the row count as pitch and at an aligned pitch (LILY_DENSE_PAD).
+    // multiplied as 264 (zero rows appended, dense.rs), dequantised per product and kept.
     let m = random_weights(&mut rng, Kind::Q8, 257, 2048);
     let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
     let x = dx.slice(..T * 2048);
     let mut yv = y.slice_mut(..T * 257);
-    let mut router = |pad: bool| {
-        dense.set_pad_outputs(pad);
+    let mut keeping = DenseGemm::new(&dev, 0).expect("cuBLAS");
+    keeping.keep(&dm.view()).expect("keep");
+    let [per_product, kept] = [&mut dense, &mut keeping].map(|d| {
         median_ms(&dev, 10, || {
-            dense.gemm(&dm.view(), &x, &mut yv).expect("dense gemm")
+            d.gemm(&dm.view(), &x, &mut yv).expect("dense gemm")
         })
-    };
-    let (plain, padded) = (router(false), router(true));
+    });
     println!(
-        "router ‖ shared gate (Q8) 257 × 2048 @4096, cuBLAS path: {plain:.3} ms at pitch 257, {padded:.3} ms at pitch 264 (× 40 layers: {:.2} / {:.2} ms)",
-        plain * 40.0,
-        padded * 40.0
+        "router ‖ shared gate (Q8) 257 × 2048 @4096 as 264 rows, cuBLAS path: {per_product:.3} ms dequantised per product, {kept:.3} ms kept (× 40 layers: {:.2} / {:.2} ms; 257 rows as they are took 0.103 ms, NOTES v1.31)",
+        per_product * 40.0,
+        kept * 40.0
     );
 }
 

@@ -7,12 +7,17 @@
 //! The weights the product sees are rounded to bf16 once (the fused kernels apply scale and bias
 //! in fp32): ≤ 2⁻⁹ relative per weight, below the bf16 rounding of the output.
 //!
-//! An output row of a matrix whose row count is no multiple of 8 (the router with the shared
-//! expert's gate: 257 rows) is not 16-byte aligned, and cuBLAS then takes a slow kernel (≈ 94 µs
-//! for the router at 4096 tokens, where 256 rows take ≈ 20: bench/NOTES.md v1.31). With
-//! `LILY_DENSE_PAD=1` (under trial) such products are written at a pitch rounded up to 8 into a
-//! scratch buffer and copied into place by `dense_unpad`.
+//! The dequantised copies of the model's dense matrices (GDN and attention projections, routers:
+//! ≈ 2.6 GB at the full shape) are kept from the backend's start ([`DenseGemm::keep`]), so a prefill
+//! chunk multiplies without first dequantising ≈ 2.3 ms of weights per 4K chunk (bench/NOTES.md
+//! v1.34); `LILY_DENSE_CACHE=0` (CudaOptions) dequantises per product into one scratch matrix instead.
+//!
+//! cuBLAS runs a slow kernel for a row count that is no multiple of 8 (the router with the shared
+//! expert's gate, 257 rows: ≈ 0.10 ms at 4096 tokens against ≈ 0.02 for 256 rows, at either output
+//! pitch, NOTES v1.31/v1.34). Such matrices are multiplied with zero rows appended up to the next
+//! multiple of 8, into an aligned scratch output whose real rows `dense_unpad` copies into place.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::cublas::{sys as blas, CudaBlas};
@@ -28,20 +33,27 @@ use super::{
 /// Chunks of at least this many tokens take the cuBLAS path (forward.rs).
 pub const MIN_TOKENS: usize = 512;
 
+/// The rows a matrix is multiplied with: its own, zero rows appended to a multiple of 8.
+fn padded_rows(rows: usize) -> usize {
+    rows.next_multiple_of(8)
+}
+
 pub struct DenseGemm {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     dequant: CudaFunction,
     unpad: CudaFunction,
-    /// Room for the largest dequantised matrix.
+    /// Room for the largest dequantised matrix (rows padded) not kept in `kept`.
     scratch: CudaSlice<bf16>,
-    /// Outputs at an aligned pitch, grown on demand (see the top).
+    /// bf16 copies of matrices, rows padded, by the device address of their weights (see the top).
+    kept: HashMap<u64, CudaSlice<bf16>>,
+    /// Outputs of padded matrices, grown on demand.
     padded: Option<CudaSlice<bf16>>,
-    pad_outputs: bool,
 }
 
 impl DenseGemm {
-    /// `max_values`: the most values (rows × cols) of a quantised matrix this will multiply.
+    /// `max_values`: the most values (rows × cols) of a matrix this will multiply without a kept
+    /// copy.
     pub fn new(dev: &CudaDevice, max_values: usize) -> Result<Self> {
         let stream = dev.stream().clone();
         let blas = CudaBlas::new(stream.clone())
@@ -55,15 +67,32 @@ impl DenseGemm {
             stream,
             blas,
             scratch,
+            kept: HashMap::new(),
             padded: None,
-            pad_outputs: std::env::var("LILY_DENSE_PAD").is_ok_and(|v| v == "1"),
         })
     }
 
-    /// Writes the outputs of matrices whose row count is no multiple of 8 at an aligned pitch
-    /// first (see the top); off unless `LILY_DENSE_PAD=1`.
-    pub fn set_pad_outputs(&mut self, on: bool) {
-        self.pad_outputs = on;
+    /// Keeps a bf16 copy of matrix 0 of `w` (rows padded, see the top) for later products with
+    /// these weights; returns its bytes. The weights must outlive this `DenseGemm` unchanged.
+    pub fn keep(&mut self, w: &Matrices) -> Result<usize> {
+        w.check_lengths("dense keep")?;
+        let key = address(w, &self.stream);
+        if let Some(kept) = self.kept.get(&key) {
+            return Ok(kept.len() * 2);
+        }
+        let n = padded_rows(w.rows) * w.cols;
+        let mut copy = self
+            .stream
+            .alloc_zeros::<bf16>(n)
+            .during(|| format!("a bf16 copy of a {}×{} matrix", w.rows, w.cols))?;
+        to_bf16(&self.stream, &self.dequant, w, &mut copy)?;
+        self.kept.insert(key, copy);
+        Ok(n * 2)
+    }
+
+    /// Bytes of the kept copies.
+    pub fn kept_bytes(&self) -> usize {
+        self.kept.values().map(|c| c.len() * 2).sum()
     }
 
     /// `y = x · Wᵀ` for matrix 0 of `w` (bf16, or 4/8-bit affine): x `[t][cols]`, y `[t][rows]`.
@@ -86,43 +115,27 @@ impl DenseGemm {
             y.len()
         );
         w.check_lengths("dense gemm")?;
-        let n = rows * cols;
+        let pitch = padded_rows(rows);
         let stream = self.stream.clone();
         let stream = &*stream;
-        let weights = match &w.data {
-            WeightData::Bf16(v) => {
-                ensure!(
-                    v.len() >= n,
-                    "dense gemm: bf16 weights shorter than {rows}×{cols}"
-                );
-                v.device_ptr(stream).0
-            }
-            WeightData::Affine {
-                bits,
-                packed,
-                scales,
-                biases,
-            } => {
-                ensure!(
-                    matches!(bits, 4 | 8),
-                    "dense gemm: {bits}-bit weights (4 or 8 supported)"
-                );
-                ensure!(
-                    n <= self.scratch.len(),
-                    "dense gemm: a {rows}×{cols} matrix exceeds the scratch of {} values",
-                    self.scratch.len()
-                );
-                self.dequantise(packed, scales, biases, n, cols, *bits as usize)?;
-                self.scratch.device_ptr(stream).0
-            }
+        let weights = match self.kept.get(&address(w, stream)) {
+            Some(kept) if kept.len() == pitch * cols => kept.device_ptr(stream).0,
+            _ => match &w.data {
+                // bf16 weights of whole 8-row groups are multiplied where they are.
+                WeightData::Bf16(v) if pitch == rows => {
+                    ensure!(
+                        v.len() >= rows * cols,
+                        "dense gemm: bf16 weights shorter than {rows}×{cols}"
+                    );
+                    v.device_ptr(stream).0
+                }
+                _ => {
+                    to_bf16(&self.stream, &self.dequant, w, &mut self.scratch)?;
+                    self.scratch.device_ptr(stream).0
+                }
+            },
         };
         let xp = x.device_ptr(stream).0;
-        // The output's pitch: the row count, or the next multiple of 8 into `padded`.
-        let pitch = if self.pad_outputs && rows % 8 != 0 {
-            rows.next_multiple_of(8)
-        } else {
-            rows
-        };
         let yp = if pitch == rows {
             y.device_ptr_mut(stream).0
         } else {
@@ -138,13 +151,12 @@ impl DenseGemm {
             padded.device_ptr_mut(stream).0
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
-        let (m, nn, k, ldc) = (
-            as_i32(rows, "rows")?,
+        let (m, nn, k) = (
+            as_i32(pitch, "rows")?,
             as_i32(t, "tokens")?,
             as_i32(cols, "cols")?,
-            as_i32(pitch, "pitch")?,
         );
-        // Column-major view: Y is [rows × t] (ld rows) = W [cols × rows]ᵀ (ld cols) · X [cols × t].
+        // Column-major view: Y is [pitch × t] (ld pitch) = W [cols × pitch]ᵀ (ld cols) · X [cols × t].
         // SAFETY: the pointers are live device buffers of the sizes checked above; cuBLAS runs on
         // lily's stream, ordered with the kernels around it.
         unsafe {
@@ -165,7 +177,7 @@ impl DenseGemm {
                 (&beta as *const f32).cast(),
                 yp as *mut _,
                 blas::cudaDataType::CUDA_R_16BF,
-                ldc,
+                m,
                 blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
@@ -179,45 +191,101 @@ impl DenseGemm {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
+            let width = as_i32(rows, "rows")?;
             // SAFETY: `padded` holds t rows at `pitch` ≥ `rows` (allocated above), y t × rows
             // values (checked at the top).
-            unsafe { launch!(stream, &self.unpad, cfg, padded, &ldc, y, &m, &nn) }?;
+            unsafe { launch!(stream, &self.unpad, cfg, padded, &m, y, &width, &nn) }?;
         }
         Ok(())
     }
+}
 
-    fn dequantise(
-        &mut self,
-        packed: &CudaView<u32>,
-        scales: &CudaView<bf16>,
-        biases: &CudaView<bf16>,
-        n: usize,
-        cols: usize,
-        bits: usize,
-    ) -> Result<()> {
-        let vectors = (n / 8) as u64;
-        let cfg = LaunchConfig {
-            grid_dim: ((vectors as u32).div_ceil(256).min(132 * 16), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (cols, bits) = (as_i32(cols, "cols")?, bits as i32);
-        let mut out = self.scratch.slice_mut(..n);
-        // SAFETY: the kernel writes vectors·8 = n scratch values and reads the n values' codes,
-        // scales and biases, all checked in `gemm`.
-        unsafe {
-            launch!(
-                self.stream,
-                &self.dequant,
-                cfg,
+/// The device address of `w`'s weights: the key of its kept copy.
+fn address(w: &Matrices, stream: &CudaStream) -> u64 {
+    match &w.data {
+        WeightData::Bf16(v) => v.device_ptr(stream).0,
+        WeightData::Affine { packed, .. } => packed.device_ptr(stream).0,
+    }
+}
+
+/// Matrix 0 of `w` into `out` as bf16 `[padded rows][cols]`, the appended rows zero.
+fn to_bf16(
+    stream: &Arc<CudaStream>,
+    dequant: &CudaFunction,
+    w: &Matrices,
+    out: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    let (rows, cols) = (w.rows, w.cols);
+    let (n, n_padded) = (rows * cols, padded_rows(rows) * cols);
+    ensure!(
+        n_padded <= out.len(),
+        "dense gemm: a {rows}×{cols} matrix exceeds the scratch of {} values",
+        out.len()
+    );
+    match &w.data {
+        WeightData::Bf16(v) => {
+            ensure!(
+                v.len() >= n,
+                "dense gemm: bf16 weights shorter than {rows}×{cols}"
+            );
+            stream
+                .memcpy_dtod(&v.slice(..n), &mut out.slice_mut(..n))
+                .during(|| "copying bf16 weights".into())?;
+        }
+        WeightData::Affine {
+            bits,
+            packed,
+            scales,
+            biases,
+        } => {
+            ensure!(
+                matches!(bits, 4 | 8),
+                "dense gemm: {bits}-bit weights (4 or 8 supported)"
+            );
+            dequantise(
+                stream,
+                dequant,
                 packed,
                 scales,
                 biases,
-                &mut out,
-                &vectors,
-                &cols,
-                &bits
-            )
+                out,
+                n,
+                cols,
+                *bits as usize,
+            )?;
         }
+    }
+    if n_padded > n {
+        stream
+            .memset_zeros(&mut out.slice_mut(n..n_padded))
+            .during(|| "zeroing padding rows".into())?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dequantise(
+    stream: &CudaStream,
+    dequant: &CudaFunction,
+    packed: &CudaView<u32>,
+    scales: &CudaView<bf16>,
+    biases: &CudaView<bf16>,
+    out: &mut CudaSlice<bf16>,
+    n: usize,
+    cols: usize,
+    bits: usize,
+) -> Result<()> {
+    let vectors = (n / 8) as u64;
+    let cfg = LaunchConfig {
+        grid_dim: ((vectors as u32).div_ceil(256).min(132 * 16), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (cols, bits) = (as_i32(cols, "cols")?, bits as i32);
+    let mut out = out.slice_mut(..n);
+    // SAFETY: the kernel writes vectors·8 = n values of `out` and reads the n values' codes,
+    // scales and biases, all checked by the callers.
+    unsafe {
+        launch!(stream, dequant, cfg, packed, scales, biases, &mut out, &vectors, &cols, &bits)
     }
 }

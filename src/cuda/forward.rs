@@ -34,6 +34,7 @@ use super::norm::NormKernels;
 use super::profile::{self, OpProfile};
 use super::sample::SampleKernels;
 use super::snapshot::SnapshotPool;
+use super::weights::DeviceMatrices;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::LayerKind;
 use crate::model::{RoutingTrace, SeqId};
@@ -62,6 +63,10 @@ pub struct CudaOptions {
     /// (forward/residual.rs). Off by default (`LILY_FUSED_NORMS=1` turns it on): it passed its
     /// H200 tests but decoded 1.5 % slower (bench/NOTES.md v1.13).
     pub fused_norms: bool,
+    /// Keep bf16 copies of the dense matrices (mixer projections, routers: ≈ 2.6 GB at the full
+    /// shape) for long prefill chunks instead of dequantising them per chunk (dense.rs). On by
+    /// default; `LILY_DENSE_CACHE=0` turns it off.
+    pub keep_dense_bf16: bool,
 }
 
 impl Default for CudaOptions {
@@ -73,6 +78,7 @@ impl Default for CudaOptions {
             cuda_graphs: true,
             batch_steps: true,
             fused_norms: std::env::var("LILY_FUSED_NORMS").is_ok_and(|v| v == "1"),
+            keep_dense_bf16: std::env::var("LILY_DENSE_CACHE").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -232,7 +238,7 @@ impl CudaBackend {
             norm: NormKernels::load(&dev)?,
             gemv: GemvKernels::load(&dev)?,
             gemm: GemmKernels::load(&dev)?,
-            dense: DenseGemm::new(&dev, largest_dense_matrix(&model))?,
+            dense: dense_gemm(&dev, &model, options.keep_dense_bf16)?,
             embed: EmbedKernels::load(&dev)?,
             moe: MoeKernels::load(&dev)?,
             sample: SampleKernels::load(&dev, batch_rows(&options))?,
@@ -728,8 +734,9 @@ fn batch_rows(options: &CudaOptions) -> usize {
 }
 
 /// The most values of one dense (non-expert) matrix: the size of the cuBLAS path's scratch.
-fn largest_dense_matrix(m: &CudaModel) -> usize {
-    let mats = m.layers.iter().flat_map(|l| {
+/// The matrices the cuBLAS path of long chunks multiplies (dense.rs).
+fn dense_matrices(m: &CudaModel) -> impl Iterator<Item = &DeviceMatrices> {
+    m.layers.iter().flat_map(|l| {
         let mixer = match &l.mixer {
             DeviceMixer::DeltaNet {
                 in_proj, out_proj, ..
@@ -737,6 +744,24 @@ fn largest_dense_matrix(m: &CudaModel) -> usize {
             DeviceMixer::Attention { qkv, o_proj, .. } => [qkv, o_proj],
         };
         mixer.into_iter().chain([&l.moe.router])
-    });
-    mats.map(|w| w.rows * w.cols).max().unwrap_or(0)
+    })
+}
+
+/// The cuBLAS path, with bf16 copies of the model's dense matrices kept (`keep`) or scratch room
+/// to dequantise the largest one per product.
+fn dense_gemm(dev: &CudaDevice, m: &CudaModel, keep: bool) -> Result<DenseGemm> {
+    let largest = dense_matrices(m)
+        .map(|w| w.rows.next_multiple_of(8) * w.cols)
+        .max()
+        .unwrap_or(0);
+    let mut dense = DenseGemm::new(dev, if keep { 0 } else { largest })?;
+    if keep {
+        for w in dense_matrices(m) {
+            dense.keep(&w.view())?;
+        }
+        dev.stream()
+            .synchronize()
+            .during(|| "keeping bf16 copies of the dense matrices".into())?;
+    }
+    Ok(dense)
 }
