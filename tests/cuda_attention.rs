@@ -24,8 +24,8 @@ use rayon::prelude::*;
 use lily::checkpoint::synth::preset;
 use lily::config::ModelConfig;
 use lily::cuda::attention::{
-    AttentionKernels, AttentionWorkspace, KvCache, HEAD_DIM, KV_HEADS, OUT_WIDTH, QKV_WIDTH,
-    Q_HEADS,
+    AttentionKernels, AttentionWorkspace, KvCache, PrefillKernel, HEAD_DIM, KV_HEADS, OUT_WIDTH,
+    QKV_WIDTH, Q_HEADS,
 };
 use lily::cuda::{CudaDevice, CudaSlice, CudaStream};
 use lily::model::cpu::attention;
@@ -457,14 +457,17 @@ fn reference_matches_model_cpu_attention() {
     }
 }
 
+/// Both prefill kernels (attn_prefill, split over the keys where it would be, and
+/// attn_prefill_wgmma, never split) on the same inputs, against the CPU reference.
 #[test]
 fn prefill_matches_cpu() {
-    let g = gpu();
+    let mut g = gpu();
     let seed = seed("prefill_matches_cpu");
     let (slots, layers, slot, layer) = (2, 2, 1, 1);
     let cases: Vec<(usize, usize)> = [1, 5, 64, 300]
         .into_iter()
         .flat_map(|t| [(t, 0), (t, 17), (t, 4000)])
+        .chain([(1000, 0), (1000, 33)])
         .collect();
     for (case, (t, start)) in cases.into_iter().enumerate() {
         let s = seed.wrapping_add(1000 * case as u64);
@@ -479,20 +482,29 @@ fn prefill_matches_cpu() {
         let (q_norm, k_norm) = (random_norm(s ^ 8), random_norm(s ^ 9));
         let mut ws = AttentionWorkspace::new(&g.kernels, t, 1, capacity).unwrap();
         let (d_qkv, d_qn, d_kn) = (upload(&g, &qkv), upload(&g, &q_norm), upload(&g, &k_norm));
-        let mut out = poisoned_out(&g, t);
-        g.kernels
-            .prefill(
-                &d_qkv.slice(..),
-                &d_qn.slice(..),
-                &d_kn.slice(..),
-                &mut cache,
-                layer,
-                slot,
-                start,
-                &mut ws,
-                &mut out.slice_mut(..),
-            )
-            .unwrap();
+        // Each kernel appends the same rows; the output of each is checked below.
+        let kernels = [PrefillKernel::MmaSync, PrefillKernel::Wgmma];
+        let outs: Vec<(PrefillKernel, CudaSlice<bf16>)> = kernels
+            .into_iter()
+            .map(|kernel| {
+                g.kernels.set_prefill_kernel(kernel);
+                let mut out = poisoned_out(&g, t);
+                g.kernels
+                    .prefill(
+                        &d_qkv.slice(..),
+                        &d_qn.slice(..),
+                        &d_kn.slice(..),
+                        &mut cache,
+                        layer,
+                        slot,
+                        start,
+                        &mut ws,
+                        &mut out.slice_mut(..),
+                    )
+                    .unwrap();
+                (kernel, out)
+            })
+            .collect();
 
         let rows = to_f32(&qkv);
         let prepared: Vec<PreparedToken> = (0..t)
@@ -524,13 +536,15 @@ fn prefill_matches_cpu() {
             check_appended(&g, &cache, slot, layer, start + i, p, &format!("token {i}"));
         }
         check_untouched(&g, &cache, &[(slot, layer, 0..start + t)]);
-        check_rows(
-            "output",
-            &to_f32(&download(&g, &out)),
-            &reference,
-            OUT_WIDTH,
-            OUT_TOLERANCE,
-        );
+        for (kernel, out) in &outs {
+            check_rows(
+                &format!("output ({kernel:?})"),
+                &to_f32(&download(&g, out)),
+                &reference,
+                OUT_WIDTH,
+                OUT_TOLERANCE,
+            );
+        }
     }
 }
 
@@ -956,7 +970,7 @@ fn time_ms(g: &Gpu, runs: usize, mut f: impl FnMut()) -> f32 {
 /// Timings (printed, not asserted) at the sizes that matter, each result also checked.
 #[test]
 fn timing_decode_and_prefill() {
-    let g = gpu();
+    let mut g = gpu();
     let seed = seed("timing_decode_and_prefill");
     let (q_norm, k_norm) = (random_norm(seed ^ 8), random_norm(seed ^ 9));
     let (d_qn, d_kn) = (upload(&g, &q_norm), upload(&g, &k_norm));
@@ -1038,72 +1052,113 @@ fn timing_decode_and_prefill() {
     }
     drop(cache);
 
-    // Prefill of a 4K prompt in one chunk.
-    let t = 4096;
-    let mut cache = poisoned_cache(&g, 1, 1, t);
-    let qkv = random_qkv(t, seed ^ 11);
-    let d_qkv = upload(&g, &qkv);
-    let mut out = poisoned_out(&g, t);
-    let ms = time_ms(&g, 10, || {
-        g.kernels
-            .prefill(
-                &d_qkv.slice(..),
-                &d_qn.slice(..),
-                &d_kn.slice(..),
-                &mut cache,
-                0,
-                0,
-                0,
-                &mut ws,
-                &mut out.slice_mut(..),
-            )
-            .unwrap()
-    });
-    // QKᵀ and PV over the causal triangle: 2 · 2 · 256 flops per (head, query, visible key).
-    let flops = 4.0 * HEAD_DIM as f64 * Q_HEADS as f64 * (t * (t + 1) / 2) as f64;
-    println!(
-        "prefill, {t} tokens: {:.3} ms per layer, {:.0} TFLOP/s",
-        ms,
-        flops / (ms as f64 * 1e-3) / 1e12
+    // Prefill of a 4K prompt in one chunk, and the last 4K chunk of a 32K prompt.
+    drop(ws);
+    prefill_chunk_timing(
+        &mut g,
+        4096,
+        0,
+        seed ^ 11,
+        (&q_norm, &k_norm),
+        (&d_qn, &d_kn),
     );
+    prefill_chunk_timing(
+        &mut g,
+        4096,
+        28_672,
+        seed ^ 13,
+        (&q_norm, &k_norm),
+        (&d_qn, &d_kn),
+    );
+}
+
+/// Times a prefill chunk of `t` tokens after `start` random cached rows with each kernel, and
+/// checks a sample of its rows against the reference.
+fn prefill_chunk_timing(
+    g: &mut Gpu,
+    t: usize,
+    start: usize,
+    seed: u64,
+    (q_norm, k_norm): (&[f32], &[f32]),
+    (d_qn, d_kn): (&CudaSlice<f32>, &CudaSlice<f32>),
+) {
+    let mut cache = poisoned_cache(g, 1, 1, start + t);
+    let mut host = HostCache::new(start + t);
+    random_prefix(g, &mut cache, &mut host, 0, 0, start, seed);
+    let mut ws = AttentionWorkspace::new(&g.kernels, t, 1, start + t).unwrap();
+    let qkv = random_qkv(t, seed ^ 7);
+    let d_qkv = upload(g, &qkv);
+    // QKᵀ and PV over the visible keys: 2 · 2 · 256 flops per (head, query, visible key).
+    let visible = (0..t).map(|i| start + i + 1).sum::<usize>();
+    let flops = 4.0 * HEAD_DIM as f64 * Q_HEADS as f64 * visible as f64;
+    let mut outs = Vec::new();
+    for kernel in [PrefillKernel::MmaSync, PrefillKernel::Wgmma] {
+        g.kernels.set_prefill_kernel(kernel);
+        let mut out = poisoned_out(g, t);
+        let ms = time_ms(g, 10, || {
+            g.kernels
+                .prefill(
+                    &d_qkv.slice(..),
+                    &d_qn.slice(..),
+                    &d_kn.slice(..),
+                    &mut cache,
+                    0,
+                    0,
+                    start,
+                    &mut ws,
+                    &mut out.slice_mut(..),
+                )
+                .unwrap()
+        });
+        println!(
+            "prefill, {t} tokens after {start} ({kernel:?}): {ms:.3} ms per layer, {:.0} TFLOP/s",
+            flops / (ms as f64 * 1e-3) / 1e12
+        );
+        outs.push((kernel, to_f32(&download(g, &out))));
+    }
     // Check a sample of tokens: the first, tile and block edges, and a spread.
     let rows = to_f32(&qkv);
-    let mut host = HostCache::new(t);
     let prepared: Vec<PreparedToken> = (0..t)
         .into_par_iter()
         .map(|i| {
             prepare_ref(
                 &g.config,
                 &rows[i * QKV_WIDTH..(i + 1) * QKV_WIDTH],
-                i,
-                &q_norm,
-                &k_norm,
+                start + i,
+                q_norm,
+                k_norm,
             )
         })
         .collect();
     prepared
         .iter()
         .enumerate()
-        .for_each(|(i, p)| append_ref(&mut host, p, i));
-    let out = to_f32(&download(&g, &out));
-    let sample: Vec<usize> = [0, 1, 7, 8, 31, 32, 33, 2047, 4095]
+        .for_each(|(i, p)| append_ref(&mut host, p, start + i));
+    let sample: Vec<usize> = [0, 1, 7, 8, 15, 16, 31, 32, 33, 2047, t - 1]
         .into_iter()
         .chain((0..t).step_by(97))
         .collect();
-    let (gpu_rows, ref_rows): (Vec<f32>, Vec<f32>) = sample
-        .iter()
-        .flat_map(|&i| {
-            out[i * OUT_WIDTH..(i + 1) * OUT_WIDTH]
-                .iter()
-                .copied()
-                .zip(attend_ref(&host, &prepared[i], i))
-        })
-        .unzip();
-    check_rows(
-        "prefill 4K sample",
-        &gpu_rows,
-        &ref_rows,
-        OUT_WIDTH,
-        OUT_TOLERANCE,
-    );
+    let reference: Vec<Vec<f32>> = sample
+        .par_iter()
+        .map(|&i| attend_ref(&host, &prepared[i], start + i))
+        .collect();
+    for (kernel, out) in &outs {
+        let (gpu_rows, ref_rows): (Vec<f32>, Vec<f32>) = sample
+            .iter()
+            .zip(&reference)
+            .flat_map(|(&i, r)| {
+                out[i * OUT_WIDTH..(i + 1) * OUT_WIDTH]
+                    .iter()
+                    .copied()
+                    .zip(r.iter().copied())
+            })
+            .unzip();
+        check_rows(
+            &format!("prefill sample, {t} tokens after {start} ({kernel:?})"),
+            &gpu_rows,
+            &ref_rows,
+            OUT_WIDTH,
+            OUT_TOLERANCE,
+        );
+    }
 }

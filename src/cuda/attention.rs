@@ -17,7 +17,8 @@
 //! Decode is split-KV (flash-decoding): the cached keys of a sequence are cut into chunks that
 //! fill the GPU (see [`AttentionKernels::decode_splits`]), each chunk is attended by one block,
 //! and a second kernel merges the chunks. Prefill splits the keys the same way when its chunk is
-//! too short to fill the GPU by itself (see [`AttentionKernels::prefill_split`]).
+//! too short to fill the GPU by itself (see [`AttentionKernels::prefill_split`]). Long prefill
+//! chunks can run on Hopper's warpgroup products instead (attention_wgmma.cu, [`PrefillKernel`]).
 
 use std::sync::Arc;
 
@@ -49,6 +50,10 @@ const PF_SMEM_BYTES: usize = 101_376;
 const PF_TILE: usize = 32;
 /// The fewest keys a split of prefill attention takes (eight tiles); to be tuned.
 const PF_MIN_CHUNK: usize = 256;
+/// attn_prefill_wgmma's block (attention_wgmma.cu): 16 tokens, two warpgroups, ~193 KB.
+const PF_WGMMA_TOKENS: usize = 16;
+const PF_WGMMA_THREADS: usize = 256;
+const PF_WGMMA_SMEM_BYTES: usize = 197_632;
 const DEC_THREADS: usize = 128;
 const DEC_TILE: usize = 64;
 const DEC_SMEM_BYTES: usize = 202_752;
@@ -254,10 +259,25 @@ impl AttentionWorkspace {
     }
 }
 
+/// Which kernel runs prefill attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// attn_prefill (mma.sync), split over the keys when the chunk alone would not fill the GPU.
+    MmaSync,
+    /// attn_prefill_wgmma (Hopper's warpgroup products, attention_wgmma.cu) for chunks whose
+    /// 16-token blocks give every SM one; attn_prefill for shorter ones. Under trial
+    /// (`LILY_ATTN_WGMMA=1`; bench/NOTES.md v1.35).
+    WgmmaForLong,
+    /// attn_prefill_wgmma for every chunk, never split over the keys (for tests).
+    Wgmma,
+}
+
 pub struct AttentionKernels {
     stream: Arc<CudaStream>,
     prepare: CudaFunction,
     prefill: CudaFunction,
+    prefill_wgmma: CudaFunction,
+    prefill_kernel: PrefillKernel,
     decode_split: CudaFunction,
     combine: CudaFunction,
     rope: RopeFreqs,
@@ -305,6 +325,16 @@ impl AttentionKernels {
             stream: dev.stream().clone(),
             prepare: load("attn_prepare", 0)?,
             prefill: load("attn_prefill", PF_SMEM_BYTES)?,
+            prefill_wgmma: {
+                let f = dev.function("attention_wgmma", "attn_prefill_wgmma")?;
+                dev.allow_dynamic_shared(&f, "attn_prefill_wgmma", PF_WGMMA_SMEM_BYTES)?;
+                f
+            },
+            prefill_kernel: if std::env::var("LILY_ATTN_WGMMA").is_ok_and(|v| v == "1") {
+                PrefillKernel::WgmmaForLong
+            } else {
+                PrefillKernel::MmaSync
+            },
             decode_split: load("attn_decode_split", DEC_SMEM_BYTES)?,
             combine: load("attn_combine", 0)?,
             rope: RopeFreqs { inv_freq },
@@ -332,6 +362,22 @@ impl AttentionKernels {
     pub fn decode_splits(&self, batch: usize, capacity: usize) -> usize {
         let fill = self.sm_count.div_ceil(KV_HEADS * batch.max(1));
         fill.min(capacity.div_ceil(DEC_TILE)).clamp(1, MAX_SPLITS)
+    }
+
+    /// Sets which kernel runs prefill attention (see [`PrefillKernel`]).
+    pub fn set_prefill_kernel(&mut self, kernel: PrefillKernel) {
+        self.prefill_kernel = kernel;
+    }
+
+    /// Whether a prefill chunk of `tokens` runs on attn_prefill_wgmma.
+    fn prefill_on_wgmma(&self, tokens: usize) -> bool {
+        match self.prefill_kernel {
+            PrefillKernel::MmaSync => false,
+            PrefillKernel::Wgmma => true,
+            PrefillKernel::WgmmaForLong => {
+                tokens.div_ceil(PF_WGMMA_TOKENS) * KV_HEADS >= self.sm_count
+            }
+        }
     }
 
     /// How prefill attention of `tokens` new tokens over `kv` keys (the last new position + 1)
@@ -410,7 +456,12 @@ impl AttentionKernels {
             "attention prefill: positions {start}..{start}+{t} exceed the cache capacity {}",
             cache.capacity
         );
-        let (splits, chunk) = self.prefill_split(t, start + t);
+        let wgmma = self.prefill_on_wgmma(t);
+        let (splits, chunk) = if wgmma {
+            (1, start + t)
+        } else {
+            self.prefill_split(t, start + t)
+        };
         ensure!(
             splits == 1 || t * Q_HEADS * splits <= ws.partials,
             "attention prefill: {t} tokens with {splits} key splits need {} partials, the \
@@ -450,6 +501,26 @@ impl AttentionKernels {
                 &rows,
                 &self.eps
             )?;
+            if wgmma {
+                let cfg = LaunchConfig {
+                    grid_dim: (t.div_ceil(PF_WGMMA_TOKENS) as u32, KV_HEADS as u32, 1),
+                    block_dim: (PF_WGMMA_THREADS as u32, 1, 1),
+                    shared_mem_bytes: PF_WGMMA_SMEM_BYTES as u32,
+                };
+                return launch!(
+                    stream,
+                    &self.prefill_wgmma,
+                    cfg,
+                    &ws.q,
+                    qkv,
+                    &c,
+                    &slot,
+                    &start,
+                    &rows,
+                    out,
+                    &self.scale_log2
+                );
+            }
             launch!(
                 stream,
                 &self.prefill,
