@@ -193,7 +193,7 @@ fn greedy_on_device_equals_argmax_of_logits() {
 /// Prefill chunks of ≥ 512 tokens take the cuBLAS path (src/cuda/dense.rs), the 257-row router
 /// with zero rows appended: from kept bf16 copies of the dense matrices (the default) and
 /// dequantised per product the logits are the same bit for bit, and within the bound of the CPU's.
-/// (1,100 tokens: long enough for attn_prefill_wgmma under `LILY_ATTN_WGMMA=1`, attention.rs.)
+/// (1,100 tokens: long enough for attn_prefill_wgmma, attention.rs.)
 #[test]
 fn long_chunks_through_cublas_match_cpu_with_and_without_kept_copies() {
     let weights = q4_weights(6);

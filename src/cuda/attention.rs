@@ -265,8 +265,8 @@ pub enum PrefillKernel {
     /// attn_prefill (mma.sync), split over the keys when the chunk alone would not fill the GPU.
     MmaSync,
     /// attn_prefill_wgmma (Hopper's warpgroup products, attention_wgmma.cu) for chunks whose
-    /// 16-token blocks give every SM one; attn_prefill for shorter ones. Under trial
-    /// (`LILY_ATTN_WGMMA=1`; bench/NOTES.md v1.35).
+    /// 16-token blocks give every SM one; attn_prefill for shorter ones. The default
+    /// (`LILY_ATTN_WGMMA=0` turns it off): 1.8× faster at 32K, bench/NOTES.md v1.35.
     WgmmaForLong,
     /// attn_prefill_wgmma for every chunk, never split over the keys (for tests).
     Wgmma,
@@ -330,10 +330,10 @@ impl AttentionKernels {
                 dev.allow_dynamic_shared(&f, "attn_prefill_wgmma", PF_WGMMA_SMEM_BYTES)?;
                 f
             },
-            prefill_kernel: if std::env::var("LILY_ATTN_WGMMA").is_ok_and(|v| v == "1") {
-                PrefillKernel::WgmmaForLong
-            } else {
+            prefill_kernel: if std::env::var("LILY_ATTN_WGMMA").is_ok_and(|v| v == "0") {
                 PrefillKernel::MmaSync
+            } else {
+                PrefillKernel::WgmmaForLong
             },
             decode_split: load("attn_decode_split", DEC_SMEM_BYTES)?,
             combine: load("attn_combine", 0)?,
