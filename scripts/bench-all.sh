@@ -76,7 +76,7 @@ collect)
     # collect.py takes each job from the first series that ran it.
     names=()
     for tar in "$@"; do
-        top=$(tar tf "$tar" | head -1 | cut -d/ -f1) || exit 1
+        top=$(tar tf "$tar" | sed -n 1p | cut -d/ -f1) || exit 1  # sed reads to the end: no SIGPIPE under pipefail
         [[ -n "$top" ]] || { echo "$tar: empty archive" >&2; exit 1; }
         if [[ " ${names[*]} " != *" $top "* ]]; then
             names+=("$top")

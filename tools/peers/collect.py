@@ -188,7 +188,26 @@ def markdown(run_names, state, engines, png_link):
         details = "; ".join(f"{k}: {_short(v)}" for k, v in e.meta.items() if k not in skip and v is not None)
         out.append(f"| {e.label} | {e.meta.get('weights', '?')} | {e.meta.get('dtypes', '—')} | {versions} | "
                    f"{details} | `{e.meta.get('command', '?')}` |")
+    out += ["", f"### {NOT_RUN_HEADING}", "", "From tools/peers/README.md:", ""] + not_run_table()
     return "\n".join(out + [END]) + "\n"
+
+
+NOT_RUN_HEADING = "Engines that cannot run on the GPU machine"
+
+
+def not_run_table():
+    """The table under NOT_RUN_HEADING in tools/peers/README.md: each engine, why, its published numbers."""
+    lines = Path(__file__).with_name("README.md").read_text().splitlines()
+    at = lines.index(f"## {NOT_RUN_HEADING}") + 1
+    while at < len(lines) and not lines[at].startswith("|"):
+        at += 1
+    table = []
+    while at < len(lines) and lines[at].startswith("|"):
+        table.append(lines[at])
+        at += 1
+    if len(table) < 3:
+        raise SystemExit(f"tools/peers/README.md: no table under '## {NOT_RUN_HEADING}'")
+    return table
 
 
 def _short(v):

@@ -159,7 +159,8 @@ class CollectTest(unittest.TestCase):
                              ["lily", "transformers", "llama.cpp", "mlx", "transformers-nofla"])
             md = collect.markdown(run_dir.name, state, engines, "peers.png")
         tables = context_tables(md)
-        self.assertEqual(list(tables)[:-1], [collect.ctx_label(c) for c in sweep.CONTEXTS])
+        self.assertEqual(list(tables)[:-2], [collect.ctx_label(c) for c in sweep.CONTEXTS])
+        self.assertEqual(list(tables)[-2:], ["Engines", collect.NOT_RUN_HEADING])
         for c in sweep.CONTEXTS:
             t = tables[collect.ctx_label(c)]
             self.assertEqual(t["mlx"][0], "not run: its inputs were not carried")
@@ -213,6 +214,10 @@ class CollectTest(unittest.TestCase):
                 self.assertEqual(t["mlx-lm"][0], sweep.NOT_RUN)
             self.assertEqual(t["llama.cpp"][:2], [collect.fmt(llama[c][0]), collect.fmt(llama[c][1], 1)])
         self.assertIn("2026-12-01, commit abc1234", md, "the header is the first series'")
+        # The engines that cannot run here, with why and their published numbers (tools/peers/README.md).
+        not_run = md.split(f"### {collect.NOT_RUN_HEADING}", 1)[1]
+        self.assertIn("| vLLM |", not_run)
+        self.assertIn("| SGLang |", not_run)
         self.assertIn("`bench/runs/2026-12-01-abc1234/`, `bench/runs/2026-12-02-def5678/`", md)
         self.assertIn("3. t3 (series 2026-12-02-def5678), found `.peers/mlx-cuda-2`: mlx: done", md)
 
