@@ -50,10 +50,10 @@ const PF_SMEM_BYTES: usize = 101_376;
 const PF_TILE: usize = 32;
 /// The fewest keys a split of prefill attention takes (eight tiles); to be tuned.
 const PF_MIN_CHUNK: usize = 256;
-/// attn_prefill_wgmma's block (attention_wgmma.cu): 16 tokens, two warpgroups, 225 KB.
+/// attn_prefill_wgmma's block (attention_wgmma.cu): 16 tokens, two warpgroups, ~193 KB.
 const PF_WGMMA_TOKENS: usize = 16;
 const PF_WGMMA_THREADS: usize = 256;
-const PF_WGMMA_SMEM_BYTES: usize = 230_400;
+const PF_WGMMA_SMEM_BYTES: usize = 197_632;
 const DEC_THREADS: usize = 128;
 const DEC_TILE: usize = 64;
 const DEC_SMEM_BYTES: usize = 202_752;
@@ -277,11 +277,7 @@ pub struct AttentionKernels {
     prepare: CudaFunction,
     prefill: CudaFunction,
     prefill_wgmma: CudaFunction,
-    prefill_wgmma_staggered: CudaFunction,
     prefill_kernel: PrefillKernel,
-    /// The wgmma kernel's second warpgroup defers each tile's P·V to the next tile
-    /// (attn_prefill_wgmma_staggered; `LILY_ATTN_STAGGER=1`, under trial: bench/NOTES.md v1.36).
-    stagger: bool,
     decode_split: CudaFunction,
     combine: CudaFunction,
     rope: RopeFreqs,
@@ -320,11 +316,6 @@ impl AttentionKernels {
             }
             Ok(f)
         };
-        let load_wgmma = |name: &str| -> Result<CudaFunction> {
-            let f = dev.function("attention_wgmma", name)?;
-            dev.allow_dynamic_shared(&f, name, PF_WGMMA_SMEM_BYTES)?;
-            Ok(f)
-        };
         // Exactly as the CPU reference (model::cpu::ops::rope_angles): f64, rounded to f32.
         let mut inv_freq = [0f32; ROTARY_DIM / 2];
         for (i, f) in inv_freq.iter_mut().enumerate() {
@@ -334,9 +325,11 @@ impl AttentionKernels {
             stream: dev.stream().clone(),
             prepare: load("attn_prepare", 0)?,
             prefill: load("attn_prefill", PF_SMEM_BYTES)?,
-            prefill_wgmma: load_wgmma("attn_prefill_wgmma")?,
-            prefill_wgmma_staggered: load_wgmma("attn_prefill_wgmma_staggered")?,
-            stagger: std::env::var("LILY_ATTN_STAGGER").is_ok_and(|v| v == "1"),
+            prefill_wgmma: {
+                let f = dev.function("attention_wgmma", "attn_prefill_wgmma")?;
+                dev.allow_dynamic_shared(&f, "attn_prefill_wgmma", PF_WGMMA_SMEM_BYTES)?;
+                f
+            },
             prefill_kernel: if std::env::var("LILY_ATTN_WGMMA").is_ok_and(|v| v == "0") {
                 PrefillKernel::MmaSync
             } else {
@@ -374,12 +367,6 @@ impl AttentionKernels {
     /// Sets which kernel runs prefill attention (see [`PrefillKernel`]).
     pub fn set_prefill_kernel(&mut self, kernel: PrefillKernel) {
         self.prefill_kernel = kernel;
-    }
-
-    /// Runs the wgmma prefill kernel with its second warpgroup's P·V deferred by a tile (or not);
-    /// off unless `LILY_ATTN_STAGGER=1`.
-    pub fn set_prefill_stagger(&mut self, on: bool) {
-        self.stagger = on;
     }
 
     /// Whether a prefill chunk of `tokens` runs on attn_prefill_wgmma.
@@ -520,14 +507,9 @@ impl AttentionKernels {
                     block_dim: (PF_WGMMA_THREADS as u32, 1, 1),
                     shared_mem_bytes: PF_WGMMA_SMEM_BYTES as u32,
                 };
-                let kernel = if self.stagger {
-                    &self.prefill_wgmma_staggered
-                } else {
-                    &self.prefill_wgmma
-                };
                 return launch!(
                     stream,
-                    kernel,
+                    &self.prefill_wgmma,
                     cfg,
                     &ws.q,
                     qkv,

@@ -12,17 +12,10 @@
 //   O += P·V (64 rows × 256 dims): 4 wgmma m64n256k16, P from registers (the accumulator layout
 //   of S is the A-fragment layout of keys 16kk..16kk+15 in n-tiles 2kk, 2kk+1), V from shared
 //   memory read MN-major (the transpose bit), O in 128 accumulators per thread.
-// Tiles past a warpgroup's last position (the other warpgroup's last 8 keys) are skipped.
+// The two warpgroups overlap each other's softmax with their products. Tiles past a warpgroup's
+// last position (the other warpgroup's last 8 keys) are skipped.
 //
-// The two warpgroups meet at a barrier every tile (the copies of tile j + 1 may start once both are
-// done with the buffers they overwrite), so both issue their products at once and then both run
-// their softmax while the tensor cores idle. attn_prefill_wgmma_staggered lets warpgroup 1 defer
-// each tile's P·V to the next tile, where it issues P·V of tile j − 1 together with S of tile j:
-// its products then run while warpgroup 0 does its softmax, and its softmax while warpgroup 0's
-// P·V runs (under trial: bench/NOTES.md v1.36). The deferred P·V reads V of tile j − 1 during tile j,
-// while tile j + 1 is copied in: hence three V buffers, two K buffers.
-//
-// Shared memory: Q (both warpgroups), K (two buffers) and V (three), each a [64 rows][256 dims] matrix
+// Shared memory: Q (both warpgroups) and two stages of K and V, each a [64 rows][256 dims] matrix
 // stored as four 64-dim sub-tiles of 64 rows × 128 bytes, swizzled (wgmma.cuh). K-major (Q, K):
 // k-step ks (dims 16ks..) starts at sub-tile ks/4, byte 32·(ks%4). MN-major (V): k-step kk (keys
 // 16kk..) starts at row 16kk of sub-tile 0; the next 64 dims are one sub-tile on (leading offset),
@@ -35,36 +28,32 @@
 #define WG_TILE 64                         // keys per stage
 #define WG_SUB_BYTES (64 * 128)            // a 64-dim sub-tile of 64 rows
 #define WG_MAT_BYTES (4 * WG_SUB_BYTES)    // 64 rows × 256 dims: 32,768
-#define WG_K_AT (2 * WG_MAT_BYTES)          // after Q of both warpgroups
-#define WG_V_AT (4 * WG_MAT_BYTES)          // after two K buffers
-// Must match PF_WGMMA_SMEM_BYTES in attention.rs: Q of both warpgroups, two K and three V buffers,
-// and slack to align the start to 1024 bytes (the swizzle pattern repeats every 1024).
-#define WG_SMEM_BYTES (7 * WG_MAT_BYTES + 1024)  // 230,400
+#define WG_STAGE_BYTES (2 * WG_MAT_BYTES)  // K and V
+// Must match PF_WGMMA_SMEM_BYTES in attention.rs: Q of both warpgroups, two stages, and slack to
+// align the start to 1024 bytes (the swizzle pattern repeats every 1024).
+#define WG_SMEM_BYTES (2 * WG_MAT_BYTES + 2 * WG_STAGE_BYTES + 1024)  // 197,632
 
 // Byte offset of 16-byte chunk `part` (dims 8·part ..) of row r in a [64][256] matrix.
 __device__ __forceinline__ u32 swizzled(int r, int part) {
     return (part >> 3) * WG_SUB_BYTES + r * 128 + (((part & 7) ^ (r & 7)) << 4);
 }
 
-template <bool STAGGER>
-__device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const bf16* __restrict__ qkv,
-                                              const KvCacheArgs& c, int slot, int start, int T,
-                                              bf16* __restrict__ out, float scale_log2) {
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+    attn_prefill_wgmma(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
+                       int start, int T, bf16* __restrict__ out, float scale_log2) {
+    pdl_wait();
+    pdl_launch_dependents();
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
     const int mt = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y;  // the longest rows first
     const int t0 = mt * WG_TOKENS;
     const int kv_len = start + min(t0 + WG_TOKENS, T);  // keys any row of the block may see
     const int ntiles = (kv_len + WG_TILE - 1) / WG_TILE;
-    const int tid = threadIdx.x, warp = (tid / 32) % 4, lane = tid % 32, g = lane >> 2, t = lane & 3;
-    // The warpgroup, broadcast from lane 0 so that the compiler sees it uniform across the warp:
-    // the wgmma issued under conditions derived from it are then not on a divergent path.
-    const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+    const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const bf16* kg = c.k + cache_offset(c, slot, kvh);
     const bf16* vg = c.v + cache_offset(c, slot, kvh);
     const u32 sq = base + wg * WG_MAT_BYTES;  // this warpgroup's Q
-    auto k_buf = [&](int j) { return base + WG_K_AT + (j % 2) * WG_MAT_BYTES; };  // tile j's K
-    auto v_buf = [&](int j) { return base + WG_V_AT + (j % 3) * WG_MAT_BYTES; };  // tile j's V
+    auto stage = [&](int s) { return base + 2 * WG_MAT_BYTES + s * WG_STAGE_BYTES; };  // K, then V
 
     // Q of both warpgroups: 128 rows × 32 chunks; rows of tokens ≥ T are zero.
     for (int i = tid; i < 128 * 32; i += WG_THREADS) {
@@ -74,9 +63,9 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
         const bf16* src = q + ((u64)(ok ? tok : 0) * N_QHEADS + kvh * GROUP + r % GROUP) * HEAD_DIM + part * 8;
         cp_async16(base + w * WG_MAT_BYTES + swizzled(r, part), src, ok);
     }
-    // K/V tile j (keys 64j ..) into its buffers; keys ≥ kv_len are zero rows (and masked below).
-    auto load_kv = [&](int j) {
-        const u32 sk = k_buf(j), sv = v_buf(j);
+    // K/V tile j (keys 64j ..) into stage s; keys ≥ kv_len are zero rows (and masked below).
+    auto load_kv = [&](int j, int s) {
+        const u32 sk = stage(s), sv = sk + WG_MAT_BYTES;
         for (int i = tid; i < WG_TILE * 32; i += WG_THREADS) {
             const int r = i >> 5, part = i & 31, key = j * WG_TILE + r;
             const bool ok = key < kv_len;
@@ -85,7 +74,7 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
             cp_async16(sv + swizzled(r, part), vg + off, ok);
         }
     };
-    load_kv(0);
+    load_kv(0, 0);
     cp_async_commit();  // group 0: Q and the first tile
 
     float o[128];
@@ -96,60 +85,29 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
     // The warpgroup's last real position; a warpgroup past the chunk's end computes nothing.
     const bool active = t0 + 8 * wg < T;
     const int last = start + min(t0 + 8 * wg + 7, T - 1);
-    // O += P·V for V of tile j, P in p (four k16 steps: keys 16kk..).
-    u32 p[16];
-    auto issue_pv = [&](int j) {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            wgmma_k16_n256_mn(o, &p[4 * kk], wgmma_desc(v_buf(j) + kk * 2048, WG_SUB_BYTES, 1024));
-    };
-    // With STAGGER, warpgroup 1 issues each tile's P·V with the next tile's S (see the top). It
-    // computes every tile or none (its last position is the block's), so it never skips a tile
-    // with a P·V pending.
-    const bool defer = STAGGER && wg == 1;
 
     for (int j = 0; j < ntiles; ++j) {
         cp_async_wait<0>();
         fence_async_shared();
-        // Tile j is in for everyone; both warpgroups are done with K of tile j − 1 and V of tile
-        // j − 2, whose buffers tile j + 1 takes.
-        __syncthreads();
-        if (j + 1 < ntiles) load_kv(j + 1);
+        __syncthreads();  // tile j is in for everyone; both warpgroups are done with tile j - 1
+        if (j + 1 < ntiles) load_kv(j + 1, (j + 1) & 1);
         cp_async_commit();
         if (!active || j * WG_TILE > last) continue;  // the same for the whole warpgroup
+        const u32 sk = stage(j & 1), sv = sk + WG_MAT_BYTES;
 
         // S = Q·Kᵀ: s[4i + e] = S[row 16·warp + g + 8(e/2)][key 8i + 2t + e%2].
         float s[32];
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = 0.0f;
-        const u32 sk = k_buf(j);
-        auto issue_s = [&] {
+        wgmma_fence();
 #pragma unroll
-            for (int ks = 0; ks < 16; ++ks) {
-                const u32 off = (ks >> 2) * WG_SUB_BYTES + (ks & 3) * 32;
-                wgmma_ss_k16_n64(s, smem_desc(sq + off), smem_desc(sk + off));
-            }
-        };
-        // Each branch a whole commit group, so that no register merge falls inside one.
-        if (defer) {
-            // First the deferred P·V of tile j − 1; at tile 0, zero P times V of tile 0.
-            if (j == 0) {
-#pragma unroll
-                for (int i = 0; i < 16; ++i) p[i] = 0u;
-            }
-            wgmma_fence();
-            issue_pv(j == 0 ? 0 : j - 1);
-            issue_s();
-            wgmma_commit();
-            wgmma_wait<0>();
-        } else {
-            wgmma_fence();
-            issue_s();
-            wgmma_commit();
-            wgmma_wait<0>();
+        for (int ks = 0; ks < 16; ++ks) {
+            const u32 off = (ks >> 2) * WG_SUB_BYTES + (ks & 3) * 32;
+            wgmma_ss_k16_n64(s, smem_desc(sq + off), smem_desc(sk + off));
         }
+        wgmma_commit();
+        wgmma_wait<0>();
         fence_accumulators<64>(s);
-        fence_accumulators<256>(o);
 
         // Mask: row g sees keys ≤ pos_lo, row g + 8 keys ≤ pos_hi (keys ≥ kv_len are beyond both
         // for every row of a real token). Only the tiles reaching past the warp's first row.
@@ -207,6 +165,7 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
         }
 
         // O += P·V: P's A fragment for keys 16kk.. is n-tiles 2kk and 2kk + 1 of S.
+        u32 p[16];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             p[4 * kk + 0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
@@ -214,18 +173,12 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
             p[4 * kk + 2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
             p[4 * kk + 3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
         }
-        if (defer) continue;  // its P·V goes with the next tile's S
         wgmma_fence();
-        issue_pv(j);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma_k16_n256_mn(o, &p[4 * kk], wgmma_desc(sv + kk * 2048, WG_SUB_BYTES, 1024));
         wgmma_commit();
-        wgmma_wait<0>();  // before the barrier that lets tile j + 3 overwrite this V
-        fence_accumulators<256>(o);
-    }
-    if (defer && active) {  // the last tile's P·V: no copy overwrites its V any more
-        wgmma_fence();
-        issue_pv(ntiles - 1);
-        wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<0>();  // before the barrier that lets tile j + 2 overwrite this stage
         fence_accumulators<256>(o);
     }
 
@@ -253,20 +206,4 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
             *reinterpret_cast<bf162*>(dst + d) = __floats2bfloat162_rn(y0, y1);
         }
     }
-}
-
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
-    attn_prefill_wgmma(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
-                       int start, int T, bf16* __restrict__ out, float scale_log2) {
-    pdl_wait();
-    pdl_launch_dependents();
-    prefill_wgmma<false>(q, qkv, c, slot, start, T, out, scale_log2);
-}
-
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
-    attn_prefill_wgmma_staggered(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c,
-                                 int slot, int start, int T, bf16* __restrict__ out, float scale_log2) {
-    pdl_wait();
-    pdl_launch_dependents();
-    prefill_wgmma<true>(q, qkv, c, slot, start, T, out, scale_log2);
 }
