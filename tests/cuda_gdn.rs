@@ -491,9 +491,14 @@ fn decode_matches_reference() {
 fn prefill_matches_reference() {
     let dev = device();
     let stream = dev.stream().clone();
-    let kernels = GdnKernels::load(&dev).expect("load");
+    let mut kernels = GdnKernels::load(&dev).expect("load");
     let mut rng = rng("prefill_matches_reference");
-    for t in [1, 7, 64, 65, 200, 1000] {
+    // Both output kernels: 3xTF32 (the default) and plain tf32 (LILY_GDN_OUT_TF32).
+    for (t, tf32) in [1, 7, 64, 65, 200, 1000]
+        .into_iter()
+        .flat_map(|t| [(t, false), (t, true)])
+    {
+        kernels.set_out_tf32(tf32);
         let layer = HostLayer::random(&mut rng);
         let dl = DevLayer::upload(&stream, &layer);
         let x = HostInputs::random(&mut rng, t);
@@ -518,10 +523,11 @@ fn prefill_matches_reference() {
             .expect("prefill");
         let y = download(&stream, &y);
         let want = reference(&layer, &x, &mut st, true);
-        let (max_rel, mean_rel) = check_y(&format!("prefill T={t}"), &y, &want, Y_REL);
+        let what = format!("prefill T={t}{}", if tf32 { " (out in tf32)" } else { "" });
+        let (max_rel, mean_rel) = check_y(&what, &y, &want, Y_REL);
         let (ssm, conv) = &pools.download(&stream)[0];
-        let state_err = check_state(&format!("prefill T={t}"), ssm, conv, &st);
-        println!("prefill T={t}: y max/mean relative error {max_rel:.2e}/{mean_rel:.2e}, state error / scale {state_err:.2e}");
+        let state_err = check_state(&what, ssm, conv, &st);
+        println!("{what}: y max/mean relative error {max_rel:.2e}/{mean_rel:.2e}, state error / scale {state_err:.2e}");
     }
 }
 
@@ -856,7 +862,7 @@ fn timing() {
     const LAYERS: usize = 30;
     let dev = device();
     let stream = dev.stream().clone();
-    let kernels = GdnKernels::load(&dev).expect("load");
+    let mut kernels = GdnKernels::load(&dev).expect("load");
     let mut rng = rng("timing");
     let layers: Vec<DevLayer> = (0..LAYERS)
         .map(|_| DevLayer::upload(&stream, &HostLayer::random(&mut rng)))
@@ -922,37 +928,40 @@ fn timing() {
     let mut y = stream
         .clone_htod(&vec![bf16::ZERO; t * VALUE_DIM])
         .expect("upload");
-    let mut run = || {
-        kernels
-            .prefill(
-                &dl.weights(),
-                &dx.inputs(),
-                t,
-                &mut pools.ssm.slice_mut(..),
-                &mut pools.conv.slice_mut(..),
-                &mut ws,
-                &mut y.slice_mut(..),
-            )
-            .expect("prefill")
+    let mut run_with = |k: &GdnKernels| {
+        k.prefill(
+            &dl.weights(),
+            &dx.inputs(),
+            t,
+            &mut pools.ssm.slice_mut(..),
+            &mut pools.conv.slice_mut(..),
+            &mut ws,
+            &mut y.slice_mut(..),
+        )
+        .expect("prefill")
     };
-    run();
-    let ms = median_ms(&dev, 5, &mut run);
+    run_with(&kernels);
+    let ms = median_ms(&dev, 5, || run_with(&kernels));
     println!(
         "prefill, one layer, {t} tokens: {ms:.3} ms ({:.0} tokens/s per layer; ×{LAYERS} layers: {:.1} ms)",
         t as f32 / (ms * 1e-3),
         ms * LAYERS as f32
     );
-    // Each of the chunked rule's kernels apart (CUDA events between them: lily bench --profile's).
-    let mut profile = OpProfile::default();
-    for _ in 0..3 {
-        profile
-            .time(&stream, || {
-                run();
-                Ok(())
-            })
-            .expect("profiled prefill");
-    }
-    for op in profile.take() {
-        println!("  {}: {:.3} ms per prefill", op.kernel, op.ms / 3.0);
+    // Each of the chunked rule's kernels apart (CUDA events between them: lily bench --profile's),
+    // with either output kernel.
+    for tf32 in [false, true] {
+        kernels.set_out_tf32(tf32);
+        let mut profile = OpProfile::default();
+        for _ in 0..3 {
+            profile
+                .time(&stream, || {
+                    run_with(&kernels);
+                    Ok(())
+                })
+                .expect("profiled prefill");
+        }
+        for op in profile.take() {
+            println!("  {}: {:.3} ms per prefill", op.kernel, op.ms / 3.0);
+        }
     }
 }

@@ -21,6 +21,7 @@
 //   gdn_prefill_prep    prefill, per (chunk of 64, value head): conv, norms, gates, WY form
 //   gdn_prefill_state   prefill, per (value head, 32 dv columns): the state carried over chunks
 //   gdn_prefill_out     prefill, per (chunk, value head): outputs and the gated norm
+//                       (gdn_prefill_out_tf32: the same in plain tf32, under trial)
 //   gdn_conv_update     prefill: the conv state after the last token
 //   gdn_zero_state      zero the states of some slots
 #include "common.cuh"
@@ -444,6 +445,16 @@ __device__ __forceinline__ void mma_3xtf32(float d[4], const u32 ahi[4], const u
     mma_tf32(d, ahi, bhi);
 }
 
+// d += a·b from split operands in PASSES products: 3 (3xTF32, as accurate as fp32) or 1 (the
+// rounded tf32 parts alone: 2⁻¹¹ relative per operand; the remainders then go unused and unmade).
+template <int PASSES>
+__device__ __forceinline__ void mma_passes(float d[4], const u32 ahi[4], const u32 alo[4], const u32 bhi[2],
+                                           const u32 blo[2]) {
+    static_assert(PASSES == 1 || PASSES == 3, "3xTF32 or plain tf32");
+    if constexpr (PASSES == 3) mma_3xtf32(d, ahi, alo, bhi, blo);
+    else mma_tf32(d, ahi, bhi);
+}
+
 // The split A fragment of the tile at (m0, k0) (see load_a), negated when `neg`.
 __device__ __forceinline__ void load_a_split(u32 hi[4], u32 lo[4], const float* x, int ms, int ks, int m0, int k0, int g, int t,
                                              bool neg = false) {
@@ -562,8 +573,9 @@ __device__ void l2norm_rows(float* x, float scale) {
 }
 
 // acc[j] = the 16 × 8 tiles at rows m0.., columns n_base + 8j (j < 4) of x·yᵀ, for x and y 64 rows of
-// 128 values (shared, pitch PITCH), in 3xTF32. Tiles wholly above the diagonal (first column past
-// m0 + 15) are not computed and stay zero: the callers keep only s ≤ r.
+// 128 values (shared, pitch PITCH), in PASSES products (mma_passes). Tiles wholly above the diagonal
+// (first column past m0 + 15) are not computed and stay zero: the callers keep only s ≤ r.
+template <int PASSES = 3>
 __device__ __forceinline__ void rows_dot_tile(const float* x, const float* y, int m0, int n_base, float acc[4][4]) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
@@ -579,7 +591,7 @@ __device__ __forceinline__ void rows_dot_tile(const float* x, const float* y, in
             if (n_base + 8 * j > m0 + 15) continue;  // the same for the whole warp
             u32 bhi[2], blo[2];
             load_b_split(bhi, blo, y, 1, PITCH, k0, n_base + 8 * j, g, t);  // B = yᵀ: (k, n) at y[n][k]
-            mma_3xtf32(acc[j], ahi, alo, bhi, blo);
+            mma_passes<PASSES>(acc[j], ahi, alo, bhi, blo);
         }
     }
 }
@@ -821,15 +833,16 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
 // Dynamic shared memory of gdn_prefill_out (bytes): q, k/Vn, A, a 32-row slab of S, G.
 #define OUT_SMEM ((CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4)
 
-// Grid (chunks, 32 value heads), 256 threads. The products run on the tensor cores in 3xTF32 (plain
-// tf32 would add noise of ~1e-3 of a head's rms to the outputs, 1/3 of a bf16 rounding; prefill then
-// agrees with decode as closely as fp32 allows): warp w computes rows 16(w/2)..+15 of the chunk's
-// outputs, columns 64(w%2)..+63; the outputs go through shared memory to the gated norm, a warp per row.
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(const GdnArgs p) {
-    pdl_wait();
-    pdl_launch_dependents();
-    extern __shared__ float4 smem4[];
-    float* q_s = reinterpret_cast<float*>(smem4);  // [64][PITCH]: q, then q e^G, then the outputs
+// Grid (chunks, 32 value heads), 256 threads. The products run on the tensor cores in PASSES products
+// (mma_passes): gdn_prefill_out in 3xTF32 (prefill then agrees with decode as closely as fp32
+// allows); gdn_prefill_out_tf32 in plain tf32, a third of the products and none of the remainders,
+// at noise of ~1e-3 of a head's rms in the outputs, 1/3 of their bf16 rounding (the reference's
+// chunked kernels take these products in bf16; under trial, bench/NOTES.md v1.37). Warp w computes
+// rows 16(w/2)..+15 of the chunk's outputs, columns 64(w%2)..+63; the outputs go through shared
+// memory to the gated norm, a warp per row.
+template <int PASSES>
+__device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
+    float* q_s = smem;                              // [64][PITCH]: q, then q e^G, then the outputs
     float* kv_s = q_s + CHUNK * PITCH;              // [64][PITCH] k, then [64][VPITCH] Vn
     float* A_s = kv_s + CHUNK * VPITCH;             // [64][LPITCH]
     float* H_s = A_s + CHUNK * LPITCH;              // [32][VPITCH]: 32 rows of the chunk's starting state
@@ -848,7 +861,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
     {
         const int n_base = 32 * (warp % 2);
         float acc[4][4];
-        rows_dot_tile(q_s, kv_s, m0, n_base, acc);
+        rows_dot_tile<PASSES>(q_s, kv_s, m0, n_base, acc);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -912,7 +925,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
             for (int j = 0; j < 8; ++j) {
                 u32 bhi[2], blo[2];
                 load_b_split(bhi, blo, H_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
-                mma_3xtf32(acc[j], ahi, alo, bhi, blo);
+                mma_passes<PASSES>(acc[j], ahi, alo, bhi, blo);
             }
         }
         __syncthreads();  // H_s free for the next slab
@@ -927,7 +940,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
         for (int j = 0; j < 8; ++j) {
             u32 bhi[2], blo[2];
             load_b_split(bhi, blo, kv_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
-            mma_3xtf32(acc[j], ahi, alo, bhi, blo);
+            mma_passes<PASSES>(acc[j], ahi, alo, bhi, blo);
         }
     }
     __syncthreads();  // every warp is done with q_s, which takes the outputs now
@@ -972,6 +985,19 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(cons
         out.y = *reinterpret_cast<const u32*>(&y23);
         *reinterpret_cast<uint2*>(p.y + (i64)tok * GDN_VALUE_DIM + col) = out;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(const GdnArgs p) {
+    pdl_wait();
+    pdl_launch_dependents();
+    extern __shared__ float4 smem4[];
+    prefill_out<3>(p, reinterpret_cast<float*>(smem4));
+}
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out_tf32(const GdnArgs p) {
+    pdl_wait();
+    pdl_launch_dependents();
+    extern __shared__ float4 smem4[];
+    prefill_out<1>(p, reinterpret_cast<float*>(smem4));
 }
 
 // The conv state after T = p.rows tokens: the last 3 rows of (old state ‖ inputs). One thread per

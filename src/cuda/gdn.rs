@@ -236,6 +236,10 @@ pub struct GdnKernels {
     prep: CudaFunction,
     state: CudaFunction,
     out: CudaFunction,
+    /// The output kernel with its products in plain tf32 (gdn.cu).
+    out_tf32: CudaFunction,
+    /// Prefill runs `out_tf32` (`LILY_GDN_OUT_TF32=1`, under trial: bench/NOTES.md v1.37).
+    use_out_tf32: bool,
     conv_update: CudaFunction,
     /// `decode_in_pass` reads the state before the PDL wait (unless `LILY_EARLY_READS=0`).
     early_state: bool,
@@ -256,9 +260,17 @@ impl GdnKernels {
             prep: big("gdn_prefill_prep", PREP_SMEM)?,
             state: big("gdn_prefill_state", STATE_SMEM)?,
             out: big("gdn_prefill_out", OUT_SMEM)?,
+            out_tf32: big("gdn_prefill_out_tf32", OUT_SMEM)?,
+            use_out_tf32: std::env::var("LILY_GDN_OUT_TF32").is_ok_and(|v| v == "1"),
             conv_update: dev.function("gdn", "gdn_conv_update")?,
             early_state: super::gemm::early_reads(),
         })
+    }
+
+    /// Runs prefill's output kernel with its products in plain tf32 (or in 3xTF32); off unless
+    /// `LILY_GDN_OUT_TF32=1`.
+    pub fn set_out_tf32(&mut self, on: bool) {
+        self.use_out_tf32 = on;
     }
 
     /// One decode step of one GDN layer for `slots.len()` sequences: sequence i takes row i of
@@ -428,7 +440,11 @@ impl GdnKernels {
         unsafe {
             launch!(self.stream, &self.prep, prep, &args)?;
             launch!(self.stream, &self.state, state, &args)?;
-            launch!(self.stream, &self.out, out, &args)?;
+            if self.use_out_tf32 {
+                launch!(self.stream, &self.out_tf32, out, &args)?;
+            } else {
+                launch!(self.stream, &self.out, out, &args)?;
+            }
             // Last: the kernels above read the old conv state.
             launch!(self.stream, &self.conv_update, conv_update, &args)
         }
