@@ -39,6 +39,12 @@ const QK_ABS: f32 = 2e-3;
 /// A bf16 NaN, the content of every buffer before a kernel writes it.
 const POISON: bf16 = bf16::from_bits(0x7fc1);
 const GROUP: usize = Q_HEADS / KV_HEADS;
+/// The prefill kernels the tests run on the same inputs: (kernel, Q in registers, name).
+const PREFILL_KERNELS: [(PrefillKernel, bool, &str); 3] = [
+    (PrefillKernel::MmaSync, false, "mma.sync"),
+    (PrefillKernel::Wgmma, false, "wgmma"),
+    (PrefillKernel::Wgmma, true, "wgmma, Q in registers"),
+];
 
 struct Gpu {
     _dev: CudaDevice,
@@ -457,8 +463,9 @@ fn reference_matches_model_cpu_attention() {
     }
 }
 
-/// Both prefill kernels (attn_prefill, split over the keys where it would be, and
-/// attn_prefill_wgmma, never split) on the same inputs, against the CPU reference.
+/// Every prefill kernel (attn_prefill, split over the keys where it would be, and
+/// attn_prefill_wgmma with Q in shared memory or in registers, never split) on the same inputs,
+/// against the CPU reference.
 #[test]
 fn prefill_matches_cpu() {
     let mut g = gpu();
@@ -483,11 +490,11 @@ fn prefill_matches_cpu() {
         let mut ws = AttentionWorkspace::new(&g.kernels, t, 1, capacity).unwrap();
         let (d_qkv, d_qn, d_kn) = (upload(&g, &qkv), upload(&g, &q_norm), upload(&g, &k_norm));
         // Each kernel appends the same rows; the output of each is checked below.
-        let kernels = [PrefillKernel::MmaSync, PrefillKernel::Wgmma];
-        let outs: Vec<(PrefillKernel, CudaSlice<bf16>)> = kernels
+        let outs: Vec<(&str, CudaSlice<bf16>)> = PREFILL_KERNELS
             .into_iter()
-            .map(|kernel| {
+            .map(|(kernel, q_regs, name)| {
                 g.kernels.set_prefill_kernel(kernel);
+                g.kernels.set_prefill_q_in_registers(q_regs);
                 let mut out = poisoned_out(&g, t);
                 g.kernels
                     .prefill(
@@ -502,7 +509,7 @@ fn prefill_matches_cpu() {
                         &mut out.slice_mut(..),
                     )
                     .unwrap();
-                (kernel, out)
+                (name, out)
             })
             .collect();
 
@@ -538,7 +545,7 @@ fn prefill_matches_cpu() {
         check_untouched(&g, &cache, &[(slot, layer, 0..start + t)]);
         for (kernel, out) in &outs {
             check_rows(
-                &format!("output ({kernel:?})"),
+                &format!("output ({kernel})"),
                 &to_f32(&download(&g, out)),
                 &reference,
                 OUT_WIDTH,
@@ -1092,8 +1099,9 @@ fn prefill_chunk_timing(
     let visible = (0..t).map(|i| start + i + 1).sum::<usize>();
     let flops = 4.0 * HEAD_DIM as f64 * Q_HEADS as f64 * visible as f64;
     let mut outs = Vec::new();
-    for kernel in [PrefillKernel::MmaSync, PrefillKernel::Wgmma] {
+    for (kernel, q_regs, name) in PREFILL_KERNELS {
         g.kernels.set_prefill_kernel(kernel);
+        g.kernels.set_prefill_q_in_registers(q_regs);
         let mut out = poisoned_out(g, t);
         let ms = time_ms(g, 10, || {
             g.kernels
@@ -1111,10 +1119,10 @@ fn prefill_chunk_timing(
                 .unwrap()
         });
         println!(
-            "prefill, {t} tokens after {start} ({kernel:?}): {ms:.3} ms per layer, {:.0} TFLOP/s",
+            "prefill, {t} tokens after {start} ({name}): {ms:.3} ms per layer, {:.0} TFLOP/s",
             flops / (ms as f64 * 1e-3) / 1e12
         );
-        outs.push((kernel, to_f32(&download(g, &out))));
+        outs.push((name, to_f32(&download(g, &out))));
     }
     // Check a sample of tokens: the first, tile and block edges, and a spread.
     let rows = to_f32(&qkv);
@@ -1154,7 +1162,7 @@ fn prefill_chunk_timing(
             })
             .unzip();
         check_rows(
-            &format!("prefill sample, {t} tokens after {start} ({kernel:?})"),
+            &format!("prefill sample, {t} tokens after {start} ({kernel})"),
             &gpu_rows,
             &ref_rows,
             OUT_WIDTH,

@@ -277,7 +277,11 @@ pub struct AttentionKernels {
     prepare: CudaFunction,
     prefill: CudaFunction,
     prefill_wgmma: CudaFunction,
+    prefill_wgmma_rq: CudaFunction,
     prefill_kernel: PrefillKernel,
+    /// The wgmma kernel holds each warpgroup's Q in registers as S's A operand
+    /// (attn_prefill_wgmma_rq; `LILY_ATTN_Q_REGS=1`, under trial: bench/NOTES.md v1.38).
+    q_in_registers: bool,
     decode_split: CudaFunction,
     combine: CudaFunction,
     rope: RopeFreqs,
@@ -316,6 +320,11 @@ impl AttentionKernels {
             }
             Ok(f)
         };
+        let load_wgmma = |name: &str| -> Result<CudaFunction> {
+            let f = dev.function("attention_wgmma", name)?;
+            dev.allow_dynamic_shared(&f, name, PF_WGMMA_SMEM_BYTES)?;
+            Ok(f)
+        };
         // Exactly as the CPU reference (model::cpu::ops::rope_angles): f64, rounded to f32.
         let mut inv_freq = [0f32; ROTARY_DIM / 2];
         for (i, f) in inv_freq.iter_mut().enumerate() {
@@ -325,11 +334,9 @@ impl AttentionKernels {
             stream: dev.stream().clone(),
             prepare: load("attn_prepare", 0)?,
             prefill: load("attn_prefill", PF_SMEM_BYTES)?,
-            prefill_wgmma: {
-                let f = dev.function("attention_wgmma", "attn_prefill_wgmma")?;
-                dev.allow_dynamic_shared(&f, "attn_prefill_wgmma", PF_WGMMA_SMEM_BYTES)?;
-                f
-            },
+            prefill_wgmma: load_wgmma("attn_prefill_wgmma")?,
+            prefill_wgmma_rq: load_wgmma("attn_prefill_wgmma_rq")?,
+            q_in_registers: std::env::var("LILY_ATTN_Q_REGS").is_ok_and(|v| v == "1"),
             prefill_kernel: if std::env::var("LILY_ATTN_WGMMA").is_ok_and(|v| v == "0") {
                 PrefillKernel::MmaSync
             } else {
@@ -367,6 +374,12 @@ impl AttentionKernels {
     /// Sets which kernel runs prefill attention (see [`PrefillKernel`]).
     pub fn set_prefill_kernel(&mut self, kernel: PrefillKernel) {
         self.prefill_kernel = kernel;
+    }
+
+    /// Runs the wgmma prefill kernel with Q in registers (or in shared memory); off unless
+    /// `LILY_ATTN_Q_REGS=1`.
+    pub fn set_prefill_q_in_registers(&mut self, on: bool) {
+        self.q_in_registers = on;
     }
 
     /// Whether a prefill chunk of `tokens` runs on attn_prefill_wgmma.
@@ -507,19 +520,35 @@ impl AttentionKernels {
                     block_dim: (PF_WGMMA_THREADS as u32, 1, 1),
                     shared_mem_bytes: PF_WGMMA_SMEM_BYTES as u32,
                 };
-                return launch!(
-                    stream,
-                    &self.prefill_wgmma,
-                    cfg,
-                    &ws.q,
-                    qkv,
-                    &c,
-                    &slot,
-                    &start,
-                    &rows,
-                    out,
-                    &self.scale_log2
-                );
+                return if self.q_in_registers {
+                    launch!(
+                        stream,
+                        &self.prefill_wgmma_rq,
+                        cfg,
+                        &ws.q,
+                        qkv,
+                        &c,
+                        &slot,
+                        &start,
+                        &rows,
+                        out,
+                        &self.scale_log2
+                    )
+                } else {
+                    launch!(
+                        stream,
+                        &self.prefill_wgmma,
+                        cfg,
+                        &ws.q,
+                        qkv,
+                        &c,
+                        &slot,
+                        &start,
+                        &rows,
+                        out,
+                        &self.scale_log2
+                    )
+                };
             }
             launch!(
                 stream,

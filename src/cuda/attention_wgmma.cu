@@ -12,8 +12,13 @@
 //   O += P·V (64 rows × 256 dims): 4 wgmma m64n256k16, P from registers (the accumulator layout
 //   of S is the A-fragment layout of keys 16kk..16kk+15 in n-tiles 2kk, 2kk+1), V from shared
 //   memory read MN-major (the transpose bit), O in 128 accumulators per thread.
-// The two warpgroups overlap each other's softmax with their products. Tiles past a warpgroup's
-// last position (the other warpgroup's last 8 keys) are skipped.
+// Tiles past a warpgroup's last position (the other warpgroup's last 8 keys) are skipped.
+//
+// Both operands of S's products come from shared memory, 4 KB per m64n64k16 product: with V's reads
+// and the copies, about the shared memory's whole bandwidth at the products' rate (bench/NOTES.md
+// v1.36). attn_prefill_wgmma_rq reads each warpgroup's Q once into registers (64 per thread, the A
+// operand of every S product; 255 registers in all, no spills), halving S's shared-memory reads
+// (under trial: NOTES v1.38).
 //
 // Shared memory: Q (both warpgroups) and two stages of K and V, each a [64 rows][256 dims] matrix
 // stored as four 64-dim sub-tiles of 64 rows × 128 bytes, swizzled (wgmma.cuh). K-major (Q, K):
@@ -38,11 +43,10 @@ __device__ __forceinline__ u32 swizzled(int r, int part) {
     return (part >> 3) * WG_SUB_BYTES + r * 128 + (((part & 7) ^ (r & 7)) << 4);
 }
 
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
-    attn_prefill_wgmma(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
-                       int start, int T, bf16* __restrict__ out, float scale_log2) {
-    pdl_wait();
-    pdl_launch_dependents();
+template <bool Q_IN_REGS>
+__device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const bf16* __restrict__ qkv,
+                                              const KvCacheArgs& c, int slot, int start, int T,
+                                              bf16* __restrict__ out, float scale_log2) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
     const int mt = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y;  // the longest rows first
@@ -86,6 +90,19 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
     const bool active = t0 + 8 * wg < T;
     const int last = start + min(t0 + 8 * wg + 7, T - 1);
 
+    // With Q_IN_REGS, this warpgroup's Q as the A operand of S's products, read once from shared
+    // memory (ldmatrix: lanes 0-15 address rows 16·warp + lane at dims 16ks.., lanes 16-31 the same
+    // rows at dims 16ks + 8..): four registers per k-step, the mma.m16n8k16 A fragment.
+    u32 qa[Q_IN_REGS ? 64 : 1];
+    if constexpr (Q_IN_REGS) {
+        cp_async_wait<0>();
+        __syncthreads();  // Q is in (and tile 0)
+        const int row = 16 * warp + (lane & 15);
+#pragma unroll
+        for (int ks = 0; ks < 16; ++ks)
+            ldsm_x4(sq + swizzled(row, 2 * ks + (lane >> 4)), qa[4 * ks], qa[4 * ks + 1], qa[4 * ks + 2], qa[4 * ks + 3]);
+    }
+
     for (int j = 0; j < ntiles; ++j) {
         cp_async_wait<0>();
         fence_async_shared();
@@ -103,7 +120,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
 #pragma unroll
         for (int ks = 0; ks < 16; ++ks) {
             const u32 off = (ks >> 2) * WG_SUB_BYTES + (ks & 3) * 32;
-            wgmma_ss_k16_n64(s, smem_desc(sq + off), smem_desc(sk + off));
+            if constexpr (Q_IN_REGS) wgmma_k16<64>(s, &qa[4 * ks], smem_desc(sk + off));
+            else wgmma_ss_k16_n64(s, smem_desc(sq + off), smem_desc(sk + off));
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -206,4 +224,20 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
             *reinterpret_cast<bf162*>(dst + d) = __floats2bfloat162_rn(y0, y1);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+    attn_prefill_wgmma(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
+                       int start, int T, bf16* __restrict__ out, float scale_log2) {
+    pdl_wait();
+    pdl_launch_dependents();
+    prefill_wgmma<false>(q, qkv, c, slot, start, T, out, scale_log2);
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
+    attn_prefill_wgmma_rq(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
+                          int start, int T, bf16* __restrict__ out, float scale_log2) {
+    pdl_wait();
+    pdl_launch_dependents();
+    prefill_wgmma<true>(q, qkv, c, slot, start, T, out, scale_log2);
 }
