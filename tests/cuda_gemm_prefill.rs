@@ -104,11 +104,12 @@ fn dense_case(
     );
 }
 
-/// Both 4-bit kernels: mma.sync (gemm_prefill.cu) and wgmma (gemm_wgmma.cu).
+/// Both 4-bit kernels: mma.sync (gemm_prefill.cu) and wgmma (gemm_wgmma.cu), the latter also with
+/// its outputs stored through shared memory (`LILY_WGMMA_STAGED_STORES`).
 #[test]
 fn q4_matches_cpu_at_model_shapes() {
-    for wgmma in [false, true] {
-        q4_at_model_shapes(wgmma);
+    for (wgmma, staged) in [(false, false), (true, false), (true, true)] {
+        q4_at_model_shapes(wgmma, staged);
     }
 }
 
@@ -122,10 +123,15 @@ fn select(k: &mut GemmKernels, wgmma: bool) -> &'static str {
     }
 }
 
-fn q4_at_model_shapes(wgmma: bool) {
+fn q4_at_model_shapes(wgmma: bool, staged: bool) {
     let dev = device();
     let mut k = GemmKernels::load(&dev).expect("kernels");
-    let label = format!("q4{}", select(&mut k, wgmma));
+    k.set_staged_stores(staged);
+    let label = format!(
+        "q4{}{}",
+        select(&mut k, wgmma),
+        if staged { " staged" } else { "" }
+    );
     let label = label.as_str();
     let g = &mut |w: &Matrices, x: &CudaView<bf16>, y: &mut CudaViewMut<bf16>| {
         k.gemm(w, x, y).expect("gemm")

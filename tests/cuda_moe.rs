@@ -258,16 +258,19 @@ impl Experts {
     }
 }
 
-/// Which prefill GEMM kernel a case runs: mma.sync (gemm_prefill.cu) or wgmma (gemm_wgmma.cu).
+/// Which prefill GEMM kernel a case runs: mma.sync (gemm_prefill.cu) or wgmma (gemm_wgmma.cu),
+/// the latter also with its outputs stored through shared memory (`LILY_WGMMA_STAGED_STORES`).
 #[derive(Clone, Copy, Debug)]
 enum Kernel {
     MmaSync,
     Wgmma,
+    WgmmaStaged,
 }
 
 impl Kernel {
     fn select(self, g: &mut GemmKernels) {
-        g.set_wgmma(matches!(self, Kernel::Wgmma));
+        g.set_wgmma(!matches!(self, Kernel::MmaSync));
+        g.set_staged_stores(matches!(self, Kernel::WgmmaStaged));
     }
 }
 
@@ -390,6 +393,8 @@ fn grouped_experts_match_cpu() {
         (16, Kernel::MmaSync),
         (128, Kernel::Wgmma),
         (64, Kernel::Wgmma),
+        (128, Kernel::WgmmaStaged),
+        (64, Kernel::WgmmaStaged),
     ] {
         grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600, kernel);
@@ -452,14 +457,10 @@ fn grouped_experts_match_cpu() {
         100,
         (128, Kernel::Wgmma),
     );
-    grouped_case(
-        &dev,
-        &mut rng,
-        &q8,
-        Routing::Skewed,
-        300,
-        (128, Kernel::Wgmma),
-    );
+    for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged] {
+        grouped_case(&dev, &mut rng, &q8, Routing::Skewed, 300, (128, kernel));
+        grouped_case(&dev, &mut rng, &small_q4, Routing::Skewed, 37, (64, kernel));
+    }
     // Q8 at the real shapes on wgmma (what GGUF K-quants and FP8 checkpoints run as).
     let real_q8 = Experts::random(s, &mut rng, Kind::Q8, 256, 2048, 512);
     for (routing, tokens, rows) in [
@@ -759,6 +760,7 @@ fn timing_grouped_moe_at_4096_tokens() {
         let kernels = [
             (64, Kernel::MmaSync),
             (128, Kernel::Wgmma),
+            (128, Kernel::WgmmaStaged),
             (64, Kernel::Wgmma),
             (32, Kernel::MmaSync),
             (16, Kernel::MmaSync),

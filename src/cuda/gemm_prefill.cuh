@@ -23,6 +23,7 @@ struct GemmArgs {
     int k;                // columns, a multiple of 64
     int a_div;
     int count;            // matrices in the stack
+    int staged_stores;    // wgmma kernels: the epilogue through shared memory (gemm_wgmma.cu)
 };
 
 namespace {

@@ -69,6 +69,7 @@ struct GemmArgs {
     k: i32,
     a_div: i32,
     count: i32,
+    staged_stores: i32,
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
@@ -132,6 +133,9 @@ pub struct GemmKernels {
     /// Q4 and Q8 on wgmma (gemm_wgmma.cu), [format][epilogue].
     wgmma: [[CudaFunction; 2]; 2],
     use_wgmma: bool,
+    /// The wgmma kernels store their outputs through shared memory as 16-byte row pieces
+    /// (`LILY_WGMMA_STAGED_STORES=1`, under trial: bench/NOTES.md v1.39).
+    staged_stores: bool,
 }
 
 impl GemmKernels {
@@ -182,12 +186,19 @@ impl GemmKernels {
                 ],
             ],
             use_wgmma: std::env::var("LILY_WGMMA").map_or(true, |v| v != "0"),
+            staged_stores: std::env::var("LILY_WGMMA_STAGED_STORES").is_ok_and(|v| v == "1"),
         })
     }
 
     /// Runs 4- and 8-bit products on the wgmma kernel (or not); on unless `LILY_WGMMA=0`.
     pub fn set_wgmma(&mut self, on: bool) {
         self.use_wgmma = on;
+    }
+
+    /// Stores the wgmma kernels' outputs through shared memory (or straight from registers); off
+    /// unless `LILY_WGMMA_STAGED_STORES=1`.
+    pub fn set_staged_stores(&mut self, on: bool) {
+        self.staged_stores = on;
     }
 
     /// Whether products with weights of `format` run on the wgmma kernels: the quantised ones
@@ -427,6 +438,7 @@ impl GemmKernels {
             k: as_i32(w.cols, "cols")?,
             a_div: as_i32(a_div, "top_k")?,
             count: as_i32(w.count, "count")?,
+            staged_stores: self.staged_stores as i32,
         };
         let col_tiles = match epilogue {
             Epilogue::Store => w.rows.div_ceil(TILE_COLS),

@@ -232,6 +232,47 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     cp_async_wait<0>();
 
     // Epilogue: d[4i + e] = D[tile row r_lo + 8(e/2)][token 8i + 2t + e%2] (see the top).
+    if (a.staged_stores) {
+        // Staged stores (a.staged_stores, under trial: bench/NOTES.md v1.39): the outputs go through
+        // shared memory (the stages are free once every warpgroup is past its products), [token]
+        // [column], then to Y as 16-byte pieces of token rows; straight from the registers (below)
+        // they are 2-byte stores, 16 useful bytes per 32-byte sector.
+        constexpr int OUT_COLS = E == STORE ? BN : BN / 2;  // output columns of the tile
+        constexpr int OUT_PITCH = OUT_COLS + 8;              // bf16; rows stay 16-byte aligned
+        static_assert(N * OUT_PITCH * 2 <= STAGES * STAGE_BYTES, "the tile's outputs fit in the stages");
+        bf16* out_s = reinterpret_cast<bf16*>(smem_raw + (base - raw));
+        __syncthreads();  // every warpgroup's products have read their last stage
+#pragma unroll
+        for (int i = 0; i < N / 8; ++i) {
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2) {
+                const int tok = 8 * i + 2 * t + e2;
+                if constexpr (E == STORE) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        out_s[tok * OUT_PITCH + r_lo + 8 * h] = __float2bfloat16_rn(d[4 * i + 2 * h + e2]);
+                } else {
+                    out_s[tok * OUT_PITCH + 8 * warp + g] = __float2bfloat16_rn(silu(d[4 * i + e2]) * d[4 * i + 2 + e2]);
+                }
+            }
+        }
+        __syncthreads();
+        // Y rows of `width` values; whole 16-byte pieces where the row pitch and Y's start allow.
+        const int width = E == STORE ? a.n : a.n / 2, col0 = col_tile * OUT_COLS;
+        const bool vectors = width % 8 == 0 && (reinterpret_cast<u64>(a.y) & 15) == 0;
+        for (int v = tid; v < rows * (OUT_COLS / 8); v += THREADS) {
+            const int tok = v / (OUT_COLS / 8), c = v % (OUT_COLS / 8) * 8, col = col0 + c;
+            if (col >= width) continue;
+            bf16* dst = a.y + (i64)c_row_s[tok] * width + col;
+            const bf16* src = out_s + tok * OUT_PITCH + c;
+            if (vectors && col + 8 <= width) {
+                *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+            } else {
+                for (int k = 0; k < 8 && col + k < width; ++k) dst[k] = src[k];
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < N / 8; ++i) {
 #pragma unroll
