@@ -30,6 +30,7 @@ use lily::config::ModelConfig;
 use lily::cuda::gemm_prefill::{GemmKernels, MIN_TILE_ROWS, TILE_HEIGHTS};
 use lily::cuda::model::DeviceMoe;
 use lily::cuda::moe::{ExpertGroups, MoeKernels};
+use lily::cuda::moe_decode::MoeDecode;
 use lily::cuda::norm::NormKernels;
 use lily::cuda::weights::DeviceMatrices;
 use lily::cuda::{CudaDevice, CudaStream};
@@ -661,66 +662,175 @@ fn moe_block_matches_cpu_forward() {
         let dx = upload(s, &xb);
         let mut b = BlockBuffers::new(s, &c, tokens);
         run_block(&c, &g, &mk, &nk, &blk, &mut b, &dx.as_view());
-        let mut got = download(s, &b.h.as_view());
-        let want = moe::forward(&c, &w, &xf, tokens);
-        let h = c.hidden_size;
-        // The routing is the CPU's, except where the GPU's bf16 router logits flip a near-tie at
-        // the top-8 boundary: such a token must have its differing experts within 2 % of the
-        // logit scale of the 8th-largest CPU logit, and its output is not compared.
-        let logits = matmul(&w.router, &xf, tokens);
+        let got = download(s, &b.h.as_view());
         let ids = download(s, &b.ids.as_view());
-        let mut flipped = 0;
-        for t in 0..tokens {
-            let row = &logits[t * c.num_experts..(t + 1) * c.num_experts];
-            let mut want_ids = top_k(row, TOP_K);
-            assert_eq!(
-                ids[t * SLOTS + TOP_K],
-                c.num_experts as i32,
-                "{what}: shared slot"
-            );
-            let mut have: Vec<usize> = ids[t * SLOTS..t * SLOTS + TOP_K]
-                .iter()
-                .map(|&i| i as usize)
-                .collect();
-            want_ids.sort_unstable();
-            have.sort_unstable();
-            if have == want_ids {
-                continue;
-            }
-            let kth = row[*top_k(row, TOP_K).last().unwrap()];
-            let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-            for e in have
-                .iter()
-                .filter(|e| !want_ids.contains(e))
-                .chain(want_ids.iter().filter(|e| !have.contains(e)))
-            {
-                let gap = (row[*e] - kth).abs() / scale;
-                assert!(gap <= 2e-2, "{what}: token {t} routed to/away from expert {e}, {gap:.2e} of the logit scale from the cut: not a near-tie");
-            }
-            flipped += 1;
-            got[t * h..(t + 1) * h]
-                .iter_mut()
-                .zip(&want[t * h..(t + 1) * h])
-                .for_each(|(g, w)| *g = bf16::from_f32(*w));
-        }
-        println!("{what}: {flipped} of {tokens} tokens routed differently at a near-tie");
-        // The uniform-routing inputs make router probabilities nearly equal on purpose (first H200
-        // runs: 9–30 of 256–300 tokens flipped, every one within the near-tie margin).
-        assert!(
-            flipped <= 2 + tokens / 5,
-            "{what}: {flipped} near-tie flips of {tokens} tokens is too many"
-        );
-        let rms: Vec<f32> = (0..tokens)
-            .map(|t| {
-                (want[t * h..(t + 1) * h].iter().map(|v| v * v).sum::<f32>() / h as f32).sqrt()
-            })
-            .collect();
-        // 8e-2 of the row's rms per element (the whole-model bound), 1e-2 on average: besides the
-        // bf16 outputs, the GPU's router logits are bf16, which moves the renormalised expert
-        // weights of near-uniform routing (H200 runs: largest element error 2.2e-2 to 6.1e-2
-        // among 614K elements, mean 5.0–5.2e-3; the experts alone, with exact routing: 1.7e-3).
-        check(&what, &got, &want, &|i| rms[i / h], 1.0 / 128.0, 8e-2, 1e-2);
+        compare_block(&what, &c, &w, &ids, got, &xf, tokens);
     }
+}
+
+/// The MoE block's output `got` (bf16(MoE output) per token) and its routing `ids` against
+/// `moe::forward` on the CPU.
+fn compare_block(
+    what: &str,
+    c: &ModelConfig,
+    w: &MoeWeights,
+    ids: &[i32],
+    mut got: Vec<bf16>,
+    xf: &[f32],
+    tokens: usize,
+) {
+    let want = moe::forward(c, w, xf, tokens);
+    let h = c.hidden_size;
+    // The routing is the CPU's, except where the GPU's bf16 router logits flip a near-tie at
+    // the top-8 boundary: such a token must have its differing experts within 2 % of the
+    // logit scale of the 8th-largest CPU logit, and its output is not compared.
+    let logits = matmul(&w.router, xf, tokens);
+    let mut flipped = 0;
+    for t in 0..tokens {
+        let row = &logits[t * c.num_experts..(t + 1) * c.num_experts];
+        let mut want_ids = top_k(row, TOP_K);
+        assert_eq!(
+            ids[t * SLOTS + TOP_K],
+            c.num_experts as i32,
+            "{what}: shared slot"
+        );
+        let mut have: Vec<usize> = ids[t * SLOTS..t * SLOTS + TOP_K]
+            .iter()
+            .map(|&i| i as usize)
+            .collect();
+        want_ids.sort_unstable();
+        have.sort_unstable();
+        if have == want_ids {
+            continue;
+        }
+        let kth = row[*top_k(row, TOP_K).last().unwrap()];
+        let scale = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for e in have
+            .iter()
+            .filter(|e| !want_ids.contains(e))
+            .chain(want_ids.iter().filter(|e| !have.contains(e)))
+        {
+            let gap = (row[*e] - kth).abs() / scale;
+            assert!(gap <= 2e-2, "{what}: token {t} routed to/away from expert {e}, {gap:.2e} of the logit scale from the cut: not a near-tie");
+        }
+        flipped += 1;
+        got[t * h..(t + 1) * h]
+            .iter_mut()
+            .zip(&want[t * h..(t + 1) * h])
+            .for_each(|(g, w)| *g = bf16::from_f32(*w));
+    }
+    println!("{what}: {flipped} of {tokens} tokens routed differently at a near-tie");
+    // The uniform-routing inputs make router probabilities nearly equal on purpose (first H200
+    // runs: 9–30 of 256–300 tokens flipped, every one within the near-tie margin).
+    assert!(
+        flipped <= 2 + tokens / 5,
+        "{what}: {flipped} near-tie flips of {tokens} tokens is too many"
+    );
+    let rms: Vec<f32> = (0..tokens)
+        .map(|t| (want[t * h..(t + 1) * h].iter().map(|v| v * v).sum::<f32>() / h as f32).sqrt())
+        .collect();
+    // 8e-2 of the row's rms per element (the whole-model bound), 1e-2 on average: besides the
+    // bf16 outputs, the GPU's router logits are bf16, which moves the renormalised expert
+    // weights of near-uniform routing (H200 runs: largest element error 2.2e-2 to 6.1e-2
+    // among 614K elements, mean 5.0–5.2e-3; the experts alone, with exact routing: 1.7e-3).
+    check(what, &got, &want, &|i| rms[i / h], 1.0 / 128.0, 8e-2, 1e-2);
+}
+
+/// The persistent MoE block of one decode token (src/cuda/moe_decode.rs) against `moe::forward`,
+/// token by token, the combine as forward.rs runs it after; each token twice in a row, with the
+/// same results (the kernel resets its own counters) and the same ids and weights.
+#[test]
+fn persistent_decode_block_matches_cpu_forward() {
+    let dev = device();
+    let s = dev.stream();
+    let nk = NormKernels::load(&dev).expect("kernels");
+    let mut md = MoeDecode::load(&dev).expect("persistent MoE");
+    let mut rng = rng("persistent moe");
+    let c = real_config();
+    let (w, _) = moe_weights(s, &mut rng, &c);
+    let blk = DeviceMoe::upload(s, &c, &w).expect("upload");
+    assert!(MoeDecode::supports(&blk), "the model's layout");
+    let h = c.hidden_size;
+    for (routing, tokens) in [(Routing::Uniform, 12), (Routing::Skewed, 6)] {
+        let what = format!("persistent MoE block, {routing:?} routing, {tokens} tokens");
+        let (xb, xf) = moe_inputs(&mut rng, routing, tokens, &c);
+        let (mut got, mut ids) = (Vec::new(), Vec::new());
+        for t in 0..tokens {
+            let dx = upload(s, &xb[t * h..(t + 1) * h]);
+            let mut b = BlockBuffers::new(s, &c, 1);
+            let mut runs = Vec::new();
+            for _ in 0..2 {
+                s_zero(&mut b.h);
+                s_zero(&mut b.routed);
+                md.run(
+                    &blk,
+                    &dx.as_view(),
+                    &mut b.ids.as_view_mut(),
+                    &mut b.weights.as_view_mut(),
+                    &mut b.routed.as_view_mut(),
+                )
+                .expect("persistent MoE");
+                nk.residual_rmsnorm(
+                    &mut b.h.as_view_mut(),
+                    &b.routed.as_view(),
+                    Some(&b.weights.as_view()),
+                    &b.norm_w.as_view(),
+                    &mut b.normed.as_view_mut(),
+                    1e-6,
+                )
+                .expect("combine");
+                runs.push((
+                    download(s, &b.h.as_view()),
+                    download(s, &b.ids.as_view()),
+                    download(s, &b.weights.as_view()),
+                ));
+            }
+            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                runs[0].1, runs[1].1,
+                "{what}: token {t}: ids differ between runs"
+            );
+            assert_eq!(
+                runs[0].2, runs[1].2,
+                "{what}: token {t}: weights differ between runs"
+            );
+            assert_eq!(
+                bits(&runs[0].0),
+                bits(&runs[1].0),
+                "{what}: token {t}: outputs differ between runs"
+            );
+            let w_sum: f32 = runs[0].2[..TOP_K].iter().sum();
+            assert!(
+                (w_sum - 1.0).abs() < 1e-3,
+                "{what}: token {t}: routed weights sum to {w_sum}"
+            );
+            let (out, id, _) = runs.swap_remove(0);
+            got.extend(out);
+            ids.extend(id);
+        }
+        compare_block(&what, &c, &w, &ids, got, &xf, tokens);
+    }
+    // Time: the block for one token, repeated (no graph; each launch waits for the one before).
+    let (xb, _) = moe_inputs(&mut rng, Routing::Uniform, 1, &c);
+    let dx = upload(s, &xb);
+    let mut b = BlockBuffers::new(s, &c, 1);
+    let ms = median_ms(&dev, 50, || {
+        md.run(
+            &blk,
+            &dx.as_view(),
+            &mut b.ids.as_view_mut(),
+            &mut b.weights.as_view_mut(),
+            &mut b.routed.as_view_mut(),
+        )
+        .expect("persistent MoE")
+    });
+    let bytes =
+        257.0 * 2048.0 * (1.0 + 4.0 / 64.0) + 9.0 * 3.0 * 512.0 * 2048.0 * (0.5 + 4.0 / 64.0);
+    println!(
+        "persistent MoE block, one token: {:.1} µs ({:.2} TB/s of weights)",
+        ms * 1e3,
+        bytes / (ms as f64 * 1e-3) / 1e12
+    );
 }
 
 /// The MoE block of one layer for a 4096-token chunk at Qwen3.6-35B-A3B's shapes (MLX Q4), uniform

@@ -30,6 +30,7 @@ use super::gemm::{GemvKernels, L2Ahead, MAX_TOKENS};
 use super::gemm_prefill::{GemmKernels, MIN_TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::{ExpertGroups, MoeKernels};
+use super::moe_decode::MoeDecode;
 use super::norm::NormKernels;
 use super::profile::{self, OpProfile};
 use super::sample::SampleKernels;
@@ -67,6 +68,10 @@ pub struct CudaOptions {
     /// shape) for long prefill chunks instead of dequantising them per chunk (dense.rs). On by
     /// default; `LILY_DENSE_CACHE=0` turns it off.
     pub keep_dense_bf16: bool,
+    /// One-token decode passes run each MoE block as one persistent kernel (moe_decode.rs) where
+    /// the weights have the model's MLX layout. Off unless `LILY_MOE_PERSISTENT=1` (under trial,
+    /// bench/NOTES.md v1.40).
+    pub persistent_moe: bool,
 }
 
 impl Default for CudaOptions {
@@ -79,6 +84,7 @@ impl Default for CudaOptions {
             batch_steps: true,
             fused_norms: std::env::var("LILY_FUSED_NORMS").is_ok_and(|v| v == "1"),
             keep_dense_bf16: std::env::var("LILY_DENSE_CACHE").map_or(true, |v| v != "0"),
+            persistent_moe: std::env::var("LILY_MOE_PERSISTENT").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -90,6 +96,8 @@ struct Kernels {
     dense: DenseGemm,
     embed: EmbedKernels,
     moe: MoeKernels,
+    /// The persistent MoE block of one-token passes, when `CudaOptions::persistent_moe`.
+    moe_decode: Option<MoeDecode>,
     sample: SampleKernels,
     gdn: GdnKernels,
     attn: AttentionKernels,
@@ -241,6 +249,11 @@ impl CudaBackend {
             dense: dense_gemm(&dev, &model, options.keep_dense_bf16)?,
             embed: EmbedKernels::load(&dev)?,
             moe: MoeKernels::load(&dev)?,
+            moe_decode: if options.persistent_moe {
+                Some(MoeDecode::load(&dev)?)
+            } else {
+                None
+            },
             sample: SampleKernels::load(&dev, batch_rows(&options))?,
             gdn: GdnKernels::load(&dev)?,
             attn: AttentionKernels::load(&dev, &c)?,

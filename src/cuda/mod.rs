@@ -15,6 +15,7 @@ pub mod gemm;
 pub mod gemm_prefill;
 pub mod model;
 pub mod moe;
+pub mod moe_decode;
 pub mod norm;
 pub mod pdl;
 pub mod profile;

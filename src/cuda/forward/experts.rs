@@ -11,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::cuda::gemm::{FusedTopK, L2Ahead, SlotInput, MAX_TOKENS};
 use crate::cuda::gemm_prefill::GemmKernels;
 use crate::cuda::model::DeviceMoe;
+use crate::cuda::moe_decode::MoeDecode;
 use crate::cuda::Result;
 
 /// The MoE block's experts for `t` rows of `s.xn`: routing, then each (token, slot)'s expert
@@ -36,6 +37,19 @@ pub(super) fn moe_experts(
         c.moe_intermediate_size,
     );
     let slots = topk + 1;
+    // One token: the whole block in one persistent kernel, where it takes these weights.
+    if t == 1 && router_input.is_none() {
+        if let Some(md) = k.moe_decode.as_mut().filter(|_| MoeDecode::supports(w)) {
+            section("moe experts")?;
+            return md.run(
+                w,
+                &s.xn.slice(..hd),
+                &mut s.expert_ids.slice_mut(..slots),
+                &mut s.expert_weights.slice_mut(..slots),
+                &mut s.routed.slice_mut(..slots * hd),
+            );
+        }
+    }
     section("moe router")?;
     // Decode rows in one router launch: its last block can do the top-k (LILY_FUSED_TOPK=1).
     let fused_topk = k.gemv.fuses_topk()
