@@ -98,10 +98,14 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
 __device__ __forceinline__ void add_release(unsigned* p, unsigned v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
-// The whole block waits until counter c reaches `target` (thread 0 spins, then a barrier).
+// The whole block waits until counter c reaches `target` (thread 0 spins, then a barrier). A wait
+// of over ≈ 1 s (a block not resident, a counter not reset) traps: a launch error, not a hang.
 __device__ __forceinline__ void wait_for(const unsigned* c, unsigned target) {
     if (threadIdx.x == 0) {
-        while (load_acquire(c) < target) __nanosleep(32);
+        for (unsigned spins = 0; load_acquire(c) < target; ++spins) {
+            if (spins > (1u << 24)) __trap();
+            __nanosleep(64);
+        }
     }
     __syncthreads();
 }
