@@ -736,6 +736,23 @@ fn compare_block(
     check(what, &got, &want, &|i| rms[i / h], 1.0 / 128.0, 8e-2, 1e-2);
 }
 
+/// The persistent MoE block of one token x into `b`'s ids, weights and routed outputs.
+fn run_persistent(
+    md: &mut MoeDecode,
+    blk: &DeviceMoe,
+    b: &mut BlockBuffers,
+    x: &lily::cuda::CudaView<bf16>,
+) {
+    md.run(
+        blk,
+        x,
+        &mut b.ids.as_view_mut(),
+        &mut b.weights.as_view_mut(),
+        &mut b.routed.as_view_mut(),
+    )
+    .expect("persistent MoE");
+}
+
 /// The persistent MoE block of one decode token (src/cuda/moe_decode.rs) against `moe::forward`,
 /// token by token, the combine as forward.rs runs it after; each token twice in a row, with the
 /// same results (the kernel resets its own counters) and the same ids and weights.
@@ -762,14 +779,7 @@ fn persistent_decode_block_matches_cpu_forward() {
             for _ in 0..2 {
                 s_zero(&mut b.h);
                 s_zero(&mut b.routed);
-                md.run(
-                    &blk,
-                    &dx.as_view(),
-                    &mut b.ids.as_view_mut(),
-                    &mut b.weights.as_view_mut(),
-                    &mut b.routed.as_view_mut(),
-                )
-                .expect("persistent MoE");
+                run_persistent(&mut md, &blk, &mut b, &dx.as_view());
                 nk.residual_rmsnorm(
                     &mut b.h.as_view_mut(),
                     &b.routed.as_view(),
@@ -815,14 +825,7 @@ fn persistent_decode_block_matches_cpu_forward() {
     let dx = upload(s, &xb);
     let mut b = BlockBuffers::new(s, &c, 1);
     let ms = median_ms(&dev, 50, || {
-        md.run(
-            &blk,
-            &dx.as_view(),
-            &mut b.ids.as_view_mut(),
-            &mut b.weights.as_view_mut(),
-            &mut b.routed.as_view_mut(),
-        )
-        .expect("persistent MoE")
+        run_persistent(&mut md, &blk, &mut b, &dx.as_view())
     });
     let bytes =
         257.0 * 2048.0 * (1.0 + 4.0 / 64.0) + 9.0 * 3.0 * 512.0 * 2048.0 * (0.5 + 4.0 / 64.0);

@@ -236,53 +236,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
                 }
             }
         }
-        float mx_lo = NEG_INF, mx_hi = NEG_INF;
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                mx_lo = fmaxf(mx_lo, s[n][e]);
-                mx_hi = fmaxf(mx_hi, s[n][2 + e]);
-            }
-        }
-        // Online softmax in the log2 domain (scores · scale_log2, applied inside the exponent's
-        // FFMA). A row's 32 keys are spread over the 4 lanes of its quad.
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
-            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
-        }
-        const float new_lo = fmaxf(m_lo, mx_lo * scale_log2), new_hi = fmaxf(m_hi, mx_hi * scale_log2);
-        // A row with no visible key yet keeps max −inf; subtracting 0 instead keeps exp2 at 0, not NaN.
-        const float ref_lo = new_lo == NEG_INF ? 0.0f : new_lo, ref_hi = new_hi == NEG_INF ? 0.0f : new_hi;
-        const float alpha_lo = exp2f(m_lo - ref_lo), alpha_hi = exp2f(m_hi - ref_hi);
-        m_lo = new_lo;
-        m_hi = new_hi;
-        float sum_lo = 0.0f, sum_hi = 0.0f;
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                s[n][e] = exp2f(fmaf(s[n][e], scale_log2, -ref_lo));
-                s[n][2 + e] = exp2f(fmaf(s[n][2 + e], scale_log2, -ref_hi));
-                sum_lo += s[n][e];
-                sum_hi += s[n][2 + e];
-            }
-        }
-        l_lo = l_lo * alpha_lo + sum_lo;  // this lane's share; the quad is summed at the end
-        l_hi = l_hi * alpha_hi + sum_hi;
-        // Rescale O only when some row's max moved: past the first few thousand keys a new tile
-        // rarely holds a new max, and the 128 multiplications are a third of a tile's non-mma work.
-        // (alpha is exactly 1 when the max stayed, so skipping changes no bit.)
-        if (!__all_sync(0xffffffffu, alpha_lo == 1.0f && alpha_hi == 1.0f)) {
-#pragma unroll
-            for (int n = 0; n < 32; ++n) {
-                o[n][0] *= alpha_lo;
-                o[n][1] *= alpha_lo;
-                o[n][2] *= alpha_hi;
-                o[n][3] *= alpha_hi;
-            }
-        }
+        online_softmax_tile<4, 32>(&s[0][0], &o[0][0], scale_log2, m_lo, m_hi, l_lo, l_hi);
 
         // O += P V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
 #pragma unroll

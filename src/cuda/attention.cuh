@@ -92,3 +92,55 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 }
 
 __device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+// One key tile of the prefill kernels' online softmax, in the log2 domain (scores · scale_log2,
+// applied inside the exponent's FFMA). A thread holds TILES accumulator tiles of 8 keys for its rows g
+// (s[4n], s[4n + 1]) and g + 8 (s[4n + 2], s[4n + 3]); a row's keys are spread over the 4 lanes of
+// its quad. The scores become P in place, (m, l) move on (l: this lane's share, the quad is summed
+// at the end), and O (OUT_TILES tiles, the same layout) is rescaled where a row's max moved.
+template <int TILES, int OUT_TILES>
+__device__ __forceinline__ void online_softmax_tile(float* s, float* o, float scale_log2, float& m_lo, float& m_hi,
+                                                    float& l_lo, float& l_hi) {
+    float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+    for (int n = 0; n < TILES; ++n) {
+        mx_lo = fmaxf(mx_lo, fmaxf(s[4 * n], s[4 * n + 1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+    }
+    const float new_lo = fmaxf(m_lo, mx_lo * scale_log2), new_hi = fmaxf(m_hi, mx_hi * scale_log2);
+    // A row with no visible key yet keeps max −inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+    const float ref_lo = new_lo == NEG_INF ? 0.0f : new_lo, ref_hi = new_hi == NEG_INF ? 0.0f : new_hi;
+    const float alpha_lo = exp2f(m_lo - ref_lo), alpha_hi = exp2f(m_hi - ref_hi);
+    m_lo = new_lo;
+    m_hi = new_hi;
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+    for (int n = 0; n < TILES; ++n) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            s[4 * n + e] = exp2f(fmaf(s[4 * n + e], scale_log2, -ref_lo));
+            s[4 * n + 2 + e] = exp2f(fmaf(s[4 * n + 2 + e], scale_log2, -ref_hi));
+            sum_lo += s[4 * n + e];
+            sum_hi += s[4 * n + 2 + e];
+        }
+    }
+    l_lo = l_lo * alpha_lo + sum_lo;
+    l_hi = l_hi * alpha_hi + sum_hi;
+    // Rescale O only when some row's max moved: past the first few thousand keys a new tile rarely
+    // holds a new max, and the multiplications are a third of a tile's non-product work. (alpha is
+    // exactly 1 when the max stayed, so skipping changes no bit.)
+    if (!__all_sync(0xffffffffu, alpha_lo == 1.0f && alpha_hi == 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < OUT_TILES; ++n) {
+            o[4 * n] *= alpha_lo;
+            o[4 * n + 1] *= alpha_lo;
+            o[4 * n + 2] *= alpha_hi;
+            o[4 * n + 3] *= alpha_hi;
+        }
+    }
+}

@@ -140,47 +140,7 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
                 }
             }
         }
-        float mx_lo = NEG_INF, mx_hi = NEG_INF;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            mx_lo = fmaxf(mx_lo, fmaxf(s[4 * i], s[4 * i + 1]));
-            mx_hi = fmaxf(mx_hi, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-        }
-        // A row's 64 keys are spread over the 4 lanes of its quad.
-#pragma unroll
-        for (int off = 1; off < 4; off <<= 1) {
-            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
-            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
-        }
-        const float new_lo = fmaxf(m_lo, mx_lo * scale_log2), new_hi = fmaxf(m_hi, mx_hi * scale_log2);
-        // A row with no visible key yet keeps max −inf; subtracting 0 instead keeps exp2 at 0, not NaN.
-        const float ref_lo = new_lo == NEG_INF ? 0.0f : new_lo, ref_hi = new_hi == NEG_INF ? 0.0f : new_hi;
-        const float alpha_lo = exp2f(m_lo - ref_lo), alpha_hi = exp2f(m_hi - ref_hi);
-        m_lo = new_lo;
-        m_hi = new_hi;
-        float sum_lo = 0.0f, sum_hi = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                s[4 * i + e] = exp2f(fmaf(s[4 * i + e], scale_log2, -ref_lo));
-                s[4 * i + 2 + e] = exp2f(fmaf(s[4 * i + 2 + e], scale_log2, -ref_hi));
-                sum_lo += s[4 * i + e];
-                sum_hi += s[4 * i + 2 + e];
-            }
-        }
-        l_lo = l_lo * alpha_lo + sum_lo;  // this lane's share; the quad is summed at the end
-        l_hi = l_hi * alpha_hi + sum_hi;
-        // Rescale O only when some row's max moved (alpha is exactly 1 otherwise: no bit changes).
-        if (!__all_sync(0xffffffffu, alpha_lo == 1.0f && alpha_hi == 1.0f)) {
-#pragma unroll
-            for (int i = 0; i < 32; ++i) {
-                o[4 * i] *= alpha_lo;
-                o[4 * i + 1] *= alpha_lo;
-                o[4 * i + 2] *= alpha_hi;
-                o[4 * i + 3] *= alpha_hi;
-            }
-        }
+        online_softmax_tile<8, 32>(s, o, scale_log2, m_lo, m_hi, l_lo, l_hi);
 
         // O += P·V: P's A fragment for keys 16kk.. is n-tiles 2kk and 2kk + 1 of S.
         u32 p[16];

@@ -190,6 +190,19 @@ __device__ __forceinline__ bool preload(const MoeDecodeArgs& a, const Task& t, b
     return true;
 }
 
+// sums[g] = Σ v[16g .. 16g + 15] for N values in shared memory, by the whole block (ends with a
+// barrier): the Σ x of the dot products' bias terms.
+template <int N>
+__device__ __forceinline__ void segment_sums(const float* v, float* sums) {
+    for (int g = threadIdx.x; g < N / 16; g += MD_THREADS) {
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 16; ++k) s += v[16 * g + k];
+        sums[g] = s;
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(MD_THREADS, 1) moe_decode_step(const MoeDecodeArgs a) {
     __shared__ float x_s[MD_HIDDEN];      // the input, fp32
     __shared__ float xsum_s[MD_HIDDEN / 16];  // Σ x per 16 columns
@@ -208,13 +221,7 @@ extern "C" __global__ void __launch_bounds__(MD_THREADS, 1) moe_decode_step(cons
     pdl_launch_dependents();
     for (int k = tid; k < MD_HIDDEN; k += MD_THREADS) x_s[k] = __bfloat162float(a.x[k]);
     __syncthreads();
-    for (int g = tid; g < MD_HIDDEN / 16; g += MD_THREADS) {
-        float s = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 16; ++k) s += x_s[16 * g + k];
-        xsum_s[g] = s;
-    }
-    __syncthreads();
+    segment_sums<MD_HIDDEN>(x_s, xsum_s);
 
     for (int k = 0; block_task(k) >= 0; ++k) {
         const Task t = task_of(block_task(k));
@@ -286,13 +293,7 @@ extern "C" __global__ void __launch_bounds__(MD_THREADS, 1) moe_decode_step(cons
                     act_s[j] = bf16_round(silu(g) * u);
                 }
                 __syncthreads();
-                for (int g = tid; g < MD_INTER / 16; g += MD_THREADS) {
-                    float s = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) s += act_s[16 * g + j];
-                    actsum_s[g] = s;
-                }
-                __syncthreads();
+                segment_sums<MD_INTER>(act_s, actsum_s);
                 act_slot = t.slot;
             }
 #pragma unroll

@@ -148,7 +148,7 @@ impl MoeDecode {
                 scales.device_ptr(stream).0,
                 biases.device_ptr(stream).0,
             ),
-            WeightData::Bf16(v) => (0, v.device_ptr(stream).0, 0), // not taken: see `supports`
+            WeightData::Bf16(_) => unreachable!("`supports` admits affine weights only"),
         };
         let ((r_w, r_s, r_b), (gu_w, gu_s, gu_b), (d_w, d_s, d_b)) = (
             affine(&w.router.view()),
