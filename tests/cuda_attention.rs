@@ -39,11 +39,10 @@ const QK_ABS: f32 = 2e-3;
 /// A bf16 NaN, the content of every buffer before a kernel writes it.
 const POISON: bf16 = bf16::from_bits(0x7fc1);
 const GROUP: usize = Q_HEADS / KV_HEADS;
-/// The prefill kernels the tests run on the same inputs: (kernel, Q in registers, name).
-const PREFILL_KERNELS: [(PrefillKernel, bool, &str); 3] = [
-    (PrefillKernel::MmaSync, false, "mma.sync"),
-    (PrefillKernel::Wgmma, false, "wgmma"),
-    (PrefillKernel::Wgmma, true, "wgmma, Q in registers"),
+/// The prefill kernels the tests run on the same inputs: (kernel, name).
+const PREFILL_KERNELS: [(PrefillKernel, &str); 2] = [
+    (PrefillKernel::MmaSync, "mma.sync"),
+    (PrefillKernel::Wgmma, "wgmma"),
 ];
 
 struct Gpu {
@@ -492,9 +491,8 @@ fn prefill_matches_cpu() {
         // Each kernel appends the same rows; the output of each is checked below.
         let outs: Vec<(&str, CudaSlice<bf16>)> = PREFILL_KERNELS
             .into_iter()
-            .map(|(kernel, q_regs, name)| {
+            .map(|(kernel, name)| {
                 g.kernels.set_prefill_kernel(kernel);
-                g.kernels.set_prefill_q_in_registers(q_regs);
                 let mut out = poisoned_out(&g, t);
                 g.kernels
                     .prefill(
@@ -1099,9 +1097,8 @@ fn prefill_chunk_timing(
     let visible = (0..t).map(|i| start + i + 1).sum::<usize>();
     let flops = 4.0 * HEAD_DIM as f64 * Q_HEADS as f64 * visible as f64;
     let mut outs = Vec::new();
-    for (kernel, q_regs, name) in PREFILL_KERNELS {
+    for (kernel, name) in PREFILL_KERNELS {
         g.kernels.set_prefill_kernel(kernel);
-        g.kernels.set_prefill_q_in_registers(q_regs);
         let mut out = poisoned_out(g, t);
         let ms = time_ms(g, 10, || {
             g.kernels

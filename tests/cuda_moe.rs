@@ -30,7 +30,7 @@ use lily::config::ModelConfig;
 use lily::cuda::gemm_prefill::{GemmKernels, MIN_TILE_ROWS, TILE_HEIGHTS};
 use lily::cuda::model::DeviceMoe;
 use lily::cuda::moe::{ExpertGroups, MoeKernels};
-use lily::cuda::moe_decode::MoeDecode;
+use lily::cuda::moe_decode::{MoeDecode, TRACE_WORDS};
 use lily::cuda::norm::NormKernels;
 use lily::cuda::weights::DeviceMatrices;
 use lily::cuda::{CudaDevice, CudaStream};
@@ -834,6 +834,68 @@ fn persistent_decode_block_matches_cpu_forward() {
         ms * 1e3,
         bytes / (ms as f64 * 1e-3) / 1e12
     );
+    print_trace(&mut md, &blk, &mut b, &dx.as_view());
+}
+
+/// One launch's trace (MoeDecode::set_trace): when the blocks got where, in µs from the first
+/// block's start (median and latest over the blocks that got there).
+fn print_trace(
+    md: &mut MoeDecode,
+    blk: &DeviceMoe,
+    b: &mut BlockBuffers,
+    x: &lily::cuda::CudaView<bf16>,
+) {
+    let s = b.h.stream().clone();
+    let blocks = md.blocks();
+    md.set_trace(Some(
+        s.alloc_zeros::<u64>(blocks * TRACE_WORDS).expect("alloc"),
+    ))
+    .expect("trace");
+    run_persistent(md, blk, b, x);
+    let t = download(&s, &md.trace().expect("trace").as_view());
+    md.set_trace(None).expect("trace off");
+    let row = |i: usize| &t[i * TRACE_WORDS..(i + 1) * TRACE_WORDS];
+    let first_ns = (0..blocks).map(|i| row(i)[0]).min().expect("blocks");
+    // Clock ticks per ns, from each block's start and end on both clocks.
+    let mut rates: Vec<f64> = (0..blocks)
+        .map(|i| (row(i)[12] - row(i)[1]) as f64 / (row(i)[13] - row(i)[0]).max(1) as f64)
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    let rate = rates[blocks / 2];
+    let at = |i: usize, w: usize| -> Option<f64> {
+        let r = row(i);
+        (r[w] != 0).then(|| ((r[0] - first_ns) as f64 + (r[w] - r[1]) as f64 / rate) * 1e-3)
+    };
+    let mut line =
+        format!("persistent MoE trace ({blocks} blocks, {rate:.2} clocks/ns), µs median/latest:");
+    let names = [
+        (1, "start"),
+        (2, "x in"),
+        (14, "router seen"),
+        (3, "top-k"),
+        (4, "task 1"),
+        (5, "task 2"),
+        (6, "task 3"),
+        (7, "task 4"),
+        (8, "task 5"),
+        (9, "task 6"),
+        (10, "task 7"),
+        (12, "end"),
+    ];
+    for (w, name) in names {
+        let mut v: Vec<f64> = (0..blocks).filter_map(|i| at(i, w)).collect();
+        if v.is_empty() {
+            continue;
+        }
+        v.sort_by(f64::total_cmp);
+        line += &format!(
+            " {name} {:.1}/{:.1} ({}),",
+            v[v.len() / 2],
+            v[v.len() - 1],
+            v.len()
+        );
+    }
+    println!("{}", line.trim_end_matches(','));
 }
 
 /// The MoE block of one layer for a 4096-token chunk at Qwen3.6-35B-A3B's shapes (MLX Q4), uniform

@@ -43,7 +43,6 @@ __device__ __forceinline__ bool in_cache(const KvCacheArgs& c, int slot, int pos
 // ---------------------------------------------------------------------------------------------
 // Small wrappers over the PTX instructions used below.
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // 16-byte asynchronous copy global → shared; when !valid the 16 bytes are zero-filled instead
 // (nothing is read), which is how tiles past the end of the cache get harmless zero rows.

@@ -277,11 +277,7 @@ pub struct AttentionKernels {
     prepare: CudaFunction,
     prefill: CudaFunction,
     prefill_wgmma: CudaFunction,
-    prefill_wgmma_rq: CudaFunction,
     prefill_kernel: PrefillKernel,
-    /// The wgmma kernel holds each warpgroup's Q in registers as S's A operand
-    /// (attn_prefill_wgmma_rq; `LILY_ATTN_Q_REGS=1`, under trial: bench/NOTES.md v1.38).
-    q_in_registers: bool,
     decode_split: CudaFunction,
     combine: CudaFunction,
     rope: RopeFreqs,
@@ -335,8 +331,6 @@ impl AttentionKernels {
             prepare: load("attn_prepare", 0)?,
             prefill: load("attn_prefill", PF_SMEM_BYTES)?,
             prefill_wgmma: load_wgmma("attn_prefill_wgmma")?,
-            prefill_wgmma_rq: load_wgmma("attn_prefill_wgmma_rq")?,
-            q_in_registers: std::env::var("LILY_ATTN_Q_REGS").is_ok_and(|v| v == "1"),
             prefill_kernel: if std::env::var("LILY_ATTN_WGMMA").is_ok_and(|v| v == "0") {
                 PrefillKernel::MmaSync
             } else {
@@ -374,12 +368,6 @@ impl AttentionKernels {
     /// Sets which kernel runs prefill attention (see [`PrefillKernel`]).
     pub fn set_prefill_kernel(&mut self, kernel: PrefillKernel) {
         self.prefill_kernel = kernel;
-    }
-
-    /// Runs the wgmma prefill kernel with Q in registers (or in shared memory); off unless
-    /// `LILY_ATTN_Q_REGS=1`.
-    pub fn set_prefill_q_in_registers(&mut self, on: bool) {
-        self.q_in_registers = on;
     }
 
     /// Whether a prefill chunk of `tokens` runs on attn_prefill_wgmma.
@@ -520,15 +508,9 @@ impl AttentionKernels {
                     block_dim: (PF_WGMMA_THREADS as u32, 1, 1),
                     shared_mem_bytes: PF_WGMMA_SMEM_BYTES as u32,
                 };
-                // (Either kernel is timed as `attention prefill_wgmma`.)
-                let prefill_wgmma = if self.q_in_registers {
-                    &self.prefill_wgmma_rq
-                } else {
-                    &self.prefill_wgmma
-                };
                 return launch!(
                     stream,
-                    prefill_wgmma,
+                    &self.prefill_wgmma,
                     cfg,
                     &ws.q,
                     qkv,

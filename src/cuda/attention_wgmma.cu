@@ -14,11 +14,10 @@
 //   memory read MN-major (the transpose bit), O in 128 accumulators per thread.
 // Tiles past a warpgroup's last position (the other warpgroup's last 8 keys) are skipped.
 //
-// Both operands of S's products come from shared memory, 4 KB per m64n64k16 product: with V's reads
-// and the copies, about the shared memory's whole bandwidth at the products' rate (bench/NOTES.md
-// v1.36). attn_prefill_wgmma_rq reads each warpgroup's Q once into registers (64 per thread, the A
-// operand of every S product; 255 registers in all, no spills), halving S's shared-memory reads
-// (under trial: NOTES v1.38).
+// Each warpgroup reads its Q once into registers (64 per thread) as the A operand of every S product
+// (255 registers in all, no spills): with both operands in shared memory (4 KB per m64n64k16
+// product) S's reads, V's and the copies came to about the shared memory's whole bandwidth
+// (bench/NOTES.md v1.36); Q in registers halves S's reads, 1.6 % faster at 32K (v1.38).
 //
 // Shared memory: Q (both warpgroups) and two stages of K and V, each a [64 rows][256 dims] matrix
 // stored as four 64-dim sub-tiles of 64 rows × 128 bytes, swizzled (wgmma.cuh). K-major (Q, K):
@@ -43,7 +42,6 @@ __device__ __forceinline__ u32 swizzled(int r, int part) {
     return (part >> 3) * WG_SUB_BYTES + r * 128 + (((part & 7) ^ (r & 7)) << 4);
 }
 
-template <bool Q_IN_REGS>
 __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const bf16* __restrict__ qkv,
                                               const KvCacheArgs& c, int slot, int start, int T,
                                               bf16* __restrict__ out, float scale_log2) {
@@ -90,11 +88,11 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
     const bool active = t0 + 8 * wg < T;
     const int last = start + min(t0 + 8 * wg + 7, T - 1);
 
-    // With Q_IN_REGS, this warpgroup's Q as the A operand of S's products, read once from shared
-    // memory (ldmatrix: lanes 0-15 address rows 16·warp + lane at dims 16ks.., lanes 16-31 the same
-    // rows at dims 16ks + 8..): four registers per k-step, the mma.m16n8k16 A fragment.
-    u32 qa[Q_IN_REGS ? 64 : 1];
-    if constexpr (Q_IN_REGS) {
+    // This warpgroup's Q as the A operand of S's products, read once from shared memory (ldmatrix:
+    // lanes 0-15 address rows 16·warp + lane at dims 16ks.., lanes 16-31 the same rows at dims
+    // 16ks + 8..): four registers per k-step, the mma.m16n8k16 A fragment.
+    u32 qa[64];
+    {
         cp_async_wait<0>();
         __syncthreads();  // Q is in (and tile 0)
         const int row = 16 * warp + (lane & 15);
@@ -120,8 +118,7 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
 #pragma unroll
         for (int ks = 0; ks < 16; ++ks) {
             const u32 off = (ks >> 2) * WG_SUB_BYTES + (ks & 3) * 32;
-            if constexpr (Q_IN_REGS) wgmma_k16<64>(s, &qa[4 * ks], smem_desc(sk + off));
-            else wgmma_ss_k16_n64(s, smem_desc(sq + off), smem_desc(sk + off));
+            wgmma_k16<64>(s, &qa[4 * ks], smem_desc(sk + off));
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -191,13 +188,5 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
                        int start, int T, bf16* __restrict__ out, float scale_log2) {
     pdl_wait();
     pdl_launch_dependents();
-    prefill_wgmma<false>(q, qkv, c, slot, start, T, out, scale_log2);
-}
-
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
-    attn_prefill_wgmma_rq(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
-                          int start, int T, bf16* __restrict__ out, float scale_log2) {
-    pdl_wait();
-    pdl_launch_dependents();
-    prefill_wgmma<true>(q, qkv, c, slot, start, T, out, scale_log2);
+    prefill_wgmma(q, qkv, c, slot, start, T, out, scale_log2);
 }

@@ -39,6 +39,9 @@ __device__ __forceinline__ uint4 pack8(const float f[8]) {
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// A shared-memory pointer as the 32-bit address PTX's shared-memory instructions take.
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }

@@ -69,8 +69,8 @@ pub struct CudaOptions {
     /// default; `LILY_DENSE_CACHE=0` turns it off.
     pub keep_dense_bf16: bool,
     /// One-token decode passes run each MoE block as one persistent kernel (moe_decode.rs) where
-    /// the weights have the model's MLX layout. Off unless `LILY_MOE_PERSISTENT=1` (under trial,
-    /// bench/NOTES.md v1.40).
+    /// the weights have the model's MLX layout. Off unless `LILY_MOE_PERSISTENT=1` (measured:
+    /// decode 3.7 % slower, bench/NOTES.md v1.41).
     pub persistent_moe: bool,
 }
 

@@ -21,7 +21,7 @@
 //   gdn_prefill_prep    prefill, per (chunk of 64, value head): conv, norms, gates, WY form
 //   gdn_prefill_state   prefill, per (value head, 32 dv columns): the state carried over chunks
 //   gdn_prefill_out     prefill, per (chunk, value head): outputs and the gated norm
-//                       (gdn_prefill_out_tf32: the same in plain tf32, under trial)
+//                       (gdn_prefill_out_tf32: the same in plain tf32, measured and off: gdn.rs)
 //   gdn_conv_update     prefill: the conv state after the last token
 //   gdn_zero_state      zero the states of some slots
 #include "common.cuh"

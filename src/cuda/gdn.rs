@@ -238,7 +238,8 @@ pub struct GdnKernels {
     out: CudaFunction,
     /// The output kernel with its products in plain tf32 (gdn.cu).
     out_tf32: CudaFunction,
-    /// Prefill runs `out_tf32` (`LILY_GDN_OUT_TF32=1`, under trial: bench/NOTES.md v1.37).
+    /// Prefill runs `out_tf32` with `LILY_GDN_OUT_TF32=1` (bench/NOTES.md v1.37: the kernel 22 %
+    /// faster, prefill @4K +2 %, but errors of up to 5 % of the normalised output, so off).
     use_out_tf32: bool,
     conv_update: CudaFunction,
     /// `decode_in_pass` reads the state before the PDL wait (unless `LILY_EARLY_READS=0`).

@@ -28,7 +28,6 @@ struct GemmArgs {
 
 namespace {
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // 16 bytes global → shared, bypassing L1; zero-filled (nothing read) when !valid.
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {

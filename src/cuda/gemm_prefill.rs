@@ -133,8 +133,10 @@ pub struct GemmKernels {
     /// Q4 and Q8 on wgmma (gemm_wgmma.cu), [format][epilogue].
     wgmma: [[CudaFunction; 2]; 2],
     use_wgmma: bool,
-    /// The wgmma kernels store their outputs through shared memory as 16-byte row pieces
-    /// (`LILY_WGMMA_STAGED_STORES=1`, under trial: bench/NOTES.md v1.39).
+    /// The wgmma kernels' plain (not SwiGLU) products store their outputs through shared memory as
+    /// 16-byte row pieces (on unless `LILY_WGMMA_STAGED_STORES=0`): the experts' down GEMM at 4K
+    /// tokens 11 % faster, the SwiGLU products no faster or (≤ 512 tokens) 7 % slower
+    /// (bench/NOTES.md v1.39).
     staged_stores: bool,
 }
 
@@ -186,7 +188,7 @@ impl GemmKernels {
                 ],
             ],
             use_wgmma: std::env::var("LILY_WGMMA").map_or(true, |v| v != "0"),
-            staged_stores: std::env::var("LILY_WGMMA_STAGED_STORES").is_ok_and(|v| v == "1"),
+            staged_stores: std::env::var("LILY_WGMMA_STAGED_STORES").map_or(true, |v| v != "0"),
         })
     }
 
@@ -195,8 +197,8 @@ impl GemmKernels {
         self.use_wgmma = on;
     }
 
-    /// Stores the wgmma kernels' outputs through shared memory (or straight from registers); off
-    /// unless `LILY_WGMMA_STAGED_STORES=1`.
+    /// Stores the wgmma kernels' plain products through shared memory (or straight from
+    /// registers); on unless `LILY_WGMMA_STAGED_STORES=0`. SwiGLU products never are.
     pub fn set_staged_stores(&mut self, on: bool) {
         self.staged_stores = on;
     }
@@ -438,7 +440,7 @@ impl GemmKernels {
             k: as_i32(w.cols, "cols")?,
             a_div: as_i32(a_div, "top_k")?,
             count: as_i32(w.count, "count")?,
-            staged_stores: self.staged_stores as i32,
+            staged_stores: (self.staged_stores && epilogue == Epilogue::Store) as i32,
         };
         let col_tiles = match epilogue {
             Epilogue::Store => w.rows.div_ceil(TILE_COLS),

@@ -32,7 +32,10 @@ __device__ __forceinline__ void router_topk_row(const bf16* __restrict__ row, in
         sum += p[j];
     }
     sum = warp_sum(sum);
-    // k rounds of a warp-wide argmax; the winner is removed from its lane's list.
+    // k rounds of a warp-wide argmax (the largest p, the lowest index among equals); the winner is
+    // removed from its lane's list (p = −1). Each round: the lane's own best, then one redux for
+    // the largest value and one for the lowest index holding it (p ≥ 0 or −1: as int bits, the
+    // same order as the floats; two reduxes cost less than a 5-step shuffle argmax of pairs).
     float chosen_p = 0.0f, chosen_sum = 0.0f;
     int chosen_e = 0;
     for (int r = 0; r < k; ++r) {
@@ -43,11 +46,9 @@ __device__ __forceinline__ void router_topk_row(const bf16* __restrict__ row, in
             const int ej = lane + 32 * j;
             if (ej < experts && (p[j] > v || (p[j] == v && ej < e))) { v = p[j]; e = ej; }
         }
-        for (int off = 16; off > 0; off >>= 1) {
-            const float v2 = __shfl_xor_sync(0xffffffffu, v, off);
-            const int e2 = __shfl_xor_sync(0xffffffffu, e, off);
-            if (v2 > v || (v2 == v && e2 < e)) { v = v2; e = e2; }
-        }
+        const int best = __reduce_max_sync(0xffffffffu, __float_as_int(v));
+        e = __reduce_min_sync(0xffffffffu, __float_as_int(v) == best ? (unsigned)e : 0x7fffffffu);
+        v = __int_as_float(best);
 #pragma unroll
         for (int j = 0; j < MAX_EXPERTS_PER_LANE; ++j) {
             if (lane + 32 * j == e) p[j] = -1.0f;  // taken

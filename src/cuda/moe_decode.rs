@@ -1,8 +1,9 @@
 //! The MoE block of one decode token as one persistent kernel (moe_decode.cu): router GEMV, top-k,
-//! the experts' gate‖up and down GEMVs in one launch, each block streaming its next task's weights
-//! while it waits for the task before (bench/NOTES.md v1.40). It leaves what the launch-per-op path
-//! leaves (forward/experts.rs): the slots' expert ids and weights and their outputs `[9][hidden]`,
-//! for the same combine. Under trial: `LILY_MOE_PERSISTENT=1` (CudaOptions::persistent_moe).
+//! the experts' gate‖up and down GEMVs in one launch, each block putting all its tasks' weight
+//! copies in flight as soon as their addresses are known (bench/NOTES.md v1.40–v1.41). It leaves
+//! what the launch-per-op path leaves (forward/experts.rs): the slots' expert ids and weights and
+//! their outputs `[9][hidden]`, for the same combine. Off unless `LILY_MOE_PERSISTENT=1` (CudaOptions::persistent_moe): measured
+//! 3.7 % slower decode than the launch-per-op path (bench/NOTES.md v1.41).
 //!
 //! Specialised to Qwen3.6-35B-A3B's MoE in its MLX layout: router ‖ shared gate Q8 `[257][2048]`,
 //! experts (the shared one last) Q4 gate‖up `[257][1024][2048]` and down `[257][2048][512]`, group
@@ -27,10 +28,15 @@ const TOP_K: usize = 8;
 /// The top-k and the shared expert.
 pub const SLOTS: usize = TOP_K + 1;
 const ROUTER_ROWS: usize = EXPERTS + 1;
-const ROUTER_SPLITS: usize = 4;
-/// MD_COUNTERS in moe_decode.cu: router, top-k, gate‖up per slot, blocks done.
-const COUNTERS: usize = 2 + SLOTS + 1;
+/// MD_COUNTERS in moe_decode.cu: router, gate‖up per slot, blocks done.
+const COUNTERS: usize = 1 + SLOTS + 1;
 const THREADS: u32 = 256;
+/// MD_TRACE_WORDS in moe_decode.cu: the words of one block's trace (see there).
+pub const TRACE_WORDS: usize = 16;
+/// The fewest blocks (SMs) the kernel runs on: 897 tasks, at most 8 per block (MD_STAGES).
+const MIN_BLOCKS: u32 = 113;
+/// MD_SMEM_BYTES in moe_decode.cu: 8 stages of 16 KB of weights + 2 KB of scales and biases.
+const SMEM_BYTES: usize = 8 * (16384 + 2 * 1024);
 
 /// Kernel arguments, field for field `MoeDecodeArgs` in moe_decode.cu.
 #[repr(C)]
@@ -46,13 +52,13 @@ struct MoeDecodeArgs {
     d_w: u64,
     d_s: u64,
     d_b: u64,
-    r_part: u64,
     logits: u64,
     ids: u64,
     weights: u64,
     gu: u64,
     routed: u64,
     counters: u64,
+    trace: u64,
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
@@ -63,11 +69,12 @@ pub struct MoeDecode {
     step: CudaFunction,
     /// One block per SM: every block must be resident (the tasks wait on each other).
     blocks: u32,
-    r_part: CudaSlice<f32>,
     logits: CudaSlice<bf16>,
     gu: CudaSlice<bf16>,
     /// Zero between launches: the kernel's last block resets them.
     counters: CudaSlice<u32>,
+    /// Where each block records when it got where (tests), `[blocks][TRACE_WORDS]`.
+    trace: Option<CudaSlice<u64>>,
 }
 
 impl MoeDecode {
@@ -83,19 +90,50 @@ impl MoeDecode {
                 .alloc_zeros::<bf16>(n)
                 .during(|| format!("{n} values of persistent MoE scratch"))
         };
+        ensure!(
+            sm_count >= MIN_BLOCKS,
+            "the persistent MoE needs a GPU of at least {MIN_BLOCKS} SMs; this one has {sm_count}"
+        );
+        let step = dev.function("moe_decode", "moe_decode_step")?;
+        dev.allow_dynamic_shared(&step, "moe_decode_step", SMEM_BYTES)?;
         Ok(Self {
-            step: dev.function("moe_decode", "moe_decode_step")?,
+            step,
             blocks: sm_count,
-            r_part: stream
-                .alloc_zeros::<f32>(ROUTER_SPLITS * ROUTER_ROWS)
-                .during(|| "router partial sums".into())?,
             logits: zeros(ROUTER_ROWS)?,
             gu: zeros(SLOTS * 2 * INTER)?,
             counters: stream
                 .alloc_zeros::<u32>(COUNTERS)
                 .during(|| "persistent MoE counters".into())?,
+            trace: None,
             stream,
         })
+    }
+
+    /// Blocks per launch: one per SM.
+    pub fn blocks(&self) -> usize {
+        self.blocks as usize
+    }
+
+    /// Records a trace of each launch into `trace` (`[blocks][TRACE_WORDS]`: each block's start on
+    /// the global timer in ns, then its clock64 at its start, once x is in, after its top-k (0 if
+    /// none), after each of its first 8 tasks, at its end; then its end on the global timer; then
+    /// its clock64 when it saw the router done, 0 if it did not wait for it), or stops recording.
+    pub fn set_trace(&mut self, trace: Option<CudaSlice<u64>>) -> Result<()> {
+        if let Some(t) = &trace {
+            ensure!(
+                t.len() == self.blocks() * TRACE_WORDS,
+                "persistent MoE trace: {} words for {} blocks",
+                t.len(),
+                self.blocks()
+            );
+        }
+        self.trace = trace;
+        Ok(())
+    }
+
+    /// The trace buffer, if one is set.
+    pub fn trace(&self) -> Option<&CudaSlice<u64>> {
+        self.trace.as_ref()
     }
 
     /// Whether the kernel takes this layer's weights: the shapes and formats at the top.
@@ -166,18 +204,21 @@ impl MoeDecode {
             d_w,
             d_s,
             d_b,
-            r_part: self.r_part.device_ptr_mut(stream).0,
             logits: self.logits.device_ptr_mut(stream).0,
             ids: ids.device_ptr_mut(stream).0,
             weights: weights.device_ptr_mut(stream).0,
             gu: self.gu.device_ptr_mut(stream).0,
             routed: routed.device_ptr_mut(stream).0,
             counters: self.counters.device_ptr_mut(stream).0,
+            trace: self
+                .trace
+                .as_mut()
+                .map_or(0, |t| t.device_ptr_mut(stream).0),
         };
         let cfg = LaunchConfig {
             grid_dim: (self.blocks, 1, 1),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: SMEM_BYTES as u32,
         };
         // SAFETY: every pointer is a live device buffer of the size checked above and in
         // `supports`; the scratch is this struct's own.
