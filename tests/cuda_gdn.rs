@@ -391,7 +391,7 @@ fn check_y(
     );
     if tf32_gate.is_some() {
         println!(
-            "{what}: largest error / |w·silu(z)| {max_normed:.2e} (bound {Y_TF32_NORMED:.0e})"
+            "{what}: largest error / |w·silu(z)| {max_normed:.2e} (the tf32 term allows {Y_TF32_NORMED:.0e})"
         );
     }
     (max_rel, mean)
