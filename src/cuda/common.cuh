@@ -39,6 +39,24 @@ __device__ __forceinline__ uint4 pack8(const float f[8]) {
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// (w & 0x000F000F) | 0x43004300: two nibbles as two bf16 numbers 128 + q (0x4300 = 128.0).
+// Written as one lop3 because the compiler otherwise emits two (LOP3 takes only one immediate).
+__device__ __forceinline__ u32 nibble_pair(u32 w) {
+    u32 r;
+    asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;\n" : "=r"(r) : "r"(w));  // 0xEA: (a & b) | c
+    return r;
+}
+
+// Four bf16 pairs (128 + nibble) from one word: nibbles {0,4}, {1,5}, {2,6}, {3,7}, the lower
+// nibble in the lower half. For Q8 that is {lo0,lo2}, {hi0,hi2}, {lo1,lo3}, {hi1,hi3} (bytes 0..3).
+// bf16 has 7 mantissa bits, so a nibble must sit in bits 0..3 of its half: hence the shifts.
+__device__ __forceinline__ void expand_nibbles(u32 w, u32 out[4]) {
+    out[0] = nibble_pair(w);
+    out[1] = nibble_pair(w >> 4);
+    out[2] = nibble_pair(w >> 8);
+    out[3] = nibble_pair(w >> 12);
+}
+
 // A shared-memory pointer as the 32-bit address PTX's shared-memory instructions take.
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 

@@ -127,24 +127,6 @@ struct GemvArgs {
 
 namespace {
 
-// (w & 0x000F000F) | 0x43004300: two nibbles as two bf16 numbers 128 + q (0x4300 = 128.0).
-// Written as one lop3 because the compiler otherwise emits two (LOP3 takes only one immediate).
-__device__ __forceinline__ u32 nibble_pair(u32 w) {
-    u32 r;
-    asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;\n" : "=r"(r) : "r"(w));  // 0xEA: (a & b) | c
-    return r;
-}
-
-// Four bf16 pairs (128 + nibble) from one word: nibbles {0,4}, {1,5}, {2,6}, {3,7}, the lower
-// nibble in the lower half. For Q8 that is {lo0,lo2}, {hi0,hi2}, {lo1,lo3}, {hi1,hi3} (bytes 0..3).
-// bf16 has 7 mantissa bits, so a nibble must sit in bits 0..3 of its half: hence the shifts.
-__device__ __forceinline__ void expand_nibbles(u32 w, u32 out[4]) {
-    out[0] = nibble_pair(w);
-    out[1] = nibble_pair(w >> 4);
-    out[2] = nibble_pair(w >> 8);
-    out[3] = nibble_pair(w >> 12);
-}
-
 __device__ __forceinline__ void mma(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"

@@ -46,8 +46,7 @@ __device__ __forceinline__ bf162 as_bf162(u32 v) { return *reinterpret_cast<bf16
 __device__ __forceinline__ u32 dequant_q4(u32 w, u32 sel, bf162 s2, bf162 b2) {
     const u32 byte = __byte_perm(w, 0u, sel);  // byte t in bits 0..7, zeros above
     const u32 both = byte * 0x1001u;           // and again in bits 12..19: high nibble at 16..19
-    u32 m;                                     // (both & 0x000F000F) | 0x43004300: {128+lo, 128+hi}
-    asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;\n" : "=r"(m) : "r"(both));
+    const u32 m = nibble_pair(both);           // {128 + lo, 128 + hi}
     const bf162 q = __hsub2(as_bf162(m), __floats2bfloat162_rn(128.0f, 128.0f));  // exact
     return as_u32(__hfma2(q, s2, b2));
 }

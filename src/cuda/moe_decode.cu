@@ -195,19 +195,19 @@ __device__ __forceinline__ void issue_task(const MoeDecodeArgs& a, const Task& t
 }
 
 // Σ (128 + q)·x over the 32 values of a Q4 piece (4 words, value k at bits 4(k % 8) of word k / 8),
-// without int→float conversions (a quarter-rate pipe, the limit of v1.41's first form): one lop3
-// makes two bf16 numbers 128 + q (gemm.cu's nibble_pair), a shift or a mask makes each an fp32.
-// The caller subtracts 128·Σx.
+// without int→float conversions (a quarter-rate pipe, the limit of v1.41's first form):
+// expand_nibbles makes bf16 pairs 128 + q, a shift or a mask makes each an fp32. The caller
+// subtracts 128·Σx.
 __device__ __forceinline__ float dot_q4_offset(const u32* w, const float* x) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four chains: a warp's FMAs are not one long wait
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+        u32 pairs[4];  // pair j: values 8i + j (low half) and 8i + j + 4 (high half)
+        expand_nibbles(w[i], pairs);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            u32 pair;  // values 8i + j (low half) and 8i + j + 4 (high half)
-            asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;\n" : "=r"(pair) : "r"(w[i] >> (4 * j)));
-            acc[(2 * j) % 4] = fmaf(__uint_as_float(pair << 16), x[8 * i + j], acc[(2 * j) % 4]);
-            acc[(2 * j + 1) % 4] = fmaf(__uint_as_float(pair & 0xFFFF0000u), x[8 * i + j + 4], acc[(2 * j + 1) % 4]);
+            acc[(2 * j) % 4] = fmaf(__uint_as_float(pairs[j] << 16), x[8 * i + j], acc[(2 * j) % 4]);
+            acc[(2 * j + 1) % 4] = fmaf(__uint_as_float(pairs[j] & 0xFFFF0000u), x[8 * i + j + 4], acc[(2 * j + 1) % 4]);
         }
     }
     return (acc[0] + acc[1]) + (acc[2] + acc[3]);
