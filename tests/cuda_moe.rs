@@ -834,7 +834,44 @@ fn persistent_decode_block_matches_cpu_forward() {
         ms * 1e3,
         bytes / (ms as f64 * 1e-3) / 1e12
     );
+    let ms10 = median_ms(&dev, 20, || {
+        for _ in 0..10 {
+            run_persistent(&mut md, &blk, &mut b, &dx.as_view())
+        }
+    }) / 10.0;
+    println!(
+        "persistent MoE block, 10 launches back to back: {:.1} µs each ({:.2} TB/s of weights)",
+        ms10 * 1e3,
+        bytes / (ms10 as f64 * 1e-3) / 1e12
+    );
     print_trace(&mut md, &blk, &mut b, &dx.as_view());
+    // The weight stream alone (the ids the last step chose), four ways of issuing it; 10 launches
+    // back to back per timing, so that the host's launch latency is not in it.
+    for (mode, how) in [
+        (0, "as the step: thread 0, a bulk copy per piece"),
+        (1, "each task's copies from another warp"),
+        (2, "weights as 8 bulk copies of 2 KB"),
+        (3, "no TMA: 16-byte loads by every thread"),
+    ] {
+        let ms = median_ms(&dev, 20, || {
+            for _ in 0..10 {
+                md.probe_stream(
+                    &blk,
+                    &dx.as_view(),
+                    &mut b.ids.as_view_mut(),
+                    &mut b.weights.as_view_mut(),
+                    &mut b.routed.as_view_mut(),
+                    mode,
+                )
+                .expect("stream probe")
+            }
+        }) / 10.0;
+        println!(
+            "persistent MoE weight stream alone, {how}: {:.1} µs ({:.2} TB/s)",
+            ms * 1e3,
+            bytes / (ms as f64 * 1e-3) / 1e12
+        );
+    }
 }
 
 /// One launch's trace (MoeDecode::set_trace): when the blocks got where, in µs from the first

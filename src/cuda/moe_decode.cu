@@ -162,36 +162,37 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     }
 }
 
-// Thread 0: task t's weights, scales and biases (expert `e` for expert tasks) into `stage`.
-__device__ __forceinline__ void issue_task(const MoeDecodeArgs& a, const Task& t, int e, unsigned char* stage, u64* bar) {
+// Where task t's weights, scales and biases are (expert `e` for expert tasks), and their sizes.
+struct Pieces {
     const void *w, *s, *b;
     u32 w_bytes, sb_bytes;
+};
+__device__ __forceinline__ Pieces pieces_of(const MoeDecodeArgs& a, const Task& t, int e) {
     if (t.kind == ROUTER) {
         const int row = MD_ROUTER_TILE * t.tile, rows = min(MD_ROUTER_TILE, MD_ROUTER_ROWS - row);
-        w = a.r_w + (u64)row * (MD_HIDDEN / 4);
-        s = a.r_s + row * (MD_HIDDEN / 64);
-        b = a.r_b + row * (MD_HIDDEN / 64);
-        w_bytes = rows * MD_HIDDEN;
-        sb_bytes = rows * (MD_HIDDEN / 64) * 2;
-    } else if (t.kind == GATE_UP) {
-        const u64 row = (u64)e * (2 * MD_INTER) + MD_GU_TILE * t.tile;
-        w = a.gu_w + row * (MD_HIDDEN / 8);
-        s = a.gu_s + row * (MD_HIDDEN / 64);
-        b = a.gu_b + row * (MD_HIDDEN / 64);
-        w_bytes = MD_GU_TILE * MD_HIDDEN / 2;
-        sb_bytes = MD_GU_TILE * (MD_HIDDEN / 64) * 2;
-    } else {
-        const u64 row = (u64)e * MD_HIDDEN + MD_DOWN_TILE * t.tile;
-        w = a.d_w + row * (MD_INTER / 8);
-        s = a.d_s + row * (MD_INTER / 64);
-        b = a.d_b + row * (MD_INTER / 64);
-        w_bytes = MD_DOWN_TILE * MD_INTER / 2;
-        sb_bytes = MD_DOWN_TILE * (MD_INTER / 64) * 2;
+        return {a.r_w + (u64)row * (MD_HIDDEN / 4), a.r_s + row * (MD_HIDDEN / 64), a.r_b + row * (MD_HIDDEN / 64),
+                (u32)(rows * MD_HIDDEN), (u32)(rows * (MD_HIDDEN / 64) * 2)};
     }
-    mbar_expect(bar, w_bytes + 2 * sb_bytes);
-    bulk_copy(stage, w, w_bytes, bar);
-    bulk_copy(stage + MD_W_BYTES, s, sb_bytes, bar);
-    bulk_copy(stage + MD_W_BYTES + MD_SB_BYTES, b, sb_bytes, bar);
+    if (t.kind == GATE_UP) {
+        const u64 row = (u64)e * (2 * MD_INTER) + MD_GU_TILE * t.tile;
+        return {a.gu_w + row * (MD_HIDDEN / 8), a.gu_s + row * (MD_HIDDEN / 64), a.gu_b + row * (MD_HIDDEN / 64),
+                MD_GU_TILE * MD_HIDDEN / 2, MD_GU_TILE * (MD_HIDDEN / 64) * 2};
+    }
+    const u64 row = (u64)e * MD_HIDDEN + MD_DOWN_TILE * t.tile;
+    return {a.d_w + row * (MD_INTER / 8), a.d_s + row * (MD_INTER / 64), a.d_b + row * (MD_INTER / 64),
+            MD_DOWN_TILE * MD_INTER / 2, MD_DOWN_TILE * (MD_INTER / 64) * 2};
+}
+
+// Task t's pieces into `stage`, completing on `bar`; the weights as `splits` equal copies.
+__device__ __forceinline__ void issue_task(const MoeDecodeArgs& a, const Task& t, int e, unsigned char* stage, u64* bar,
+                                           int splits = 1) {
+    const Pieces p = pieces_of(a, t, e);
+    mbar_expect(bar, p.w_bytes + 2 * p.sb_bytes);
+    const u32 part = p.w_bytes / splits;  // 16-byte multiples for the splits used (1, 8)
+    for (int i = 0; i < splits; ++i)
+        bulk_copy(stage + i * part, static_cast<const unsigned char*>(p.w) + i * part, part, bar);
+    bulk_copy(stage + MD_W_BYTES, p.s, p.sb_bytes, bar);
+    bulk_copy(stage + MD_W_BYTES + MD_SB_BYTES, p.b, p.sb_bytes, bar);
 }
 
 // Σ (128 + q)·x over the 32 values of a Q4 piece (4 words, value k at bits 4(k % 8) of word k / 8),
@@ -436,4 +437,47 @@ extern "C" __global__ void __launch_bounds__(MD_THREADS, 1) moe_decode_step(cons
             __threadfence();
         }
     }
+}
+
+// Measurement only (tests/cuda_moe.rs, MoeDecode::probe_stream): the step's weight stream alone, no
+// compute and no counters, the routed slots' experts taken from a.ids (left by a step before).
+// mode 0: the copies as the step issues them (thread 0, one bulk copy per piece); 1: task k's by
+// warp k % 8's lane 0; 2: each task's weights as 8 bulk copies of 2 KB; 3: no TMA, every thread
+// loading 16-byte pieces of each task into registers.
+extern "C" __global__ void __launch_bounds__(MD_THREADS, 1) moe_decode_stream_probe(const MoeDecodeArgs a, int mode) {
+    extern __shared__ __align__(128) unsigned char ring[];
+    __shared__ u64 bars[MD_STAGES];
+    __shared__ int ids_s[MD_SLOTS];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int ntasks = (MD_TASKS - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+    auto task_k = [&](int k) { return task_of(blockIdx.x + k * gridDim.x); };
+    pdl_wait();
+    pdl_launch_dependents();
+    if (tid < MD_SLOTS) ids_s[tid] = tid == MD_TOPK ? MD_EXPERTS : min(max(__ldcg(a.ids + tid), 0), MD_EXPERTS - 1);
+    if (tid == 0) {
+        for (int i = 0; i < MD_STAGES; ++i) mbar_init(bars + i);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    auto expert = [&](const Task& t) { return t.kind == ROUTER ? 0 : ids_s[t.slot]; };
+    if (mode == 3) {
+        u32 acc = 0;
+        for (int k = 0; k < ntasks; ++k) {
+            const Task t = task_k(k);
+            const Pieces p = pieces_of(a, t, expert(t));
+            for (u32 off = 16 * tid; off < p.w_bytes; off += 16 * MD_THREADS)
+                acc ^= __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(p.w) + off)).x;
+            for (u32 off = 16 * tid; off < p.sb_bytes; off += 16 * MD_THREADS)
+                acc ^= __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(p.s) + off)).x ^
+                       __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned char*>(p.b) + off)).x;
+        }
+        if (acc == 0x12345678u) a.counters[MD_C_DONE] = 0u;  // (keeps the loads; never true in practice)
+        return;
+    }
+    for (int k = 0; k < ntasks; ++k) {
+        const Task t = task_k(k);
+        if (mode == 1 ? (warp == k % MD_WARPS && lane == 0) : tid == 0)
+            issue_task(a, t, expert(t), ring + k * MD_STAGE_BYTES, bars + k, mode == 2 ? 8 : 1);
+    }
+    for (int k = 0; k < ntasks; ++k) mbar_wait(bars + k, 0);
 }

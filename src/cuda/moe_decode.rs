@@ -67,6 +67,8 @@ unsafe impl KernelValue for MoeDecodeArgs {}
 pub struct MoeDecode {
     stream: Arc<CudaStream>,
     step: CudaFunction,
+    /// The step's weight stream alone, for measurements (`probe_stream`).
+    stream_probe: CudaFunction,
     /// One block per SM: every block must be resident (the tasks wait on each other).
     blocks: u32,
     logits: CudaSlice<bf16>,
@@ -96,8 +98,11 @@ impl MoeDecode {
         );
         let step = dev.function("moe_decode", "moe_decode_step")?;
         dev.allow_dynamic_shared(&step, "moe_decode_step", SMEM_BYTES)?;
+        let stream_probe = dev.function("moe_decode", "moe_decode_stream_probe")?;
+        dev.allow_dynamic_shared(&stream_probe, "moe_decode_stream_probe", SMEM_BYTES)?;
         Ok(Self {
             step,
+            stream_probe,
             blocks: sm_count,
             logits: zeros(ROUTER_ROWS)?,
             gu: zeros(SLOTS * 2 * INTER)?,
@@ -172,6 +177,49 @@ impl MoeDecode {
             routed.len(),
             SLOTS * HIDDEN
         );
+        let args = self.args(w, x, ids, weights, routed);
+        // SAFETY: every pointer is a live device buffer of the size checked above and in
+        // `supports`; the scratch is this struct's own.
+        unsafe { launch!(self.stream, &self.step, self.config(), &args) }
+    }
+
+    /// Measurement only: the step's weight stream without its compute (moe_decode_stream_probe;
+    /// `mode` 0–3 as there), the routed experts those in `ids` (left by a `run` before).
+    pub fn probe_stream(
+        &mut self,
+        w: &DeviceMoe,
+        x: &CudaView<bf16>,
+        ids: &mut CudaViewMut<i32>,
+        weights: &mut CudaViewMut<f32>,
+        routed: &mut CudaViewMut<bf16>,
+        mode: i32,
+    ) -> Result<()> {
+        ensure!(
+            Self::supports(w) && ids.len() == SLOTS && (0..4).contains(&mode),
+            "persistent MoE stream probe: the model's weights, {SLOTS} ids, mode 0–3"
+        );
+        let args = self.args(w, x, ids, weights, routed);
+        // SAFETY: as in `run`; the probe reads the weights and ids only.
+        unsafe { launch!(self.stream, &self.stream_probe, self.config(), &args, &mode) }
+    }
+
+    fn config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: SMEM_BYTES as u32,
+        }
+    }
+
+    /// The kernels' arguments: the weights' and buffers' device addresses.
+    fn args(
+        &mut self,
+        w: &DeviceMoe,
+        x: &CudaView<bf16>,
+        ids: &mut CudaViewMut<i32>,
+        weights: &mut CudaViewMut<f32>,
+        routed: &mut CudaViewMut<bf16>,
+    ) -> MoeDecodeArgs {
         let stream = self.stream.clone();
         let stream = &*stream;
         // (packed, scales, biases) device addresses of a matrix stack.
@@ -193,6 +241,7 @@ impl MoeDecode {
             affine(&w.gate_up.view()),
             affine(&w.down.view()),
         );
+        // (A binding, not the tail expression: the pointer guards must drop before `stream`.)
         let args = MoeDecodeArgs {
             x: x.device_ptr(stream).0,
             r_w,
@@ -215,13 +264,6 @@ impl MoeDecode {
                 .as_mut()
                 .map_or(0, |t| t.device_ptr_mut(stream).0),
         };
-        let cfg = LaunchConfig {
-            grid_dim: (self.blocks, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: SMEM_BYTES as u32,
-        };
-        // SAFETY: every pointer is a live device buffer of the size checked above and in
-        // `supports`; the scratch is this struct's own.
-        unsafe { launch!(stream, &self.step, cfg, &args) }
+        args
     }
 }
