@@ -122,23 +122,25 @@ pub struct ProfilePoint {
     pub decode_steps: usize,
     pub prefill: Vec<OpTime>,
     pub decode: Vec<OpTime>,
-    /// The same decode steps for [`PROFILE_BATCH`] sequences at once (shared passes, as the
-    /// server runs concurrent streams), at contexts up to [`PROFILE_BATCH_MAX_CONTEXT`].
-    pub batched_decode: Option<Vec<OpTime>>,
+    /// The same decode steps for `batch` sequences at once (shared passes, as the server runs
+    /// concurrent streams), at contexts up to [`PROFILE_BATCH_MAX_CONTEXT`]: (batch, op times).
+    pub batched_decode: Option<(usize, Vec<OpTime>)>,
 }
 
-/// Sequences per decode step in the batched part of a profile: issue 10's 8 streams.
+/// Default sequences per decode step in the batched part of a profile: issue 10's 8 streams.
 pub const PROFILE_BATCH: usize = 8;
 /// Longest context whose profile also times batched decode steps (their prompts are
-/// PROFILE_BATCH prefills of the context each).
+/// `batch` prefills of the context each).
 pub const PROFILE_BATCH_MAX_CONTEXT: usize = 4096;
 
-/// Times the ops of one prefill and `steps` decode steps at each context, or None where the
+/// Times the ops of one prefill and `steps` decode steps at each context, then (up to
+/// [`PROFILE_BATCH_MAX_CONTEXT`]) the same steps for `batch` sequences at once, or None where the
 /// backend cannot time its ops. Run it after the sweep: it takes the sweep's shapes as warm.
 pub fn profile(
     backend: &mut dyn Backend,
     contexts: &[usize],
     steps: usize,
+    batch: usize,
 ) -> anyhow::Result<Option<Vec<ProfilePoint>>> {
     if !backend.set_op_timing(true) {
         return Ok(None);
@@ -168,11 +170,11 @@ pub fn profile(
         let point = run();
         backend.free_sequence(seq);
         let mut point = point?;
-        if context <= PROFILE_BATCH_MAX_CONTEXT {
+        if batch > 1 && context <= PROFILE_BATCH_MAX_CONTEXT {
             // Reported beside the rest, never in its way: a failure here costs only this table.
-            seq += PROFILE_BATCH as SeqId;
-            match profile_batched_decode(backend, seq, context, steps) {
-                Ok(ops) => point.batched_decode = Some(ops),
+            seq += batch as SeqId;
+            match profile_batched_decode(backend, seq, batch, context, steps) {
+                Ok(ops) => point.batched_decode = Some((batch, ops)),
                 Err(e) => eprintln!("profile: batched decode at context {context}: {e:#}"),
             }
         }
@@ -182,17 +184,18 @@ pub fn profile(
     Ok(Some(points))
 }
 
-/// The op times of `steps` decode steps of PROFILE_BATCH sequences at once (sequence ids
-/// `first − PROFILE_BATCH + 1 ..= first`), each after its own prompt of `context` tokens; the
+/// The op times of `steps` decode steps of `batch` sequences at once (sequence ids
+/// `first − batch + 1 ..= first`), each after its own prompt of `context` tokens; the
 /// sequences are freed again. Empty where the backend does not time its ops.
 pub fn profile_batched_decode(
     backend: &mut dyn Backend,
     first: SeqId,
+    batch: usize,
     context: usize,
     steps: usize,
 ) -> anyhow::Result<Vec<OpTime>> {
     let vocab = backend.config().vocab_size;
-    let seqs: Vec<SeqId> = (0..PROFILE_BATCH as SeqId).map(|i| first - i).collect();
+    let seqs: Vec<SeqId> = (0..batch as SeqId).map(|i| first - i).collect();
     let run = |backend: &mut dyn Backend| -> anyhow::Result<Vec<OpTime>> {
         let mut next = Vec::with_capacity(seqs.len());
         for (i, &seq) in seqs.iter().enumerate() {
@@ -263,8 +266,8 @@ pub fn profile_markdown(points: &[ProfilePoint]) -> String {
         table("section: kernel", |o| {
             format!("{}: {}", o.section, o.kernel)
         });
-        if let Some(batched) = &p.batched_decode {
-            s += &batched_markdown(&p.decode, batched, steps);
+        if let Some((batch, ops)) = &p.batched_decode {
+            s += &batched_markdown(&p.decode, *batch, ops, steps);
         }
     }
     s
@@ -273,16 +276,16 @@ pub fn profile_markdown(points: &[ProfilePoint]) -> String {
 /// The batched decode steps beside the single-sequence ones, by section: µs per step each, and
 /// how many times longer the batched step is (issue 10 asks each of 8 streams to decode at ≥ 60 %
 /// of one stream's speed alone: a batched step at most 1 / 0.6 ≈ 1.67× the single step).
-fn batched_markdown(single: &[OpTime], batched: &[OpTime], steps: f64) -> String {
+fn batched_markdown(single: &[OpTime], batch: usize, batched: &[OpTime], steps: f64) -> String {
     let total = |ops: &[OpTime]| ops.iter().map(|o| o.ms).sum::<f64>();
     let (one, many) = (total(single) * 1e3 / steps, total(batched) * 1e3 / steps);
     let mut s = format!(
-        "Decode with {PROFILE_BATCH} sequences per step: {many:.0} µs per step ({:.2}× one sequence's {one:.0} µs)\n\n",
+        "Decode with {batch} sequences per step: {many:.0} µs per step ({:.2}× one sequence's {one:.0} µs)\n\n",
         if one > 0.0 { many / one } else { 0.0 }
     );
     let mut rows = sum_by(single, batched, |o| o.section.clone());
     rows.sort_by(|a, b| b.2.total_cmp(&a.2));
-    s += &format!("| section | µs/step, 1 sequence | µs/step, {PROFILE_BATCH} sequences | ratio |\n|---|---:|---:|---:|\n");
+    s += &format!("| section | µs/step, 1 sequence | µs/step, {batch} sequences | ratio |\n|---|---:|---:|---:|\n");
     for (section, a, b) in rows {
         let ratio = if a > 0.0 {
             format!("{:.2}×", b / a)

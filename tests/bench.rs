@@ -34,10 +34,13 @@ fn profile_tables_sum_by_section_and_by_kernel() {
             op("attn mixer", "attention decode_split", 2.0),
         ],
         // 8 sequences: experts 3× as long, attention 2×.
-        batched_decode: Some(vec![
-            op("moe experts", "gemv slots", 6.0),
-            op("attn mixer", "attention decode_split", 4.0),
-        ]),
+        batched_decode: Some((
+            8,
+            vec![
+                op("moe experts", "gemv slots", 6.0),
+                op("attn mixer", "attention decode_split", 4.0),
+            ],
+        )),
     };
     let md = bench::profile_markdown(&[point]);
     assert!(
@@ -96,11 +99,11 @@ fn profile_tables_sum_by_section_and_by_kernel() {
 fn batched_decode_steps_run_and_free_their_sequences() {
     let weights = checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
     let mut cpu = CpuBackend::new(weights);
-    // No op timing on the CPU: nothing to report, but the 8 sequences prefill, decode together
+    // No op timing on the CPU: nothing to report, but the 5 sequences prefill, decode together
     // and are freed (a step for any of them fails: unknown sequence).
-    let ops = bench::profile_batched_decode(&mut cpu, 100, 12, 3).unwrap();
+    let ops = bench::profile_batched_decode(&mut cpu, 100, 5, 12, 3).unwrap();
     assert!(ops.is_empty());
-    for seq in 100 - bench::PROFILE_BATCH as u64 + 1..=100 {
+    for seq in 100 - 5 + 1..=100 {
         assert!(
             cpu.forward(seq, &[1]).is_err(),
             "sequence {seq} was not freed"
@@ -112,5 +115,5 @@ fn batched_decode_steps_run_and_free_their_sequences() {
 fn the_cpu_backend_has_no_op_timing() {
     let weights = checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
     let mut cpu = CpuBackend::new(weights);
-    assert!(bench::profile(&mut cpu, &[16], 2).unwrap().is_none());
+    assert!(bench::profile(&mut cpu, &[16], 2, 8).unwrap().is_none());
 }

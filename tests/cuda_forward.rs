@@ -293,8 +293,8 @@ fn way(seq: usize, vocab: usize) -> Option<DeviceSampling> {
 
 /// The steps of many sequences as shared passes (`batch_steps`) against the same steps one by
 /// one: the prompts themselves as one batch (three passes under the 256-row limit, chunks as
-/// spans; a longer prompt alone), then passes of 12 decode rows (the experts' grouped GEMM, the
-/// dense GEMM), 5 and 2 (GEMVs), and passes mixing decode rows with new prompt chunks (8 rows:
+/// spans; a longer prompt alone), then passes of 12 decode rows (the experts' gathered GEMV
+/// slots, the dense row chunks), 5 and 2 (GEMVs), and passes mixing decode rows with new prompt chunks (8 rows:
 /// GEMVs; 22 rows). Logits agree to bf16 accuracy (the paths round in different orders), picked
 /// tokens up to near-ties. Steps for an unknown sequence, with a bad token or with a draw outside
 /// [0, 1) in the same batch fail alone.

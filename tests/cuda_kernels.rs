@@ -21,9 +21,9 @@ use cudarc::driver::{sys, CudaSlice, CudaStream};
 use half::bf16;
 use lily::cuda::gemm::{
     FusedTopK, GemvKernels, GemvShape, L2Ahead, Matrices, ResidualInput, SlotInput, WeightData,
-    GROUP,
+    GROUP, SLOT_WORDS,
 };
-use lily::cuda::moe::MoeKernels;
+use lily::cuda::moe::{max_gathered_slots, MoeKernels, SLOT_TOKENS};
 use lily::cuda::norm::NormKernels;
 use lily::cuda::{CudaDevice, CudaError};
 use rayon::prelude::*;
@@ -583,6 +583,7 @@ fn gemv_expert_slots_match_reference() {
             // gate‖up pairs as the gate_up projection leaves them, with gates across SiLU's bend.
             SlotInput::PerSlotSwiGlu => rng.bf16s(slots * 2 * cols, 4.0),
             SlotInput::PerGroup(n) => rng.bf16s(slots / n * cols, 1.0),
+            _ => unreachable!("tested on their own"),
         };
         let (dx, mut dy) = (upload(s, &x), poisoned(s, slots * rows));
         k.gemv_slots(
@@ -614,12 +615,187 @@ fn gemv_expert_slots_match_reference() {
                         })
                         .collect()
                 }
+                _ => unreachable!(),
             };
             let (w, t) = h.gemv(id as usize, &xs, 1);
             want.extend(w);
             tol.extend(t);
         }
         check_gemv(&what, &y, &want, &tol);
+    }
+}
+
+/// More than 8 rows in one launch as row chunks (dense projections of a batched decode pass):
+/// each row against the reference, the last chunk short, in the three formats.
+#[test]
+fn gemv_row_chunks_match_reference() {
+    let dev = device();
+    let k = GemvKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("gemv row chunks");
+    // (bits, rows, cols, token rows): out_proj, the router ‖ shared gate, a bf16 matrix.
+    for &(bits, rows, cols, t) in &[
+        (4, 2048, 4096, 21),
+        (8, 257, 2048, 64),
+        (16, 512, 2048, 9),
+        (4, 8192, 2048, 40),
+    ] {
+        let what = format!("gemv row chunks {} [{rows}×{cols}] ×{t}", format_name(bits));
+        let h = HostMatrices::random(&mut rng, bits, 1, rows, cols);
+        let m = DeviceMatrices::upload(s, &h);
+        let x = rng.bf16s(t * cols, 1.0);
+        let (dx, mut dy) = (upload(s, &x), poisoned(s, t * rows));
+        k.gemv_row_chunks(&m.view(), &dx.as_view(), &mut dy.as_view_mut())
+            .unwrap();
+        let (want, tol) = h.gemv(0, &x, t);
+        check_gemv(&what, &download(s, &dy), &want, &tol);
+    }
+}
+
+/// The slot table of a batched pass's experts (moe_slot_table) on the CPU: for each expert in
+/// order, its (token, pair) list in token order, cut into slots of 8.
+fn cpu_slot_table(ids: &[i32], per_token: usize, experts: usize) -> Vec<(i32, Vec<(i32, i32)>)> {
+    let mut slots = Vec::new();
+    for e in 0..experts as i32 {
+        let pairs: Vec<(i32, i32)> = (0..ids.len())
+            .filter(|&p| ids[p].clamp(0, experts as i32 - 1) == e)
+            .map(|p| ((p / per_token) as i32, p as i32))
+            .collect();
+        for chunk in pairs.chunks(SLOT_TOKENS) {
+            slots.push((e, chunk.to_vec()));
+        }
+    }
+    slots
+}
+
+/// A batched pass's experts as gathered slots: the table made on the device is the CPU's
+/// grouping, and gate‖up (x at the tokens' rows) then down (x at the pairs' rows through SwiGLU)
+/// give every (token, expert) pair its product. Routings: 40 tokens over 16 experts + a shared
+/// one (experts with more than 8 tokens, so several slots), 9 tokens, and 64 tokens all on the
+/// same 4 experts and the shared one (every expert 8 slots).
+#[test]
+fn gemv_gathered_slots_match_reference() {
+    let dev = device();
+    let (k, moe) = (
+        GemvKernels::load(&dev).unwrap(),
+        MoeKernels::load(&dev).unwrap(),
+    );
+    let s = dev.stream();
+    let mut rng = Rng::new("gemv gathered");
+    let (experts, top_k) = (16, 4);
+    let per_token = top_k + 1;
+    let gate_up = HostMatrices::random(&mut rng, 4, experts + 1, 1024, 2048);
+    let down = HostMatrices::random(&mut rng, 4, experts + 1, 2048, 512);
+    let (dgu, ddown) = (
+        DeviceMatrices::upload(s, &gate_up),
+        DeviceMatrices::upload(s, &down),
+    );
+    for (t, same) in [(40, false), (9, false), (64, true)] {
+        let mut ids = Vec::new();
+        for _ in 0..t {
+            let mut chosen: Vec<i32> = Vec::new();
+            while chosen.len() < top_k {
+                let e = if same {
+                    chosen.len()
+                } else {
+                    rng.below(experts)
+                } as i32;
+                if !chosen.contains(&e) {
+                    chosen.push(e);
+                }
+            }
+            chosen.push(experts as i32); // the shared expert
+            ids.extend(chosen);
+        }
+        let pairs = t * per_token;
+        let slots = max_gathered_slots(t, per_token, experts + 1);
+        let mut table = upload(s, &vec![-7i32; slots * SLOT_WORDS]);
+        let n = moe
+            .slot_table(
+                &upload(s, &ids).as_view(),
+                per_token,
+                experts + 1,
+                &mut table.as_view_mut(),
+            )
+            .unwrap();
+        assert_eq!(n, slots);
+        let got = download(s, &table);
+        let want = cpu_slot_table(&ids, per_token, experts + 1);
+        assert!(
+            want.len() <= slots,
+            "{} slots over the bound {slots}",
+            want.len()
+        );
+        for (i, entry) in got.chunks(SLOT_WORDS).enumerate() {
+            match want.get(i) {
+                Some((e, list)) => {
+                    let ntok = list.len();
+                    assert_eq!((entry[0], entry[1] as usize), (*e, ntok), "slot {i}");
+                    let toks: Vec<(i32, i32)> = (0..ntok)
+                        .map(|j| (entry[2 + j], entry[2 + SLOT_TOKENS + j]))
+                        .collect();
+                    assert_eq!(&toks, list, "slot {i}'s tokens");
+                }
+                None => assert_eq!(entry[1], 0, "slot {i} past the last has tokens"),
+            }
+        }
+        let dtable = table.as_view();
+        // gate‖up at the tokens' rows of x, into the pairs' rows.
+        let x = rng.bf16s(t * 2048, 1.0);
+        let mut gu = poisoned(s, pairs * 1024);
+        k.gemv_gathered(
+            &dgu.view(),
+            &dtable,
+            slots,
+            &upload(s, &x).as_view(),
+            false,
+            &mut gu.as_view_mut(),
+        )
+        .unwrap();
+        let (mut want, mut tol) = (Vec::new(), Vec::new());
+        for (p, &id) in ids.iter().enumerate() {
+            let tok = p / per_token;
+            let (w, e) = gate_up.gemv(id as usize, &x[tok * 2048..(tok + 1) * 2048], 1);
+            want.extend(w);
+            tol.extend(e);
+        }
+        check_gemv(
+            &format!("gathered gate_up, {t} tokens"),
+            &download(s, &gu),
+            &want,
+            &tol,
+        );
+        // down through SwiGLU at the pairs' rows of a gate‖up with gates across SiLU's bend.
+        let act_in = rng.bf16s(pairs * 1024, 4.0);
+        let mut y = poisoned(s, pairs * 2048);
+        k.gemv_gathered(
+            &ddown.view(),
+            &dtable,
+            slots,
+            &upload(s, &act_in).as_view(),
+            true,
+            &mut y.as_view_mut(),
+        )
+        .unwrap();
+        let (mut want, mut tol) = (Vec::new(), Vec::new());
+        for p in 0..pairs {
+            let row = &act_in[p * 1024..(p + 1) * 1024];
+            let act: Vec<bf16> = (0..512)
+                .map(|i| {
+                    let (g, u) = (row[i].to_f32(), row[512 + i].to_f32());
+                    bf16::from_f32(g / (1.0 + (-g).exp()) * u)
+                })
+                .collect();
+            let (w, e) = down.gemv(ids[p] as usize, &act, 1);
+            want.extend(w);
+            tol.extend(e);
+        }
+        check_gemv(
+            &format!("gathered down, {t} tokens"),
+            &download(s, &y),
+            &want,
+            &tol,
+        );
     }
 }
 
@@ -932,6 +1108,104 @@ fn time_ms(dev: &CudaDevice, reps: usize, launch: &mut dyn FnMut(usize)) -> f64 
         .collect();
     samples.sort_by(f64::total_cmp);
     samples[2]
+}
+
+/// A 64-row pass's experts as gathered slots (gate‖up then down, 257 Q4 experts of the real
+/// shapes, random routing: ≈ 220 experts touched) at 1, 2, 4 and 8 blocks per slot: µs per pair
+/// of launches, and the touched experts' bytes per second.
+#[test]
+fn gemv_gathered_timing() {
+    let dev = device();
+    let (mut k, moe) = (
+        GemvKernels::load(&dev).unwrap(),
+        MoeKernels::load(&dev).unwrap(),
+    );
+    let s = dev.stream();
+    let mut rng = Rng::new("gemv gathered timing");
+    let (experts, top_k, t) = (256, 8, 64);
+    let per_token = top_k + 1;
+    let stack = |rng: &mut Rng, rows: usize, cols: usize| {
+        let one = HostMatrices::random(rng, 4, 1, rows, cols);
+        let m = HostMatrices {
+            count: experts + 1,
+            packed: one.packed.repeat(experts + 1),
+            scales: one.scales.repeat(experts + 1),
+            biases: one.biases.repeat(experts + 1),
+            dense: Vec::new(),
+            ..one
+        };
+        DeviceMatrices::upload(s, &m)
+    };
+    let (gate_up, down) = (stack(&mut rng, 1024, 2048), stack(&mut rng, 2048, 512));
+    let slots = max_gathered_slots(t, per_token, experts + 1);
+    // Four routings, launches cycling through them.
+    let mut tables = Vec::new();
+    let mut touched = 0usize;
+    for _ in 0..4 {
+        let mut ids = Vec::new();
+        for _ in 0..t {
+            let mut chosen: Vec<i32> = Vec::new();
+            while chosen.len() < top_k {
+                let e = rng.below(experts) as i32;
+                if !chosen.contains(&e) {
+                    chosen.push(e);
+                }
+            }
+            chosen.push(experts as i32);
+            ids.extend(chosen);
+        }
+        let mut distinct = ids.clone();
+        distinct.sort();
+        distinct.dedup();
+        touched += distinct.len();
+        let mut table = upload(s, &vec![0i32; slots * SLOT_WORDS]);
+        moe.slot_table(
+            &upload(s, &ids).as_view(),
+            per_token,
+            experts + 1,
+            &mut table.as_view_mut(),
+        )
+        .unwrap();
+        tables.push(table);
+    }
+    let bytes = touched as f64 / 4.0 * (gate_up.matrix_bytes() + down.matrix_bytes()) as f64;
+    let x = upload(s, &rng.bf16s(t * 2048, 1.0));
+    let mut gu = s.alloc_zeros::<bf16>(t * per_token * 1024).unwrap();
+    let mut y = s.alloc_zeros::<bf16>(t * per_token * 2048).unwrap();
+    println!(
+        "\n64 rows, ≈{:.0} experts touched, {:.0} MB per pass",
+        touched as f64 / 4.0,
+        bytes / 1e6
+    );
+    for blocks in [1, 2, 4, 8] {
+        k.set_gathered_blocks(blocks);
+        let ms = time_ms(&dev, 8, &mut |i| {
+            let table = tables[i % 4].as_view();
+            k.gemv_gathered(
+                &gate_up.view(),
+                &table,
+                slots,
+                &x.as_view(),
+                false,
+                &mut gu.as_view_mut(),
+            )
+            .unwrap();
+            k.gemv_gathered(
+                &down.view(),
+                &table,
+                slots,
+                &gu.as_view(),
+                true,
+                &mut y.as_view_mut(),
+            )
+            .unwrap();
+        });
+        println!(
+            "{blocks} blocks per slot: {:.1} µs per gate‖up + down, {:.0} GB/s",
+            ms * 1e3,
+            bytes / (ms * 1e-3) / 1e9
+        );
+    }
 }
 
 /// The same launches captured once into a CUDA graph and replayed (how decode will run them):

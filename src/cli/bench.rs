@@ -43,6 +43,9 @@ pub struct BenchArgs {
     /// (GPU only; writes profile.md with --out).
     #[arg(long, conflicts_with = "serve")]
     pub profile: bool,
+    /// --profile: sequences per step of its batched decode steps (at contexts up to 4K; 1: none).
+    #[arg(long, default_value_t = bench::PROFILE_BATCH)]
+    pub profile_batch: usize,
     /// Measure the engine under load instead: concurrent streams, a multi-turn conversation
     /// with and without the prefix cache, decode speed per stream (the flags below).
     #[arg(long)]
@@ -87,8 +90,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         (longest, gpu)
     } else {
         let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps + 16;
-        // --profile also times decode steps of PROFILE_BATCH sequences at once.
-        let slots = args.profile.then_some(bench::PROFILE_BATCH);
+        // --profile also times decode steps of --profile-batch sequences at once.
+        let slots = args.profile.then_some(args.profile_batch.max(1));
         (
             longest,
             GpuOptions {
@@ -141,7 +144,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         std::fs::write(out.join("decode.png"), bench::to_png(&engines, "decode"))?;
     }
     if args.profile {
-        match bench::profile(backend.as_mut(), &args.contexts, args.decode_steps)? {
+        match bench::profile(
+            backend.as_mut(),
+            &args.contexts,
+            args.decode_steps,
+            args.profile_batch,
+        )? {
             Some(profile) => {
                 let md = bench::profile_markdown(&profile);
                 println!("{md}");

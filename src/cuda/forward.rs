@@ -26,10 +26,10 @@ use super::attention::{AttentionKernels, AttentionWorkspace, KvCache, QKV_WIDTH}
 use super::dense::{self, DenseGemm};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
-use super::gemm::{GemvKernels, L2Ahead, MAX_TOKENS};
+use super::gemm::{GemvKernels, L2Ahead, MAX_TOKENS, SLOT_WORDS};
 use super::gemm_prefill::{GemmKernels, MIN_TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
-use super::moe::{ExpertGroups, MoeKernels};
+use super::moe::{max_gathered_slots, ExpertGroups, MoeKernels};
 use super::moe_decode::MoeDecode;
 use super::norm::NormKernels;
 use super::profile::{self, OpProfile};
@@ -119,8 +119,11 @@ struct Scratch {
     /// `[tokens][slots]`, slots = top_k routed experts + the shared expert (DeviceMoe).
     expert_ids: CudaSlice<i32>,
     expert_weights: CudaSlice<f32>,
-    /// Up to 8 rows: `[rows][slots][2·I]`, each (row, slot)'s gate‖up.
+    /// Up to 8 rows, or the most rows whose experts run as gathered slots: `[rows][slots][2·I]`,
+    /// each (row, slot)'s gate‖up.
     gu: CudaSlice<bf16>,
+    /// The gathered slots of a pass's experts (`MoeKernels::slot_table`).
+    slot_table: CudaSlice<i32>,
     /// Prefill: `[tokens·slots][I]` in expert-sorted order.
     act: CudaSlice<bf16>,
     /// `[tokens][slots][hidden]`: each slot's expert output, before weighting.
@@ -270,6 +273,9 @@ impl CudaBackend {
         let proj_width =
             (c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads).max(QKV_WIDTH);
         let mixed_width = c.linear_value_dim().max(c.num_attention_heads * c.head_dim);
+        // Passes of up to this many rows may gather their experts' rows (GemvKernels).
+        let gathered_rows = k.gemv.max_gathered_rows().min(rows);
+        let gu_rows = MAX_TOKENS.max(gathered_rows);
         let s = Scratch {
             rows,
             ids: alloc(&st, rows)?,
@@ -282,7 +288,11 @@ impl CudaBackend {
             router: alloc(&st, rows * e)?,
             expert_ids: alloc(&st, rows * slots)?,
             expert_weights: alloc(&st, rows * slots)?,
-            gu: alloc(&st, MAX_TOKENS * slots * 2 * inter)?,
+            gu: alloc(&st, gu_rows * slots * 2 * inter)?,
+            slot_table: alloc(
+                &st,
+                (max_gathered_slots(gathered_rows, slots, e) * SLOT_WORDS).max(1),
+            )?,
             act: alloc(&st, rows * slots * inter)?,
             routed: alloc(&st, rows * slots * h)?,
             groups: ExpertGroups::new(&st, rows, slots, e, MIN_TILE_ROWS)?,

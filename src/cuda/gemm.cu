@@ -30,7 +30,12 @@
 // * Short matrices need more warps than they have tiles: then several warps split K for one tile
 //   and reduce through shared memory. The host picks that split and the tiles per block (gemm.rs).
 // * Batches: blockIdx.y is a slot; slot s multiplies matrix ids[s] (or s) of a stack (e.g. the
-//   experts of a layer) with the x of slot s (or one shared x), writing its own output.
+//   experts of a layer) with the x of slot s (or one shared x), writing its own output. Two more
+//   ways to fill slots serve passes of more than 8 rows: row chunks (slot s takes rows 8s..8s+7
+//   of one x and one matrix: the blocks of all chunks read the same weights at about the same
+//   time, so DRAM sends them about once and L2 the rest), and gathered slots (a table on the
+//   device, made by moe_slot_table in moe.cu, gives each slot its matrix, its tokens and which
+//   rows of x and y they are: an expert's weights are read once for all the rows routed to it).
 //
 // mma.m16n8k16 operand layout (PTX ISA), lane = 4·g + t:
 //   A regs: {row g, k 2t..2t+1}, {row g+8, k 2t..2t+1}, {row g, k 2t+8..9}, {row g+8, k 2t+8..9}
@@ -49,6 +54,7 @@ constexpr int MAX_TOKENS = 8;  // mma N
 constexpr int BATCH = 4;       // iterations whose loads are issued together
 
 constexpr int STAGES = 4;      // batches a warp has in flight (copied ahead into shared memory)
+constexpr int SLOT_WORDS = 2 + 2 * MAX_TOKENS;  // a gathered slot: {matrix, tokens, x rows[8], y rows[8]}
 constexpr int L2_AHEAD = 6;    // byte ranges a launch can pull into L2 for the kernels after it
 
 // WORDS: 32-bit words a lane takes per row per iteration. COLS: columns one iteration covers
@@ -86,12 +92,16 @@ struct GemvArgs {
     const bf16* biases;  // [count][rows][K/64] (unused for bf16)
     const bf16* x;       // slot s reads x + (s / slots_per_x)·x_slot_stride, laid out [ntok][K]
     bf16* y;             // slot s writes y + s·ntok·rows, laid out [ntok][rows]
-    const int* ids;      // matrix of each slot, clamped to [0, count); null: slot s uses matrix s
+    const int* ids;      // matrix of each slot, clamped to [0, count); null: slot s uses matrix s;
+                         // with `gathered` the slot table [slots][SLOT_WORDS]
     i64 w_mat_words;
     i64 x_slot_stride;
     int rows, cols, ntok, tiles_per_block, warps_per_tile, count;
     int swiglu;          // x rows are gate‖up [2·cols]: the product takes bf16(silu(gate)·up)
     int slots_per_x;     // consecutive slots sharing one x: slot s reads x block s / slots_per_x
+    int chunk_rows;      // > 0: row chunks of matrix 0; slot s has min(ntok, chunk_rows − s·ntok) tokens
+    int gathered;        // the slots come from the table at ids (x rows: the tokens, or with swiglu
+    int x_rows, y_rows;  // the output rows); row numbers are clamped to [0, x_rows) and [0, y_rows)
     // L2 ahead: byte ranges the next kernels will read (range r of the block's matrix m starts at
     // ahead[r] + m·ahead_stride[r]; 0 bytes: unused), pulled into L2 beside the block's own weights.
     const unsigned char* ahead[L2_AHEAD];
@@ -177,7 +187,7 @@ __device__ void gemv(const GemvArgs& a) {
     using T = Fmt<F>;
     using S = Slot<F>;
     constexpr bool QUANT = S::QUANT;
-    const int K = a.cols, ntok = a.ntok;
+    const int K = a.cols;
     const int iters = K / T::COLS, ngroups = K / 64;
     const int words_per_row = iters * 4 * T::WORDS;
     const int kw = a.warps_per_tile, tb = a.tiles_per_block;
@@ -197,7 +207,29 @@ __device__ void gemv(const GemvArgs& a) {
         asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
     }
     pdl_launch_dependents();
-    const int mat = a.ids ? min(max(__ldcg(a.ids + slot_id), 0), a.count - 1) : slot_id;
+    // This slot's matrix and tokens; for gathered slots also the rows of x and y of each token
+    // (gather[n] and gather[MAX_TOKENS + n]). A table slot without tokens has nothing to do.
+    __shared__ int gather[2 * MAX_TOKENS];
+    int ntok = a.ntok, mat = slot_id;
+    if (a.gathered) {
+        const int* entry = a.ids + slot_id * SLOT_WORDS;
+        ntok = min(__ldcg(entry + 1), MAX_TOKENS);
+        if (ntok <= 0) return;
+        mat = min(max(__ldcg(entry), 0), a.count - 1);
+        // The x row of a token: the token's own row, or through SwiGLU (the experts' down) the
+        // gate‖up row made for the same output row.
+        if (threadIdx.x < 2 * MAX_TOKENS) {
+            const bool is_x = threadIdx.x < MAX_TOKENS;
+            const int from = is_x && !a.swiglu ? threadIdx.x : MAX_TOKENS + threadIdx.x % MAX_TOKENS;
+            gather[threadIdx.x] = min(max(__ldcg(entry + 2 + from), 0), (is_x ? a.x_rows : a.y_rows) - 1);
+        }
+        __syncthreads();
+    } else if (a.chunk_rows > 0) {
+        ntok = min(a.ntok, a.chunk_rows - slot_id * a.ntok);
+        mat = 0;
+    } else if (a.ids) {
+        mat = min(max(__ldcg(a.ids + slot_id), 0), a.count - 1);
+    }
     const u32* wmat = a.w + mat * a.w_mat_words;
     const bf16* smat = a.scales + (i64)mat * a.rows * ngroups;
     const bf16* bmat = a.biases + (i64)mat * a.rows * ngroups;
@@ -226,7 +258,7 @@ __device__ void gemv(const GemvArgs& a) {
     const int warps = blockDim.x / 32;
     const int stage_tok = words_per_row * T::STAGE + 16;
     unsigned char* xstage = smem;
-    float* xsum = reinterpret_cast<float*>(smem + ntok * stage_tok);
+    float* xsum = reinterpret_cast<float*>(smem + a.ntok * stage_tok);  // laid out for the launch's ntok
     float* red = xsum + (QUANT ? ngroups * MAX_TOKENS : 0);
     unsigned char* ring = reinterpret_cast<unsigned char*>(red + (kw > 1 ? 2 * warps * MAX_TOKENS * TILE_ROWS : 0));
     ring += warp * STAGES * S::BYTES;
@@ -307,6 +339,8 @@ __device__ void gemv(const GemvArgs& a) {
     // steps so the shuffle never sees an inactive lane.
     {
         const bf16* x = a.x + (slot_id / a.slots_per_x) * a.x_slot_stride;
+        const int x_width = a.swiglu ? 2 * K : K;
+        auto x_row = [&](int tok) { return (a.gathered ? a.x + (i64)gather[tok] * x_width : x + (i64)tok * x_width); };
         const int vec_per_tok = K / 8, total = ntok * vec_per_tok;
         const int steps = (total + blockDim.x - 1) / blockDim.x;
         for (int s = 0; s < steps; ++s) {
@@ -315,12 +349,12 @@ __device__ void gemv(const GemvArgs& a) {
             const int tok = ok ? i / vec_per_tok : 0, v = ok ? i % vec_per_tok : 0;
             uint4 xv = make_uint4(0, 0, 0, 0);
             if (ok && a.swiglu) {
-                const uint4* gu = reinterpret_cast<const uint4*>(x + (i64)tok * 2 * K);
+                const uint4* gu = reinterpret_cast<const uint4*>(x_row(tok));
                 xv = swiglu8(__ldg(gu + v), __ldg(gu + vec_per_tok + v));
             } else if (ok && res_x) {
                 xv = reinterpret_cast<const uint4*>(res_x + tok * K)[v];
             } else if (ok) {
-                xv = __ldg(reinterpret_cast<const uint4*>(x + (i64)tok * K) + v);
+                xv = __ldg(reinterpret_cast<const uint4*>(x_row(tok)) + v);
             }
             uint4* dst = reinterpret_cast<uint4*>(xstage + tok * stage_tok);
             if (ok) {
@@ -358,7 +392,9 @@ __device__ void gemv(const GemvArgs& a) {
     // acc: the C fragment, {row g, tokens 2t, 2t+1}, {row g+8, tokens 2t, 2t+1}.
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const unsigned char* my_x = xstage + g * stage_tok;  // this lane's B column is token g
-    bf16* y = a.y + (i64)slot_id * ntok * a.rows;
+    // Token n's output row: consecutive rows of the slot's block of y, or the gathered row.
+    bf16* y = a.y + (i64)slot_id * a.ntok * a.rows;
+    auto y_row = [&](int n) { return a.gathered ? a.y + (i64)gather[MAX_TOKENS + n] * a.rows : y + (i64)n * a.rows; };
     Job job{(int)blockIdx.x, 0};
     for (int j = 0; j < jobs; ++j, advance(job)) {
         // Job j's copies are done once at most STAGES - 2 newer groups are pending; the warp
@@ -431,7 +467,7 @@ __device__ void gemv(const GemvArgs& a) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int n = 2 * t + i % 2, row = row0 + g + 8 * (i / 2);
-                if (n < ntok && row < a.rows) y[(i64)n * a.rows + row] = __float2bfloat16_rn(acc[i]);
+                if (n < ntok && row < a.rows) y_row(n)[row] = __float2bfloat16_rn(acc[i]);
             }
         } else {
             // Sum the K-slices through shared memory: red[parity][warp][token][row], then one
@@ -450,7 +486,7 @@ __device__ void gemv(const GemvArgs& a) {
                 if (n >= ntok || row >= a.rows) continue;
                 float sum = 0.0f;
                 for (int w = 0; w < kw; ++w) sum += buf[(tl * kw + w) * MAX_TOKENS * TILE_ROWS + e];
-                y[(i64)n * a.rows + row] = __float2bfloat16_rn(sum);
+                y_row(n)[row] = __float2bfloat16_rn(sum);
             }
         }
         acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;

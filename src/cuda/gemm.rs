@@ -123,6 +123,10 @@ struct GemvArgs {
     count: i32,
     swiglu: i32,
     slots_per_x: i32,
+    chunk_rows: i32,
+    gathered: i32,
+    x_rows: i32,
+    y_rows: i32,
     ahead: [u64; L2_AHEAD],
     ahead_bytes: [i64; L2_AHEAD],
     ahead_stride: [i64; L2_AHEAD],
@@ -329,7 +333,21 @@ pub enum SlotInput {
     /// x `[slots / n][ntok][cols]`: each run of `n` consecutive slots shares one x (e.g. the
     /// experts' gate‖up of several tokens, `n` experts per token).
     PerGroup(usize),
+    /// x `[t][cols]` of any `t` rows cut into chunks of `ntok` rows, slot s taking chunk s (the
+    /// last may be short), all with matrix 0; y `[t][rows]`. The chunks' blocks read the same
+    /// weights at about the same time, so DRAM sends them about once.
+    RowChunks(usize),
+    /// Slots from a table on the device (the `ids` argument, `[slots][SLOT_WORDS]`, made by
+    /// `MoeKernels::slot_table`): each slot's matrix, tokens (≤ 8), their rows of x and their
+    /// rows of y (`[·][rows]`). x is `[·][cols]` read at the tokens' rows (the experts' gate‖up),
+    /// or with `swiglu` `[·][2·cols]` gate‖up rows through SwiGLU read at the output rows (the
+    /// experts' down, whose rows are the (token, expert) pairs of its gate‖up).
+    Gathered { swiglu: bool },
 }
+
+/// Words of one gathered slot in its table: {matrix, tokens, x row of each, y row of each}
+/// (SLOT_WORDS in gemm.cu and moe.cu).
+pub const SLOT_WORDS: usize = 2 + 2 * MAX_TOKENS;
 
 /// How a launch cuts the work: warps sharing one 16-row tile along K, and tiles per block.
 /// `GemvKernels::shape` picks one; benchmarks may try others.
@@ -363,7 +381,24 @@ pub struct GemvKernels {
     /// Warps per SM that [`GemvKernels::shape`] splits K until it has: 4 (decode +6 % over 16 on
     /// the H200, bench/NOTES.md v1.34), or `LILY_GEMV_WARPS_PER_SM` (1, 2, 4, 8, 16 or 32).
     warps_per_sm: usize,
+    /// Passes whose rows are in this range run their experts as gathered slots
+    /// ([`Self::gathers_experts`]); `LILY_GATHERED_ROWS=a-b` sets it (`0-0`: never).
+    gathered_rows: (usize, usize),
+    /// Passes of 9 up to this many rows run their dense projections as row chunks in one launch
+    /// ([`Self::chunks_rows`]); `LILY_ROW_CHUNKS_MAX` sets it (8: never).
+    row_chunks_max: usize,
+    /// Blocks per gathered slot (`LILY_GATHERED_BLOCKS`, default 1): a 64-row pass's ~225 slots
+    /// are 1.7 waves of blocks on 132 SMs, yet more, shorter blocks measured slower (each stages
+    /// its x and ramps its copies; bench/NOTES.md v1.42).
+    gathered_blocks: usize,
 }
+
+/// The tallest matrix [`GemvKernels::chunks_rows`] runs as row chunks: out_proj, o_proj, the router.
+const ROW_CHUNKS_MAX_ROWS: usize = 4096;
+
+/// Default rows of a pass whose experts run as gathered GEMV slots: from the rows one slot
+/// launch per (row, expert) no longer takes (9) to a 64-stream decode step.
+const GATHERED_ROWS: (usize, usize) = (MAX_TOKENS + 1, 64);
 
 impl GemvKernels {
     pub fn load(dev: &CudaDevice) -> Result<Self> {
@@ -395,6 +430,32 @@ impl GemvKernels {
                 }
             },
         };
+        let gathered_rows = match std::env::var("LILY_GATHERED_ROWS") {
+            Err(_) => GATHERED_ROWS,
+            Ok(v) => match v.split_once('-').map(|(a, b)| (a.parse(), b.parse())) {
+                Some((Ok(a), Ok(b))) if a <= b && b <= crate::cuda::moe::SLOT_MAX_TOKENS => (a, b),
+                _ => {
+                    return Err(CudaError::Shape(format!(
+                        "LILY_GATHERED_ROWS={v}: expected a-b with a ≤ b ≤ {}",
+                        crate::cuda::moe::SLOT_MAX_TOKENS
+                    )))
+                }
+            },
+        };
+        let row_chunks_max = match std::env::var("LILY_ROW_CHUNKS_MAX") {
+            Err(_) => GATHERED_ROWS.1,
+            Ok(v) => v.parse().map_err(|_| {
+                CudaError::Shape(format!(
+                    "LILY_ROW_CHUNKS_MAX={v}: expected a number of rows"
+                ))
+            })?,
+        };
+        let gathered_blocks = match std::env::var("LILY_GATHERED_BLOCKS") {
+            Err(_) => 1,
+            Ok(v) => v.parse().ok().filter(|&n| n >= 1).ok_or_else(|| {
+                CudaError::Shape(format!("LILY_GATHERED_BLOCKS={v}: expected a count ≥ 1"))
+            })?,
+        };
         Ok(Self {
             stream: dev.stream().clone(),
             q4,
@@ -409,7 +470,39 @@ impl GemvKernels {
             early_reads: early_reads(),
             ahead_enabled: std::env::var("LILY_L2_AHEAD").is_ok_and(|v| v == "1"),
             warps_per_sm,
+            gathered_rows,
+            row_chunks_max,
+            gathered_blocks,
         })
+    }
+
+    /// Sets the blocks per gathered slot (for timing; see `LILY_GATHERED_BLOCKS`).
+    pub fn set_gathered_blocks(&mut self, blocks: usize) {
+        self.gathered_blocks = blocks.max(1);
+    }
+
+    /// Whether a pass of `rows` rows runs its experts as gathered slots (each expert's weights
+    /// read once for the rows routed to it, up to 8 per slot; `MoeKernels::slot_table`).
+    pub fn gathers_experts(&self, rows: usize) -> bool {
+        rows >= self.gathered_rows.0.max(1) && rows <= self.gathered_rows.1
+    }
+
+    /// The most rows of a pass whose experts may run as gathered slots (0: none).
+    pub fn max_gathered_rows(&self) -> usize {
+        if self.gathered_rows.0 > self.gathered_rows.1 {
+            0
+        } else {
+            self.gathered_rows.1
+        }
+    }
+
+    /// Whether a pass of `rows` rows runs a projection over `w` as row chunks in one launch
+    /// ([`Self::gemv_row_chunks`]) rather than the tensor-core GEMM, whose few tiles at a few
+    /// dozen rows leave most SMs without work: for matrices of at most ROW_CHUNKS_MAX_ROWS rows.
+    /// Each chunk dequantises the weights again, which costs more than the GEMM on taller ones
+    /// (GDN in_proj, q‖k‖v, lm_head: bench/NOTES.md v1.42).
+    pub fn chunks_rows(&self, rows: usize, w: &Matrices) -> bool {
+        rows > MAX_TOKENS && rows <= self.row_chunks_max && w.rows <= ROW_CHUNKS_MAX_ROWS
     }
 
     /// The next launch (only that one) reads its device-side ids before its PDL wait and streams
@@ -472,6 +565,54 @@ impl GemvKernels {
     ) -> Result<()> {
         let shape = self.shape(w, slots);
         self.gemv_slots_shaped(w, ids, slots, x, input, ntok, y, shape)
+    }
+
+    /// `y = W · x` for matrix 0 of `w` and any number `t = x.len() / cols` of rows in one launch
+    /// (x `[t][cols]`, y `[t][rows]`): chunks of as many rows as fit ([`Self::max_tokens`]) are
+    /// its slots (see [`SlotInput::RowChunks`]).
+    pub fn gemv_row_chunks(
+        &self,
+        w: &Matrices,
+        x: &CudaView<bf16>,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        ensure!(
+            w.cols > 0 && x.len() % w.cols == 0 && !x.is_empty(),
+            "gemv_row_chunks: x has {} values, not whole rows of {}",
+            x.len(),
+            w.cols
+        );
+        let t = x.len() / w.cols;
+        let ntok = self.max_tokens(w).min(t);
+        let slots = t.div_ceil(ntok);
+        let shape = self.shape(w, slots);
+        self.launch(
+            w,
+            None,
+            slots,
+            x,
+            SlotInput::RowChunks(t),
+            ntok,
+            y,
+            shape,
+            None,
+        )
+    }
+
+    /// The gathered slots of `table` (`[slots][SLOT_WORDS]`, see [`SlotInput::Gathered`]) over
+    /// the stack `w`: slot s's tokens read their rows of x and write theirs of y.
+    pub fn gemv_gathered(
+        &self,
+        w: &Matrices,
+        table: &CudaView<i32>,
+        slots: usize,
+        x: &CudaView<bf16>,
+        swiglu: bool,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        let shape = self.shape(w, slots);
+        let input = SlotInput::Gathered { swiglu };
+        self.launch(w, Some(table), slots, x, input, MAX_TOKENS, y, shape, None)
     }
 
     /// The most tokens (≤ `MAX_TOKENS`) one launch over `w` can take: the staged x grows with
@@ -652,7 +793,7 @@ impl GemvKernels {
         ensure!(slots > 0, "gemv: no slots");
         let (x_slots, x_width, slots_per_x) = match input {
             SlotInput::Shared => (1, w.cols, slots),
-            SlotInput::PerSlot => (slots, w.cols, 1),
+            SlotInput::PerSlot | SlotInput::RowChunks(_) => (slots, w.cols, 1),
             SlotInput::PerSlotSwiGlu => (slots, 2 * w.cols, 1),
             SlotInput::PerGroup(n) => {
                 ensure!(
@@ -661,26 +802,54 @@ impl GemvKernels {
                 );
                 (slots / n, w.cols, n)
             }
+            SlotInput::Gathered { swiglu } => (0, w.cols << swiglu as usize, 1),
         };
+        // Rows of x and y: fixed per slot, or any number for the modes that say where each is.
+        let (mut x_rows, mut y_rows, mut chunk_rows) = (x_slots * ntok, slots * ntok, 0);
+        match input {
+            SlotInput::RowChunks(t) => {
+                ensure!(
+                    t > 0 && slots == t.div_ceil(ntok),
+                    "gemv: {t} rows are not {slots} chunks of {ntok}"
+                );
+                (x_rows, y_rows, chunk_rows) = (t, t, t);
+            }
+            SlotInput::Gathered { .. } => {
+                ensure!(
+                    !x.is_empty()
+                        && x.len() % x_width == 0
+                        && !y.is_empty()
+                        && y.len() % w.rows == 0,
+                    "gemv: gathered slots need whole rows of x ({x_width}) and y ({})",
+                    w.rows
+                );
+                (x_rows, y_rows) = (x.len() / x_width, y.len() / w.rows);
+            }
+            _ => {}
+        }
         ensure!(
-            x.len() == x_slots * ntok * x_width,
-            "gemv: x has {} values, expected {x_slots}×{ntok}×{x_width}",
+            x.len() == x_rows * x_width,
+            "gemv: x has {} values, expected {x_rows}×{x_width}",
             x.len()
         );
         ensure!(
-            y.len() == slots * ntok * w.rows,
-            "gemv: y has {} values, expected {slots}×{ntok}×{}",
+            y.len() == y_rows * w.rows,
+            "gemv: y has {} values, expected {y_rows}×{}",
             y.len(),
             w.rows
         );
+        let gathered = matches!(input, SlotInput::Gathered { .. });
         match ids {
-            Some(ids) => ensure!(
-                ids.len() >= slots,
-                "gemv: {} ids for {slots} slots",
-                ids.len()
-            ),
+            Some(ids) => {
+                let words = if gathered { SLOT_WORDS } else { 1 };
+                ensure!(
+                    ids.len() >= slots * words,
+                    "gemv: {} ids for {slots} slots of {words}",
+                    ids.len()
+                )
+            }
             None => ensure!(
-                slots <= w.count,
+                !gathered && (chunk_rows > 0 || slots <= w.count),
                 "gemv: {slots} slots but only {} matrices",
                 w.count
             ),
@@ -727,8 +896,15 @@ impl GemvKernels {
             tiles_per_block: tiles_per_block as i32,
             warps_per_tile: warps_per_tile as i32,
             count: as_i32(w.count, "count")?,
-            swiglu: (input == SlotInput::PerSlotSwiGlu) as i32,
+            swiglu: matches!(
+                input,
+                SlotInput::PerSlotSwiGlu | SlotInput::Gathered { swiglu: true }
+            ) as i32,
             slots_per_x: as_i32(slots_per_x, "slots per x")?,
+            chunk_rows: as_i32(chunk_rows, "rows")?,
+            gathered: i32::from(gathered),
+            x_rows: as_i32(x_rows, "x rows")?,
+            y_rows: as_i32(y_rows, "y rows")?,
             ahead: ahead.ranges.map(|r| r.0),
             ahead_bytes: ahead.ranges.map(|r| r.1 as i64),
             ahead_stride: ahead.ranges.map(|r| r.2 as i64),
@@ -766,7 +942,11 @@ impl GemvKernels {
         let bytes = slots * w.rows * w.cols * format.bits() / 8;
         let per_sm = if bytes < 64 << 20 { 1 } else { fit };
         let rounds = w.rows.div_ceil(TILE_ROWS * tiles_per_block);
-        let resident_per_slot = (per_sm.max(1) * self.sm_count / slots).max(1);
+        let resident_per_slot = if gathered {
+            self.gathered_blocks
+        } else {
+            (per_sm.max(1) * self.sm_count / slots).max(1)
+        };
         let blocks = rounds.div_ceil(rounds.div_ceil(resident_per_slot));
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, slots as u32, 1),

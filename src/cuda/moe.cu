@@ -135,3 +135,59 @@ extern "C" __global__ void moe_group_scatter(const int* __restrict__ ids, int pa
         sorted[base[blockIdx.x * experts + e] + before + rank] = p;
     }
 }
+
+// ---- Slots of the decode GEMVs' gathered mode (gemm.cu) for a pass of a few dozen rows ----
+//
+// T tokens route P = T·S pairs p = token·S + slot (ids [T][S], the shared expert included). Each
+// expert's pairs, in token order, are cut into GEMV slots of at most SLOT_TOKENS (the mma's N):
+// table[s] = {expert, tokens, token of each (its row of x for gate‖up), pair of each (its row of
+// the outputs)}, experts in order; slots from the count up to max_slots get 0 tokens. An expert's
+// tokens are one bit each in a mask, so a pair's rank among its expert's pairs is a popcount.
+// One block of GROUP_MAX_EXPERTS threads (thread e counts expert e); T ≤ SLOT_MAX_TOKENS.
+#define SLOT_TOKENS 8
+#define SLOT_WORDS (2 + 2 * SLOT_TOKENS)
+#define SLOT_MAX_TOKENS 256
+#define SLOT_MASK_WORDS (SLOT_MAX_TOKENS / 64)
+
+extern "C" __global__ void moe_slot_table(const int* __restrict__ ids, int tokens, int per_token, int experts,
+                                          int max_slots, int* __restrict__ table) {
+    pdl_wait();
+    pdl_launch_dependents();
+    __shared__ unsigned long long mask[GROUP_MAX_EXPERTS][SLOT_MASK_WORDS];
+    __shared__ int first_slot[GROUP_MAX_EXPERTS], count[GROUP_MAX_EXPERTS];
+    __shared__ int scratch[GROUP_MAX_EXPERTS / 32];
+    for (int i = threadIdx.x; i < GROUP_MAX_EXPERTS * SLOT_MASK_WORDS; i += blockDim.x) (&mask[0][0])[i] = 0ull;
+    __syncthreads();
+    const int pairs = min(tokens, SLOT_MAX_TOKENS) * per_token;
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int n = p / per_token;
+        atomicOr(&mask[expert_of(ids, p, experts)][n / 64], 1ull << (n % 64));
+    }
+    __syncthreads();
+    const int e = threadIdx.x;
+    int c = 0;
+    if (e < experts) {
+#pragma unroll
+        for (int w = 0; w < SLOT_MASK_WORDS; ++w) c += __popcll(mask[e][w]);
+        count[e] = c;
+    }
+    int total;
+    const int first = block_exclusive_sum((c + SLOT_TOKENS - 1) / SLOT_TOKENS, scratch, &total);
+    if (e < experts) first_slot[e] = first;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int n = p / per_token, ex = expert_of(ids, p, experts);
+        int rank = __popcll(mask[ex][n / 64] & ((1ull << (n % 64)) - 1ull));
+        for (int w = 0; w < n / 64; ++w) rank += __popcll(mask[ex][w]);
+        const int slot = first_slot[ex] + rank / SLOT_TOKENS, pos = rank % SLOT_TOKENS;
+        if (slot >= max_slots) continue;
+        int* entry = table + slot * SLOT_WORDS;
+        entry[2 + pos] = n;
+        entry[2 + SLOT_TOKENS + pos] = p;
+        if (pos == 0) {
+            entry[0] = ex;
+            entry[1] = min(SLOT_TOKENS, count[ex] - rank);
+        }
+    }
+    for (int s = total + threadIdx.x; s < max_slots; s += blockDim.x) table[s * SLOT_WORDS + 1] = 0;
+}

@@ -19,6 +19,19 @@ pub const MAX_GROUP_EXPERTS: usize = 288;
 pub const MAX_TOP_K: usize = 16;
 /// Pairs per block of the grouping kernels (GROUP_CHUNK in moe.cu).
 const GROUP_CHUNK: usize = 1024;
+/// Tokens of one gathered GEMV slot, and the most tokens a slot table takes (SLOT_TOKENS and
+/// SLOT_MAX_TOKENS in moe.cu); SLOT_WORDS is the GEMV's.
+pub const SLOT_TOKENS: usize = crate::cuda::gemm::MAX_TOKENS;
+pub const SLOT_MAX_TOKENS: usize = 256;
+use crate::cuda::gemm::SLOT_WORDS;
+
+/// The most slots [`MoeKernels::slot_table`] can fill for `tokens` tokens each routed to
+/// `per_token` distinct experts of `experts`: Σ_e ⌈count_e / 8⌉ ≤ (pairs + 7 · active experts) / 8,
+/// and no more than the pairs.
+pub fn max_gathered_slots(tokens: usize, per_token: usize, experts: usize) -> usize {
+    let pairs = tokens * per_token;
+    pairs.min((pairs + (SLOT_TOKENS - 1) * experts.min(pairs)).div_ceil(SLOT_TOKENS))
+}
 
 pub struct MoeKernels {
     stream: Arc<CudaStream>,
@@ -26,6 +39,7 @@ pub struct MoeKernels {
     group_count: CudaFunction,
     group_scan: CudaFunction,
     group_scatter: CudaFunction,
+    slot_table: CudaFunction,
 }
 
 /// The (token, slot) pairs of a prefill chunk grouped by expert, on the device: what the grouped
@@ -133,7 +147,64 @@ impl MoeKernels {
             group_count: dev.function("moe", "moe_group_count")?,
             group_scan: dev.function("moe", "moe_group_scan")?,
             group_scatter: dev.function("moe", "moe_group_scatter")?,
+            slot_table: dev.function("moe", "moe_slot_table")?,
         })
+    }
+
+    /// The gathered GEMV slots (`GemvKernels::gemv_gathered`) of the pairs of `ids`
+    /// (`[tokens][per_token]` expert ids, distinct per token, clamped to `0..experts`): each
+    /// expert's pairs in token order, cut into slots of up to 8 tokens, into `table`
+    /// (`[max_gathered_slots][SLOT_WORDS]`; the slots after the last get 0 tokens). One launch.
+    /// Returns the launch's slot count, [`max_gathered_slots`].
+    pub fn slot_table(
+        &self,
+        ids: &CudaView<i32>,
+        per_token: usize,
+        experts: usize,
+        table: &mut CudaViewMut<i32>,
+    ) -> Result<usize> {
+        ensure!(
+            per_token > 0 && ids.len() % per_token == 0 && !ids.is_empty(),
+            "slot_table: ids are not whole rows of {per_token}"
+        );
+        let tokens = ids.len() / per_token;
+        ensure!(
+            tokens <= SLOT_MAX_TOKENS && experts > 0 && experts <= MAX_GROUP_EXPERTS,
+            "slot_table: {tokens} tokens of {experts} experts (at most {SLOT_MAX_TOKENS} of {MAX_GROUP_EXPERTS})"
+        );
+        let slots = max_gathered_slots(tokens, per_token, experts);
+        ensure!(
+            table.len() >= slots * SLOT_WORDS,
+            "slot_table: room for {} words, {slots} slots need {}",
+            table.len(),
+            slots * SLOT_WORDS
+        );
+        let (t, k, e, m) = (
+            as_i32(tokens, "tokens")?,
+            as_i32(per_token, "slots per token")?,
+            as_i32(experts, "experts")?,
+            as_i32(slots, "slots")?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (MAX_GROUP_EXPERTS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel reads tokens · per_token ids and writes slots entries, both checked.
+        unsafe {
+            launch!(
+                self.stream,
+                &self.slot_table,
+                cfg,
+                ids,
+                &t,
+                &k,
+                &e,
+                &m,
+                table
+            )?;
+        }
+        Ok(slots)
     }
 
     /// Groups the pairs of `ids` (`[tokens][top_k]` expert ids from [`Self::router_topk`]) by

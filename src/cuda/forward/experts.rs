@@ -1,6 +1,7 @@
-//! The MoE block's experts in a pass: the router and its top-k, then either the grouped expert
-//! GEMMs (rows sorted by expert on the device, tiles as tall as the rows each expert sees) or, for
-//! a few rows, the decode GEMVs over every (row, expert) slot.
+//! The MoE block's experts in a pass: the router and its top-k, then the grouped expert GEMMs
+//! (rows sorted by expert on the device, tiles as tall as the rows each expert sees) for long
+//! passes, the decode GEMVs over gathered slots (each expert's rows, up to 8 a slot) for a few
+//! dozen rows, or the decode GEMVs over every (row, expert) slot for a few rows.
 
 use cudarc::driver::CudaSlice;
 
@@ -8,7 +9,7 @@ use super::projection::gemv_rows;
 use super::residual::{Output, Parts, ResidualStream};
 use super::{Kernels, Scratch};
 use crate::config::ModelConfig;
-use crate::cuda::gemm::{FusedTopK, L2Ahead, SlotInput, MAX_TOKENS};
+use crate::cuda::gemm::{FusedTopK, L2Ahead, SlotInput, MAX_TOKENS, SLOT_WORDS};
 use crate::cuda::gemm_prefill::GemmKernels;
 use crate::cuda::model::DeviceMoe;
 use crate::cuda::moe_decode::MoeDecode;
@@ -102,6 +103,37 @@ pub(super) fn moe_experts(
             &mut s.expert_ids.slice_mut(..t * slots),
             &mut s.expert_weights.slice_mut(..t * slots),
         )?;
+    }
+    if k.gemv.gathers_experts(t) {
+        section("moe experts")?;
+        // Each expert's rows as slots of up to 8 tokens: its weights read once for all of them.
+        // routed[token][slot] as below; gate‖up per (token, slot) pair in s.gu.
+        let pairs = t * slots;
+        let n = k.moe.slot_table(
+            &s.expert_ids.slice(..pairs),
+            slots,
+            e + 1,
+            &mut s.slot_table.slice_mut(..),
+        )?;
+        let table = s.slot_table.slice(..n * SLOT_WORDS);
+        k.gemv.gemv_gathered(
+            &w.gate_up.view(),
+            &table,
+            n,
+            &s.xn.slice(..t * hd),
+            false,
+            &mut s.gu.slice_mut(..pairs * 2 * inter),
+        )?;
+        // Gate‖up, just before, read the table after its PDL wait.
+        k.gemv.then_ids_ready();
+        return k.gemv.gemv_gathered(
+            &w.down.view(),
+            &table,
+            n,
+            &s.gu.slice(..pairs * 2 * inter),
+            true,
+            &mut s.routed.slice_mut(..pairs * hd),
+        );
     }
     let grouped = k.gemm.groups_experts(t)
         && GemmKernels::supports(&w.gate_up.view())

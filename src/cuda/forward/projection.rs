@@ -50,9 +50,9 @@ pub(super) fn first_projection(
     }
 }
 
-/// `y = W · x` for `t` rows: cuBLAS on dequantised weights for long chunks (dense.rs), our
-/// tensor-core GEMM for more than 8 rows, else (or for weights it does not take) GEMVs of as
-/// many tokens per launch as fit in shared memory (≤ 8).
+/// `y = W · x` for `t` rows: cuBLAS on dequantised weights for long chunks (dense.rs), GEMV row
+/// chunks in one launch for a few dozen rows, our tensor-core GEMM for more, else (or for weights
+/// it does not take) GEMVs of as many tokens per launch as fit in shared memory (≤ 8).
 pub(super) fn gemv_rows(
     k: &mut Kernels,
     w: &DeviceMatrices,
@@ -67,6 +67,11 @@ pub(super) fn gemv_rows(
         return k
             .dense
             .gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
+    }
+    if k.gemv.chunks_rows(t, &view) {
+        return k
+            .gemv
+            .gemv_row_chunks(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
     }
     if t > MAX_TOKENS && GemmKernels::supports(&view) {
         return k
