@@ -21,7 +21,7 @@ use cudarc::driver::{sys, CudaSlice, CudaStream};
 use half::bf16;
 use lily::cuda::gemm::{
     FusedTopK, GemvKernels, GemvShape, L2Ahead, Matrices, ResidualInput, SlotInput, WeightData,
-    GROUP, SLOT_WORDS,
+    GROUP, MAX_TOKENS, SLOT_WORDS,
 };
 use lily::cuda::moe::{max_gathered_slots, MoeKernels, SLOT_TOKENS};
 use lily::cuda::norm::NormKernels;
@@ -1110,9 +1110,11 @@ fn time_ms(dev: &CudaDevice, reps: usize, launch: &mut dyn FnMut(usize)) -> f64 
     samples[2]
 }
 
-/// A 64-row pass's experts as gathered slots (gate‖up then down, 257 Q4 experts of the real
-/// shapes, random routing: ≈ 220 experts touched) at 1, 2, 4 and 8 blocks per slot: µs per pair
-/// of launches, and the touched experts' bytes per second.
+/// A batched pass's experts as gathered slots (gate‖up then down, 257 Q4 experts of the real
+/// shapes, random routing) at the default and 1, 2, 4 and 8 blocks per slot: µs per pair of launches, and the
+/// touched experts' bytes per second. 64 rows (≈ 220 experts touched) and 8 (≈ 57), where the
+/// per-(row, expert) slots of `SlotInput::PerGroup` are timed too (72 slots, each expert read
+/// once per row that chose it).
 #[test]
 fn gemv_gathered_timing() {
     let dev = device();
@@ -1122,7 +1124,7 @@ fn gemv_gathered_timing() {
     );
     let s = dev.stream();
     let mut rng = Rng::new("gemv gathered timing");
-    let (experts, top_k, t) = (256, 8, 64);
+    let (experts, top_k) = (256, 8);
     let per_token = top_k + 1;
     let stack = |rng: &mut Rng, rows: usize, cols: usize| {
         let one = HostMatrices::random(rng, 4, 1, rows, cols);
@@ -1137,74 +1139,116 @@ fn gemv_gathered_timing() {
         DeviceMatrices::upload(s, &m)
     };
     let (gate_up, down) = (stack(&mut rng, 1024, 2048), stack(&mut rng, 2048, 512));
-    let slots = max_gathered_slots(t, per_token, experts + 1);
-    // Four routings, launches cycling through them.
-    let mut tables = Vec::new();
-    let mut touched = 0usize;
-    for _ in 0..4 {
-        let mut ids = Vec::new();
-        for _ in 0..t {
-            let mut chosen: Vec<i32> = Vec::new();
-            while chosen.len() < top_k {
-                let e = rng.below(experts) as i32;
-                if !chosen.contains(&e) {
-                    chosen.push(e);
+    for t in [64, 8] {
+        let slots = max_gathered_slots(t, per_token, experts + 1);
+        // Four routings, launches cycling through them.
+        let (mut tables, mut id_sets) = (Vec::new(), Vec::new());
+        let mut touched = 0usize;
+        for _ in 0..4 {
+            let mut ids = Vec::new();
+            for _ in 0..t {
+                let mut chosen: Vec<i32> = Vec::new();
+                while chosen.len() < top_k {
+                    let e = rng.below(experts) as i32;
+                    if !chosen.contains(&e) {
+                        chosen.push(e);
+                    }
                 }
+                chosen.push(experts as i32);
+                ids.extend(chosen);
             }
-            chosen.push(experts as i32);
-            ids.extend(chosen);
+            let mut distinct = ids.clone();
+            distinct.sort();
+            distinct.dedup();
+            touched += distinct.len();
+            let dids = upload(s, &ids);
+            let mut table = upload(s, &vec![0i32; slots * SLOT_WORDS]);
+            moe.slot_table(
+                &dids.as_view(),
+                per_token,
+                experts + 1,
+                &mut table.as_view_mut(),
+            )
+            .unwrap();
+            tables.push(table);
+            id_sets.push(dids);
         }
-        let mut distinct = ids.clone();
-        distinct.sort();
-        distinct.dedup();
-        touched += distinct.len();
-        let mut table = upload(s, &vec![0i32; slots * SLOT_WORDS]);
-        moe.slot_table(
-            &upload(s, &ids).as_view(),
-            per_token,
-            experts + 1,
-            &mut table.as_view_mut(),
-        )
-        .unwrap();
-        tables.push(table);
-    }
-    let bytes = touched as f64 / 4.0 * (gate_up.matrix_bytes() + down.matrix_bytes()) as f64;
-    let x = upload(s, &rng.bf16s(t * 2048, 1.0));
-    let mut gu = s.alloc_zeros::<bf16>(t * per_token * 1024).unwrap();
-    let mut y = s.alloc_zeros::<bf16>(t * per_token * 2048).unwrap();
-    println!(
-        "\n64 rows, ≈{:.0} experts touched, {:.0} MB per pass",
-        touched as f64 / 4.0,
-        bytes / 1e6
-    );
-    for blocks in [1, 2, 4, 8] {
-        k.set_gathered_blocks(blocks);
-        let ms = time_ms(&dev, 8, &mut |i| {
-            let table = tables[i % 4].as_view();
-            k.gemv_gathered(
-                &gate_up.view(),
-                &table,
-                slots,
-                &x.as_view(),
-                false,
-                &mut gu.as_view_mut(),
-            )
-            .unwrap();
-            k.gemv_gathered(
-                &down.view(),
-                &table,
-                slots,
-                &gu.as_view(),
-                true,
-                &mut y.as_view_mut(),
-            )
-            .unwrap();
-        });
+        let expert_bytes = (gate_up.matrix_bytes() + down.matrix_bytes()) as f64;
+        let bytes = touched as f64 / 4.0 * expert_bytes;
+        let x = upload(s, &rng.bf16s(t * 2048, 1.0));
+        let mut gu = s.alloc_zeros::<bf16>(t * per_token * 1024).unwrap();
+        let mut y = s.alloc_zeros::<bf16>(t * per_token * 2048).unwrap();
         println!(
-            "{blocks} blocks per slot: {:.1} µs per gate‖up + down, {:.0} GB/s",
-            ms * 1e3,
-            bytes / (ms * 1e-3) / 1e9
+            "\n{t} rows, ≈{:.0} experts touched, {:.0} MB per pass",
+            touched as f64 / 4.0,
+            bytes / 1e6
         );
+        for blocks in [0, 1, 2, 4, 8] {
+            k.set_gathered_blocks(blocks);
+            let ms = time_ms(&dev, 8, &mut |i| {
+                let table = tables[i % 4].as_view();
+                k.gemv_gathered(
+                    &gate_up.view(),
+                    &table,
+                    slots,
+                    &x.as_view(),
+                    false,
+                    &mut gu.as_view_mut(),
+                )
+                .unwrap();
+                k.gemv_gathered(
+                    &down.view(),
+                    &table,
+                    slots,
+                    &gu.as_view(),
+                    true,
+                    &mut y.as_view_mut(),
+                )
+                .unwrap();
+            });
+            println!(
+                "gathered, {} blocks per slot: {:.1} µs per gate‖up + down, {:.0} GB/s",
+                if blocks == 0 {
+                    "default".to_string()
+                } else {
+                    blocks.to_string()
+                },
+                ms * 1e3,
+                bytes / (ms * 1e-3) / 1e9
+            );
+        }
+        if t <= MAX_TOKENS {
+            let pairs = t * per_token;
+            let ms = time_ms(&dev, 8, &mut |i| {
+                let ids = id_sets[i % 4].as_view();
+                k.gemv_slots(
+                    &gate_up.view(),
+                    Some(&ids),
+                    pairs,
+                    &x.as_view(),
+                    SlotInput::PerGroup(per_token),
+                    1,
+                    &mut gu.as_view_mut(),
+                )
+                .unwrap();
+                k.gemv_slots(
+                    &down.view(),
+                    Some(&ids),
+                    pairs,
+                    &gu.as_view(),
+                    SlotInput::PerSlotSwiGlu,
+                    1,
+                    &mut y.as_view_mut(),
+                )
+                .unwrap();
+            });
+            println!(
+                "per (row, expert) slot: {:.1} µs per gate‖up + down, {:.0} GB/s of {:.0} MB read",
+                ms * 1e3,
+                pairs as f64 * expert_bytes / (ms * 1e-3) / 1e9,
+                pairs as f64 * expert_bytes / 1e6
+            );
+        }
     }
 }
 

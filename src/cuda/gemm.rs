@@ -387,18 +387,19 @@ pub struct GemvKernels {
     /// Passes of 9 up to this many rows run their dense projections as row chunks in one launch
     /// ([`Self::chunks_rows`]); `LILY_ROW_CHUNKS_MAX` sets it (8: never).
     row_chunks_max: usize,
-    /// Blocks per gathered slot (`LILY_GATHERED_BLOCKS`, default 1): a 64-row pass's ~225 slots
-    /// are 1.7 waves of blocks on 132 SMs, yet more, shorter blocks measured slower (each stages
-    /// its x and ramps its copies; bench/NOTES.md v1.42).
+    /// Blocks per gathered slot: `LILY_GATHERED_BLOCKS`, else (0) about two blocks per SM
+    /// over the launch's slots, at least one (bench/NOTES.md v1.42: a 64-row pass's ~297 slots
+    /// ran fastest at one block each, 1.7 waves, and more, shorter blocks were slower — each
+    /// stages its x and ramps its copies; an 8-row pass's 72 at four).
     gathered_blocks: usize,
 }
 
 /// The tallest matrix [`GemvKernels::chunks_rows`] runs as row chunks: out_proj, o_proj, the router.
 const ROW_CHUNKS_MAX_ROWS: usize = 4096;
 
-/// Default rows of a pass whose experts run as gathered GEMV slots: from the rows one slot
-/// launch per (row, expert) no longer takes (9) to a 64-stream decode step.
-const GATHERED_ROWS: (usize, usize) = (MAX_TOKENS + 1, 64);
+/// Default rows of a pass whose experts run as gathered GEMV slots: from 2 (one row keeps its
+/// (row, expert) slots, or the persistent MoE kernel) to a 64-stream decode step.
+const GATHERED_ROWS: (usize, usize) = (2, 64);
 
 impl GemvKernels {
     pub fn load(dev: &CudaDevice) -> Result<Self> {
@@ -451,7 +452,7 @@ impl GemvKernels {
             })?,
         };
         let gathered_blocks = match std::env::var("LILY_GATHERED_BLOCKS") {
-            Err(_) => 1,
+            Err(_) => 0,
             Ok(v) => v.parse().ok().filter(|&n| n >= 1).ok_or_else(|| {
                 CudaError::Shape(format!("LILY_GATHERED_BLOCKS={v}: expected a count ≥ 1"))
             })?,
@@ -476,9 +477,10 @@ impl GemvKernels {
         })
     }
 
-    /// Sets the blocks per gathered slot (for timing; see `LILY_GATHERED_BLOCKS`).
+    /// Sets the blocks per gathered slot (for timing; 0: the default rule, see
+    /// `LILY_GATHERED_BLOCKS`).
     pub fn set_gathered_blocks(&mut self, blocks: usize) {
-        self.gathered_blocks = blocks.max(1);
+        self.gathered_blocks = blocks;
     }
 
     /// Whether a pass of `rows` rows runs its experts as gathered slots (each expert's weights
@@ -942,8 +944,10 @@ impl GemvKernels {
         let bytes = slots * w.rows * w.cols * format.bits() / 8;
         let per_sm = if bytes < 64 << 20 { 1 } else { fit };
         let rounds = w.rows.div_ceil(TILE_ROWS * tiles_per_block);
-        let resident_per_slot = if gathered {
+        let resident_per_slot = if gathered && self.gathered_blocks > 0 {
             self.gathered_blocks
+        } else if gathered {
+            (2 * self.sm_count).div_ceil(slots)
         } else {
             (per_sm.max(1) * self.sm_count / slots).max(1)
         };
