@@ -232,6 +232,98 @@ pub fn profile_batched_decode(
     ops
 }
 
+/// One shared pass of `prompts` new prompts of `prompt_len` tokens each, with and without
+/// `decode_rows` decode rows riding along (sequences that each prefilled a short prompt first), as
+/// the server's passes mix them: (op times of the prompts alone, of the same with the rows).
+/// Sequence ids from `first` downwards; all are freed again.
+pub fn profile_mixed_pass(
+    backend: &mut dyn Backend,
+    first: SeqId,
+    prompts: usize,
+    prompt_len: usize,
+    decode_rows: usize,
+) -> anyhow::Result<(Vec<OpTime>, Vec<OpTime>)> {
+    let vocab = backend.config().vocab_size;
+    let greedy = DeviceSampling::greedy(vocab);
+    let ids: Vec<SeqId> = (0..(2 * prompts + decode_rows) as SeqId)
+        .map(|i| first - i)
+        .collect();
+    let run = |backend: &mut dyn Backend| -> anyhow::Result<(Vec<OpTime>, Vec<OpTime>)> {
+        for &seq in &ids {
+            backend.create_sequence(seq)?;
+        }
+        let (alone, rest) = ids.split_at(prompts);
+        let (mixed, riders) = rest.split_at(prompts);
+        let mut next = Vec::new();
+        for (i, &seq) in riders.iter().enumerate() {
+            next.push(backend.forward_greedy(seq, &synthetic_prompt(32, vocab, i as u64))?);
+        }
+        let texts: Vec<Vec<u32>> = (0..prompts)
+            .map(|i| synthetic_prompt(prompt_len, vocab, (1000 + i) as u64))
+            .collect();
+        let singles: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let mut pass = |prompt_seqs: &[SeqId], rows: &[SeqId]| -> anyhow::Result<Vec<OpTime>> {
+            let mut steps: Vec<Step> = prompt_seqs
+                .iter()
+                .zip(&texts)
+                .map(|(&seq, text)| Step {
+                    seq,
+                    tokens: text,
+                    sample: Some((&greedy, 0.0)),
+                })
+                .collect();
+            steps.extend(rows.iter().zip(&singles).map(|(&seq, token)| Step {
+                seq,
+                tokens: token,
+                sample: Some((&greedy, 0.0)),
+            }));
+            backend.take_op_times();
+            for out in backend.forward_batch(&steps) {
+                out?;
+            }
+            Ok(backend.take_op_times())
+        };
+        Ok((pass(alone, &[])?, pass(mixed, riders)?))
+    };
+    let ops = run(backend);
+    for &seq in &ids {
+        backend.free_sequence(seq);
+    }
+    ops
+}
+
+/// The mixed pass of [`profile_mixed_pass`] beside the prompts alone, by section (ms).
+pub fn mixed_markdown(
+    prompts: usize,
+    prompt_len: usize,
+    rows: usize,
+    alone: &[OpTime],
+    mixed: &[OpTime],
+) -> String {
+    let total = |ops: &[OpTime]| ops.iter().map(|o| o.ms).sum::<f64>();
+    let mut s = format!(
+        "### One pass of {prompts} prompts × {prompt_len} tokens: {:.1} ms alone, {:.1} ms with {rows} decode rows\n\n",
+        total(alone),
+        total(mixed)
+    );
+    let mut table = |title: &str, key: fn(&OpTime) -> String| {
+        let mut rows_by = sum_by(alone, mixed, key);
+        rows_by.sort_by(|a, b| (b.2 - b.1).total_cmp(&(a.2 - a.1)));
+        s += &format!(
+            "| {title} | alone ms | with decode rows ms | difference |\n|---|---:|---:|---:|\n"
+        );
+        for (k, a, b) in rows_by {
+            s += &format!("| {k} | {a:.2} | {b:.2} | {:+.2} |\n", b - a);
+        }
+        s += "\n";
+    };
+    table("section", |o| o.section.clone());
+    table("section: kernel", |o| {
+        format!("{}: {}", o.section, o.kernel)
+    });
+    s
+}
+
 /// Tables of a profile: time per section of the forward pass, then per kernel; prefill in ms
 /// for the whole prompt, decode in µs per step.
 pub fn profile_markdown(points: &[ProfilePoint]) -> String {

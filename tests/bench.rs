@@ -112,6 +112,21 @@ fn batched_decode_steps_run_and_free_their_sequences() {
 }
 
 #[test]
+fn mixed_pass_profile_runs_and_frees_its_sequences() {
+    let weights = checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
+    let mut cpu = CpuBackend::new(weights);
+    // 2 prompts alone, 2 with 3 decode rows: 7 sequences, none left afterwards.
+    let (alone, mixed) = bench::profile_mixed_pass(&mut cpu, 200, 2, 9, 3).unwrap();
+    assert!(alone.is_empty() && mixed.is_empty());
+    for seq in 200 - 6..=200 {
+        assert!(
+            cpu.forward(seq, &[1]).is_err(),
+            "sequence {seq} was not freed"
+        );
+    }
+}
+
+#[test]
 fn the_cpu_backend_has_no_op_timing() {
     let weights = checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
     let mut cpu = CpuBackend::new(weights);

@@ -466,6 +466,53 @@ fn timing_at_4096_tokens() {
     );
 }
 
+/// cuBLAS on kept bf16 copies at token counts around the prefill chunk and at odd ones (a
+/// prompt's last chunk is any length): ms per product and TFLOP/s, to see how far cuBLAS's own
+/// kernel choice moves with the count. Prints; asserts nothing about speed.
+#[test]
+fn cublas_timing_by_token_count() {
+    let dev = device();
+    let s = dev.stream();
+    let mut rng = rng("cublas by tokens");
+    let shapes = [
+        ("GDN in_proj", Kind::Q4, 12352, 2048),
+        ("GDN out_proj / o_proj", Kind::Q4, 2048, 4096),
+        ("attn q‖k‖v", Kind::Q4, 9216, 2048),
+        ("router ‖ shared gate", Kind::Q8, 257, 2048),
+    ];
+    let counts = [
+        4096, 4088, 4064, 4052, 4032, 4000, 3968, 3148, 2100, 2048, 1100, 1024, 600, 512,
+    ];
+    let (xb, _) = activations(&mut rng, 4096 * 4096, 1.0);
+    let dx = upload(s, &xb);
+    let mut y = upload(s, &vec![bf16::ZERO; 4096 * 12352]);
+    println!(
+        "| product | {} |",
+        counts
+            .map(|t| format!("{t} tokens ms (TFLOP/s)"))
+            .join(" | ")
+    );
+    for (what, kind, n, k) in shapes {
+        let m = random_weights(&mut rng, kind, n, k);
+        let dm = DeviceMatrices::concat(s, &[&m]).expect("upload");
+        let mut keeping = DenseGemm::new(&dev, 0).expect("cuBLAS");
+        keeping.keep(&dm.view()).expect("keep");
+        let cells: Vec<String> = counts
+            .iter()
+            .map(|&t| {
+                let x = dx.slice(..t * k);
+                let mut yv = y.slice_mut(..t * n);
+                let ms = median_ms(&dev, 10, || {
+                    keeping.gemm(&dm.view(), &x, &mut yv).expect("dense gemm")
+                });
+                let tflops = 2.0 * (t * n * k) as f64 / (ms as f64 * 1e-3) / 1e12;
+                format!("{ms:.3} ({tflops:.0})")
+            })
+            .collect();
+        println!("| {what} {n} × {k} | {} |", cells.join(" | "));
+    }
+}
+
 /// Random weights of the given kind without running the quantiser (timing only).
 fn random_weights(rng: &mut SmallRng, kind: Kind, n: usize, k: usize) -> Matrix {
     match kind {

@@ -46,6 +46,10 @@ pub struct BenchArgs {
     /// --profile: sequences per step of its batched decode steps (at contexts up to 4K; 1: none).
     #[arg(long, default_value_t = bench::PROFILE_BATCH)]
     pub profile_batch: usize,
+    /// --profile: also one pass of 4 prompts (4,096 rows in all, as the server's) with this many
+    /// decode rows riding along, against the prompts alone (0: not).
+    #[arg(long, default_value_t = 0)]
+    pub profile_mixed: usize,
     /// Measure the engine under load instead: concurrent streams, a multi-turn conversation
     /// with and without the prefix cache, decode speed per stream (the flags below).
     #[arg(long)]
@@ -91,7 +95,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     } else {
         let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps + 16;
         // --profile also times decode steps of --profile-batch sequences at once.
-        let slots = args.profile.then_some(args.profile_batch.max(1));
+        let slots = args
+            .profile
+            .then_some(args.profile_batch.max(1).max(8 + args.profile_mixed));
         (
             longest,
             GpuOptions {
@@ -151,7 +157,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             args.profile_batch,
         )? {
             Some(profile) => {
-                let md = bench::profile_markdown(&profile);
+                let mut md = bench::profile_markdown(&profile);
+                if args.profile_mixed > 0 {
+                    backend.set_op_timing(true);
+                    // The server's passes hold at most 4,096 rows: the prompts make room.
+                    let rows = args.profile_mixed.min(2048);
+                    let (prompts, len) = (4, 1024 - rows.div_ceil(4));
+                    let (alone, mixed) =
+                        bench::profile_mixed_pass(backend.as_mut(), 1 << 45, prompts, len, rows)?;
+                    backend.set_op_timing(false);
+                    md += &bench::mixed_markdown(prompts, len, rows, &alone, &mixed);
+                }
                 println!("{md}");
                 if let Some(out) = &args.out {
                     std::fs::write(out.join("profile.md"), md)?;
