@@ -384,8 +384,8 @@ pub struct GemvKernels {
     /// Passes whose rows are in this range run their experts as gathered slots
     /// ([`Self::gathers_experts`]); `LILY_GATHERED_ROWS=a-b` sets it (`0-0`: never).
     gathered_rows: (usize, usize),
-    /// Passes of 9 up to this many rows run their dense projections as row chunks in one launch
-    /// ([`Self::chunks_rows`]); `LILY_ROW_CHUNKS_MAX` sets it (8: never).
+    /// Passes of up to this many rows may run their dense projections as row chunks in one launch
+    /// ([`Self::chunks_rows`]); `LILY_ROW_CHUNKS_MAX` sets it (0: never).
     row_chunks_max: usize,
     /// Blocks per gathered slot: `LILY_GATHERED_BLOCKS`, else (0) about two blocks per SM
     /// over the launch's slots, at least one (bench/NOTES.md v1.42: a 64-row pass's ~297 slots
@@ -499,12 +499,13 @@ impl GemvKernels {
     }
 
     /// Whether a pass of `rows` rows runs a projection over `w` as row chunks in one launch
-    /// ([`Self::gemv_row_chunks`]) rather than the tensor-core GEMM, whose few tiles at a few
-    /// dozen rows leave most SMs without work: for matrices of at most ROW_CHUNKS_MAX_ROWS rows.
-    /// Each chunk dequantises the weights again, which costs more than the GEMM on taller ones
-    /// (GDN in_proj, q‖k‖v, lm_head: bench/NOTES.md v1.42).
+    /// ([`Self::gemv_row_chunks`]) rather than several GEMV launches or the tensor-core GEMM, whose
+    /// few tiles at a few dozen rows leave most SMs without work: when one launch does not take
+    /// the rows, for matrices of at most ROW_CHUNKS_MAX_ROWS rows. Each chunk dequantises the
+    /// weights again, which costs more than the GEMM on taller ones (GDN in_proj, q‖k‖v, lm_head:
+    /// bench/NOTES.md v1.42).
     pub fn chunks_rows(&self, rows: usize, w: &Matrices) -> bool {
-        rows > MAX_TOKENS && rows <= self.row_chunks_max && w.rows <= ROW_CHUNKS_MAX_ROWS
+        rows > self.max_tokens(w) && rows <= self.row_chunks_max && w.rows <= ROW_CHUNKS_MAX_ROWS
     }
 
     /// The next launch (only that one) reads its device-side ids before its PDL wait and streams

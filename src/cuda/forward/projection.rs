@@ -51,8 +51,9 @@ pub(super) fn first_projection(
 }
 
 /// `y = W · x` for `t` rows: cuBLAS on dequantised weights for long chunks (dense.rs), GEMV row
-/// chunks in one launch for a few dozen rows, our tensor-core GEMM for more, else (or for weights
-/// it does not take) GEMVs of as many tokens per launch as fit in shared memory (≤ 8).
+/// chunks in one launch for more rows than one GEMV takes up to a few dozen (matrices of ≤ 4,096
+/// rows), our tensor-core GEMM for more than 8, else (or for weights it does not take) GEMVs of
+/// as many tokens per launch as fit in shared memory (≤ 8).
 pub(super) fn gemv_rows(
     k: &mut Kernels,
     w: &DeviceMatrices,
