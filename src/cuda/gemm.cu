@@ -93,15 +93,15 @@ struct GemvArgs {
     const bf16* x;       // slot s reads x + (s / slots_per_x)·x_slot_stride, laid out [ntok][K]
     bf16* y;             // slot s writes y + s·ntok·rows, laid out [ntok][rows]
     const int* ids;      // matrix of each slot, clamped to [0, count); null: slot s uses matrix s;
-                         // with `gathered` the slot table [slots][SLOT_WORDS]
+                         // for the *_gathered kernels the slot table [slots][SLOT_WORDS]
     i64 w_mat_words;
     i64 x_slot_stride;
     int rows, cols, ntok, tiles_per_block, warps_per_tile, count;
     int swiglu;          // x rows are gate‖up [2·cols]: the product takes bf16(silu(gate)·up)
     int slots_per_x;     // consecutive slots sharing one x: slot s reads x block s / slots_per_x
     int chunk_rows;      // > 0: row chunks of matrix 0; slot s has min(ntok, chunk_rows − s·ntok) tokens
-    int gathered;        // the slots come from the table at ids (x rows: the tokens, or with swiglu
-    int x_rows, y_rows;  // the output rows); row numbers are clamped to [0, x_rows) and [0, y_rows)
+    int x_rows, y_rows;  // gathered kernels: the table's rows of x (the tokens, or with swiglu the
+                         // output rows) and of y are clamped to [0, x_rows) and [0, y_rows)
     // L2 ahead: byte ranges the next kernels will read (range r of the block's matrix m starts at
     // ahead[r] + m·ahead_stride[r]; 0 bytes: unused), pulled into L2 beside the block's own weights.
     const unsigned char* ahead[L2_AHEAD];
@@ -182,7 +182,9 @@ struct Job {
     int round, batch;
 };
 
-template <int F>
+// GATHER: the slots come from the table at a.ids; kernels of their own, so that the other
+// launches' code carries no branch for it.
+template <int F, bool GATHER>
 __device__ void gemv(const GemvArgs& a) {
     using T = Fmt<F>;
     using S = Slot<F>;
@@ -211,7 +213,7 @@ __device__ void gemv(const GemvArgs& a) {
     // (gather[n] and gather[MAX_TOKENS + n]). A table slot without tokens has nothing to do.
     __shared__ int gather[2 * MAX_TOKENS];
     int ntok = a.ntok, mat = slot_id;
-    if (a.gathered) {
+    if constexpr (GATHER) {
         const int* entry = a.ids + slot_id * SLOT_WORDS;
         ntok = min(__ldcg(entry + 1), MAX_TOKENS);
         if (ntok <= 0) return;
@@ -340,7 +342,7 @@ __device__ void gemv(const GemvArgs& a) {
     {
         const bf16* x = a.x + (slot_id / a.slots_per_x) * a.x_slot_stride;
         const int x_width = a.swiglu ? 2 * K : K;
-        auto x_row = [&](int tok) { return (a.gathered ? a.x + (i64)gather[tok] * x_width : x + (i64)tok * x_width); };
+        auto x_row = [&](int tok) { return GATHER ? a.x + (i64)gather[tok] * x_width : x + (i64)tok * x_width; };
         const int vec_per_tok = K / 8, total = ntok * vec_per_tok;
         const int steps = (total + blockDim.x - 1) / blockDim.x;
         for (int s = 0; s < steps; ++s) {
@@ -394,7 +396,7 @@ __device__ void gemv(const GemvArgs& a) {
     const unsigned char* my_x = xstage + g * stage_tok;  // this lane's B column is token g
     // Token n's output row: consecutive rows of the slot's block of y, or the gathered row.
     bf16* y = a.y + (i64)slot_id * a.ntok * a.rows;
-    auto y_row = [&](int n) { return a.gathered ? a.y + (i64)gather[MAX_TOKENS + n] * a.rows : y + (i64)n * a.rows; };
+    auto y_row = [&](int n) { return GATHER ? a.y + (i64)gather[MAX_TOKENS + n] * a.rows : y + (i64)n * a.rows; };
     Job job{(int)blockIdx.x, 0};
     for (int j = 0; j < jobs; ++j, advance(job)) {
         // Job j's copies are done once at most STAGES - 2 newer groups are pending; the warp
@@ -514,6 +516,9 @@ __device__ void gemv(const GemvArgs& a) {
 
 // Blocks have at most 256 threads (gemm.rs); saying so lets ptxas give each thread the registers it
 // needs (without it, ptxas plans for 1024 threads and spills).
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4(const GemvArgs a) { gemv<Q4>(a); }
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8(const GemvArgs a) { gemv<Q8>(a); }
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16(const GemvArgs a) { gemv<BF16>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4(const GemvArgs a) { gemv<Q4, false>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8(const GemvArgs a) { gemv<Q8, false>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16(const GemvArgs a) { gemv<BF16, false>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_gathered(const GemvArgs a) { gemv<Q4, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_gathered(const GemvArgs a) { gemv<Q8, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_gathered(const GemvArgs a) { gemv<BF16, true>(a); }

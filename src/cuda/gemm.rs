@@ -124,7 +124,6 @@ struct GemvArgs {
     swiglu: i32,
     slots_per_x: i32,
     chunk_rows: i32,
-    gathered: i32,
     x_rows: i32,
     y_rows: i32,
     ahead: [u64; L2_AHEAD],
@@ -362,6 +361,8 @@ pub struct GemvKernels {
     q4: CudaFunction,
     q8: CudaFunction,
     bf16: CudaFunction,
+    /// The same for gathered slots ([`SlotInput::Gathered`]), as their own kernels.
+    gathered: [CudaFunction; 3],
     max_shared: usize,
     sm_count: usize,
     /// What the next launch pulls into L2 ([`GemvKernels::then_prefetch`]).
@@ -420,6 +421,11 @@ impl GemvKernels {
             Ok(f)
         };
         let (q4, q8, bf16) = (load("gemv_q4")?, load("gemv_q8")?, load("gemv_bf16")?);
+        let gathered = [
+            load("gemv_q4_gathered")?,
+            load("gemv_q8_gathered")?,
+            load("gemv_bf16_gathered")?,
+        ];
         let warps_per_sm = match std::env::var("LILY_GEMV_WARPS_PER_SM") {
             Err(_) => 4,
             Ok(v) => match v.parse() {
@@ -462,6 +468,7 @@ impl GemvKernels {
             q4,
             q8,
             bf16,
+            gathered,
             max_shared,
             sm_count,
             ahead: Cell::default(),
@@ -905,7 +912,6 @@ impl GemvKernels {
             ) as i32,
             slots_per_x: as_i32(slots_per_x, "slots per x")?,
             chunk_rows: as_i32(chunk_rows, "rows")?,
-            gathered: i32::from(gathered),
             x_rows: as_i32(x_rows, "x rows")?,
             y_rows: as_i32(y_rows, "y rows")?,
             ahead: ahead.ranges.map(|r| r.0),
@@ -926,10 +932,13 @@ impl GemvKernels {
             topk_weights: topk.map_or(0, |t| t.weights),
             topk_counter: topk.map_or(0, |t| t.counter),
         };
-        let func = match format {
-            Format::Q4 => &self.q4,
-            Format::Q8 => &self.q8,
-            Format::Bf16 => &self.bf16,
+        let func = match (format, gathered) {
+            (Format::Q4, false) => &self.q4,
+            (Format::Q8, false) => &self.q8,
+            (Format::Bf16, false) => &self.bf16,
+            (Format::Q4, true) => &self.gathered[0],
+            (Format::Q8, true) => &self.gathered[1],
+            (Format::Bf16, true) => &self.gathered[2],
         };
         // Persistent blocks: about as many as fit on the GPU at once, each taking the same number
         // of rounds (a round: tiles_per_block tiles), so that none is left with an extra one.
