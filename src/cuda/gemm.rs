@@ -5,7 +5,7 @@
 use std::cell::Cell;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
+use cudarc::driver::{sys, DevicePtr, DevicePtrMut, LaunchConfig};
 use half::bf16;
 
 use super::pdl::KernelValue;
@@ -13,6 +13,10 @@ use super::{
     addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaError, CudaFunction,
     CudaStream, CudaView, CudaViewMut, Result,
 };
+
+mod inputs;
+pub use inputs::{FusedTopK, L2Ahead, Matrices, ResidualInput, WeightData};
+use inputs::{L2_AHEAD, MAX_TOP_K};
 
 /// Tokens one launch can take: the mma's N.
 pub const MAX_TOKENS: usize = 8;
@@ -23,85 +27,6 @@ const TILE_ROWS: usize = 16;
 const BATCH: usize = 4;
 /// ... and how many such batches each warp has in flight (STAGES in gemm.cu).
 const STAGES: usize = 4;
-
-/// The weights of a stack of `count` matrices `[rows][cols]` (one matrix: `count` = 1; the experts
-/// of a layer: `count` = 256), row-major, matrix after matrix.
-pub enum WeightData<'a> {
-    Bf16(CudaView<'a, bf16>),
-    /// MLX affine quantisation: `W[r][c] = scales[r][c/64] · q + biases[r][c/64]`. `packed` is
-    /// `[count][rows][cols·bits/32]` uint32, element `c` of a word in bits `bits·c ..` (lowest first);
-    /// scales and biases are `[count][rows][cols/64]`.
-    Affine {
-        bits: u32,
-        packed: CudaView<'a, u32>,
-        scales: CudaView<'a, bf16>,
-        biases: CudaView<'a, bf16>,
-    },
-}
-
-/// A stack of matrices as the kernels take it: weights plus their shape.
-pub struct Matrices<'a> {
-    pub data: WeightData<'a>,
-    pub count: usize,
-    pub rows: usize,
-    pub cols: usize,
-}
-
-impl Matrices<'_> {
-    /// Checks that the buffers hold exactly `count` matrices of `rows × cols` in their format
-    /// (the kernels index them from the shape alone); `op` names the caller in the error.
-    pub(crate) fn check_lengths(&self, op: &str) -> Result<()> {
-        let n = self.count * self.rows * self.cols;
-        match &self.data {
-            WeightData::Bf16(v) => ensure!(
-                v.len() == n,
-                "{op}: bf16 weights have {} values, expected {n}",
-                v.len()
-            ),
-            WeightData::Affine {
-                bits,
-                packed,
-                scales,
-                biases,
-            } => {
-                let words = n * *bits as usize / 32;
-                ensure!(
-                    packed.len() == words,
-                    "{op}: packed weights have {} words, expected {words}",
-                    packed.len()
-                );
-                let groups = n / GROUP;
-                ensure!(
-                    scales.len() == groups && biases.len() == groups,
-                    "{op}: scales/biases need {groups} values each"
-                );
-            }
-        }
-        Ok(())
-    }
-
-    /// Device addresses of the weights, scales and biases (0 for bf16's absent scales and
-    /// biases), for a kernel's argument struct; see [`addr`].
-    pub(crate) fn addrs<'a>(
-        &'a self,
-        stream: &'a CudaStream,
-        guards: &mut Vec<SyncOnDrop<'a>>,
-    ) -> (u64, u64, u64) {
-        match &self.data {
-            WeightData::Bf16(v) => (addr(v, stream, guards), 0, 0),
-            WeightData::Affine {
-                packed,
-                scales,
-                biases,
-                ..
-            } => (
-                addr(packed, stream, guards),
-                addr(scales, stream, guards),
-                addr(biases, stream, guards),
-            ),
-        }
-    }
-}
 
 /// Kernel arguments, field for field the `GemvArgs` struct of gemm.cu.
 #[repr(C)]
@@ -186,127 +111,6 @@ impl Format {
             Format::Bf16 => TILE_ROWS * (256 + 64),
         }
     }
-}
-
-/// Byte ranges one launch can pull into L2 (L2_AHEAD in gemm.cu).
-const L2_AHEAD: usize = 6;
-
-/// Weights the kernels after a GEMV will read, for its blocks to pull into L2 beside their own
-/// ([`GemvKernels::then_prefetch`]): the next GEMVs, which follow kernels that read little (GDN
-/// step, attention, norms, top-k), then find their weights in L2 instead of starting cold.
-/// Ranges past the sixth are dropped.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct L2Ahead {
-    /// (device address, bytes, stride per matrix of the launch); bytes a multiple of 16.
-    ranges: [(u64, u64, u64); L2_AHEAD],
-    len: usize,
-}
-
-impl L2Ahead {
-    /// All of `w`'s weights, scales and biases.
-    pub fn matrices(mut self, w: &Matrices, stream: &CudaStream) -> Self {
-        for (ptr, bytes) in raw_ranges(w, stream) {
-            self.push(ptr, bytes, 0);
-        }
-        self
-    }
-    /// Matrix `m` of `w` (e.g. the shared expert of a stack), weights only.
-    pub fn one_matrix(mut self, w: &Matrices, m: usize, stream: &CudaStream) -> Self {
-        if let Some((ptr, bytes)) = raw_ranges(w, stream).into_iter().next() {
-            let per = bytes / w.count as u64;
-            if m < w.count {
-                self.push(ptr + m as u64 * per, per, 0);
-            }
-        }
-        self
-    }
-    /// For a launch over a stack with device-side ids: each slot's own matrix of `w` (the same
-    /// experts' next projection).
-    pub fn same_matrix(mut self, w: &Matrices, stream: &CudaStream) -> Self {
-        for (ptr, bytes) in raw_ranges(w, stream) {
-            let per = bytes / w.count as u64;
-            self.push(ptr, per, per);
-        }
-        self
-    }
-    fn push(&mut self, ptr: u64, bytes: u64, stride: u64) {
-        // The prefetch instruction takes 16-byte-aligned ranges of 16-byte multiples.
-        let bytes = bytes / 16 * 16;
-        if self.len < L2_AHEAD && ptr % 16 == 0 && stride % 16 == 0 && bytes > 0 {
-            self.ranges[self.len] = (ptr, bytes, stride);
-            self.len += 1;
-        }
-    }
-}
-
-/// (address, bytes) of the weights, then the scales and biases, of a whole stack.
-fn raw_ranges(w: &Matrices, stream: &CudaStream) -> Vec<(u64, u64)> {
-    let bytes = |len: usize, size: usize| (len * size) as u64;
-    match &w.data {
-        WeightData::Bf16(v) => vec![(v.device_ptr(stream).0, bytes(v.len(), 2))],
-        WeightData::Affine {
-            packed,
-            scales,
-            biases,
-            ..
-        } => vec![
-            (packed.device_ptr(stream).0, bytes(packed.len(), 4)),
-            (scales.device_ptr(stream).0, bytes(scales.len(), 2)),
-            (biases.device_ptr(stream).0, bytes(biases.len(), 2)),
-        ],
-    }
-}
-
-/// The most experts a top-k keeps (MAX_TOP_K in moe.cuh).
-const MAX_TOP_K: usize = 16;
-
-/// The router's top-k done by the last block of the router's GEMV ([`GemvKernels::then_topk`]),
-/// as `MoeKernels::router_topk` does it (both run moe.cuh), sparing its launch: `k` of `experts`
-/// plus the shared expert; `ids` and `weights` `[ntok][k + 1]`; `counter` one u32, zero between
-/// launches (the kernel leaves it so).
-#[derive(Clone, Copy, Default)]
-pub struct FusedTopK {
-    pub experts: usize,
-    pub k: usize,
-    pub ids: u64,
-    pub weights: u64,
-    pub counter: u64,
-}
-
-impl FusedTopK {
-    /// Device addresses of the outputs and the counter.
-    pub fn new(
-        experts: usize,
-        k: usize,
-        ids: &mut CudaViewMut<i32>,
-        weights: &mut CudaViewMut<f32>,
-        counter: &mut CudaViewMut<u32>,
-        stream: &CudaStream,
-    ) -> Self {
-        FusedTopK {
-            experts,
-            k,
-            ids: ids.device_ptr_mut(stream).0,
-            weights: weights.device_ptr_mut(stream).0,
-            counter: counter.device_ptr_mut(stream).0,
-        }
-    }
-}
-
-/// A GEMV input made inside the GEMV by the residual add and norm ([`GemvKernels::gemv_residual`]),
-/// exactly as `NormKernels::residual_rmsnorm` makes it (both run norm.cuh): for each token row,
-/// `sum = bf16(h + r)` with `r = bf16(Σ_j weights[j] · parts[j])` (no weights: the one part), and
-/// `x = rmsnorm(sum) · norm_w`. Decode saves the norm's own launch this way.
-pub struct ResidualInput<'a> {
-    /// `[ntok][cols]`, the residual stream.
-    pub h: CudaView<'a, bf16>,
-    /// `[ntok][k][cols]`: the mixer's output (k = 1), or each expert slot's (the MoE combine).
-    pub parts: CudaView<'a, bf16>,
-    /// `[ntok][k]`, required when k > 1.
-    pub weights: Option<CudaView<'a, f32>>,
-    /// `[cols]`, the norm's effective weight.
-    pub norm_w: CudaView<'a, f32>,
-    pub eps: f32,
 }
 
 /// Whether decode may read inputs before the PDL wait where that is safe (the experts' ids here,
