@@ -125,7 +125,7 @@ impl ModelConfig {
             }
         }
 
-        let num_hidden_layers = f.usize("num_hidden_layers")?;
+        let num_hidden_layers = f.size("num_hidden_layers")?;
         let layer_types = match t.get("layer_types") {
             Some(Value::Array(items)) => {
                 let mut kinds = Vec::with_capacity(items.len());
@@ -215,7 +215,7 @@ impl ModelConfig {
         }
         let partial = rope_field("partial_rotary_factor", 0.25)?;
 
-        let head_dim = f.usize("head_dim")?;
+        let head_dim = f.size("head_dim")?;
         let rotary_dim = (head_dim as f64 * partial).round() as usize;
         if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
             return Err(field_err(
@@ -249,33 +249,33 @@ impl ModelConfig {
         };
 
         let cfg = ModelConfig {
-            hidden_size: f.usize("hidden_size")?,
+            hidden_size: f.size("hidden_size")?,
             num_hidden_layers,
             layer_types,
-            vocab_size: f.usize("vocab_size")?,
+            vocab_size: f.size("vocab_size")?,
             rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)? as f32,
             tie_word_embeddings: t
                 .get("tie_word_embeddings")
                 .or_else(|| root.get("tie_word_embeddings"))
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-            num_attention_heads: f.usize("num_attention_heads")?,
-            num_key_value_heads: f.usize("num_key_value_heads")?,
+            num_attention_heads: f.size("num_attention_heads")?,
+            num_key_value_heads: f.size("num_key_value_heads")?,
             head_dim,
             rotary_dim,
             rope_theta,
-            linear_num_key_heads: f.usize("linear_num_key_heads")?,
-            linear_num_value_heads: f.usize("linear_num_value_heads")?,
-            linear_key_head_dim: f.usize("linear_key_head_dim")?,
-            linear_value_head_dim: f.usize("linear_value_head_dim")?,
-            linear_conv_kernel_dim: f.usize_or("linear_conv_kernel_dim", 4)?,
-            num_experts: f.usize("num_experts")?,
-            num_experts_per_tok: f.usize("num_experts_per_tok")?,
-            moe_intermediate_size: f.usize("moe_intermediate_size")?,
-            shared_expert_intermediate_size: f.usize("shared_expert_intermediate_size")?,
-            max_position_embeddings: f.usize_or("max_position_embeddings", 262_144)?,
+            linear_num_key_heads: f.size("linear_num_key_heads")?,
+            linear_num_value_heads: f.size("linear_num_value_heads")?,
+            linear_key_head_dim: f.size("linear_key_head_dim")?,
+            linear_value_head_dim: f.size("linear_value_head_dim")?,
+            linear_conv_kernel_dim: f.size_or("linear_conv_kernel_dim", 4)?,
+            num_experts: f.size("num_experts")?,
+            num_experts_per_tok: f.size("num_experts_per_tok")?,
+            moe_intermediate_size: f.size("moe_intermediate_size")?,
+            shared_expert_intermediate_size: f.size("shared_expert_intermediate_size")?,
+            max_position_embeddings: f.size_or("max_position_embeddings", 262_144)?,
             eos_token_ids,
-            mtp_num_hidden_layers: f.usize_or("mtp_num_hidden_layers", 0)?,
+            mtp_num_hidden_layers: f.size_or("mtp_num_hidden_layers", 0)?,
         };
         cfg.validate(prefix)?;
         Ok(cfg)
@@ -411,6 +411,34 @@ pub struct ParameterCounts {
     pub active: usize,
 }
 
+/// Generous upper bounds of the sizes a config gives (several times any real model's), so that
+/// a corrupt file fails with a message instead of asking for terabytes.
+fn max_size(key: &str) -> usize {
+    match key {
+        "num_hidden_layers" => 1024,
+        "mtp_num_hidden_layers" => 64,
+        "hidden_size" => 1 << 16,
+        "vocab_size" => 1 << 23,
+        "num_attention_heads"
+        | "num_key_value_heads"
+        | "linear_num_key_heads"
+        | "linear_num_value_heads" => 1024,
+        "head_dim" | "linear_key_head_dim" | "linear_value_head_dim" => 4096,
+        "linear_conv_kernel_dim" => 64,
+        "num_experts" | "num_experts_per_tok" => 1 << 16,
+        "moe_intermediate_size" | "shared_expert_intermediate_size" => 1 << 18,
+        "max_position_embeddings" => 1 << 27,
+        _ => usize::MAX,
+    }
+}
+
+fn bounded(field: &str, v: usize, max: usize) -> Result<usize, ConfigError> {
+    if v > max {
+        return Err(field_err(field, &format!("at most {max}"), &v.to_string()));
+    }
+    Ok(v)
+}
+
 fn field_err(field: &str, expected: &str, found: &str) -> ConfigError {
     ConfigError::Field {
         field: field.to_string(),
@@ -445,6 +473,16 @@ impl Fields<'_> {
             None | Some(Value::Null) => Ok(default),
             Some(_) => self.usize(key),
         }
+    }
+    /// A size at most [`max_size`] allows: a corrupt or absurd value (a billion layers) is an
+    /// error here, not an allocation that aborts the process later.
+    fn size(&self, key: &str) -> Result<usize, ConfigError> {
+        let v = self.usize(key)?;
+        bounded(&self.name(key), v, max_size(key))
+    }
+    fn size_or(&self, key: &str, default: usize) -> Result<usize, ConfigError> {
+        let v = self.usize_or(key, default)?;
+        bounded(&self.name(key), v, max_size(key))
     }
     fn f64(&self, key: &str) -> Result<f64, ConfigError> {
         let v = self.obj.get(key);

@@ -84,3 +84,27 @@ fn mismatches_name_the_field_and_the_expectation() {
     let e = error_for(|v| v["text_config"]["attention_bias"] = json!(true));
     assert!(e.contains("attention_bias"), "{e}");
 }
+
+/// Absurd sizes (a corrupt file's) are errors that name the field, before anything is sized by
+/// them: a trillion layers without `layer_types` would otherwise be a trillion-entry list.
+#[test]
+fn absurd_sizes_are_refused() {
+    let e = error_for(|v| {
+        let t = v["text_config"].as_object_mut().unwrap();
+        t.remove("layer_types");
+        t.insert("num_hidden_layers".into(), json!(1_000_000_000_000u64));
+    });
+    assert!(
+        e.contains("num_hidden_layers") && e.contains("at most 1024"),
+        "{e}"
+    );
+    for field in [
+        "hidden_size",
+        "vocab_size",
+        "num_experts",
+        "moe_intermediate_size",
+    ] {
+        let e = error_for(|v| v["text_config"][field] = json!(u64::MAX / 2));
+        assert!(e.contains(field) && e.contains("at most"), "{e}");
+    }
+}
