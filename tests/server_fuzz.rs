@@ -275,4 +275,94 @@ async fn random_bad_requests_get_client_errors_and_leave_the_server_healthy() {
     demo.stop().await;
 }
 
+/// A model reply made of random pieces of the markup the output parsers look for (reasoning,
+/// tool calls in Qwen's XML form, JSON), partial tags, control and multi-byte characters.
+fn random_reply(rng: &mut Rng) -> String {
+    let pieces = [
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<function=f>",
+        "<function=nope>",
+        "<function=",
+        "<parameter=a>",
+        "<parameter=",
+        "</parameter>",
+        "</function>",
+        "<tool_",
+        "</tool",
+        "<",
+        ">",
+        "{\"name\": \"f\", \"arguments\": {",
+        "}",
+        "\"",
+        "\n",
+        "\n\n",
+        " ",
+        "ok",
+        "é",
+        "漢字",
+        "🙂",
+        "\u{0}",
+        "\u{202e}",
+        "\\",
+        "<|im_start|>",
+        "null",
+        "[1, 2",
+        "{\"a\": \"b\"}",
+    ];
+    (0..rng.below(40))
+        .map(|_| pieces[rng.below(pieces.len())])
+        .collect()
+}
+
+/// Random model outputs through every endpoint, streamed and whole, with a tool on offer: the
+/// reasoning and tool-call parsers take whatever the model says (a malformed call stays text or
+/// is reported in the response), so each request answers 200 with a response framed to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_model_outputs_are_answered_whole() {
+    let mut rng = Rng::new("output fuzz");
+    let cases = 150;
+    let replies: Vec<Value> = (0..cases)
+        .map(|i| json!({"when": format!("case{i:03}x"), "text": random_reply(&mut rng)}))
+        .collect();
+    let server = TestServer::scripted(json!({"replies": replies, "default": "?"})).await;
+    let paths = ["/v1/chat/completions", "/v1/responses", "/v1/messages"];
+    for i in 0..cases {
+        let path = paths[rng.below(paths.len())];
+        let mut body = valid(path, DEMO_MODEL);
+        let ask = format!("case{i:03}x");
+        match path {
+            "/v1/chat/completions" => body["messages"] = json!([{"role": "user", "content": ask}]),
+            "/v1/responses" => {
+                body["input"] = json!(ask);
+                body["tools"] = json!([{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}]);
+            }
+            _ => {
+                body["messages"] = json!([{"role": "user", "content": ask}]);
+                body["tools"] = json!([{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string"}}}}]);
+            }
+        }
+        // Enough tokens for the reply, whichever endpoint's field counts them.
+        for field in ["max_tokens", "max_output_tokens"] {
+            if body.get(field).is_some() {
+                body[field] = json!(4096);
+            }
+        }
+        body["stream"] = json!(rng.below(2) == 0);
+        let what = format!(
+            "case {i}, {path}, stream {}: reply {:?}",
+            body["stream"], replies[i]["text"]
+        );
+        let status = check(&server, path, body.to_string().as_bytes(), &what).await;
+        assert_eq!(status, 200, "{what}");
+    }
+    assert!(
+        idle(&server, Duration::from_secs(10)).await,
+        "requests left running"
+    );
+    server.stop().await;
+}
+
 const DEMO_MODEL: &str = lily::server::DEMO_MODEL_NAME;
