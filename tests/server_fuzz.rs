@@ -329,7 +329,7 @@ async fn random_model_outputs_are_answered_whole() {
         .collect();
     let server = TestServer::scripted(json!({"replies": replies, "default": "?"})).await;
     let paths = ["/v1/chat/completions", "/v1/responses", "/v1/messages"];
-    for i in 0..cases {
+    for (i, reply) in replies.iter().enumerate() {
         let path = paths[rng.below(paths.len())];
         let mut body = valid(path, DEMO_MODEL);
         let ask = format!("case{i:03}x");
@@ -353,7 +353,7 @@ async fn random_model_outputs_are_answered_whole() {
         body["stream"] = json!(rng.below(2) == 0);
         let what = format!(
             "case {i}, {path}, stream {}: reply {:?}",
-            body["stream"], replies[i]["text"]
+            body["stream"], reply["text"]
         );
         let status = check(&server, path, body.to_string().as_bytes(), &what).await;
         assert_eq!(status, 200, "{what}");
