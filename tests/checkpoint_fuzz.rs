@@ -99,23 +99,43 @@ fn gguf_header_bytes(path: &PathBuf) -> usize {
     std::fs::read(path).unwrap().len().min(24 * 1024)
 }
 
+/// The bf16 GGUF fixture and the K-quant one (Q4_K, Q5_K, Q6_K, Q8_0 blocks).
 #[test]
 fn corrupt_gguf_files_fail_cleanly() {
     let mut rng = Rng::new("gguf fuzz");
-    let fixture =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/tiny-a-bf16.gguf");
-    let original = std::fs::read(&fixture).unwrap();
+    for name in ["tiny-a-bf16.gguf", "tiny-k.gguf"] {
+        let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/gguf")
+            .join(name);
+        let original = std::fs::read(&fixture).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("model.gguf");
+        fuzz(
+            &mut rng,
+            name,
+            &original,
+            gguf_header_bytes(&fixture),
+            &target,
+            &target,
+            200,
+        );
+    }
+}
+
+/// An MLX 4-bit checkpoint's shard (packed weights with their scales and biases).
+#[test]
+fn corrupt_mlx_shards_fail_cleanly() {
+    let mut rng = Rng::new("mlx fuzz");
     let dir = tempfile::tempdir().unwrap();
-    let target = dir.path().join("model.gguf");
-    fuzz(
-        &mut rng,
-        "gguf",
-        &original,
-        gguf_header_bytes(&fixture),
-        &target,
-        &target,
-        300,
-    );
+    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mlx/tiny-q4");
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let target = dir.path().join("model.safetensors");
+    let original = std::fs::read(&target).unwrap();
+    let header = 8 + u64::from_le_bytes(original[..8].try_into().unwrap()) as usize;
+    fuzz(&mut rng, "mlx", &original, header, &target, dir.path(), 300);
 }
 
 #[test]
