@@ -75,6 +75,13 @@ fn odd_value(rng: &mut Rng) -> Value {
         json!({"type": "nonsense"}),
         json!([{"role": "user"}]),
         json!([{"type": "image_url", "image_url": {"url": "x"}}]),
+        json!([4_294_967_295u64, 0]),
+        json!([-5]),
+        json!([[1, 2], [3]]),
+        json!([{"role": "tool", "content": "x"}]),
+        json!([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]),
+        json!({"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}),
+        json!({"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "minItems": 1000000}}}),
         deep,
     ];
     options[rng.below(options.len())].clone()
