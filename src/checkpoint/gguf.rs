@@ -222,11 +222,13 @@ impl GgufFile {
                     ggml_type.block_values()
                 )));
             }
-            let count = ne
+            let bytes = ne
                 .iter()
                 .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .and_then(|count| {
+                    (count / ggml_type.block_values()).checked_mul(ggml_type.block_bytes())
+                })
                 .ok_or_else(|| r.err(format!("tensor `{name}`: dims {ne:?} overflow")))?;
-            let bytes = count / ggml_type.block_values() * ggml_type.block_bytes();
             let begin = data_start.saturating_add(offset);
             if begin.saturating_add(bytes) > buf.len() {
                 return Err(CheckpointError::Truncated {
