@@ -29,7 +29,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
     /// Weights of a synthetic model: bf16, or MLX-affine 4/8-bit (router and shared-expert gate
-    /// 8-bit). On the GPU they are generated in device memory.
+    /// 8-bit), or fp8 (as an FP8 checkpoint runs: 8-bit for decode, FP8 experts of their own
+    /// random values for prefill). On the GPU they are generated in device memory.
     #[arg(long, value_enum, default_value_t = Quant::Bf16)]
     pub quant: Quant,
     /// cpu, cuda or cuda:N (default: cuda when available).
@@ -209,6 +210,8 @@ pub enum Quant {
     Bf16,
     Q4,
     Q8,
+    /// As an FP8 checkpoint runs: Q8 for decode, FP8 expert stacks for prefill.
+    Fp8,
 }
 
 /// A backend over random weights of a preset: generated in GPU memory on CUDA; on the CPU,
@@ -229,12 +232,16 @@ fn synthetic_backend(
             let bits = match quant {
                 Quant::Bf16 => None,
                 Quant::Q4 => Some(4),
-                Quant::Q8 => Some(8),
+                Quant::Q8 | Quant::Fp8 => Some(8),
             };
             let dev = CudaDevice::open(device)?;
             let t = std::time::Instant::now();
-            let model =
-                CudaModel::synthetic(&dev, lily::config::ModelConfig::from_json(&cfg)?, bits, 0)?;
+            let config = lily::config::ModelConfig::from_json(&cfg)?;
+            let model = if quant == Quant::Fp8 {
+                CudaModel::synthetic_fp8(&dev, config, 0)?
+            } else {
+                CudaModel::synthetic(&dev, config, bits, 0)?
+            };
             eprintln!(
                 "synthetic weights: {:.2} GB on the GPU in {:.1} s",
                 model.bytes() as f64 / 1e9,

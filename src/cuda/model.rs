@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use super::synth::SynthKernels;
-use super::weights::{htod, DeviceMatrices};
+use super::weights::{htod, DeviceFp8, DeviceMatrices};
 use super::{ensure, Context, CudaDevice, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::convert;
@@ -43,6 +43,38 @@ pub struct DeviceMoe {
     pub gate_up: DeviceMatrices,
     /// `num_experts + 1` × `[hidden][I]`.
     pub down: DeviceMatrices,
+    /// An FP8 checkpoint's expert stacks as they ship, for long prefill chunks on the FP8 tensor
+    /// cores (gemm_fp8.rs); the stacks above are their affine Q8 conversion, for decode.
+    pub fp8: Option<DeviceFp8Moe>,
+}
+
+/// The same stacks as DeviceMoe's `gate_up` and `down`, in e4m3 with 128 × 128 block scales.
+pub struct DeviceFp8Moe {
+    pub gate_up: DeviceFp8,
+    pub down: DeviceFp8,
+}
+
+impl DeviceFp8Moe {
+    /// The layer's expert stacks, if every expert matrix (the shared one too) is FP8 in whole
+    /// 128 × 128 blocks; `None` otherwise, or when `LILY_FP8_PREFILL=0` (no second copy: ≈ 0.8 GB
+    /// a layer at the full shape).
+    pub fn upload(s: &Arc<CudaStream>, m: &MoeWeights) -> Result<Option<Self>> {
+        if std::env::var("LILY_FP8_PREFILL").is_ok_and(|v| v == "0") {
+            return Ok(None);
+        }
+        let experts = || m.experts.iter().chain([&m.shared_expert]);
+        let gate_ups: Vec<_> = experts().map(|e| vec![&e.gate, &e.up]).collect();
+        let downs: Vec<_> = experts().map(|e| vec![&e.down]).collect();
+        let gate_up = DeviceFp8::stack_of_concats(s, &gate_ups)?;
+        let down = DeviceFp8::stack_of_concats(s, &downs)?;
+        Ok(gate_up
+            .zip(down)
+            .map(|(gate_up, down)| DeviceFp8Moe { gate_up, down }))
+    }
+
+    fn bytes(&self) -> usize {
+        self.gate_up.bytes() + self.down.bytes()
+    }
 }
 
 impl DeviceMoe {
@@ -57,6 +89,7 @@ impl DeviceMoe {
             router: DeviceMatrices::concat(s, &[&m.router, &m.shared_expert_gate])?,
             gate_up: DeviceMatrices::stack_of_concats(s, &gate_ups)?,
             down: DeviceMatrices::stack_of_concats(s, &downs)?,
+            fp8: None,
         })
     }
 }
@@ -79,8 +112,10 @@ pub struct CudaModel {
 impl CudaModel {
     /// Copies canonical weights to the device: bf16 and MLX affine matrices as they are, GGUF
     /// blocks and FP8 tiles (or matrices stored together in different formats) converted to
-    /// affine Q8 first (see [`crate::model::convert`]; the conversion error is logged).
+    /// affine Q8 first (see [`crate::model::convert`]; the conversion error is logged). FP8
+    /// expert stacks are kept as they ship too, for prefill ([`DeviceFp8Moe`]).
     pub fn upload(dev: &CudaDevice, w: &Weights) -> Result<Self> {
+        let original = w;
         let converted;
         let w = if convert::ready_for_kernels(w) {
             w
@@ -94,7 +129,7 @@ impl CudaModel {
         };
         let s = dev.stream();
         let mut layers = Vec::with_capacity(w.layers.len());
-        for l in &w.layers {
+        for (l, o) in w.layers.iter().zip(&original.layers) {
             let mixer = match &l.mixer {
                 Mixer::DeltaNet(d) => DeviceMixer::DeltaNet {
                     in_proj: DeviceMatrices::concat(
@@ -114,7 +149,8 @@ impl CudaModel {
                     k_norm: htod(s, &a.k_norm)?,
                 },
             };
-            let moe = DeviceMoe::upload(s, &w.config, &l.moe)?;
+            let mut moe = DeviceMoe::upload(s, &w.config, &l.moe)?;
+            moe.fp8 = DeviceFp8Moe::upload(s, &o.moe)?;
             layers.push(DeviceLayer {
                 input_norm: htod(s, &l.input_norm)?,
                 post_norm: htod(s, &l.post_attention_norm)?,
@@ -140,6 +176,23 @@ impl CudaModel {
         dev: &CudaDevice,
         config: ModelConfig,
         bits: Option<u32>,
+        seed: u64,
+    ) -> Result<Self> {
+        Self::synthetic_with(dev, config, bits, false, seed)
+    }
+
+    /// As an FP8 checkpoint runs: the synthetic model at 8 bits, plus FP8 expert stacks of their
+    /// own random values for prefill (for speed only: prefill and decode then use different
+    /// experts).
+    pub fn synthetic_fp8(dev: &CudaDevice, config: ModelConfig, seed: u64) -> Result<Self> {
+        Self::synthetic_with(dev, config, Some(8), true, seed)
+    }
+
+    fn synthetic_with(
+        dev: &CudaDevice,
+        config: ModelConfig,
+        bits: Option<u32>,
+        fp8: bool,
         seed: u64,
     ) -> Result<Self> {
         let k = SynthKernels::load(dev)?;
@@ -190,6 +243,14 @@ impl CudaModel {
                 router: k.matrices(small_bits, 1, e, h, next())?,
                 gate_up: k.matrices(bits, e, 2 * inter, h, next())?,
                 down: k.matrices(bits, e, h, inter, next())?,
+                fp8: if fp8 {
+                    Some(DeviceFp8Moe {
+                        gate_up: k.fp8_matrices(e, 2 * inter, h, next())?,
+                        down: k.fp8_matrices(e, h, inter, next())?,
+                    })
+                } else {
+                    None
+                },
             };
             layers.push(DeviceLayer {
                 input_norm: ones(h)?,
@@ -223,7 +284,8 @@ impl CudaModel {
                 DeviceMixer::Attention { qkv, o_proj, .. } => qkv.bytes() + o_proj.bytes(),
             };
             let m = &l.moe;
-            mixer + m.router.bytes() + m.gate_up.bytes() + m.down.bytes()
+            let fp8 = m.fp8.as_ref().map_or(0, DeviceFp8Moe::bytes);
+            mixer + m.router.bytes() + m.gate_up.bytes() + m.down.bytes() + fp8
         });
         self.embed.bytes() + self.lm_head.bytes() + mats.sum::<usize>()
     }

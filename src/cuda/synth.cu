@@ -43,3 +43,19 @@ extern "C" __global__ void fill_affine_groups(bf16* __restrict__ scales, bf16* _
         biases[i] = __float2bfloat16_rn(-0.5f * levels * s);
     }
 }
+
+// Random e4m3 bytes, four to a word: bit 3 of each byte cleared, so that no byte is the NaN code
+// S.1111.111 (exponents 0, 2, .., 14: magnitudes up to 240).
+extern "C" __global__ void fill_e4m3(u32* __restrict__ p, u64 n, u64 seed) {
+    pdl_wait();
+    pdl_launch_dependents();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        p[i] = (u32)mix64(seed ^ (i * 0x2545F4914F6CDD1Dull)) & 0xF7F7F7F7u;
+    }
+}
+
+extern "C" __global__ void fill_f32(float* __restrict__ p, u64 n, float v) {
+    pdl_wait();
+    pdl_launch_dependents();
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) p[i] = v;
+}

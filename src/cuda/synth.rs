@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use half::bf16;
 
-use super::weights::{DeviceData, DeviceMatrices};
+use super::weights::{DeviceData, DeviceFp8, DeviceMatrices};
 use super::{ensure, launch, Context, CudaDevice, CudaFunction, CudaStream, Result};
 
 /// Standard deviation of the synthetic weights (transformers' initializer_range).
@@ -18,6 +18,8 @@ pub struct SynthKernels {
     fill_u32: CudaFunction,
     fill_bf16: CudaFunction,
     fill_groups: CudaFunction,
+    fill_e4m3: CudaFunction,
+    fill_f32: CudaFunction,
 }
 
 fn grid(n: usize) -> LaunchConfig {
@@ -35,6 +37,8 @@ impl SynthKernels {
             fill_u32: dev.function("synth", "fill_u32")?,
             fill_bf16: dev.function("synth", "fill_bf16_uniform")?,
             fill_groups: dev.function("synth", "fill_affine_groups")?,
+            fill_e4m3: dev.function("synth", "fill_e4m3")?,
+            fill_f32: dev.function("synth", "fill_f32")?,
         })
     }
 
@@ -110,6 +114,53 @@ impl SynthKernels {
         };
         Ok(DeviceMatrices {
             data,
+            count,
+            rows,
+            cols,
+        })
+    }
+
+    /// `count` FP8 matrices of `[rows][cols]` (multiples of 128): random e4m3 codes (fill_e4m3)
+    /// and one block multiplier for all, so that the values have a spread near STD's.
+    pub fn fp8_matrices(
+        &self,
+        count: usize,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+    ) -> Result<DeviceFp8> {
+        ensure!(
+            rows % 128 == 0 && cols % 128 == 0,
+            "synthetic FP8 weights need rows and cols in whole 128-blocks, not {rows}×{cols}"
+        );
+        let n = count * rows * cols;
+        let blocks = n / (128 * 128);
+        // fill_e4m3 writes the bytes four at a time (allocations are 256-byte aligned).
+        let mut data = self.alloc::<u8>(n)?;
+        let mut scales = self.alloc::<f32>(blocks)?;
+        // Random codes of exponents 0..14 have a root mean square near 60.
+        let (words64, blocks64, scale) = ((n / 4) as u64, blocks as u64, STD / 60.0);
+        unsafe {
+            launch!(
+                self.stream,
+                &self.fill_e4m3,
+                grid(n / 4),
+                &mut data,
+                &words64,
+                &seed
+            )?;
+            launch!(
+                self.stream,
+                &self.fill_f32,
+                grid(blocks),
+                &mut scales,
+                &blocks64,
+                &scale
+            )?;
+        }
+        Ok(DeviceFp8 {
+            data,
+            scales,
             count,
             rows,
             cols,

@@ -1,6 +1,7 @@
 //! Model weights in device memory, in the formats the kernels read: bf16, or MLX affine 4/8-bit
 //! with bf16 scales and biases. f32/f16 checkpoint matrices are converted to bf16 on upload;
-//! quantised ones are copied as they are (never dequantised).
+//! quantised ones are copied as they are (never dequantised). An FP8 checkpoint's expert stacks
+//! are also kept as they ship ([`DeviceFp8`]) for the FP8 prefill products.
 
 use std::sync::Arc;
 
@@ -8,6 +9,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::gemm::{Matrices, WeightData};
+use super::gemm_fp8::{Fp8Matrices, BLOCK as FP8_BLOCK};
 use super::{ensure, Context, CudaError, CudaStream, Result};
 use crate::checkpoint::tensor::DType;
 use crate::model::weights::{Matrix, WeightFormat};
@@ -192,4 +194,72 @@ pub(crate) fn htod<T: cudarc::driver::DeviceRepr>(
             std::mem::size_of_val(values)
         )
     })
+}
+
+/// FP8 matrices as the official checkpoint ships them, for the FP8 prefill products
+/// (gemm_fp8.rs): `count` matrices of `[rows][cols]` e4m3 one after the other, and
+/// `[count][rows/128][cols/128]` fp32 block multipliers.
+pub struct DeviceFp8 {
+    pub data: CudaSlice<u8>,
+    pub scales: CudaSlice<f32>,
+    pub count: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl DeviceFp8 {
+    pub fn view(&self) -> Fp8Matrices<'_> {
+        Fp8Matrices {
+            data: self.data.as_view(),
+            scales: self.scales.as_view(),
+            count: self.count,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.data.len() + self.scales.len() * 4
+    }
+
+    /// As [`DeviceMatrices::stack_of_concats`], for matrices that are all FP8 in 128 × 128 blocks
+    /// with whole blocks (so that stacking rows keeps every block whole); `None` when they are not.
+    pub fn stack_of_concats(
+        stream: &Arc<CudaStream>,
+        groups: &[Vec<&Matrix>],
+    ) -> Result<Option<Self>> {
+        let parts = || groups.iter().flatten();
+        let whole = |m: &Matrix| {
+            m.format == WeightFormat::Fp8 { block: FP8_BLOCK }
+                && m.rows % FP8_BLOCK == 0
+                && m.cols % FP8_BLOCK == 0
+                && m.scales.is_some()
+        };
+        let Some(first) = groups.first().and_then(|g| g.first()) else {
+            return Ok(None);
+        };
+        let cols = first.cols;
+        let rows: usize = groups[0].iter().map(|m| m.rows).sum();
+        let same_shape = groups
+            .iter()
+            .all(|g| g.iter().map(|m| m.rows).sum::<usize>() == rows);
+        if !parts().all(|m| whole(m) && m.cols == cols) || !same_shape {
+            return Ok(None);
+        }
+        let mut data = Vec::with_capacity(groups.len() * rows * cols);
+        let mut scales = Vec::with_capacity(groups.len() * rows * cols / FP8_BLOCK / FP8_BLOCK);
+        for m in parts() {
+            data.extend_from_slice(m.data.as_slice());
+            let s = m.scales.as_ref().expect("checked above");
+            let n = (m.rows / FP8_BLOCK) * (m.cols / FP8_BLOCK);
+            scales.extend((0..n).map(|i| read_scalar(s.as_slice(), m.scale_dtype, i)));
+        }
+        Ok(Some(DeviceFp8 {
+            data: htod(stream, &data)?,
+            scales: htod(stream, &scales)?,
+            count: groups.len(),
+            rows,
+            cols,
+        }))
+    }
 }
