@@ -13,6 +13,7 @@
 
 mod backend;
 mod experts;
+mod fp8;
 mod projection;
 mod residual;
 
@@ -27,7 +28,6 @@ use super::dense::{self, DenseGemm};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
 use super::gemm::{GemvKernels, L2Ahead, MAX_TOKENS, SLOT_WORDS};
-use super::gemm_fp8::{Fp8GemmKernels, BLOCK as FP8_BLOCK};
 use super::gemm_prefill::{GemmKernels, MIN_TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::{max_gathered_slots, ExpertGroups, MoeKernels};
@@ -102,8 +102,8 @@ struct Kernels {
     sample: SampleKernels,
     gdn: GdnKernels,
     attn: AttentionKernels,
-    /// The FP8 prefill products, when the model has FP8 expert stacks (DeviceFp8Moe).
-    fp8: Option<Fp8GemmKernels>,
+    /// An FP8 checkpoint's prefill products, when some matrix keeps its FP8 form (forward/fp8.rs).
+    fp8: Option<fp8::Fp8Path>,
 }
 
 /// Activation buffers for a pass of up to `rows` rows, allocated once.
@@ -132,9 +132,6 @@ struct Scratch {
     /// `[tokens][slots][hidden]`: each slot's expert output, before weighting.
     routed: CudaSlice<bf16>,
     groups: ExpertGroups,
-    /// With FP8 expert stacks: a prefill pass's quantised activations (xn, then act), e4m3
-    /// `[rows][max(hidden, slots·I)]` and their scales per 128 columns.
-    fp8_x: Option<(CudaSlice<u8>, CudaSlice<f32>)>,
     /// `[batch][hidden]`: the final-norm rows the logits are taken of, gathered when they are
     /// not one run of rows.
     last: CudaSlice<bf16>,
@@ -251,7 +248,7 @@ impl CudaBackend {
             c.num_experts_per_tok
         );
         let st = dev.stream().clone();
-        let k = Kernels {
+        let mut k = Kernels {
             norm: NormKernels::load(&dev)?,
             gemv: GemvKernels::load(&dev)?,
             gemm: GemmKernels::load(&dev)?,
@@ -266,11 +263,7 @@ impl CudaBackend {
             sample: SampleKernels::load(&dev, batch_rows(&options))?,
             gdn: GdnKernels::load(&dev)?,
             attn: AttentionKernels::load(&dev, &c)?,
-            fp8: if model.layers.iter().any(|l| l.moe.fp8.is_some()) {
-                Some(Fp8GemmKernels::load(&dev)?)
-            } else {
-                None
-            },
+            fp8: None,
         };
         let rows = options.prefill_chunk.max(batch_rows(&options)).max(1);
         let batch = batch_rows(&options);
@@ -307,16 +300,6 @@ impl CudaBackend {
             act: alloc(&st, rows * slots * inter)?,
             routed: alloc(&st, rows * slots * h)?,
             groups: ExpertGroups::new(&st, rows, slots, e, MIN_TILE_ROWS)?,
-            fp8_x: match k.fp8 {
-                Some(_) => {
-                    let width = h.max(slots * inter).next_multiple_of(FP8_BLOCK);
-                    Some((
-                        alloc(&st, rows * width)?,
-                        alloc(&st, rows * width / FP8_BLOCK)?,
-                    ))
-                }
-                None => None,
-            },
             last: alloc(&st, batch * h)?,
             logits: alloc(&st, batch * c.vocab_size)?,
             next: alloc(&st, batch)?,
@@ -324,6 +307,11 @@ impl CudaBackend {
             topk_counter: alloc(&st, 1)?,
             positions: alloc(&st, batch)?,
         };
+        // An FP8 checkpoint's prefill: activations of up to `rows` rows of the widest FP8 matrix's
+        // input, or of the experts' SwiGLU outputs (`slots` per row).
+        if let Some(widest) = fp8::Fp8Path::widest(&model) {
+            k.fp8 = Some(fp8::Fp8Path::new(&dev, rows, widest.max(slots * inter))?);
+        }
         let n_gdn = c
             .layer_types
             .iter()

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use super::synth::SynthKernels;
-use super::weights::{htod, DeviceFp8, DeviceMatrices};
-use super::{ensure, Context, CudaDevice, CudaStream, Result};
+use super::weights::{htod, DeviceMatrices};
+use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::convert;
-use crate::model::weights::{Mixer, MoeWeights, Weights};
+use crate::model::weights::{Matrix, Mixer, MoeWeights, Weights};
 
 pub enum DeviceMixer {
     DeltaNet {
@@ -43,53 +43,37 @@ pub struct DeviceMoe {
     pub gate_up: DeviceMatrices,
     /// `num_experts + 1` × `[hidden][I]`.
     pub down: DeviceMatrices,
-    /// An FP8 checkpoint's expert stacks as they ship, for long prefill chunks on the FP8 tensor
-    /// cores (gemm_fp8.rs); the stacks above are their affine Q8 conversion, for decode.
-    pub fp8: Option<DeviceFp8Moe>,
-}
-
-/// The same stacks as DeviceMoe's `gate_up` and `down`, in e4m3 with 128 × 128 block scales.
-pub struct DeviceFp8Moe {
-    pub gate_up: DeviceFp8,
-    pub down: DeviceFp8,
-}
-
-impl DeviceFp8Moe {
-    /// The layer's expert stacks, if every expert matrix (the shared one too) is FP8 in whole
-    /// 128 × 128 blocks; `None` otherwise, or when `LILY_FP8_PREFILL=0` (no second copy: ≈ 0.8 GB
-    /// a layer at the full shape).
-    pub fn upload(s: &Arc<CudaStream>, m: &MoeWeights) -> Result<Option<Self>> {
-        if std::env::var("LILY_FP8_PREFILL").is_ok_and(|v| v == "0") {
-            return Ok(None);
-        }
-        let experts = || m.experts.iter().chain([&m.shared_expert]);
-        let gate_ups: Vec<_> = experts().map(|e| vec![&e.gate, &e.up]).collect();
-        let downs: Vec<_> = experts().map(|e| vec![&e.down]).collect();
-        let gate_up = DeviceFp8::stack_of_concats(s, &gate_ups)?;
-        let down = DeviceFp8::stack_of_concats(s, &downs)?;
-        Ok(gate_up
-            .zip(down)
-            .map(|(gate_up, down)| DeviceFp8Moe { gate_up, down }))
-    }
-
-    fn bytes(&self) -> usize {
-        self.gate_up.bytes() + self.down.bytes()
-    }
 }
 
 impl DeviceMoe {
     /// Copies one layer's MoE weights to the device in this layout.
     pub fn upload(s: &Arc<CudaStream>, c: &ModelConfig, m: &MoeWeights) -> Result<Self> {
-        let shared = &m.shared_expert;
+        Self::upload_converted(s, c, m, m)
+    }
+
+    /// As [`Self::upload`] for weights `m` converted from `original` (`convert`): the expert
+    /// stacks keep `original`'s FP8 form where it has one.
+    pub fn upload_converted(
+        s: &Arc<CudaStream>,
+        c: &ModelConfig,
+        m: &MoeWeights,
+        original: &MoeWeights,
+    ) -> Result<Self> {
         check_shared_expert(c)?;
-        let experts = || m.experts.iter().chain([shared]);
-        let gate_ups: Vec<_> = experts().map(|e| vec![&e.gate, &e.up]).collect();
-        let downs: Vec<_> = experts().map(|e| vec![&e.down]).collect();
+        // Each expert's matrices, the shared expert last: the stacks' groups.
+        fn gate_ups(w: &MoeWeights) -> Vec<Vec<&Matrix>> {
+            let experts = w.experts.iter().chain([&w.shared_expert]);
+            experts.map(|e| vec![&e.gate, &e.up]).collect()
+        }
+        fn downs(w: &MoeWeights) -> Vec<Vec<&Matrix>> {
+            let experts = w.experts.iter().chain([&w.shared_expert]);
+            experts.map(|e| vec![&e.down]).collect()
+        }
         Ok(DeviceMoe {
             router: DeviceMatrices::concat(s, &[&m.router, &m.shared_expert_gate])?,
-            gate_up: DeviceMatrices::stack_of_concats(s, &gate_ups)?,
-            down: DeviceMatrices::stack_of_concats(s, &downs)?,
-            fp8: None,
+            gate_up: DeviceMatrices::stack_of_concats(s, &gate_ups(m))?
+                .with_fp8(s, &gate_ups(original))?,
+            down: DeviceMatrices::stack_of_concats(s, &downs(m))?.with_fp8(s, &downs(original))?,
         })
     }
 }
@@ -113,7 +97,7 @@ impl CudaModel {
     /// Copies canonical weights to the device: bf16 and MLX affine matrices as they are, GGUF
     /// blocks and FP8 tiles (or matrices stored together in different formats) converted to
     /// affine Q8 first (see [`crate::model::convert`]; the conversion error is logged). FP8
-    /// expert stacks are kept as they ship too, for prefill ([`DeviceFp8Moe`]).
+    /// matrices are kept as they ship too, for prefill ([`DeviceMatrices::fp8`]).
     pub fn upload(dev: &CudaDevice, w: &Weights) -> Result<Self> {
         let original = w;
         let converted;
@@ -130,27 +114,41 @@ impl CudaModel {
         let s = dev.stream();
         let mut layers = Vec::with_capacity(w.layers.len());
         for (l, o) in w.layers.iter().zip(&original.layers) {
-            let mixer = match &l.mixer {
-                Mixer::DeltaNet(d) => DeviceMixer::DeltaNet {
+            let mixer = match (&l.mixer, &o.mixer) {
+                (Mixer::DeltaNet(d), Mixer::DeltaNet(od)) => DeviceMixer::DeltaNet {
+                    // GDN's b and a projections (32 rows) are no whole FP8 blocks: in_proj keeps
+                    // no FP8 form.
                     in_proj: DeviceMatrices::concat(
                         s,
                         &[&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a],
+                    )?
+                    .with_fp8(
+                        s,
+                        &[vec![
+                            &od.in_proj_qkv,
+                            &od.in_proj_z,
+                            &od.in_proj_b,
+                            &od.in_proj_a,
+                        ]],
                     )?,
-                    out_proj: DeviceMatrices::concat(s, &[&d.out_proj])?,
+                    out_proj: DeviceMatrices::concat(s, &[&d.out_proj])?
+                        .with_fp8(s, &[vec![&od.out_proj]])?,
                     conv_w: htod(s, &d.conv1d)?,
                     a_log: htod(s, &d.a_log)?,
                     dt_bias: htod(s, &d.dt_bias)?,
                     norm: htod(s, &d.norm)?,
                 },
-                Mixer::Attention(a) => DeviceMixer::Attention {
-                    qkv: DeviceMatrices::concat(s, &[&a.q_proj, &a.k_proj, &a.v_proj])?,
-                    o_proj: DeviceMatrices::concat(s, &[&a.o_proj])?,
+                (Mixer::Attention(a), Mixer::Attention(oa)) => DeviceMixer::Attention {
+                    qkv: DeviceMatrices::concat(s, &[&a.q_proj, &a.k_proj, &a.v_proj])?
+                        .with_fp8(s, &[vec![&oa.q_proj, &oa.k_proj, &oa.v_proj]])?,
+                    o_proj: DeviceMatrices::concat(s, &[&a.o_proj])?
+                        .with_fp8(s, &[vec![&oa.o_proj]])?,
                     q_norm: htod(s, &a.q_norm)?,
                     k_norm: htod(s, &a.k_norm)?,
                 },
+                _ => unreachable!("conversion keeps each layer's kind"),
             };
-            let mut moe = DeviceMoe::upload(s, &w.config, &l.moe)?;
-            moe.fp8 = DeviceFp8Moe::upload(s, &o.moe)?;
+            let moe = DeviceMoe::upload_converted(s, &w.config, &l.moe, &o.moe)?;
             layers.push(DeviceLayer {
                 input_norm: htod(s, &l.input_norm)?,
                 post_norm: htod(s, &l.post_attention_norm)?,
@@ -181,9 +179,9 @@ impl CudaModel {
         Self::synthetic_with(dev, config, bits, false, seed)
     }
 
-    /// As an FP8 checkpoint runs: the synthetic model at 8 bits, plus FP8 expert stacks of their
-    /// own random values for prefill (for speed only: prefill and decode then use different
-    /// experts).
+    /// As an FP8 checkpoint runs: the synthetic model at 8 bits, its experts, attention and GDN
+    /// out_proj matrices with FP8 forms of their own random values for prefill (for speed only:
+    /// prefill and decode then use different weights).
     pub fn synthetic_fp8(dev: &CudaDevice, config: ModelConfig, seed: u64) -> Result<Self> {
         Self::synthetic_with(dev, config, Some(8), true, seed)
     }
@@ -206,14 +204,23 @@ impl CudaModel {
             seed
         };
         let ones = |n: usize| htod(s, &vec![1f32; n]);
+        // A matrix as `bits` asks, and with `fp8` an FP8 form of its own random values.
+        let matrices = |count: usize, rows: usize, cols: usize, seed: u64| {
+            let mut m = k.matrices(bits, count, rows, cols, seed)?;
+            if fp8 {
+                m.fp8 = Some(k.fp8_matrices(count, rows, cols, seed ^ 0xF8F8)?);
+            }
+            Ok::<_, CudaError>(m)
+        };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let mixer = match c.layer_types[i] {
                 LayerKind::LinearAttention => {
                     let rows = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
                     DeviceMixer::DeltaNet {
+                        // No FP8 form for in_proj, as a real checkpoint's (its b and a are 32 rows).
                         in_proj: k.matrices(bits, 1, rows, h, next())?,
-                        out_proj: k.matrices(bits, 1, h, c.linear_value_dim(), next())?,
+                        out_proj: matrices(1, h, c.linear_value_dim(), next())?,
                         conv_w: htod(s, &vec![0.25f32; c.conv_dim() * c.linear_conv_kernel_dim])?,
                         a_log: htod(s, &vec![4f32.ln(); c.linear_num_value_heads])?,
                         dt_bias: ones(c.linear_num_value_heads)?,
@@ -224,14 +231,8 @@ impl CudaModel {
                     let rows = 2 * c.num_attention_heads * c.head_dim
                         + 2 * c.num_key_value_heads * c.head_dim;
                     DeviceMixer::Attention {
-                        qkv: k.matrices(bits, 1, rows, h, next())?,
-                        o_proj: k.matrices(
-                            bits,
-                            1,
-                            h,
-                            c.num_attention_heads * c.head_dim,
-                            next(),
-                        )?,
+                        qkv: matrices(1, rows, h, next())?,
+                        o_proj: matrices(1, h, c.num_attention_heads * c.head_dim, next())?,
                         q_norm: ones(c.head_dim)?,
                         k_norm: ones(c.head_dim)?,
                     }
@@ -241,16 +242,8 @@ impl CudaModel {
             let (e, inter) = (c.num_experts + 1, c.moe_intermediate_size);
             let moe = DeviceMoe {
                 router: k.matrices(small_bits, 1, e, h, next())?,
-                gate_up: k.matrices(bits, e, 2 * inter, h, next())?,
-                down: k.matrices(bits, e, h, inter, next())?,
-                fp8: if fp8 {
-                    Some(DeviceFp8Moe {
-                        gate_up: k.fp8_matrices(e, 2 * inter, h, next())?,
-                        down: k.fp8_matrices(e, h, inter, next())?,
-                    })
-                } else {
-                    None
-                },
+                gate_up: matrices(e, 2 * inter, h, next())?,
+                down: matrices(e, h, inter, next())?,
             };
             layers.push(DeviceLayer {
                 input_norm: ones(h)?,
@@ -284,8 +277,7 @@ impl CudaModel {
                 DeviceMixer::Attention { qkv, o_proj, .. } => qkv.bytes() + o_proj.bytes(),
             };
             let m = &l.moe;
-            let fp8 = m.fp8.as_ref().map_or(0, DeviceFp8Moe::bytes);
-            mixer + m.router.bytes() + m.gate_up.bytes() + m.down.bytes() + fp8
+            mixer + m.router.bytes() + m.gate_up.bytes() + m.down.bytes()
         });
         self.embed.bytes() + self.lm_head.bytes() + mats.sum::<usize>()
     }

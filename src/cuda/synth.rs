@@ -117,6 +117,7 @@ impl SynthKernels {
             count,
             rows,
             cols,
+            fp8: None,
         })
     }
 

@@ -1,7 +1,7 @@
 //! Model weights in device memory, in the formats the kernels read: bf16, or MLX affine 4/8-bit
 //! with bf16 scales and biases. f32/f16 checkpoint matrices are converted to bf16 on upload;
-//! quantised ones are copied as they are (never dequantised). An FP8 checkpoint's expert stacks
-//! are also kept as they ship ([`DeviceFp8`]) for the FP8 prefill products.
+//! quantised ones are copied as they are (never dequantised). An FP8 checkpoint's matrices are
+//! also kept as they ship ([`DeviceFp8`]) for the FP8 prefill products.
 
 use std::sync::Arc;
 
@@ -31,6 +31,9 @@ pub struct DeviceMatrices {
     pub count: usize,
     pub rows: usize,
     pub cols: usize,
+    /// The same matrices as an FP8 checkpoint ships them, when it does (`data` then holds their
+    /// affine Q8 conversion, for decode): long prefill passes run them on the FP8 products.
+    pub fp8: Option<DeviceFp8>,
 }
 
 impl DeviceMatrices {
@@ -58,9 +61,10 @@ impl DeviceMatrices {
         }
     }
 
-    /// Bytes of device memory these weights take.
+    /// Bytes of device memory these weights take (their FP8 form too).
     pub fn bytes(&self) -> usize {
-        match &self.data {
+        let fp8 = self.fp8.as_ref().map_or(0, DeviceFp8::bytes);
+        fp8 + match &self.data {
             DeviceData::Bf16(w) => w.len() * 2,
             DeviceData::Affine {
                 packed,
@@ -69,6 +73,16 @@ impl DeviceMatrices {
                 ..
             } => packed.len() * 4 + (scales.len() + biases.len()) * 2,
         }
+    }
+
+    /// Keeps `groups` (the checkpoint's matrices these were made of, grouped as for
+    /// [`Self::stack_of_concats`]) in FP8 too, if they are FP8 in whole 128 × 128 blocks; unless
+    /// `LILY_FP8_PREFILL=0` (no second copy).
+    pub fn with_fp8(mut self, stream: &Arc<CudaStream>, groups: &[Vec<&Matrix>]) -> Result<Self> {
+        if !std::env::var("LILY_FP8_PREFILL").is_ok_and(|v| v == "0") {
+            self.fp8 = DeviceFp8::stack_of_concats(stream, groups)?;
+        }
+        Ok(self)
     }
 
     /// One matrix made of `parts` stacked along their rows (e.g. q‖k‖v projections that read the
@@ -160,6 +174,7 @@ impl DeviceMatrices {
             count,
             rows,
             cols,
+            fp8: None,
         })
     }
 }

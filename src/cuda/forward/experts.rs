@@ -5,22 +5,16 @@
 
 use cudarc::driver::CudaSlice;
 
+use super::fp8;
 use super::projection::gemv_rows;
 use super::residual::{Output, Parts, ResidualStream};
 use super::{Kernels, Scratch};
 use crate::config::ModelConfig;
 use crate::cuda::gemm::{FusedTopK, L2Ahead, SlotInput, MAX_TOKENS, SLOT_WORDS};
-use crate::cuda::gemm_fp8::{Fp8Rows, BLOCK as FP8_BLOCK};
 use crate::cuda::gemm_prefill::GemmKernels;
 use crate::cuda::model::DeviceMoe;
 use crate::cuda::moe_decode::MoeDecode;
 use crate::cuda::Result;
-
-/// Passes of at least this many rows run an FP8 checkpoint's experts on the FP8 products (the
-/// grouped GEMMs' threshold: below it the decode GEMVs read the Q8 stacks).
-const FP8_FROM_ROWS: usize = 64;
-/// The FP8 products' tiles (gemm_fp8.rs).
-const FP8_TILE_ROWS: usize = 128;
 
 /// The MoE block's experts for `t` rows of `s.xn`: routing, then each (token, slot)'s expert
 /// output unweighted in `s.routed` `[t][slots][hidden]`, slot top_k being the shared expert; the
@@ -146,54 +140,22 @@ pub(super) fn moe_experts(
         && GemmKernels::supports(&w.gate_up.view())
         && GemmKernels::supports(&w.down.view());
     section("moe experts")?;
-    if let (Some(fp8), Some(f), Some((xq, xs))) = (&k.fp8, &w.fp8, &mut s.fp8_x) {
-        if t >= FP8_FROM_ROWS {
-            // An FP8 checkpoint's prefill: its experts as they ship, on the FP8 tensor cores,
-            // the activations quantised per token and 128 columns first (gemm_fp8.rs).
+    if t >= fp8::FROM_ROWS {
+        if let (Some(path), Some(gate_up), Some(down)) = (&mut k.fp8, &w.gate_up.fp8, &w.down.fp8) {
+            // An FP8 checkpoint's prefill: its experts as they ship, on the FP8 tensor cores.
             k.moe.group_by_expert(
                 &s.expert_ids.slice(..t * slots),
                 slots,
-                FP8_TILE_ROWS,
+                fp8::TILE_ROWS,
                 &mut s.groups,
             )?;
-            let (tq, ts) = (t * hd, t * hd / FP8_BLOCK);
-            fp8.quantize_rows(
-                &s.xn.slice(..tq),
-                hd,
-                &mut xq.slice_mut(..tq),
-                &mut xs.slice_mut(..ts),
-            )?;
-            let x = Fp8Rows {
-                data: xq.slice(..tq),
-                scales: xs.slice(..ts),
-                rows: t,
-                cols: hd,
-            };
-            let pairs = t * slots;
-            fp8.experts_gate_up(
-                &f.gate_up.view(),
-                &x,
+            return path.experts(
+                gate_up,
+                down,
+                &s.xn.slice(..t * hd),
                 &s.groups,
-                &mut s.act.slice_mut(..pairs * inter),
-            )?;
-            let (aq, as_) = (pairs * inter, pairs * inter / FP8_BLOCK);
-            fp8.quantize_rows(
-                &s.act.slice(..aq),
-                inter,
-                &mut xq.slice_mut(..aq),
-                &mut xs.slice_mut(..as_),
-            )?;
-            let act = Fp8Rows {
-                data: xq.slice(..aq),
-                scales: xs.slice(..as_),
-                rows: pairs,
-                cols: inter,
-            };
-            return fp8.experts_down(
-                &f.down.view(),
-                &act,
-                &s.groups,
-                &mut s.routed.slice_mut(..pairs * hd),
+                &mut s.act,
+                &mut s.routed.slice_mut(..t * slots * hd),
             );
         }
     }

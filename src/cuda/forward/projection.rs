@@ -5,6 +5,7 @@
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
+use super::fp8;
 use super::residual::{Output, Parts, ResidualStream};
 use super::{Kernels, Scratch};
 use crate::config::ModelConfig;
@@ -50,7 +51,8 @@ pub(super) fn first_projection(
     }
 }
 
-/// `y = W · x` for `t` rows: cuBLAS on dequantised weights for long chunks (dense.rs), GEMV row
+/// `y = W · x` for `t` rows: an FP8 checkpoint's matrix in its FP8 form for long passes
+/// (forward/fp8.rs), cuBLAS on dequantised weights for long chunks (dense.rs), GEMV row
 /// chunks in one launch for more rows than one GEMV takes up to a few dozen (matrices of ≤ 4,096
 /// rows), our tensor-core GEMM for more than 8, else (or for weights it does not take) GEMVs of
 /// as many tokens per launch as fit in shared memory (≤ 8).
@@ -63,6 +65,12 @@ pub(super) fn gemv_rows(
     ahead: L2Ahead,
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
+    // An FP8 checkpoint's long passes: the matrix as it ships, on the FP8 tensor cores.
+    if t >= fp8::FROM_ROWS {
+        if let (Some(path), Some(w8)) = (&mut k.fp8, &w.fp8) {
+            return path.gemm(w8, x, y, t);
+        }
+    }
     let view = w.view();
     if t >= dense::MIN_TOKENS && GemmKernels::supports(&view) {
         return k
