@@ -31,19 +31,57 @@ const REL: f32 = 1.0 / 256.0;
 const ABS: f32 = 1e-3;
 const MEAN_ABS: f32 = 2e-3;
 
-/// Random e4m3 weights (every finite code but the largest few, so sums stay moderate) and block
-/// scales of the magnitude the official checkpoint's `weight_scale_inv` has.
-fn weights(rng: &mut SmallRng, count: usize, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
-    let data = (0..count * rows * cols)
-        .map(|_| {
-            let b: u8 = rng.random_range(0..=0x70);
-            b | if rng.random_bool(0.5) { 0x80 } else { 0 }
-        })
-        .collect();
-    let scales = (0..count * rows.div_ceil(BLOCK) * cols / BLOCK)
-        .map(|_| rng.random_range(1e-4f32..4e-3))
-        .collect();
-    (data, scales)
+/// `count` random FP8 matrices of `[rows][cols]`, on the host (for the emulation) and the device:
+/// every finite e4m3 code but the largest few (so sums stay moderate), block scales of the
+/// magnitude the official checkpoint's `weight_scale_inv` has.
+struct Stack {
+    w: Vec<u8>,
+    ws: Vec<f32>,
+    data: CudaSlice<u8>,
+    scales: CudaSlice<f32>,
+    count: usize,
+    rows: usize,
+    cols: usize,
+}
+
+impl Stack {
+    fn random(
+        rng: &mut SmallRng,
+        s: &Arc<CudaStream>,
+        count: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Self {
+        let w: Vec<u8> = (0..count * rows * cols)
+            .map(|_| {
+                let b: u8 = rng.random_range(0..=0x70);
+                b | if rng.random_bool(0.5) { 0x80 } else { 0 }
+            })
+            .collect();
+        let ws: Vec<f32> = (0..count * rows.div_ceil(BLOCK) * cols / BLOCK)
+            .map(|_| rng.random_range(1e-4f32..4e-3))
+            .collect();
+        let (data, scales) = (upload(s, &w), upload(s, &ws));
+        Stack {
+            w,
+            ws,
+            data,
+            scales,
+            count,
+            rows,
+            cols,
+        }
+    }
+
+    fn view(&self) -> Fp8Matrices<'_> {
+        Fp8Matrices {
+            data: self.data.as_view(),
+            scales: self.scales.as_view(),
+            count: self.count,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
 }
 
 /// The kernel's activation quantisation on the CPU: per row and group of 128, s = max(amax,
@@ -171,18 +209,11 @@ fn dense_products_match_the_emulation() {
         (130, 256, 384, true),
         (7, 1024, 2048, true),
     ] {
-        let (w, ws) = weights(&mut rng, 1, n, cols);
+        let w = Stack::random(&mut rng, &s, 1, n, cols);
         let (xb, xf) = activations(&mut rng, t * cols, 2.0);
         let q = quantize_gpu(&s, &k, &upload(&s, &xb), t, cols);
         let (xq, xs) = quantize_cpu(&xf, cols);
-        let (dw, dws) = (upload(&s, &w), upload(&s, &ws));
-        let fw = Fp8Matrices {
-            data: dw.as_view(),
-            scales: dws.as_view(),
-            count: 1,
-            rows: n,
-            cols,
-        };
+        let fw = w.view();
         let width = if swiglu { n / 2 } else { n };
         let mut out = Output::new(&s, t * width);
         if swiglu {
@@ -197,8 +228,8 @@ fn dense_products_match_the_emulation() {
         );
         let got = out.get(&s, &what);
         let (want, scale) = reference(
-            &w,
-            &ws,
+            &w.w,
+            &w.ws,
             0,
             n,
             cols,
@@ -280,31 +311,12 @@ fn grouped_expert_products_match_the_emulation() {
         .collect();
     let pairs = tokens * top_k;
 
-    let (gu, gus) = weights(&mut rng, experts, 2 * inter, hidden);
-    let (dn, dns) = weights(&mut rng, experts, hidden, inter);
+    let gu = Stack::random(&mut rng, &s, experts, 2 * inter, hidden);
+    let dn = Stack::random(&mut rng, &s, experts, hidden, inter);
     let (xb, xf) = activations(&mut rng, tokens * hidden, 2.0);
     let q = quantize_gpu(&s, &k, &upload(&s, &xb), tokens, hidden);
     let (xq, xs) = quantize_cpu(&xf, hidden);
-    let (dgu, dgus, ddn, ddns) = (
-        upload(&s, &gu),
-        upload(&s, &gus),
-        upload(&s, &dn),
-        upload(&s, &dns),
-    );
-    let w_gu = Fp8Matrices {
-        data: dgu.as_view(),
-        scales: dgus.as_view(),
-        count: experts,
-        rows: 2 * inter,
-        cols: hidden,
-    };
-    let w_dn = Fp8Matrices {
-        data: ddn.as_view(),
-        scales: ddns.as_view(),
-        count: experts,
-        rows: hidden,
-        cols: inter,
-    };
+    let (w_gu, w_dn) = (gu.view(), dn.view());
 
     let mut act = Output::new(&s, pairs * inter);
     k.experts_gate_up(&w_gu, &q.view(), &groups, &mut act.view())
@@ -313,8 +325,8 @@ fn grouped_expert_products_match_the_emulation() {
     let (mut want, mut scale) = (Vec::new(), Vec::new());
     for &pair in &sorted {
         let (w, sc) = reference(
-            &gu,
-            &gus,
+            &gu.w,
+            &gu.ws,
             ids[pair] as usize,
             2 * inter,
             hidden,
@@ -348,8 +360,8 @@ fn grouped_expert_products_match_the_emulation() {
     let (mut want, mut scale) = (vec![0f32; pairs * hidden], vec![0f32; pairs * hidden]);
     for (p, &pair) in sorted.iter().enumerate() {
         let (w, sc) = reference(
-            &dn,
-            &dns,
+            &dn.w,
+            &dn.ws,
             ids[pair] as usize,
             hidden,
             inter,
@@ -397,15 +409,8 @@ fn timing_at_the_models_shapes() {
     });
     println!("quantize {tokens}×{hidden}: {ms:.3} ms");
 
-    let (w, ws) = weights(&mut rng, 1, 2 * inter, hidden);
-    let (dw, dws) = (upload(&s, &w), upload(&s, &ws));
-    let fw = Fp8Matrices {
-        data: dw.as_view(),
-        scales: dws.as_view(),
-        count: 1,
-        rows: 2 * inter,
-        cols: hidden,
-    };
+    let w = Stack::random(&mut rng, &s, 1, 2 * inter, hidden);
+    let fw = w.view();
     let mut out = Output::new(&s, tokens * inter);
     let ms = median_ms(&dev, 9, || {
         k.gemm_swiglu(&fw, &q.view(), &mut out.view())
@@ -423,28 +428,9 @@ fn timing_at_the_models_shapes() {
     moe.group_by_expert(&upload(&s, &ids).as_view(), top_k, 128, &mut groups)
         .expect("group");
     let pairs = tokens * top_k;
-    let (gu, gus) = weights(&mut rng, experts, 2 * inter, hidden);
-    let (dn, dns) = weights(&mut rng, experts, hidden, inter);
-    let (dgu, dgus, ddn, ddns) = (
-        upload(&s, &gu),
-        upload(&s, &gus),
-        upload(&s, &dn),
-        upload(&s, &dns),
-    );
-    let w_gu = Fp8Matrices {
-        data: dgu.as_view(),
-        scales: dgus.as_view(),
-        count: experts,
-        rows: 2 * inter,
-        cols: hidden,
-    };
-    let w_dn = Fp8Matrices {
-        data: ddn.as_view(),
-        scales: ddns.as_view(),
-        count: experts,
-        rows: hidden,
-        cols: inter,
-    };
+    let gu = Stack::random(&mut rng, &s, experts, 2 * inter, hidden);
+    let dn = Stack::random(&mut rng, &s, experts, hidden, inter);
+    let (w_gu, w_dn) = (gu.view(), dn.view());
     let mut act = Output::new(&s, pairs * inter);
     let ms = median_ms(&dev, 9, || {
         k.experts_gate_up(&w_gu, &q.view(), &groups, &mut act.view())

@@ -46,26 +46,6 @@ constexpr int STAGE_BYTES = (WS_OFF + 16 + 1023) / 1024 * 1024;  // tiles stay 1
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;          // gemm_fp8.rs: SHARED_BYTES
 static_assert(SMEM_BYTES + 1024 <= 227 * 1024, "one block per SM must fit");
 
-// Global weight row of tile row r (0..127) in column tile `col_tile`, −1 past the matrix (as
-// gemm_wgmma.cu's, for 128-row tiles).
-template <int E> __device__ __forceinline__ int weight_row(int r, int col_tile, int n) {
-    if constexpr (E == STORE) {
-        const int row = col_tile * BN + r;
-        return row < n ? row : -1;
-    } else {
-        const int half = n / 2, j = col_tile * (BN / 2) + (r / 16) * 8 + (r % 8);
-        if (j >= half) return -1;
-        return r % 16 < 8 ? j : half + j;
-    }
-}
-
-__device__ __forceinline__ void ldmatrix_x4(u32 r[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
 // Four values as e4m3 bytes (v0 in the lowest), nearest even, saturating at ±448.
 __device__ __forceinline__ u32 e4m3x4(float v0, float v1, float v2, float v3) {
     unsigned short lo, hi;
@@ -117,7 +97,7 @@ __device__ __forceinline__ void products(const Fp8GemmArgs& a, int mat, int rows
     }
 #pragma unroll
     for (int u = 0; u < W_CHUNKS; ++u) {
-        const int wr = weight_row<E>(r0 + 32 * u, col_tile, n);
+        const int wr = tile_weight_row<E == SWIGLU, BN>(r0 + 32 * u, col_tile, n);
         w_ok[u] = wr >= 0;
         w_src[u] = wmat + (i64)max(wr, 0) * k + c * 16;
     }
@@ -129,7 +109,7 @@ __device__ __forceinline__ void products(const Fp8GemmArgs& a, int mat, int rows
     bool ws_ok = false;  // the last two threads: the tile's gate (or only) and up block scales
     if (tid >= THREADS - 2) {
         const int h = tid - (THREADS - 2);
-        const int row = weight_row<E>(E == SWIGLU && h == 1 ? 8 : 0, col_tile, n);
+        const int row = tile_weight_row<E == SWIGLU, BN>(E == SWIGLU && h == 1 ? 8 : 0, col_tile, n);
         ws_ok = row >= 0;
         ws_src += (i64)(mat * ((n + QBLOCK - 1) / QBLOCK) + max(row, 0) / QBLOCK) * kb;
     }

@@ -44,6 +44,13 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Four 8 × 8 matrices of 16-bit pairs from shared memory (the mma fragment loads).
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 __device__ __forceinline__ u32 as_u32(bf162 v) { return *reinterpret_cast<u32*>(&v); }
 __device__ __forceinline__ bf162 as_bf162(u32 v) { return *reinterpret_cast<bf162*>(&v); }
 

@@ -36,6 +36,21 @@ template <int N> __device__ __forceinline__ void fence_accumulators(float* d) {
     for (int i = 0; i < N / 2; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Global weight row of tile row r (0 .. TILE_N − 1) in column tile `col_tile` of the wgmma GEMMs
+// (gemm_wgmma.cu, gemm_fp8.cu), −1 past the matrix. SwiGLU tiles: rows 16w..16w+7 are gate rows
+// j = (TILE_N / 2)·col_tile + 8w .. +7, rows 16w+8..16w+15 the up rows of the same j, so a thread
+// holds gate and up of one j in its fragment rows g and g + 8.
+template <bool SWIGLU, int TILE_N> __device__ __forceinline__ int tile_weight_row(int r, int col_tile, int n) {
+    if constexpr (!SWIGLU) {
+        const int row = col_tile * TILE_N + r;
+        return row < n ? row : -1;
+    } else {
+        const int half = n / 2, j = col_tile * (TILE_N / 2) + (r / 16) * 8 + (r % 8);
+        if (j >= half) return -1;
+        return r % 16 < 8 ? j : half + j;
+    }
+}
+
 // d += A·B for A = 64 rows × 16 in registers (a: the mma.m16n8k16 A fragment of each warp's 16
 // rows) and B = 16 × N from shared memory, K-major (desc_b); d holds N / 2 accumulators.
 template <int N> __device__ __forceinline__ void wgmma_k16(float* d, const u32 a[4], u64 desc_b);
