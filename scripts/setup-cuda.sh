@@ -7,7 +7,9 @@
 # nvcc cannot be JIT-compiled by the GPU machine's 13.0 driver (spec/TOOLCHAIN.md §3.1, §8).
 #
 # Idempotent: when the pinned versions are already installed it only prints the path.
-# Set WITH_NVRTC=1 to also install the NVRTC wheel (for run-time compilation checks).
+# Set WITH_NVRTC=1 to also install the NVRTC wheel (for run-time compilation checks), WITH_SASS=1
+# the disassembler (nvdisasm, for tools/sass_stats.py; 13.2.51 is the oldest on PyPI, and reads
+# the 13.0 compiler's sm_90a code).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,6 +25,9 @@ PINS=(
 )
 if [[ "${WITH_NVRTC:-0}" == 1 ]]; then
     PINS+=(nvidia-cuda-nvrtc==13.0.88)
+fi
+if [[ "${WITH_SASS:-0}" == 1 ]]; then
+    PINS+=(nvidia-cuda-nvdisasm==13.2.51)
 fi
 
 if [[ ! -x "$VENV/bin/python" ]]; then
