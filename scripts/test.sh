@@ -27,6 +27,9 @@ venv="${LILY_GGUF_VENV:-target/gguf-venv}"
 "$venv/bin/pip" install -q -r tools/requirements-gguf.txt
 "$venv/bin/python" tools/check_gguf.py
 
+echo "== the FP8 products' index math, lane by lane (tools/emulate_gemm_fp8.py, numpy from the same venv)"
+"$venv/bin/python" tools/emulate_gemm_fp8.py
+
 echo "== peer benchmark scripts: time cap, outputs, collect (stdlib only)"
 python3 tools/peers/test_peers.py
 

@@ -65,9 +65,15 @@ def opcode(ins):
 
 
 def loops(code, labels):
-    """(start, end, instructions) of each backward branch spanning at least LOOP_MIN_INSTRUCTIONS."""
+    """(start, end, instructions) of each backward branch spanning at least LOOP_MIN_INSTRUCTIONS.
+    Branches after the kernel's last EXIT belong to the slow-path subroutines placed behind it
+    (their returns into the body are no loops) and are skipped."""
     found = []
+    exits = [a for a, ins in code if opcode(ins) == "EXIT"]
+    body_end = exits[-1] if exits else code[-1][0]
     for i, (addr, ins) in enumerate(code):
+        if addr > body_end:
+            break
         m = re.search(r"BRA (?:!?U?P\w+, )?`?\(?(\.L_x_\d+|0x[0-9a-f]+)", ins)
         if not m:
             continue

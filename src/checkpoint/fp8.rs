@@ -28,6 +28,29 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     sign * magnitude
 }
 
+/// The e4m3 byte nearest to `x`, ties to even, saturating at ±448 (NaN stays NaN): what PTX's
+/// `cvt.rn.satfinite.e4m3x2.f32` makes, which the GPU's FP8 products use to quantise
+/// activations (`quantize_fp8_rows` in gemm_fp8.cu, tested against this).
+pub fn e4m3_from_f32(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7F;
+    }
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs() as f64;
+    if a >= 448.0 {
+        return sign | 0x7E;
+    }
+    // Below 2⁻⁶ the codes are subnormal: steps of 2⁻⁹, rounding up into the first normal (0x08).
+    if a < 2f64.powi(-6) {
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let e = a.log2().floor() as i32; // a ≥ 2⁻⁶: exact for these magnitudes
+    let e = if 2f64.powi(e) > a { e - 1 } else { e }; // guard log2 rounding near powers of 2
+    let m = ((a / 2f64.powi(e) - 1.0) * 8.0).round_ties_even() as i32; // 0..=8
+    let (e, m) = if m == 8 { (e + 1, 0) } else { (e, m) };
+    sign | (((e + 7) as u8) << 3 | m as u8).min(0x7E)
+}
+
 /// [`e4m3_to_f32`] of every byte, for decoding whole rows.
 pub fn e4m3_table() -> &'static [f32; 256] {
     static TABLE: OnceLock<[f32; 256]> = OnceLock::new();
@@ -95,5 +118,43 @@ mod tests {
         assert_eq!(e4m3_to_f32(0x7E), 448.0);
         assert_eq!(e4m3_to_f32(0x38), 1.0);
         assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+    }
+
+    #[test]
+    fn e4m3_encoding_round_trips_and_rounds_to_nearest_even() {
+        let finite: Vec<u8> = (0..=255u8).filter(|b| b & 0x7F != 0x7F).collect();
+        for &b in &finite {
+            assert_eq!(e4m3_from_f32(e4m3_to_f32(b)), b, "byte {b:#x}");
+        }
+        // Between neighbouring codes of one sign: below the midpoint, at it (to the even code), above.
+        for w in finite
+            .windows(2)
+            .filter(|w| w[0] & 0x80 == w[1] & 0x80 && w[0] & 0x7F < w[1] & 0x7F)
+        {
+            let (lo, hi) = (e4m3_to_f32(w[0]) as f64, e4m3_to_f32(w[1]) as f64);
+            let mid = (lo + hi) / 2.0;
+            let even = if w[0] % 2 == 0 { w[0] } else { w[1] };
+            assert_eq!(
+                e4m3_from_f32(mid as f32),
+                even,
+                "midpoint of {:#x} and {:#x}",
+                w[0],
+                w[1]
+            );
+            let below = (mid - (hi - lo) / 8.0) as f32;
+            let above = (mid + (hi - lo) / 8.0) as f32;
+            assert_eq!(e4m3_from_f32(below), w[0]);
+            assert_eq!(e4m3_from_f32(above), w[1]);
+        }
+        assert_eq!(e4m3_from_f32(460.0), 0x7E, "saturates, never NaN");
+        assert_eq!(e4m3_from_f32(-1e30), 0xFE);
+        assert_eq!(e4m3_from_f32(f32::INFINITY), 0x7E);
+        assert_eq!(
+            e4m3_from_f32(2f32.powi(-11)),
+            0x00,
+            "a quarter step rounds to zero"
+        );
+        assert_eq!(e4m3_from_f32(-0.0), 0x80);
+        assert!(e4m3_to_f32(e4m3_from_f32(f32::NAN)).is_nan());
     }
 }

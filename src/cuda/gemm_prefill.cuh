@@ -34,9 +34,21 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
 }
+// 4 bytes global → shared (through L1: cp.async's .cg takes only 16), zero-filled when !valid.
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
+                 : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8 × 8 matrices of 16-bit pairs from shared memory (the mma fragment loads).
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
 }
 
 __device__ __forceinline__ u32 as_u32(bf162 v) { return *reinterpret_cast<u32*>(&v); }

@@ -49,27 +49,28 @@ fn wgmma_shared_bytes(format: Format) -> usize {
     6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * row_bytes) + 1024
 }
 
-/// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cu.
+/// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cuh (also the table
+/// part of gemm_fp8.rs's arguments).
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct GemmArgs {
-    w: u64,
-    scales: u64,
-    biases: u64,
-    x: u64,
-    y: u64,
-    a_rows: u64,
-    c_rows: u64,
-    tiles: u64,
-    num_tiles: u64,
-    w_mat_words: i64,
-    x_rows: i32,
-    y_rows: i32,
-    n: i32,
-    k: i32,
-    a_div: i32,
-    count: i32,
-    staged_stores: i32,
+pub(super) struct GemmArgs {
+    pub(super) w: u64,
+    pub(super) scales: u64,
+    pub(super) biases: u64,
+    pub(super) x: u64,
+    pub(super) y: u64,
+    pub(super) a_rows: u64,
+    pub(super) c_rows: u64,
+    pub(super) tiles: u64,
+    pub(super) num_tiles: u64,
+    pub(super) w_mat_words: i64,
+    pub(super) x_rows: i32,
+    pub(super) y_rows: i32,
+    pub(super) n: i32,
+    pub(super) k: i32,
+    pub(super) a_div: i32,
+    pub(super) count: i32,
+    pub(super) staged_stores: i32,
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.

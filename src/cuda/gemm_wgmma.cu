@@ -53,20 +53,6 @@ template <int F> __host__ __device__ constexpr int smem_bytes() { return STAGES 
 static_assert(stage_bytes<64, Q4>() % 1024 == 0 && stage_bytes<64, Q8>() % 1024 == 0, "X tiles stay 1024-byte aligned");
 static_assert(smem_bytes<Q8>() + 2048 <= 227 * 1024, "one block per SM must fit");
 
-// Global weight row of tile row r (0..255) in column tile `col_tile`, −1 past the matrix. SWIGLU:
-// tile rows 16w..16w+7 are gate rows j = 128·col_tile + 8w .. +7, rows 16w+8..16w+15 the up rows
-// of the same j (see the top).
-template <int E> __device__ __forceinline__ int weight_row(int r, int col_tile, int n) {
-    if constexpr (E == STORE) {
-        const int row = col_tile * BN + r;
-        return row < n ? row : -1;
-    } else {
-        const int half = n / 2, j = col_tile * (BN / 2) + (r / 16) * 8 + (r % 8);
-        if (j >= half) return -1;
-        return r % 16 < 8 ? j : half + j;
-    }
-}
-
 // The block's products for a tile of `rows` ≤ N token rows of matrix `mat`: the tables of
 // gemm<E> (X row, Y row of each token row; word offset of each weight row) are in place.
 template <int E, int F, int N>
@@ -86,7 +72,7 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     i64 sb_off[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = weight_row<E>(r_lo + 8 * h, col_tile, a.n);
+        const int row = tile_weight_row<E == SWIGLU, BN>(r_lo + 8 * h, col_tile, a.n);
         sb_off[h] = row < 0 ? -1 : ((i64)mat * a.n + row) * ngroups;
     }
     // What this thread copies per k-tile: X chunk c of rows xr0 + 64u (u < N / 64), and weight
@@ -306,7 +292,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     const int tid = threadIdx.x;
     token_rows(a, BM, p0, rows, a_row_s, c_row_s);
     if (tid < BN) {
-        const int row = weight_row<E>(tid, blockIdx.y, a.n);
+        const int row = tile_weight_row<E == SWIGLU, BN>(tid, blockIdx.y, a.n);
         b_off_s[tid] = row < 0 ? -1 : row * (a.k * row_bytes<F>() / BK / 4);  // words per row
     }
     __syncthreads();

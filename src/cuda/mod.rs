@@ -12,6 +12,7 @@ pub mod embed;
 pub mod forward;
 pub mod gdn;
 pub mod gemm;
+pub mod gemm_fp8;
 pub mod gemm_prefill;
 pub mod model;
 pub mod moe;
