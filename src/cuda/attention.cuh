@@ -90,7 +90,8 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return *reinterpret_cast<u32*>(&p);
 }
 
-__device__ __forceinline__ float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }
+// By __fdividef, as silu in common.cuh: no IEEE-division slow path at each of the epilogue's uses.
+__device__ __forceinline__ float sigmoid(float v) { return __fdividef(1.0f, 1.0f + expf(-v)); }
 
 // One key tile of the prefill kernels' online softmax, in the log2 domain (scores · scale_log2,
 // applied inside the exponent's FFMA). A thread holds TILES accumulator tiles of 8 keys for its rows g

@@ -62,7 +62,11 @@ __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_gene
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+// x · sigmoid(x). The quotient by __fdividef (≤ 2 ulp; its denominator is ≥ 1, and past 2¹²⁶ the
+// true value is below 1e-36 anyway): an IEEE division adds a slow-path branch and call at every
+// use, which made up 17 % of gdn_prefill_out's code (5,592 → 4,640 SASS instructions, prep 7,024 →
+// 6,288: its instruction cache overflowed, bench/NOTES.md v1.28).
+__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + expf(-v)); }
 
 // Programmatic dependent launch (pdl.rs). Every kernel calls pdl_wait() before it reads anything an
 // earlier kernel wrote or writes anything an earlier kernel reads, and pdl_launch_dependents() once

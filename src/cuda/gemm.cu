@@ -276,22 +276,31 @@ __device__ void gemv(const GemvArgs& a) {
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
     const u32 dst0 = ring_s + my_r * T::ROW_STRIDE + my_p * 16;
     const bf16* sb_src = lane < 16 ? smat : bmat;
+    // The lane's source rows in the round being copied (clamped past the end: copied, never
+    // stored), set once per round: rebuilt for every batch, their 64-bit address arithmetic was a
+    // fifth of the loop's instructions (tools/sass_stats.py; bench/NOTES.md v1.44).
+    constexpr int COPY_ROWS = TILE_ROWS / ROW_STEP;
+    const u32* copy_w[COPY_ROWS];
+    const bf16* copy_sb;
+    auto aim = [&](int round) {
+        const int row0 = row0_of(round);
+#pragma unroll
+        for (int i = 0; i < COPY_ROWS; ++i)
+            copy_w[i] = wmat + (i64)min(row0 + my_r + i * ROW_STEP, a.rows - 1) * words_per_row + my_p * 4;
+        copy_sb = sb_src + (i64)min(row0 + lane % 16, a.rows - 1) * ngroups;
+    };
     Job next_copy{(int)blockIdx.x, 0};
+    aim(next_copy.round);
     auto issue = [&](int j) {
         if (j < jobs) {
             const u32 slot = (j % STAGES) * S::BYTES;
-            const int row0 = row0_of(next_copy.round), it0 = it_begin + next_copy.batch * BATCH;
-            const u32 col = it0 * 4 * T::WORDS + my_p * 4;  // in words
+            const int it0 = it_begin + next_copy.batch * BATCH;
+            const int col = it0 * 4 * T::WORDS;  // in words
 #pragma unroll
-            for (int i = 0; i < TILE_ROWS / ROW_STEP; ++i) {
-                const u32 row = min(row0 + my_r + i * ROW_STEP, a.rows - 1);
-                cp_async16(dst0 + slot + i * ROW_STEP * T::ROW_STRIDE, wmat + row * words_per_row + col);
-            }
-            if constexpr (QUANT) {
-                const u32 row = min(row0 + lane % 16, a.rows - 1);
-                cp_async8(ring_s + slot + S::SCALES + lane * 8, sb_src + row * ngroups + it0);
-            }
+            for (int i = 0; i < COPY_ROWS; ++i) cp_async16(dst0 + slot + i * ROW_STEP * T::ROW_STRIDE, copy_w[i] + col);
+            if constexpr (QUANT) cp_async8(ring_s + slot + S::SCALES + lane * 8, copy_sb + it0);
             advance(next_copy);
+            if (next_copy.batch == 0 && j + 1 < jobs) aim(next_copy.round);
         }
         cp_async_commit();
     };
