@@ -207,7 +207,7 @@ impl CudaModel {
         // A matrix as `bits` asks, and with `fp8` an FP8 form of its own random values.
         let matrices = |count: usize, rows: usize, cols: usize, seed: u64| {
             let mut m = k.matrices(bits, count, rows, cols, seed)?;
-            if fp8 {
+            if fp8 && super::weights::fp8_prefill() {
                 m.fp8 = Some(k.fp8_matrices(count, rows, cols, seed ^ 0xF8F8)?);
             }
             Ok::<_, CudaError>(m)

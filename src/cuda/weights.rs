@@ -36,6 +36,11 @@ pub struct DeviceMatrices {
     pub fp8: Option<DeviceFp8>,
 }
 
+/// Whether FP8 matrices keep their FP8 form for prefill: unless `LILY_FP8_PREFILL=0`.
+pub fn fp8_prefill() -> bool {
+    !std::env::var("LILY_FP8_PREFILL").is_ok_and(|v| v == "0")
+}
+
 impl DeviceMatrices {
     /// The kernels' view of these weights.
     pub fn view(&self) -> Matrices<'_> {
@@ -79,7 +84,7 @@ impl DeviceMatrices {
     /// [`Self::stack_of_concats`]) in FP8 too, if they are FP8 in whole 128 × 128 blocks; unless
     /// `LILY_FP8_PREFILL=0` (no second copy).
     pub fn with_fp8(mut self, stream: &Arc<CudaStream>, groups: &[Vec<&Matrix>]) -> Result<Self> {
-        if !std::env::var("LILY_FP8_PREFILL").is_ok_and(|v| v == "0") {
+        if fp8_prefill() {
             self.fp8 = DeviceFp8::stack_of_concats(stream, groups)?;
         }
         Ok(self)
