@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Lane-level emulator of src/cuda/gemm_fp8.cu (the FP8 prefill products), to check its index math
 without a GPU: the per-thread copy sources and swizzled destinations of each stage, the token and
-weight scales' copies, ldmatrix.x4's fragments, wgmma m64nNk32's operands (A by CUTLASS's
-ALayout_64x32, B through the K-major 128-byte-swizzled descriptor advanced 32 bytes per k32 step),
+weight scales' copies, wgmma m64nNk32's operands (A and B through K-major 128-byte-swizzled
+descriptors advanced 32 bytes per k32 step),
 the per-k-tile promotion and both epilogues, for dense and grouped launches; then compares with
 numpy. The e4m3 values are decoded exactly; products are summed in float64 (the emulator checks
 indices, not the tensor cores' rounding).
@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-BM, BN, BK, QBLOCK, THREADS, STAGES = 128, 128, 128, 128, 256, 4
+BM, BN, BK, QBLOCK, THREADS, STAGES = 128, 128, 128, 128, 256, 6
 X_BYTES = BM * BK
 W_OFF = X_BYTES
 XS_OFF = W_OFF + BN * BK
@@ -143,24 +143,15 @@ def block(E, L, y, mat, rows, col_tile, a_row_s, c_row_s, kb):
         st = stages[kt % STAGES]
         acc = np.zeros((8, 32, N // 2))
         for wg in range(2):
-            # A: each lane's four registers per k32 step, by ldmatrix.x4 from the lanes' addresses.
+            # A: the warpgroup's 64 weight rows through the descriptor (rows 64wg.. of the weight
+            # tile, the same swizzle as X): step s reads bytes 32s.. of each row.
             A = np.zeros((64, BK))
-            for w4 in range(4):
-                warp = 4 * wg + w4
-                addr = []
-                for lane in range(32):
-                    frag_row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8
-                    addr.append((frag_row, lane >> 4))
-                for s in range(4):
-                    for lane in range(32):
-                        for reg in range(4):
-                            frow, fchunk = addr[8 * reg + lane // 4]
-                            off = W_OFF + frow * 128 + (((2 * s + fchunk) ^ (frow & 7)) << 4) + 4 * (lane % 4)
-                            for byte in range(4):
-                                # CUTLASS ALayout_64x32: which (m, k) this register byte is.
-                                m = 16 * w4 + lane // 4 + 8 * (reg % 2)
-                                kk = 4 * (lane % 4) + byte + 16 * (reg // 2)
-                                A[m, 32 * s + kk] = E4M3[st[off + byte]]
+            for s in range(4):
+                for m in range(64):
+                    r = 64 * wg + m
+                    for kk in range(32):
+                        byte = 32 * s + kk
+                        A[m, 32 * s + kk] = E4M3[st[W_OFF + r * 128 + (((byte // 16) ^ (r % 8)) << 4) + byte % 16]]
             # B: the X tile through the descriptor: step s reads bytes 32s.. of each (swizzled) row.
             B = np.zeros((BK, N))
             for s in range(4):

@@ -12,17 +12,14 @@
 // rows; warpgroup q owns weight rows 64q..64q+63 and issues m64nNk32 products (N = 128 tokens, or
 // 64 for a tile of at most 64 rows). k-tiles of 128 columns (one scale block along K) stream
 // through STAGES shared-memory stages by cp.async: the X tile (N rows × 128 bytes) and the weight
-// tile (128 rows × 128 bytes), both in the 128-byte swizzle (wgmma reads X through a descriptor,
-// ldmatrix reads the weights' register fragments without bank conflicts), the tile's token scales
-// and its weight scales. Per k-tile each warpgroup runs its four k32 products into t (the first
-// with scale-d 0), waits, and adds t · ws · xs to the running sum d: the k-tile's scales differ,
-// so each block's products are summed apart (DeepSeek-V3's "promotion"; it also bounds how many
-// products the tensor cores sum at their reduced internal precision).
+// tile (128 rows × 128 bytes), both K-major in the 128-byte swizzle (wgmma reads both through
+// descriptors), the tile's token scales and its weight scales. Per k-tile each warpgroup runs its
+// four k32 products into t (the first with scale-d 0) and adds t · ws · xs to the running sum d:
+// the k-tile's scales differ, so each block's products are summed apart (DeepSeek-V3's
+// "promotion"; it also bounds how many products the tensor cores sum at their reduced internal
+// precision). k-tiles go in pairs into two register sets, so the first one's promotion runs
+// beside the second one's products.
 //
-// A fragment (m64k32, 8-bit, per warp as mma.m16n8k32's A): lane (g, t) holds rows 16w + g and
-// 16w + g + 8, registers {row g, k 4t..4t+3}, {row g+8, k 4t..}, {row g, k 16+4t..},
-// {row g+8, k 16+4t..}: exactly what ldmatrix.x4 gives from 16-byte chunks 2s and 2s + 1 of rows
-// 16w..16w+15 (each 8 × 16-byte matrix hands lane i bytes 4(i%4).. of row i/4).
 // Accumulators (m64nN): d[4i + e] = D[row 16w + g + 8(e/2)][token 8i + 2t + e%2].
 // SWIGLU tiles put gate row j at tile row 16w + g and the up row of the same j at 16w + g + 8.
 #include "gemm_prefill.cuh"
@@ -37,7 +34,8 @@ constexpr int BN = 128;       // weight rows per tile: 2 warpgroups × wgmma M =
 constexpr int BK = 128;       // k-tile: one scale block, 128 bytes per row
 constexpr int QBLOCK = 128;   // FP8 scale blocks: weights 128 × 128, activations 1 × 128
 constexpr int THREADS = 256;  // 2 warpgroups
-constexpr int STAGES = 4;
+constexpr int STAGES = 6;      // k-tiles in shared memory: 3 pairs
+constexpr int PAIRS_AHEAD = STAGES / 2 - 1;  // pairs loading while one is multiplied
 constexpr int X_BYTES = BM * BK;
 constexpr int W_OFF = X_BYTES;                // weight tile
 constexpr int XS_OFF = W_OFF + BN * BK;       // token scales [BM] fp32
@@ -129,43 +127,29 @@ __device__ __forceinline__ void products(const Fp8GemmArgs& a, int mat, int rows
         if (tid >= THREADS - 2) cp_async4(st + WS_OFF + (tid - (THREADS - 2)) * 4, ws_src + kt, ws_ok);
     };
 
-    // ldmatrix addresses of this lane's fragment rows: matrices {rows 0-7, rows 8-15} × {chunk 2s,
-    // chunk 2s + 1} of the warp's 16 rows; lane l gives the address of row l % 8 of matrix l / 8.
-    const int frag_row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, frag_chunk = lane >> 4;
-
-    float d[N / 2], acc[N / 2];
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) d[i] = acc[i] = 0.0f;
+    // Warpgroup q's A operand: weight rows 64q..64q+63 of the stage's tile, K-major in the same
+    // 128-byte swizzle as X (a multiple of 1024 bytes in, so the swizzle phase is unchanged).
+    const u32 a_off = W_OFF + (warp / 4) * 64 * BK;
 
     const int KT = kb;
+    // Two accumulator sets: k-tile 2j runs into acc0 and 2j + 1 into acc1, issued together; acc0
+    // is promoted while the tensor cores still run acc1's products. (Overlap across turns of the
+    // loop — k-tile kt + 1 issued before kt's promotion — makes ptxas serialize every wgmma: it
+    // does not follow which group a wait retires across the loop's back edge.)
+    float d[N / 2], acc0[N / 2], acc1[N / 2];
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < KT) load_tile(s, s);
-        cp_async_commit();  // possibly empty: keeps the group count uniform for the waits below
-    }
-    cp_async_wait<STAGES - 2>();  // k-tile 0 has landed (this thread's copies) ...
-    fence_async_shared();         // ... is visible to the tensor cores ...
-    __syncthreads();              // ... and so is everyone's
-#pragma unroll 1
-    for (int kt = 0; kt < KT; ++kt) {
-        // Refill the stage k-tile kt − 1 used: every warp waited for its products before the barrier.
-        const int next = kt + STAGES - 1;
-        if (next < KT) load_tile(next, next % STAGES);
-        cp_async_commit();
+    for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
 
+    auto issue = [&](int kt, float* acc) {
         const u32 st = stage(kt % STAGES);
-        u32 frag[4][4];
+        wgmma_fence();  // after this thread's last reads of acc (its promotion)
 #pragma unroll
-        for (int s = 0; s < 4; ++s)
-            ldmatrix_x4(frag[s], st + W_OFF + frag_row * 128 + (((2 * s + frag_chunk) ^ (frag_row & 7)) << 4));
-        wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < 4; ++s) wgmma_fp8_k32<N>(acc, frag[s], smem_desc(st + s * 32), s);
+        for (int s = 0; s < 4; ++s) wgmma_fp8_k32<N>(acc, smem_desc(st + a_off + s * 32), smem_desc(st + s * 32), s);
         wgmma_commit();
-        wgmma_wait<0>();
+    };
+    // d += t · ws · xs, the row's block scale times the token's group scale.
+    auto promote = [&](int kt, float* acc) {
         fence_accumulators<N>(acc);
-
-        // d += t · ws · xs, the row's block scale times the token's group scale.
         const float* scales = reinterpret_cast<const float*>(smem + (kt % STAGES) * STAGE_BYTES);
         const float w_lo = scales[WS_OFF / 4], w_hi = scales[WS_OFF / 4 + (E == SWIGLU ? 1 : 0)];
 #pragma unroll
@@ -176,11 +160,39 @@ __device__ __forceinline__ void products(const Fp8GemmArgs& a, int mat, int rows
             d[4 * i + 2] += acc[4 * i + 2] * (w_hi * xs.x);
             d[4 * i + 3] += acc[4 * i + 3] * (w_hi * xs.y);
         }
-        if (kt + 1 < KT) {
-            cp_async_wait<STAGES - 2>();  // this thread's copies of k-tile kt + 1 have landed ...
-            fence_async_shared();
-            __syncthreads();  // ... and everyone's; every warp is past k-tile kt's reads
-        }
+    };
+    // k-tiles move in pairs, one cp.async group each, PAIRS_AHEAD pairs in flight. Pair j has
+    // landed everywhere once this thread has at most PAIRS_AHEAD − 1 newer groups pending and the
+    // block has met; every warp is then past pair j − 1's promotions, whose stages take pair
+    // j + PAIRS_AHEAD.
+    auto load_pair = [&](int j) {
+        if (2 * j < KT) load_tile(2 * j, (2 * j) % STAGES);
+        if (2 * j + 1 < KT) load_tile(2 * j + 1, (2 * j + 1) % STAGES);
+        cp_async_commit();  // possibly empty: keeps the group count uniform for the waits
+    };
+    auto arrive = [&](int j) {
+        cp_async_wait<PAIRS_AHEAD - 1>();
+        fence_async_shared();  // the copies visible to the tensor cores
+        __syncthreads();
+        load_pair(j + PAIRS_AHEAD);
+    };
+#pragma unroll
+    for (int j = 0; j < PAIRS_AHEAD; ++j) load_pair(j);
+#pragma unroll 1
+    for (int j = 0; j < KT / 2; ++j) {
+        arrive(j);
+        issue(2 * j, acc0);
+        issue(2 * j + 1, acc1);
+        wgmma_wait<1>();
+        promote(2 * j, acc0);
+        wgmma_wait<0>();
+        promote(2 * j + 1, acc1);
+    }
+    if (KT % 2 == 1) {  // a last, single k-tile
+        arrive(KT / 2);
+        issue(KT - 1, acc0);
+        wgmma_wait<0>();
+        promote(KT - 1, acc0);
     }
     cp_async_wait<0>();
 

@@ -23,11 +23,11 @@ pub const BLOCK: usize = 128;
 const TILE_ROWS: usize = 128;
 const TILE_COLS: usize = 128;
 const THREADS: u32 = 256;
-/// Dynamic shared memory (SMEM_BYTES in gemm_fp8.cu): four stages of the X and weight tiles (128
+/// Dynamic shared memory (SMEM_BYTES in gemm_fp8.cu): six stages of the X and weight tiles (128
 /// bytes per row), the token scales and two weight scales, each stage rounded up to 1 KB; 1 KB to
 /// align.
 const SHARED_BYTES: usize =
-    4 * (TILE_ROWS * 128 + TILE_COLS * 128 + TILE_ROWS * 4 + 16).next_multiple_of(1024) + 1024;
+    6 * (TILE_ROWS * 128 + TILE_COLS * 128 + TILE_ROWS * 4 + 16).next_multiple_of(1024) + 1024;
 /// quantize_fp8_rows: warps (one per row and group) per block.
 const QUANTIZE_WARPS: usize = 8;
 
