@@ -24,6 +24,9 @@ pub(super) struct Fp8Path {
     /// e4m3 `[rows][width]` and its scales per 128 columns.
     xq: CudaSlice<u8>,
     xs: CudaSlice<f32>,
+    /// Whether dense projections take the FP8 products too (`LILY_FP8_DENSE=0`: they take cuBLAS
+    /// on their dequantised copy, as the Q8 conversion does; the experts stay on FP8).
+    pub(super) dense: bool,
 }
 
 impl Fp8Path {
@@ -35,6 +38,7 @@ impl Fp8Path {
             kernels: Fp8GemmKernels::load(dev)?,
             xq: super::alloc(s, rows * width)?,
             xs: super::alloc(s, rows * width / BLOCK)?,
+            dense: !std::env::var("LILY_FP8_DENSE").is_ok_and(|v| v == "0"),
         })
     }
 

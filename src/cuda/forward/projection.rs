@@ -68,7 +68,9 @@ pub(super) fn gemv_rows(
     // An FP8 checkpoint's long passes: the matrix as it ships, on the FP8 tensor cores.
     if t >= fp8::FROM_ROWS {
         if let (Some(path), Some(w8)) = (&mut k.fp8, &w.fp8) {
-            return path.gemm(w8, x, y, t);
+            if path.dense {
+                return path.gemm(w8, x, y, t);
+            }
         }
     }
     let view = w.view();
