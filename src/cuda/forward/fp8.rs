@@ -64,7 +64,7 @@ impl Fp8Path {
         y: &mut CudaViewMut<bf16>,
         t: usize,
     ) -> Result<()> {
-        let Fp8Path { kernels, xq, xs } = self;
+        let Fp8Path { kernels, xq, xs, .. } = self;
         let rows = quantize(kernels, xq, xs, &x.slice(..t * w.cols), w.cols)?;
         kernels.gemm(&w.view(), &rows, &mut y.slice_mut(..t * w.rows))
     }
@@ -82,7 +82,7 @@ impl Fp8Path {
         routed: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
         let (hidden, inter, pairs) = (gate_up.cols, down.cols, groups.pairs());
-        let Fp8Path { kernels, xq, xs } = self;
+        let Fp8Path { kernels, xq, xs, .. } = self;
         {
             let x = quantize(kernels, xq, xs, xn, hidden)?;
             kernels.experts_gate_up(
