@@ -143,13 +143,16 @@ fn q8_0_weights_convert_at_upload_and_match_cpu() {
 /// An FP8 checkpoint's matrices (here the linear ones re-encoded as the official release stores
 /// them) are kept as e4m3 beside their Q8 conversion where they are whole 128 × 128 blocks, and
 /// prompts of > 64 rows run them on the FP8 products, activations quantised per token and 128
-/// columns. Against the
-/// CPU on the FP8 weights (dequantised exactly, activations not quantised) the logits then differ
-/// by that quantisation too: the bound below is set loose before the first H200 run (broken
-/// products or wiring give errors near 1) and is to be tightened from what it measures.
+/// columns. Against the CPU on the FP8 weights (dequantised exactly, activations not quantised)
+/// the logits differ by the Q8 conversion (short passes, decode) and by that quantisation too.
+/// Two H200 runs measured 6.8e-2 and 7.8e-2 after 9 tokens (4.8e-2, 7.4e-2 for the decode step
+/// after), 7.4e-2 and 9.9e-2 after 300 (5.4e-2, 1.0e-1): the bounds are 1.2e-1 and 2e-1, where
+/// broken products or wiring give errors near 1. (The Q8_0 test above measures 7.2e-2 against
+/// its 8e-2 after 9 tokens: these tiny random models' short prompts sit near that bound.)
 #[test]
 fn fp8_matrices_run_prefill_on_fp8_products() {
-    const FP8_TOLERANCE: f32 = 0.25;
+    const Q8_TOLERANCE: f32 = 1.2e-1;
+    const FP8_TOLERANCE: f32 = 2e-1;
     let dir = tempfile::tempdir().unwrap();
     synth::write_checkpoint(
         &config(),
@@ -220,7 +223,7 @@ fn fp8_matrices_run_prefill_on_fp8_products() {
     let mut cpu = CpuBackend::new(weights);
     let mut rng = rand::rng();
     // 9 rows: the decode GEMVs on the Q8 conversion; 300: the FP8 products.
-    for (seq, (n, bound)) in [(9usize, TOLERANCE), (300, FP8_TOLERANCE)]
+    for (seq, (n, bound)) in [(9usize, Q8_TOLERANCE), (300, FP8_TOLERANCE)]
         .into_iter()
         .enumerate()
     {

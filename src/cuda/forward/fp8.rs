@@ -1,7 +1,8 @@
-//! An FP8 checkpoint's prefill: passes of at least [`FROM_ROWS`] rows run the matrices that keep
-//! their FP8 form ([`DeviceMatrices::fp8`]: the experts, attention's projections, GDN's out_proj)
-//! on the FP8 tensor cores (gemm_fp8.rs), the activations quantised per token and 128 columns
-//! first. Shorter passes (decode) read the matrices' affine Q8 conversion as any other model's.
+//! An FP8 checkpoint's prefill: passes of at least [`FROM_ROWS`] rows run the experts on the FP8
+//! tensor cores (gemm_fp8.rs) from their FP8 form ([`DeviceMatrices::fp8`]), the activations
+//! quantised per token and 128 columns first. Attention's projections and GDN's out_proj keep an
+//! FP8 form too but run on cuBLAS over their dequantised copy unless `LILY_FP8_DENSE=1` (measured
+//! faster). Shorter passes (decode) read the matrices' affine Q8 conversion as any other model's.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
@@ -24,8 +25,9 @@ pub(super) struct Fp8Path {
     /// e4m3 `[rows][width]` and its scales per 128 columns.
     xq: CudaSlice<u8>,
     xs: CudaSlice<f32>,
-    /// Whether dense projections take the FP8 products too (`LILY_FP8_DENSE=0`: they take cuBLAS
-    /// on their dequantised copy, as the Q8 conversion does; the experts stay on FP8).
+    /// Whether dense projections take the FP8 products too (`LILY_FP8_DENSE=1`). Off: they take
+    /// cuBLAS on their dequantised copy, as the Q8 conversion does — measured faster (H200, 4K
+    /// prompt: 54.8K tok/s against 53.1K; bench/NOTES.md v1.45); the experts stay on FP8.
     pub(super) dense: bool,
 }
 
@@ -38,7 +40,7 @@ impl Fp8Path {
             kernels: Fp8GemmKernels::load(dev)?,
             xq: super::alloc(s, rows * width)?,
             xs: super::alloc(s, rows * width / BLOCK)?,
-            dense: !std::env::var("LILY_FP8_DENSE").is_ok_and(|v| v == "0"),
+            dense: std::env::var("LILY_FP8_DENSE").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -64,7 +66,9 @@ impl Fp8Path {
         y: &mut CudaViewMut<bf16>,
         t: usize,
     ) -> Result<()> {
-        let Fp8Path { kernels, xq, xs, .. } = self;
+        let Fp8Path {
+            kernels, xq, xs, ..
+        } = self;
         let rows = quantize(kernels, xq, xs, &x.slice(..t * w.cols), w.cols)?;
         kernels.gemm(&w.view(), &rows, &mut y.slice_mut(..t * w.rows))
     }
@@ -82,7 +86,9 @@ impl Fp8Path {
         routed: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
         let (hidden, inter, pairs) = (gate_up.cols, down.cols, groups.pairs());
-        let Fp8Path { kernels, xq, xs, .. } = self;
+        let Fp8Path {
+            kernels, xq, xs, ..
+        } = self;
         {
             let x = quantize(kernels, xq, xs, xn, hidden)?;
             kernels.experts_gate_up(

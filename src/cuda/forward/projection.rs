@@ -52,7 +52,7 @@ pub(super) fn first_projection(
 }
 
 /// `y = W · x` for `t` rows: an FP8 checkpoint's matrix in its FP8 form for long passes
-/// (forward/fp8.rs), cuBLAS on dequantised weights for long chunks (dense.rs), GEMV row
+/// with `LILY_FP8_DENSE=1` (forward/fp8.rs), cuBLAS on dequantised weights for long chunks (dense.rs), GEMV row
 /// chunks in one launch for more rows than one GEMV takes up to a few dozen (matrices of ≤ 4,096
 /// rows), our tensor-core GEMM for more than 8, else (or for weights it does not take) GEMVs of
 /// as many tokens per launch as fit in shared memory (≤ 8).
@@ -65,7 +65,7 @@ pub(super) fn gemv_rows(
     ahead: L2Ahead,
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
-    // An FP8 checkpoint's long passes: the matrix as it ships, on the FP8 tensor cores.
+    // An FP8 checkpoint's long passes with LILY_FP8_DENSE=1: the matrix as it ships, on FP8.
     if t >= fp8::FROM_ROWS {
         if let (Some(path), Some(w8)) = (&mut k.fp8, &w.fp8) {
             if path.dense {
