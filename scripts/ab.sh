@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Same-call A/B of lily builds (or settings) on the GPU machine: each variant's `lily bench`, in
+# alternating runs so that drift between leases and clocks falls on all of them alike.
+#
+#   scripts/ab.sh build DIR NAME=REF ...   here: builds `lily` (release, feature cuda) at each git
+#                                          ref and packs it as DIR/lily-NAME.gz (≈ 7 MB each; a
+#                                          call carries at most 64 MiB with the working tree). The
+#                                          tree must be clean; the checkout returns to where it was.
+#   bash DIR/ab.sh run DIR [SPEC ...]     there, from the repo root: SPEC is NAME (a packed build)
+#                                          or NAME:VAR=VALUE (that build with one setting); default:
+#                                          every packed build as it is. Writes $OUT/ab.md (the
+#                                          table: each variant's mean of the runs' medians) and
+#                                          $OUT/ab.tar (every run's bench files and log).
+#
+# AB_CONTEXTS (default 4096,32768), AB_QUANT (q4), AB_RUNS (alternating runs, 2), AB_ROUNDS (rounds
+# per run, whose median the bench reports, 3) and AB_STEPS (decode steps, 32) set the runs.
+set -uo pipefail
+
+cmd="${1:-}"
+dir="${2:-carry-ab}"
+
+case "$cmd" in
+build)
+    shift 2
+    root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+    cd "$root" || exit 1
+    [[ -z "$(git status --porcelain --untracked-files=no)" ]] || { echo "ab: commit or stash first" >&2; exit 1; }
+    start="$(git symbolic-ref --quiet --short HEAD || git rev-parse HEAD)"
+    mkdir -p "$dir"
+    for spec in "$@"; do
+        name="${spec%%=*}" ref="${spec#*=}"
+        git checkout --quiet "$ref" || exit 1
+        if cargo build --release --features cuda; then
+            objcopy --strip-all "${CARGO_TARGET_DIR:-target}/release/lily" "$dir/lily-$name"
+            gzip -f "$dir/lily-$name" && echo "packed $dir/lily-$name.gz ($ref at $(git rev-parse --short HEAD))"
+        else
+            git checkout --quiet "$start"
+            exit 1
+        fi
+    done
+    git checkout --quiet "$start"
+    cp "${BASH_SOURCE[0]}" "$dir/ab.sh"
+    ;;
+run)
+    shift 2
+    bins="$(mktemp -d)" res="$(mktemp -d)" out="${OUT:-./ab-out}"
+    mkdir -p "$out"
+    for f in "$dir"/lily-*.gz; do
+        gunzip -c "$f" > "$bins/$(basename "$f" .gz)" && chmod +x "$bins/$(basename "$f" .gz)"
+    done
+    specs=("$@")
+    if [[ ${#specs[@]} -eq 0 ]]; then
+        for f in "$bins"/lily-*; do specs+=("${f##*/lily-}"); done
+    fi
+    for run in $(seq 1 "${AB_RUNS:-2}"); do
+        for spec in "${specs[@]}"; do
+            name="${spec%%:*}" setting="X_AB_NONE=1"
+            [[ "$spec" == *:* ]] && setting="${spec#*:}"
+            tag="${spec//[:=]/-}-$run"
+            env "$setting" timeout 300 "$bins/lily-$name" bench --synthetic qwen3.6-35b-a3b --device cuda \
+                --quant "${AB_QUANT:-q4}" --contexts "${AB_CONTEXTS:-4096,32768}" --rounds "${AB_ROUNDS:-3}" \
+                --decode-steps "${AB_STEPS:-32}" --out "$res/$tag" > "$res/$tag.log" 2>&1
+            echo "$spec run $run: exit $?"
+        done
+    done
+    # The table: per variant and context, the mean over runs of prefill and decode tok/s.
+    python3 - "$res" "${AB_RUNS:-2}" "${specs[@]}" > "$out/ab.md" <<'PY'
+import csv, os, sys
+res, runs, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+print("| variant | context | prefill tok/s | decode tok/s | runs |")
+print("|---|---:|---:|---:|---:|")
+for spec in specs:
+    rows = {}
+    for run in range(1, runs + 1):
+        path = os.path.join(res, f"{spec.replace(':', '-').replace('=', '-')}-{run}", "bench.csv")
+        if not os.path.exists(path):
+            continue
+        for r in csv.DictReader(open(path)):
+            rows.setdefault(int(r["context"]), []).append((float(r["prefill_tok_s"]), float(r["decode_tok_s"])))
+    for ctx, vals in sorted(rows.items()):
+        p = sum(v[0] for v in vals) / len(vals)
+        d = sum(v[1] for v in vals) / len(vals)
+        print(f"| {spec} | {ctx} | {p:,.0f} | {d:.1f} | {len(vals)} |")
+PY
+    cat "$out/ab.md"
+    tar cf "$out/ab.tar" -C "$res" .
+    ;;
+*)
+    echo "usage: scripts/ab.sh build DIR NAME=REF ...   |   bash DIR/ab.sh run DIR [NAME | NAME:VAR=VALUE ...]" >&2
+    exit 2
+    ;;
+esac
