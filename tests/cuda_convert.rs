@@ -23,8 +23,10 @@ use lily::model::weights::{Matrix, Mixer, WeightFormat};
 use lily::model::{Backend, CpuBackend};
 use rand::RngExt;
 
-/// As tests/cuda_forward.rs: measured 1.6–3.6e-2 for bf16 activations over 4 random layers.
-const TOLERANCE: f32 = 8e-2;
+/// bf16 activations over 4 random layers measured 1.6–3.6e-2 (tests/cuda_forward.rs), and with
+/// the Q8_0 weights converted 1.5e-2 to 7.2e-2 in three H200 runs (the highest after 9 tokens):
+/// 1.2e-1 leaves room for the prompts' spread, where a misread block gives errors near 1.
+const TOLERANCE: f32 = 1.2e-1;
 
 fn config() -> serde_json::Value {
     common::real_shaped_config([
@@ -151,7 +153,6 @@ fn q8_0_weights_convert_at_upload_and_match_cpu() {
 /// its 8e-2 after 9 tokens: these tiny random models' short prompts sit near that bound.)
 #[test]
 fn fp8_matrices_run_prefill_on_fp8_products() {
-    const Q8_TOLERANCE: f32 = 1.2e-1;
     const FP8_TOLERANCE: f32 = 2e-1;
     let dir = tempfile::tempdir().unwrap();
     synth::write_checkpoint(
@@ -223,7 +224,7 @@ fn fp8_matrices_run_prefill_on_fp8_products() {
     let mut cpu = CpuBackend::new(weights);
     let mut rng = rand::rng();
     // 9 rows: the decode GEMVs on the Q8 conversion; 300: the FP8 products.
-    for (seq, (n, bound)) in [(9usize, Q8_TOLERANCE), (300, FP8_TOLERANCE)]
+    for (seq, (n, bound)) in [(9usize, TOLERANCE), (300, FP8_TOLERANCE)]
         .into_iter()
         .enumerate()
     {
