@@ -14,6 +14,9 @@
 #
 # AB_CONTEXTS (default 4096,32768), AB_QUANT (q4), AB_RUNS (alternating runs, 2), AB_ROUNDS (rounds
 # per run, whose median the bench reports, 3) and AB_STEPS (decode steps, 32) set the runs.
+# AB_MODE=serve runs `lily bench --serve` instead (gpu-check's settings, or AB_SERVE_ARGS): the
+# table then has the 64-stream total tok/s, the per-stream decode among 8 and the last turn's
+# cached time to first token.
 set -uo pipefail
 
 cmd="${1:-}"
@@ -57,22 +60,58 @@ run)
             name="${spec%%:*}" setting="X_AB_NONE=1"
             [[ "$spec" == *:* ]] && setting="${spec#*:}"
             tag="${spec//[:=]/-}-$run"
-            env "$setting" timeout 300 "$bins/lily-$name" bench --synthetic qwen3.6-35b-a3b --device cuda \
-                --quant "${AB_QUANT:-q4}" --contexts "${AB_CONTEXTS:-4096,32768}" --rounds "${AB_ROUNDS:-3}" \
-                --decode-steps "${AB_STEPS:-32}" --out "$res/$tag" > "$res/$tag.log" 2>&1
+            if [[ "${AB_MODE:-sweep}" == serve ]]; then
+                # shellcheck disable=SC2086
+                env "$setting" timeout 300 "$bins/lily-$name" bench --serve --synthetic qwen3.6-35b-a3b --device cuda \
+                    --quant "${AB_QUANT:-q4}" ${AB_SERVE_ARGS:---batch-steps --streams 64 --prompt-tokens 1024 --output-tokens 128} \
+                    --out "$res/$tag" > "$res/$tag.log" 2>&1
+            else
+                env "$setting" timeout 300 "$bins/lily-$name" bench --synthetic qwen3.6-35b-a3b --device cuda \
+                    --quant "${AB_QUANT:-q4}" --contexts "${AB_CONTEXTS:-4096,32768}" --rounds "${AB_ROUNDS:-3}" \
+                    --decode-steps "${AB_STEPS:-32}" --out "$res/$tag" > "$res/$tag.log" 2>&1
+            fi
             echo "$spec run $run: exit $?"
         done
     done
-    # The table: per variant and context, the mean over runs of prefill and decode tok/s.
-    python3 - "$res" "${AB_RUNS:-2}" "${specs[@]}" > "$out/ab.md" <<'PY'
-import csv, os, sys
-res, runs, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    # The table: per variant (and context), the mean over runs.
+    python3 - "$res" "${AB_RUNS:-2}" "${AB_MODE:-sweep}" "${specs[@]}" > "$out/ab.md" <<'PY'
+import csv, os, re, sys
+res, runs, mode, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+def tag(spec, run):
+    return os.path.join(res, f"{spec.replace(':', '-').replace('=', '-')}-{run}")
+if mode == "serve":
+    # serve.md's tables: the first row of each (streams; conversation turns, the last one; decode).
+    print("| variant | 64 streams total tok/s | per stream among 8 tok/s | last turn TTFT cached s | runs |")
+    print("|---|---:|---:|---:|---:|")
+    for spec in specs:
+        vals = []
+        for run in range(1, runs + 1):
+            path = os.path.join(tag(spec, run), "serve.md")
+            if not os.path.exists(path):
+                continue
+            tables, rows = [], None
+            for line in open(path):
+                if line.startswith("|---"):
+                    rows = []
+                    tables.append(rows)
+                elif line.startswith("|") and rows is not None:
+                    rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+                elif not line.startswith("|"):
+                    rows = None
+            try:
+                vals.append((float(tables[0][0][3]), float(tables[2][0][1]), float(tables[1][-1][3])))
+            except (IndexError, ValueError):
+                continue
+        if vals:
+            mean = [sum(v[i] for v in vals) / len(vals) for i in range(3)]
+            print(f"| {spec} | {mean[0]:,.0f} | {mean[1]:.1f} | {mean[2]:.3f} | {len(vals)} |")
+    sys.exit()
 print("| variant | context | prefill tok/s | decode tok/s | runs |")
 print("|---|---:|---:|---:|---:|")
 for spec in specs:
     rows = {}
     for run in range(1, runs + 1):
-        path = os.path.join(res, f"{spec.replace(':', '-').replace('=', '-')}-{run}", "bench.csv")
+        path = os.path.join(tag(spec, run), "bench.csv")
         if not os.path.exists(path):
             continue
         for r in csv.DictReader(open(path)):
