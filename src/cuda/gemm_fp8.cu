@@ -73,8 +73,7 @@ __device__ __forceinline__ void products(const Fp8GemmArgs& a, int mat, int rows
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     constexpr int X_CHUNKS = N * (BK / 16) / THREADS;   // X chunks per thread per k-tile: 4 or 2
     constexpr int W_CHUNKS = BN * (BK / 16) / THREADS;  // 4
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int g = lane / 4, t = lane % 4;
+    const int tid = threadIdx.x, warp = tid / 32, t = tid % 4;
     const int col_tile = blockIdx.y, n = a.g.n, k = a.g.k, kb = k / BK;
     const unsigned char* wmat = a.wq + (i64)mat * n * k;
 
@@ -196,27 +195,7 @@ __device__ __forceinline__ void products(const Fp8GemmArgs& a, int mat, int rows
     }
     cp_async_wait<0>();
 
-    // Epilogue: d[4i + e] = D[tile row 16w + g + 8(e/2)][token 8i + 2t + e%2].
-    const int r_lo = 16 * warp + g;
-#pragma unroll
-    for (int i = 0; i < N / 8; ++i) {
-#pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-            const int tok = 8 * i + 2 * t + e2;
-            if (tok >= rows) continue;
-            if constexpr (E == STORE) {
-                bf16* yrow = a.g.y + (i64)c_row_s[tok] * n;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int col = col_tile * BN + r_lo + 8 * h;
-                    if (col < n) yrow[col] = __float2bfloat16_rn(d[4 * i + 2 * h + e2]);
-                }
-            } else {
-                const int half = n / 2, j = col_tile * (BN / 2) + 8 * warp + g;
-                if (j < half) a.g.y[(i64)c_row_s[tok] * half + j] = __float2bfloat16_rn(silu(d[4 * i + e2]) * d[4 * i + 2 + e2]);
-            }
-        }
-    }
+    store_accumulators<E == SWIGLU, N, BN>(a.g.y, n, d, rows, col_tile, c_row_s);
 }
 
 template <int E>

@@ -259,26 +259,7 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
         }
         return;
     }
-#pragma unroll
-    for (int i = 0; i < N / 8; ++i) {
-#pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-            const int tok = 8 * i + 2 * t + e2;
-            if (tok >= rows) continue;
-            if constexpr (E == STORE) {
-                bf16* yrow = a.y + (i64)c_row_s[tok] * a.n;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int col = col_tile * BN + r_lo + 8 * h;
-                    if (col < a.n) yrow[col] = __float2bfloat16_rn(d[4 * i + 2 * h + e2]);
-                }
-            } else {
-                const int half = a.n / 2, j = col_tile * (BN / 2) + 8 * warp + g;
-                if (j < half)
-                    a.y[(i64)c_row_s[tok] * half + j] = __float2bfloat16_rn(silu(d[4 * i + e2]) * d[4 * i + 2 + e2]);
-            }
-        }
-    }
+    store_accumulators<E == SWIGLU, N, BN>(a.y, a.n, d, rows, col_tile, c_row_s);
 }
 
 template <int E, int F>
