@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{map_matrices, matrix_values};
+use common::{map_matrices, matrix_values, rel_error};
 use half::f16;
 use lily::checkpoint::fp8::e4m3_from_f32;
 use lily::checkpoint::tensor::{Bytes, DType};
@@ -20,7 +20,7 @@ use lily::cuda::CudaDevice;
 use lily::ggml::GgmlType;
 use lily::model::convert;
 use lily::model::weights::{Matrix, Mixer, WeightFormat};
-use lily::model::{Backend, CpuBackend};
+use lily::model::{Backend, CpuBackend, Weights};
 use rand::RngExt;
 
 /// bf16 activations over 4 random layers measured 1.6–3.6e-2 (tests/cuda_forward.rs), and with
@@ -95,45 +95,60 @@ fn fp8(m: &Matrix) -> Matrix {
     }
 }
 
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
-
-#[test]
-fn q8_0_weights_convert_at_upload_and_match_cpu() {
+/// The test model with random bf16 weights (`seed`), written and read back as a checkpoint.
+fn synthetic_weights(seed: u64) -> Weights {
     let dir = tempfile::tempdir().unwrap();
     synth::write_checkpoint(
         &config(),
         dir.path(),
-        5,
+        seed,
         DType::BF16,
         synth::SHARD_BYTES,
         false,
     )
     .unwrap();
-    let mut weights = checkpoint::load(dir.path()).unwrap();
-    map_matrices(&mut weights, |m| *m = q8_0(m));
-    let (converted, report) = convert::weights_for_kernels(&weights);
-    println!("{:?}", report.lines());
-    let mut cpu = CpuBackend::new(converted);
-    let dev = CudaDevice::new(0)
-        .expect("a CUDA GPU (these tests run on the H200 through scripts/gpu-check.sh)");
-    let model = CudaModel::upload(&dev, &weights).unwrap();
+    checkpoint::load(dir.path()).unwrap()
+}
+
+fn gpu() -> CudaDevice {
+    CudaDevice::new(0)
+        .expect("a CUDA GPU (these tests run on the H200 through scripts/gpu-check.sh)")
+}
+
+/// A backend of 3 sequences of up to 4,096 tokens over `model`.
+fn gpu_backend(dev: CudaDevice, model: CudaModel) -> CudaBackend {
     let options = CudaOptions {
         max_sequences: 3,
         max_context: 4096,
         ..CudaOptions::default()
     };
-    let mut gpu = CudaBackend::new(dev, model, options).unwrap();
+    CudaBackend::new(dev, model, options).unwrap()
+}
+
+/// The logits of a random prompt of `n` tokens on both backends, as sequence `seq`: their error
+/// relative to the CPU's scale.
+fn prompt_error(cpu: &mut CpuBackend, gpu: &mut CudaBackend, seq: u64, n: usize) -> f32 {
     let mut rng = rand::rng();
+    let p: Vec<u32> = (0..n).map(|_| rng.random_range(0..2000)).collect();
+    cpu.create_sequence(seq).unwrap();
+    gpu.create_sequence(seq).unwrap();
+    let c = cpu.forward(seq, &p).unwrap();
+    let g = gpu.forward(seq, &p).unwrap();
+    rel_error(&g, &c)
+}
+
+#[test]
+fn q8_0_weights_convert_at_upload_and_match_cpu() {
+    let mut weights = synthetic_weights(5);
+    map_matrices(&mut weights, |m| *m = q8_0(m));
+    let (converted, report) = convert::weights_for_kernels(&weights);
+    println!("{:?}", report.lines());
+    let mut cpu = CpuBackend::new(converted);
+    let dev = gpu();
+    let model = CudaModel::upload(&dev, &weights).unwrap();
+    let mut gpu = gpu_backend(dev, model);
     for (seq, n) in [1usize, 9, 300].into_iter().enumerate() {
-        let p: Vec<u32> = (0..n).map(|_| rng.random_range(0..2000)).collect();
-        cpu.create_sequence(seq as u64).unwrap();
-        gpu.create_sequence(seq as u64).unwrap();
-        let c = cpu.forward(seq as u64, &p).unwrap();
-        let g = gpu.forward(seq as u64, &p).unwrap();
-        let err = rel(&g, &c);
+        let err = prompt_error(&mut cpu, &mut gpu, seq as u64, n);
         println!("prompt of {n}: logits rel. error {err:.2e}");
         assert!(
             err <= TOLERANCE,
@@ -148,23 +163,12 @@ fn q8_0_weights_convert_at_upload_and_match_cpu() {
 /// columns. Against the CPU on the FP8 weights (dequantised exactly, activations not quantised)
 /// the logits differ by the Q8 conversion (short passes, decode) and by that quantisation too.
 /// Two H200 runs measured 6.8e-2 and 7.8e-2 after 9 tokens (4.8e-2, 7.4e-2 for the decode step
-/// after), 7.4e-2 and 9.9e-2 after 300 (5.4e-2, 1.0e-1): the bounds are 1.2e-1 and 2e-1, where
-/// broken products or wiring give errors near 1. (The Q8_0 test above measures 7.2e-2 against
-/// its 8e-2 after 9 tokens: these tiny random models' short prompts sit near that bound.)
+/// after), 7.4e-2 and 9.9e-2 after 300 (5.4e-2, 1.0e-1): the bounds are TOLERANCE (1.2e-1, as the
+/// Q8_0 test's) and 2e-1, where broken products or wiring give errors near 1.
 #[test]
 fn fp8_matrices_run_prefill_on_fp8_products() {
     const FP8_TOLERANCE: f32 = 2e-1;
-    let dir = tempfile::tempdir().unwrap();
-    synth::write_checkpoint(
-        &config(),
-        dir.path(),
-        7,
-        DType::BF16,
-        synth::SHARD_BYTES,
-        false,
-    )
-    .unwrap();
-    let mut weights = checkpoint::load(dir.path()).unwrap();
+    let mut weights = synthetic_weights(7);
     // As the official release: the linear matrices FP8, the routers, embeddings and head bf16.
     // GDN's b and a stay bf16 here: 32-row parts are no whole block either way, so in_proj keeps
     // no FP8 form (its Q8 conversion serves every pass).
@@ -188,8 +192,7 @@ fn fp8_matrices_run_prefill_on_fp8_products() {
             }
         }
     }
-    let dev = CudaDevice::new(0)
-        .expect("a CUDA GPU (these tests run on the H200 through scripts/gpu-check.sh)");
+    let dev = gpu();
     let model = CudaModel::upload(&dev, &weights).unwrap();
     for l in &model.layers {
         assert!(
@@ -215,25 +218,14 @@ fn fp8_matrices_run_prefill_on_fp8_products() {
             }
         }
     }
-    let options = CudaOptions {
-        max_sequences: 3,
-        max_context: 4096,
-        ..CudaOptions::default()
-    };
-    let mut gpu = CudaBackend::new(dev, model, options).unwrap();
+    let mut gpu = gpu_backend(dev, model);
     let mut cpu = CpuBackend::new(weights);
-    let mut rng = rand::rng();
     // 9 rows: the decode GEMVs on the Q8 conversion; 300: the FP8 products.
     for (seq, (n, bound)) in [(9usize, TOLERANCE), (300, FP8_TOLERANCE)]
         .into_iter()
         .enumerate()
     {
-        let p: Vec<u32> = (0..n).map(|_| rng.random_range(0..2000)).collect();
-        cpu.create_sequence(seq as u64).unwrap();
-        gpu.create_sequence(seq as u64).unwrap();
-        let c = cpu.forward(seq as u64, &p).unwrap();
-        let g = gpu.forward(seq as u64, &p).unwrap();
-        let err = rel(&g, &c);
+        let err = prompt_error(&mut cpu, &mut gpu, seq as u64, n);
         println!("FP8 experts, prompt of {n}: logits rel. error {err:.2e} (bound {bound:.0e})");
         assert!(err <= bound, "prompt of {n}: logits differ by {err:.2e}");
         // And one decode step after the FP8 prefill (its experts on the Q8 stacks).
@@ -241,7 +233,7 @@ fn fp8_matrices_run_prefill_on_fp8_products() {
             cpu.forward(seq as u64, &[5]).unwrap(),
             gpu.forward(seq as u64, &[5]).unwrap(),
         );
-        let err = rel(&g, &c);
+        let err = rel_error(&g, &c);
         println!("FP8 experts, decode after {n}: logits rel. error {err:.2e}");
         assert!(
             err <= bound,

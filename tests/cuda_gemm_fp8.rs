@@ -29,6 +29,7 @@ use half::bf16;
 use lily::checkpoint::fp8::{e4m3_from_f32, e4m3_to_f32};
 use lily::cuda::gemm_fp8::{Fp8GemmKernels, Fp8Matrices, Fp8Rows, BLOCK};
 use lily::cuda::moe::{ExpertGroups, MoeKernels};
+use lily::cuda::weights::DeviceFp8;
 use lily::cuda::{CudaSlice, CudaStream};
 use lily::model::cpu::ops::silu;
 use rand::rngs::SmallRng;
@@ -50,11 +51,7 @@ const MEAN_ABS: f32 = 2e-3;
 struct Stack {
     w: Vec<u8>,
     ws: Vec<f32>,
-    data: CudaSlice<u8>,
-    scales: CudaSlice<f32>,
-    count: usize,
-    rows: usize,
-    cols: usize,
+    dev: DeviceFp8,
 }
 
 impl Stack {
@@ -74,26 +71,18 @@ impl Stack {
         let ws: Vec<f32> = (0..count * rows.div_ceil(BLOCK) * cols / BLOCK)
             .map(|_| rng.random_range(1e-4f32..4e-3))
             .collect();
-        let (data, scales) = (upload(s, &w), upload(s, &ws));
-        Stack {
-            w,
-            ws,
-            data,
-            scales,
+        let dev = DeviceFp8 {
+            data: upload(s, &w),
+            scales: upload(s, &ws),
             count,
             rows,
             cols,
-        }
+        };
+        Stack { w, ws, dev }
     }
 
     fn view(&self) -> Fp8Matrices<'_> {
-        Fp8Matrices {
-            data: self.data.as_view(),
-            scales: self.scales.as_view(),
-            count: self.count,
-            rows: self.rows,
-            cols: self.cols,
-        }
+        self.dev.view()
     }
 }
 

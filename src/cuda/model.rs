@@ -117,19 +117,10 @@ impl CudaModel {
             let mixer = match (&l.mixer, &o.mixer) {
                 (Mixer::DeltaNet(d), Mixer::DeltaNet(od)) => DeviceMixer::DeltaNet {
                     // GDN's b and a projections (32 rows) are no whole FP8 blocks: in_proj keeps
-                    // no FP8 form.
+                    // no FP8 form (DeviceFp8::stack_of_concats would find none).
                     in_proj: DeviceMatrices::concat(
                         s,
                         &[&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a],
-                    )?
-                    .with_fp8(
-                        s,
-                        &[vec![
-                            &od.in_proj_qkv,
-                            &od.in_proj_z,
-                            &od.in_proj_b,
-                            &od.in_proj_a,
-                        ]],
                     )?,
                     out_proj: DeviceMatrices::concat(s, &[&d.out_proj])?
                         .with_fp8(s, &[vec![&od.out_proj]])?,
