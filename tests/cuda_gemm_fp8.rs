@@ -313,7 +313,7 @@ fn grouped_expert_products_match_the_emulation() {
     let (tokens, top_k, experts, hidden, inter) = (200, 8, 16, 256, 128);
     let ids = route(&mut rng, tokens, top_k, experts);
     let mut groups = ExpertGroups::new(&s, tokens, top_k, experts, 128).expect("groups");
-    moe.group_by_expert(&upload(&s, &ids).as_view(), top_k, 128, &mut groups)
+    moe.group_by_expert(&upload(&s, &ids).as_view(), top_k, 128, 0, &mut groups)
         .expect("group");
     let sorted: Vec<usize> = download(&s, &groups.sorted_pairs())
         .iter()
@@ -435,7 +435,7 @@ fn timing_at_the_models_shapes() {
 
     let ids = route(&mut rng, tokens, top_k, experts);
     let mut groups = ExpertGroups::new(&s, tokens, top_k, experts, 128).expect("groups");
-    moe.group_by_expert(&upload(&s, &ids).as_view(), top_k, 128, &mut groups)
+    moe.group_by_expert(&upload(&s, &ids).as_view(), top_k, 128, 0, &mut groups)
         .expect("group");
     let pairs = tokens * top_k;
     let gu = Stack::random(&mut rng, &s, experts, 2 * inter, hidden);

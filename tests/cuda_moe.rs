@@ -89,8 +89,14 @@ fn route(rng: &mut SmallRng, routing: Routing, tokens: usize, experts: usize) ->
 }
 
 /// The CPU's grouping: pair ids expert after expert, each expert's in increasing order, and the
-/// tile map {expert, first position, rows, 0} for tiles of `tile_rows` rows.
-fn cpu_groups(ids: &[i32], experts: usize, tile_rows: usize) -> (Vec<i32>, Vec<i32>, Vec<usize>) {
+/// tile map {expert, first position, rows, 0} for tiles of `tile_rows` rows, an expert's last
+/// tile taking up to `spill` more.
+fn cpu_groups(
+    ids: &[i32],
+    experts: usize,
+    tile_rows: usize,
+    spill: usize,
+) -> (Vec<i32>, Vec<i32>, Vec<usize>) {
     let mut sorted = Vec::with_capacity(ids.len());
     let mut tiles = Vec::new();
     let mut offsets = Vec::with_capacity(experts + 1);
@@ -99,8 +105,16 @@ fn cpu_groups(ids: &[i32], experts: usize, tile_rows: usize) -> (Vec<i32>, Vec<i
         offsets.push(first);
         sorted.extend((0..ids.len() as i32).filter(|&p| ids[p as usize] == e));
         let count = sorted.len() - first;
-        for i in (0..count).step_by(tile_rows) {
-            tiles.extend([e, (first + i) as i32, (count - i).min(tile_rows) as i32, 0]);
+        let mut i = 0;
+        while i < count {
+            // The rest in one tile once it is at most tile_rows + spill.
+            let rows = if count - i <= tile_rows + spill {
+                count - i
+            } else {
+                tile_rows
+            };
+            tiles.extend([e, (first + i) as i32, rows as i32, 0]);
+            i += rows;
         }
     }
     offsets.push(sorted.len());
@@ -112,12 +126,12 @@ fn group_on_gpu(
     k: &MoeKernels,
     ids: &[i32],
     experts: usize,
-    tile_rows: usize,
+    (tile_rows, spill): (usize, usize),
 ) -> ExpertGroups {
     let tokens = ids.len() / TOP_K;
     let mut groups = ExpertGroups::new(s, tokens, TOP_K, experts, MIN_TILE_ROWS).expect("groups");
     let dids = upload(s, ids);
-    k.group_by_expert(&dids.as_view(), TOP_K, tile_rows, &mut groups)
+    k.group_by_expert(&dids.as_view(), TOP_K, tile_rows, spill, &mut groups)
         .expect("group_by_expert");
     groups
 }
@@ -130,7 +144,7 @@ fn check_grouping(
     experts: usize,
     what: &str,
 ) {
-    let (sorted, tiles, _) = cpu_groups(ids, experts, groups.tile_rows());
+    let (sorted, tiles, _) = cpu_groups(ids, experts, groups.tile_rows(), groups.spill());
     assert_eq!(groups.pairs(), ids.len(), "{what}: pairs");
     assert_eq!(
         download(s, &groups.sorted_pairs()),
@@ -169,42 +183,52 @@ fn grouping_sorts_pairs_by_expert() {
         (Routing::Skewed, 129, 16),
     ] {
         let ids = route(&mut rng, routing, tokens, experts);
-        for rows in TILE_HEIGHTS {
-            let groups = group_on_gpu(s, &k, &ids, experts, rows);
+        let shapes = TILE_HEIGHTS.map(|rows| (rows, 0));
+        for (rows, spill) in shapes.into_iter().chain([(128, 32), (64, 16), (16, 40)]) {
+            let groups = group_on_gpu(s, &k, &ids, experts, (rows, spill));
             check_grouping(
                 s,
                 &groups,
                 &ids,
                 experts,
-                &format!("{routing:?} {tokens} tokens, {experts} experts, tiles of {rows}"),
+                &format!(
+                    "{routing:?} {tokens} tokens, {experts} experts, tiles of {rows} + {spill}"
+                ),
             );
         }
     }
     // The same buffers serve a smaller chunk after a larger one, and other tile heights (nothing
     // stale is read).
     let mut groups = ExpertGroups::new(s, 4096, TOP_K, 256, MIN_TILE_ROWS).expect("groups");
-    for (tokens, rows) in [(4096, 16), (17, 64), (1000, 32), (4096, 64), (300, 16)] {
+    for (tokens, rows, spill) in [
+        (4096, 16, 0),
+        (17, 64, 0),
+        (4096, 128, 32),
+        (1000, 32, 0),
+        (4096, 64, 0),
+        (300, 16, 0),
+    ] {
         let ids = route(&mut rng, Routing::Uniform, tokens, 256);
-        k.group_by_expert(&upload(s, &ids).as_view(), TOP_K, rows, &mut groups)
+        k.group_by_expert(&upload(s, &ids).as_view(), TOP_K, rows, spill, &mut groups)
             .expect("group_by_expert");
         check_grouping(
             s,
             &groups,
             &ids,
             256,
-            &format!("reused groups, {tokens} tokens, tiles of {rows}"),
+            &format!("reused groups, {tokens} tokens, tiles of {rows} + {spill}"),
         );
     }
     let ids = upload(s, &vec![0i32; 4097 * TOP_K]);
     assert!(
-        k.group_by_expert(&ids.as_view(), TOP_K, 64, &mut groups)
+        k.group_by_expert(&ids.as_view(), TOP_K, 64, 0, &mut groups)
             .is_err(),
         "more pairs than allocated"
     );
     let ids = upload(s, &vec![0i32; 16 * TOP_K]);
     let mut tall = ExpertGroups::new(s, 16, TOP_K, 256, 32).expect("groups");
     assert!(
-        k.group_by_expert(&ids.as_view(), TOP_K, 16, &mut tall)
+        k.group_by_expert(&ids.as_view(), TOP_K, 16, 0, &mut tall)
             .is_err(),
         "tiles shorter than the map has room for"
     );
@@ -260,18 +284,21 @@ impl Experts {
 }
 
 /// Which prefill GEMM kernel a case runs: mma.sync (gemm_prefill.cu) or wgmma (gemm_wgmma.cu),
-/// the latter also with its outputs stored through shared memory (`LILY_WGMMA_STAGED_STORES`).
+/// the latter also with its outputs stored through shared memory (`LILY_WGMMA_STAGED_STORES`),
+/// and with or without the taller last tiles of its 128-row tile maps (`LILY_WGMMA_SPILL`).
 #[derive(Clone, Copy, Debug)]
 enum Kernel {
     MmaSync,
     Wgmma,
     WgmmaStaged,
+    WgmmaUnspilled,
 }
 
 impl Kernel {
     fn select(self, g: &mut GemmKernels) {
         g.set_wgmma(!matches!(self, Kernel::MmaSync));
-        g.set_staged_stores(matches!(self, Kernel::WgmmaStaged));
+        g.set_staged_stores(matches!(self, Kernel::WgmmaStaged | Kernel::WgmmaUnspilled));
+        g.set_spill(!matches!(self, Kernel::WgmmaUnspilled));
     }
 }
 
@@ -296,9 +323,10 @@ fn grouped_case(
     let ids = route(rng, routing, tokens, experts);
     let (xb, xf) = activations(rng, tokens * hidden, 1.0);
     let dx = upload(s, &xb);
-    let groups = group_on_gpu(s, &mk, &ids, experts, tile_rows);
+    let spill = g.expert_tile_spill(tile_rows, &ex.gate_up.view());
+    let groups = group_on_gpu(s, &mk, &ids, experts, (tile_rows, spill));
     let what = format!(
-        "{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}] (tiles of {tile_rows}, {kernel:?})"
+        "{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}] (tiles of {tile_rows} + {spill}, {kernel:?})"
     );
     check_grouping(s, &groups, &ids, experts, &what);
     let mut act = Output::new(s, pairs * inter);
@@ -311,7 +339,7 @@ fn grouped_case(
     let routed_gpu = routed.get(s, &format!("{what}: routed"));
 
     // Per expert, on the CPU: its rows in sorted order, as the GPU holds them.
-    let (sorted, _, offsets) = cpu_groups(&ids, experts, tile_rows);
+    let (sorted, _, offsets) = cpu_groups(&ids, experts, tile_rows, spill);
     let x_sq: Vec<f32> = (0..tokens)
         .map(|t| xf[t * hidden..(t + 1) * hidden].iter().map(|v| v * v).sum())
         .collect();
@@ -386,7 +414,8 @@ fn grouped_experts_match_cpu() {
     let mut rng = rng("grouped experts");
     // Qwen3.6-35B-A3B: 256 experts, hidden 2048, I = 512, MLX Q4: the mma.sync kernel in each
     // tile height, and wgmma (tile maps of 128 rows: tiles of up to 64 rows take its N = 64
-    // products, taller ones N = 128; and of 64 rows).
+    // products, taller ones N = 128, and an expert's last tile of 129..160 rows N = 160; and of
+    // 64 rows).
     let real = Experts::random(s, &mut rng, Kind::Q4, 256, 2048, 512);
     for kernel in [
         (64, Kernel::MmaSync),
@@ -396,11 +425,18 @@ fn grouped_experts_match_cpu() {
         (64, Kernel::Wgmma),
         (128, Kernel::WgmmaStaged),
         (64, Kernel::WgmmaStaged),
+        (128, Kernel::WgmmaUnspilled),
     ] {
         grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Same, 70, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Uniform, 9, kernel);
+    }
+    // Experts of 150, 160 (one tile of N = 160), 161 (128 + 33) and 288 rows (128 + 160).
+    for tokens in [150, 160, 161, 288] {
+        for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged] {
+            grouped_case(&dev, &mut rng, &real, Routing::Same, tokens, (128, kernel));
+        }
     }
     drop(real);
     // tests/cuda_forward.rs's model (16 experts, hidden 512, I = 128) in bf16 and Q4, and Q8
@@ -467,6 +503,7 @@ fn grouped_experts_match_cpu() {
     for (routing, tokens, rows) in [
         (Routing::Skewed, 600, 128),
         (Routing::Same, 200, 128),
+        (Routing::Same, 150, 128),
         (Routing::Same, 200, 64),
     ] {
         grouped_case(
@@ -608,7 +645,8 @@ fn run_block(
     .expect("router_topk");
     // The tile height forward.rs would pick for this many rows.
     let tile_rows = g.expert_tile_rows(b.ids.len(), e + 1, &blk.gate_up.view());
-    mk.group_by_expert(&b.ids.as_view(), SLOTS, tile_rows, &mut b.groups)
+    let spill = g.expert_tile_spill(tile_rows, &blk.gate_up.view());
+    mk.group_by_expert(&b.ids.as_view(), SLOTS, tile_rows, spill, &mut b.groups)
         .expect("group_by_expert");
     g.experts_gate_up(&blk.gate_up.view(), x, &b.groups, &mut b.act.as_view_mut())
         .expect("experts_gate_up");
@@ -975,17 +1013,19 @@ fn timing_grouped_moe_at_4096_tokens() {
             (64, Kernel::MmaSync),
             (128, Kernel::Wgmma),
             (128, Kernel::WgmmaStaged),
+            (128, Kernel::WgmmaUnspilled),
             (64, Kernel::Wgmma),
             (32, Kernel::MmaSync),
             (16, Kernel::MmaSync),
         ];
         for (rows, kernel) in kernels {
-            let group_ms = median_ms(&dev, 20, || {
-                mk.group_by_expert(&b.ids.slice(..pairs), TOP_K, rows, &mut groups)
-                    .expect("group")
-            });
             let mut g = GemmKernels::load(&dev).expect("kernels");
             kernel.select(&mut g);
+            let spill = g.expert_tile_spill(rows, &ex.gate_up.view());
+            let group_ms = median_ms(&dev, 20, || {
+                mk.group_by_expert(&b.ids.slice(..pairs), TOP_K, rows, spill, &mut groups)
+                    .expect("group")
+            });
             let gu_ms = median_ms(&dev, 10, || {
                 g.experts_gate_up(
                     &ex.gate_up.view(),

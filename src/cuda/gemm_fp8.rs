@@ -275,9 +275,12 @@ impl Fp8GemmKernels {
         let (tiles_x, a_rows, c_rows, tiles, num_tiles, a_div) = match (grouped, &group_views) {
             (Some((groups, gather, div)), Some((sorted, map, count))) => {
                 ensure!(
-                    groups.tile_rows() == TILE_ROWS && groups.experts() <= w.count,
-                    "fp8 gemm: expert groups of {}-row tiles over {} experts for {} matrices",
+                    groups.tile_rows() == TILE_ROWS
+                        && groups.spill() == 0
+                        && groups.experts() <= w.count,
+                    "fp8 gemm: expert groups of {}-row tiles (+{}) over {} experts for {} matrices",
                     groups.tile_rows(),
+                    groups.spill(),
                     groups.experts(),
                     w.count
                 );

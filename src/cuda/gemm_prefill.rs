@@ -29,6 +29,10 @@ pub const TILE_ROWS: usize = 64;
 /// Rows per block tile of the wgmma kernels (a tile of at most 64 runs their N = 64 products):
 /// what the experts' tile map is built for when they run on wgmma.
 pub const WGMMA_TILE_ROWS: usize = 128;
+/// Rows beyond [`WGMMA_TILE_ROWS`] that an expert's last tile may take on the wgmma kernels (SPILL
+/// in gemm_wgmma.cu): an expert of 129..160 rows is one tile of N = 160 rather than two, of which
+/// the second would cost about as much as a full one.
+pub const WGMMA_SPILL_ROWS: usize = 32;
 /// The tile heights of the mma.sync kernels (MI = 4, 2, 1 in gemm_prefill.cu): the grouped expert
 /// products take the short ones when each expert sees few rows ([`GemmKernels::expert_tile_rows`]).
 pub const TILE_HEIGHTS: [usize; 3] = [64, 32, 16];
@@ -42,11 +46,12 @@ const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
 /// The wgmma kernels' block: 4 warpgroups (THREADS in gemm_wgmma.cu).
 const WGMMA_THREADS: u32 = 512;
-/// Dynamic shared memory of a wgmma kernel (smem_bytes in gemm_wgmma.cu): six stages of X and
-/// packed weights (32 bytes per row and k-tile in Q4, 64 in Q8), 1 KB to align.
-fn wgmma_shared_bytes(format: Format) -> usize {
+/// Dynamic shared memory of a wgmma kernel for tiles of up to `tile_rows` rows (smem_bytes in
+/// gemm_wgmma.cu): six stages of X and packed weights (32 bytes per row and k-tile in Q4, 64 in
+/// Q8), 1 KB to align.
+fn wgmma_shared_bytes(format: Format, tile_rows: usize) -> usize {
     let row_bytes = if format == Format::Q4 { 32 } else { 64 };
-    6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * row_bytes) + 1024
+    6 * (tile_rows * 128 + TILE_COLS * row_bytes) + 1024
 }
 
 /// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cuh (also the table
@@ -139,6 +144,9 @@ pub struct GemmKernels {
     /// tokens 11 % faster, the SwiGLU products no faster or (≤ 512 tokens) 7 % slower
     /// (bench/NOTES.md v1.39).
     staged_stores: bool,
+    /// Experts' groupings for the wgmma kernels let a last tile take up to [`WGMMA_SPILL_ROWS`]
+    /// more rows (on unless `LILY_WGMMA_SPILL=0`).
+    spill: bool,
 }
 
 impl GemmKernels {
@@ -149,7 +157,10 @@ impl GemmKernels {
             dev.allow_dynamic_shared(&f, name, need)?;
             Ok(f)
         };
-        let wgmma = |name: &str, format| load_from("gemm_wgmma", name, wgmma_shared_bytes(format));
+        let wgmma = |name: &str, format| {
+            let most = wgmma_shared_bytes(format, WGMMA_TILE_ROWS + WGMMA_SPILL_ROWS);
+            load_from("gemm_wgmma", name, most)
+        };
         // gemm_q4, gemm_swiglu_q4_m32, ...: [format][epilogue] for one height.
         let height = |rows: usize| -> Result<[[CudaFunction; 2]; 3]> {
             let suffix = if rows == TILE_ROWS {
@@ -190,6 +201,7 @@ impl GemmKernels {
             ],
             use_wgmma: std::env::var("LILY_WGMMA").map_or(true, |v| v != "0"),
             staged_stores: std::env::var("LILY_WGMMA_STAGED_STORES").map_or(true, |v| v != "0"),
+            spill: std::env::var("LILY_WGMMA_SPILL").map_or(true, |v| v != "0"),
         })
     }
 
@@ -202,6 +214,12 @@ impl GemmKernels {
     /// registers); on unless `LILY_WGMMA_STAGED_STORES=0`. SwiGLU products never are.
     pub fn set_staged_stores(&mut self, on: bool) {
         self.staged_stores = on;
+    }
+
+    /// Lets [`Self::expert_tile_spill`] give the wgmma kernels' expert tiles their extra rows;
+    /// on unless `LILY_WGMMA_SPILL=0`.
+    pub fn set_spill(&mut self, on: bool) {
+        self.spill = on;
     }
 
     /// Whether products with weights of `format` run on the wgmma kernels: the quantised ones
@@ -237,6 +255,18 @@ impl GemmKernels {
             17..=48 => 32,
             _ if wgmma => WGMMA_TILE_ROWS,
             _ => 64,
+        }
+    }
+
+    /// The rows beyond `tile_rows` that an expert's last tile may take, for a grouping of the
+    /// experts `w` in tiles of `tile_rows` ([`super::moe::MoeKernels::group_by_expert`]):
+    /// [`WGMMA_SPILL_ROWS`] where the wgmma kernel runs them in its 128-row tiles, else 0.
+    pub fn expert_tile_spill(&self, tile_rows: usize, w: &Matrices) -> usize {
+        let wgmma = check_matrices(w).is_ok_and(|f| self.on_wgmma(f));
+        if self.spill && wgmma && tile_rows == WGMMA_TILE_ROWS {
+            WGMMA_SPILL_ROWS
+        } else {
+            0
         }
     }
 
@@ -401,6 +431,14 @@ impl GemmKernels {
                 "gemm: expert groups built for tiles of {height} rows, the kernels take {TILE_HEIGHTS:?}"
             )));
         }
+        // Tiles taller than their height: only the wgmma kernel's 128-row tiles take them.
+        let spill = rows.grouped.map_or(0, |(g, _, _)| g.spill());
+        ensure!(
+            spill == 0
+                || (wgmma && height == WGMMA_TILE_ROWS && spill <= WGMMA_SPILL_ROWS),
+            "gemm: expert groups whose last tiles take {spill} more rows than {height}: the kernels \
+             take up to {WGMMA_SPILL_ROWS} more on 128-row wgmma tiles only"
+        );
         let (tiles_x, a_rows, c_rows, tiles, num_tiles, a_div) = match (rows.grouped, &group_views)
         {
             (Some((groups, gather, div)), Some((sorted, map, count))) => {
@@ -461,7 +499,10 @@ impl GemmKernels {
             ),
             _ => (
                 &self.wgmma[format as usize][epilogue as usize],
-                wgmma_shared_bytes(format),
+                wgmma_shared_bytes(
+                    format,
+                    WGMMA_TILE_ROWS + if spill > 0 { WGMMA_SPILL_ROWS } else { 0 },
+                ),
                 WGMMA_THREADS,
             ),
         };

@@ -12,7 +12,9 @@
 // accumulators per thread) or, for a tile of at most 64 rows (an expert's last few), N = 64. Each
 // dequantised weight serves N tokens: the dequantisation (5 instructions per 2 weights in Q4, 7 in
 // Q8) is what bounds these kernels, not the tensor cores (bench/NOTES.md v1.21), so the taller tile
-// halves it per product. k-tiles of 64 columns (one quantisation group) stream through STAGES
+// halves it per product. For the same reason an expert of 129..160 rows is one tile of N = 160
+// (80 accumulators), not a full tile and one of a few rows that costs as much: the grouping's
+// `spill` (moe.cu) gives an expert's last tile up to SPILL more rows. k-tiles of 64 columns (one quantisation group) stream through STAGES
 // shared-memory stages by cp.async: the X tile (N rows × 128 bytes, 128-byte swizzle, the layout
 // wgmma reads) and the packed weights (256 rows × 32 bytes in Q4, 64 in Q8). Per k-tile kt each
 // thread dequantises its 16 A registers and issues the four k16 products; while they run, it waits
@@ -38,7 +40,9 @@ namespace {
 enum Epilogue { STORE = 0, SWIGLU = 1 };
 enum Format { Q4 = 0, Q8 = 1 };
 
-constexpr int BM = 128;       // token rows per tile, at most (wgmma N)
+constexpr int BM = 128;       // token rows per tile (wgmma N) ...
+constexpr int SPILL = 32;     // ... and up to this many more in an expert's last tile
+constexpr int BM_MAX = BM + SPILL;
 constexpr int BN = 256;       // weight rows per tile: 4 warpgroups × wgmma M = 64
 constexpr int BK = 64;        // k-tile: one quantisation group
 constexpr int THREADS = 512;  // 4 warpgroups
@@ -47,11 +51,13 @@ constexpr int STAGES = 6;
 template <int F> __host__ __device__ constexpr int row_bytes() { return F == Q4 ? BK / 2 : BK; }
 // A stage: the X tile (N rows of 128 bytes), then the packed weights (BN rows).
 template <int N, int F> __host__ __device__ constexpr int stage_bytes() { return N * BK * 2 + BN * row_bytes<F>(); }
-// Must match wgmma_shared_bytes in gemm_prefill.rs: the stages and slack to align the start to
-// 1024 bytes (the swizzle pattern repeats every 1024).
-template <int F> __host__ __device__ constexpr int smem_bytes() { return STAGES * stage_bytes<BM, F>() + 1024; }
-static_assert(stage_bytes<64, Q4>() % 1024 == 0 && stage_bytes<64, Q8>() % 1024 == 0, "X tiles stay 1024-byte aligned");
-static_assert(smem_bytes<Q8>() + 2048 <= 227 * 1024, "one block per SM must fit");
+// Must match wgmma_shared_bytes in gemm_prefill.rs: the stages of tiles of up to `ROWS` token rows
+// and slack to align the start to 1024 bytes (the swizzle pattern repeats every 1024).
+template <int F, int ROWS> __host__ __device__ constexpr int smem_bytes() { return STAGES * stage_bytes<ROWS, F>() + 1024; }
+static_assert(stage_bytes<64, Q4>() % 1024 == 0 && stage_bytes<64, Q8>() % 1024 == 0 &&
+                  stage_bytes<BM_MAX, Q4>() % 1024 == 0 && stage_bytes<BM_MAX, Q8>() % 1024 == 0,
+              "X tiles stay 1024-byte aligned");
+static_assert(smem_bytes<Q8, BM_MAX>() + 2 * BM_MAX * 4 + 1024 <= 227 * 1024, "one block per SM must fit");
 
 // The block's products for a tile of `rows` ≤ N token rows of matrix `mat`: the tables of
 // gemm<E> (X row, Y row of each token row; word offset of each weight row) are in place.
@@ -75,12 +81,13 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
         const int row = tile_weight_row<E == SWIGLU, BN>(r_lo + 8 * h, col_tile, a.n);
         sb_off[h] = row < 0 ? -1 : ((i64)mat * a.n + row) * ngroups;
     }
-    // What this thread copies per k-tile: X chunk c of rows xr0 + 64u (u < N / 64), and weight
+    // What this thread copies per k-tile: X chunk c of rows xr0 + 64u < N (u < X_ROWS), and weight
     // chunk tid % (ROW / 16) of rows tid / (ROW / 16) + u · THREADS / (ROW / 16) (u < W_CHUNKS).
+    constexpr int X_ROWS = (N + 63) / 64;
     const int xc = tid % 8, xr0 = tid / 8;
-    int x_src[N / 64];
+    int x_src[X_ROWS];
 #pragma unroll
-    for (int u = 0; u < N / 64; ++u) x_src[u] = a_row_s[xr0 + 64 * u];
+    for (int u = 0; u < X_ROWS; ++u) x_src[u] = N % 64 == 0 || xr0 + 64 * u < N ? a_row_s[xr0 + 64 * u] : -1;
     constexpr int CPR = ROW / 16;  // chunks per weight row
     const int wc = tid % CPR;
     int w_off[W_CHUNKS];
@@ -96,8 +103,9 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     // k-tile kt into stage s: X N rows × 8 chunks (swizzled), W 256 rows × 2 chunks (plain).
     auto load_tile = [&](int kt, int s) {
 #pragma unroll
-        for (int u = 0; u < N / 64; ++u) {
+        for (int u = 0; u < X_ROWS; ++u) {
             const int r = xr0 + 64 * u, xr = x_src[u];
+            if (N % 64 != 0 && r >= N) continue;  // the last 64-row piece of N = 160
             const bf16* src = a.x + (i64)max(xr, 0) * a.k + kt * BK + xc * 8;
             cp_async16(x_tile(s) + r * 128 + ((xc ^ (r & 7)) << 4), src, xr >= 0);
         }
@@ -264,21 +272,24 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
 
 template <int E, int F>
 __device__ __forceinline__ void gemm(const GemmArgs& a) {
-    __shared__ int a_row_s[BM];
-    __shared__ int c_row_s[BM];
+    __shared__ int a_row_s[BM_MAX];
+    __shared__ int c_row_s[BM_MAX];
     __shared__ int b_off_s[BN];  // word offset of each weight row in its matrix, −1: none
 
+    // Grouped tiles may be up to BM_MAX rows (the host sized the stages for them; dense: BM).
+    const int bm = a.tiles ? BM_MAX : BM;
     int mat, p0, rows;
-    if (!block_tile(a, BM, mat, p0, rows)) return;  // the whole block: before any barrier
+    if (!block_tile(a, bm, mat, p0, rows)) return;  // the whole block: before any barrier
     const int tid = threadIdx.x;
-    token_rows(a, BM, p0, rows, a_row_s, c_row_s);
+    token_rows(a, bm, p0, rows, a_row_s, c_row_s);
     if (tid < BN) {
         const int row = tile_weight_row<E == SWIGLU, BN>(tid, blockIdx.y, a.n);
         b_off_s[tid] = row < 0 ? -1 : row * (a.k * row_bytes<F>() / BK / 4);  // words per row
     }
     __syncthreads();
     // The tile's height decides N for the whole block.
-    if (rows > 64) products<E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    if (rows > BM) products<E, F, BM_MAX>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else if (rows > 64) products<E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
     else products<E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
 }
 

@@ -73,9 +73,11 @@ __device__ int block_exclusive_sum(int v, int* scratch, int* total) {
 
 // One block of GROUP_MAX_EXPERTS threads (thread e = expert e). In place, counts[c][e] becomes the
 // position of chunk c's first pair for expert e. tiles[i] = {expert, first position, rows, 0} for
-// every tile of tile_rows rows, experts in order; *num_tiles = how many.
+// every tile of tile_rows rows, experts in order, where an expert's last tile also takes a
+// remainder of up to `spill` rows (rather than a tile of its own); *num_tiles = how many.
 extern "C" __global__ void moe_group_scan(int* __restrict__ counts, int chunks, int experts, int tile_rows,
-                                          int max_tiles, int4* __restrict__ tiles, int* __restrict__ num_tiles) {
+                                          int spill, int max_tiles, int4* __restrict__ tiles,
+                                          int* __restrict__ num_tiles) {
     pdl_wait();
     pdl_launch_dependents();
     __shared__ int scratch[GROUP_MAX_EXPERTS / 32];
@@ -101,14 +103,17 @@ extern "C" __global__ void moe_group_scan(int* __restrict__ counts, int chunks, 
             count += v;
         }
     }
-    const int ntiles = (count + tile_rows - 1) / tile_rows;
+    // ⌈(count − spill) / tile_rows⌉ tiles, at least one for a non-empty expert (C division
+    // truncates toward zero, so a negative numerator gives 0 or less).
+    const int ntiles = count == 0 ? 0 : max(1, (count - spill + tile_rows - 1) / tile_rows);
     int total_pairs, total_tiles;
     const int offset = block_exclusive_sum(count, scratch, &total_pairs);
     const int first_tile = block_exclusive_sum(ntiles, scratch, &total_tiles);
     if (real) {
         for (int c = 0; c < chunks; ++c) counts[c * experts + e] += offset;
         for (int i = 0; i < ntiles && first_tile + i < max_tiles; ++i)
-            tiles[first_tile + i] = make_int4(e, offset + i * tile_rows, min(tile_rows, count - i * tile_rows), 0);
+            tiles[first_tile + i] =
+                make_int4(e, offset + i * tile_rows, i + 1 < ntiles ? tile_rows : count - i * tile_rows, 0);
     }
     if (e == 0) *num_tiles = min(total_tiles, max_tiles);
 }

@@ -48,8 +48,8 @@ pub struct MoeKernels {
 ///
 /// Pair `p = token·top_k + slot`. `sorted` lists the pairs expert after expert, each expert's in
 /// increasing p (so in token order); `tiles` cuts each expert's run into tiles of `tile_rows`
-/// (chosen per grouping): `{expert, first position in sorted, rows, 0}`, and `num_tiles` says how
-/// many are valid.
+/// (chosen per grouping), of which the last also takes a remainder of up to `spill` rows:
+/// `{expert, first position in sorted, rows, 0}`, and `num_tiles` says how many are valid.
 pub struct ExpertGroups {
     experts: usize,
     /// The shortest tiles the map has room for.
@@ -64,6 +64,7 @@ pub struct ExpertGroups {
     pairs: usize,
     top_k: usize,
     tile_rows: usize,
+    spill: usize,
 }
 
 impl ExpertGroups {
@@ -99,6 +100,7 @@ impl ExpertGroups {
             pairs: 0,
             top_k: 0,
             tile_rows: min_tile_rows,
+            spill: 0,
         })
     }
 
@@ -108,6 +110,11 @@ impl ExpertGroups {
     /// Rows per tile of the last grouping.
     pub fn tile_rows(&self) -> usize {
         self.tile_rows
+    }
+    /// Rows beyond `tile_rows` that an expert's last tile may hold, in the last grouping: its
+    /// tiles have at most `tile_rows + spill` rows.
+    pub fn spill(&self) -> usize {
+        self.spill
     }
     /// Pairs of the last grouping.
     pub fn pairs(&self) -> usize {
@@ -208,13 +215,15 @@ impl MoeKernels {
     }
 
     /// Groups the pairs of `ids` (`[tokens][top_k]` expert ids from [`Self::router_topk`]) by
-    /// expert into `groups`, in tiles of `tile_rows`, for the grouped expert GEMMs. Three
-    /// launches, no host round trip.
+    /// expert into `groups`, in tiles of `tile_rows`, for the grouped expert GEMMs; an expert's
+    /// last tile takes a remainder of up to `spill` rows (0: none) instead of a tile of its own.
+    /// Three launches, no host round trip.
     pub fn group_by_expert(
         &self,
         ids: &CudaView<i32>,
         top_k: usize,
         tile_rows: usize,
+        spill: usize,
         groups: &mut ExpertGroups,
     ) -> Result<()> {
         ensure!(
@@ -236,10 +245,12 @@ impl MoeKernels {
         groups.pairs = pairs;
         groups.top_k = top_k;
         groups.tile_rows = tile_rows;
+        groups.spill = spill;
         let chunks = pairs.div_ceil(GROUP_CHUNK);
         let (p, e, c) = (pairs as i32, groups.experts as i32, chunks as i32);
-        let (rows, max) = (
+        let (rows, spill, max) = (
             as_i32(groups.tile_rows, "tile rows")?,
+            as_i32(spill, "spill rows")?,
             as_i32(groups.max_tiles(), "tiles")?,
         );
         let per_chunk = LaunchConfig {
@@ -273,6 +284,7 @@ impl MoeKernels {
                 &c,
                 &e,
                 &rows,
+                &spill,
                 &max,
                 &mut groups.tiles,
                 &mut groups.num_tiles

@@ -147,6 +147,7 @@ pub(super) fn moe_experts(
                 &s.expert_ids.slice(..t * slots),
                 slots,
                 fp8::TILE_ROWS,
+                0,
                 &mut s.groups,
             )?;
             return path.experts(
@@ -168,6 +169,7 @@ pub(super) fn moe_experts(
             &s.expert_ids.slice(..t * slots),
             slots,
             tile_rows,
+            k.gemm.expert_tile_spill(tile_rows, &w.gate_up.view()),
             &mut s.groups,
         )?;
         let mut act = s.act.slice_mut(..t * slots * inter);
