@@ -12,9 +12,12 @@
 // accumulators per thread) or, for a tile of at most 64 rows (an expert's last few), N = 64. Each
 // dequantised weight serves N tokens: the dequantisation (5 instructions per 2 weights in Q4, 7 in
 // Q8) is what bounds these kernels, not the tensor cores (bench/NOTES.md v1.21), so the taller tile
-// halves it per product. For the same reason an expert of 129..160 rows is one tile of N = 160
-// (80 accumulators), not a full tile and one of a few rows that costs as much: the grouping's
-// `spill` (moe.cu) gives an expert's last tile up to SPILL more rows. k-tiles of 64 columns (one quantisation group) stream through STAGES
+// halves it per product. An expert of 129..160 rows is one tile of N = 160 (80 accumulators; its
+// k-loop spills a few registers to L1), not a full tile and a short one: the grouping's `spill`
+// (moe.cu) gives an expert's last tile up to SPILL more rows. Measured 3 % (gate‖up) and 9 %
+// (down) faster at 4K tokens of uniform routing: far less than the third fewer tiles, so the short
+// tiles' N = 64 products cost much less than a full tile's and the products are a large part of
+// the time too (bench/NOTES.md v1.46). k-tiles of 64 columns (one quantisation group) stream through STAGES
 // shared-memory stages by cp.async: the X tile (N rows × 128 bytes, 128-byte swizzle, the layout
 // wgmma reads) and the packed weights (256 rows × 32 bytes in Q4, 64 in Q8). Per k-tile kt each
 // thread dequantises its 16 A registers and issues the four k16 products; while they run, it waits
