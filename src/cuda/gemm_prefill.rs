@@ -46,12 +46,12 @@ const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
 /// The wgmma kernels' block: 4 warpgroups (THREADS in gemm_wgmma.cu).
 const WGMMA_THREADS: u32 = 512;
-/// Dynamic shared memory of a wgmma kernel for tiles of up to `tile_rows` rows (smem_bytes in
-/// gemm_wgmma.cu): six stages of X and packed weights (32 bytes per row and k-tile in Q4, 64 in
-/// Q8), 1 KB to align.
-fn wgmma_shared_bytes(format: Format, tile_rows: usize) -> usize {
+/// Dynamic shared memory of a wgmma kernel (smem_bytes in gemm_wgmma.cu): six stages of X and
+/// packed weights (32 bytes per row and k-tile in Q4, 64 in Q8), 1 KB to align. Tiles taller by
+/// the spill take five stages in the same bytes.
+fn wgmma_shared_bytes(format: Format) -> usize {
     let row_bytes = if format == Format::Q4 { 32 } else { 64 };
-    6 * (tile_rows * 128 + TILE_COLS * row_bytes) + 1024
+    6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * row_bytes) + 1024
 }
 
 /// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cuh (also the table
@@ -157,10 +157,7 @@ impl GemmKernels {
             dev.allow_dynamic_shared(&f, name, need)?;
             Ok(f)
         };
-        let wgmma = |name: &str, format| {
-            let most = wgmma_shared_bytes(format, WGMMA_TILE_ROWS + WGMMA_SPILL_ROWS);
-            load_from("gemm_wgmma", name, most)
-        };
+        let wgmma = |name: &str, format| load_from("gemm_wgmma", name, wgmma_shared_bytes(format));
         // gemm_q4, gemm_swiglu_q4_m32, ...: [format][epilogue] for one height.
         let height = |rows: usize| -> Result<[[CudaFunction; 2]; 3]> {
             let suffix = if rows == TILE_ROWS {
@@ -499,10 +496,7 @@ impl GemmKernels {
             ),
             _ => (
                 &self.wgmma[format as usize][epilogue as usize],
-                wgmma_shared_bytes(
-                    format,
-                    WGMMA_TILE_ROWS + if spill > 0 { WGMMA_SPILL_ROWS } else { 0 },
-                ),
+                wgmma_shared_bytes(format),
                 WGMMA_THREADS,
             ),
         };
