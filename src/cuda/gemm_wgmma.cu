@@ -51,8 +51,8 @@ constexpr int BK = 64;        // k-tile: one quantisation group
 constexpr int THREADS = 512;  // 4 warpgroups
 constexpr int STAGES = 6;
 // Tiles of N = 160 take one stage less, so that they fit in the shared memory of six 128-row
-// stages: a larger allocation leaves less L1 for every launch (measured: skewed-routing gate‖up,
-// which has no 160-row tile, 3 % slower with six 160-row stages reserved).
+// stages. Measured against six 160-row stages (a larger allocation, so less L1 beside it): uniform
+// 4K gate‖up 0.415 → 0.384 ms, prefill @4K +1.4 % (bench/NOTES.md v1.46).
 template <int N> __host__ __device__ constexpr int stages() { return N > BM ? STAGES - 1 : STAGES; }
 // Bytes of one weight row in a k-tile: 32 (Q4) or 64 (Q8).
 template <int F> __host__ __device__ constexpr int row_bytes() { return F == Q4 ? BK / 2 : BK; }
