@@ -59,8 +59,13 @@ pub struct Turn {
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodeScaling {
     pub alone_tok_s: f64,
-    /// Mean over the concurrent streams.
+    /// Mean over the concurrent streams of each one's rate from its first token to its last: what
+    /// a user sees, including the passes that prefill the other streams' prompts meanwhile.
     pub per_stream_tok_s: f64,
+    /// Per stream while all of them decode (from the last stream's first token to the first
+    /// stream's last): the steady state of K concurrent decodes, without those prefill passes.
+    /// `None` if no moment had every stream decoding.
+    pub steady_per_stream_tok_s: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -75,6 +80,8 @@ struct Timing {
     first_token: Duration,
     last_token: Duration,
     tokens: Vec<u32>,
+    /// When each token arrived.
+    token_times: Vec<Duration>,
     cached_tokens: usize,
 }
 
@@ -84,6 +91,22 @@ impl Timing {
         let steps = self.tokens.len().saturating_sub(1) as f64;
         steps / (self.last_token - self.first_token).as_secs_f64().max(1e-9)
     }
+}
+
+/// Tokens per second per stream in the window where every stream is between its first and its
+/// last token (tokens arriving after the window's start, up to its end); `None` if the window is
+/// empty. Each stream's arrival times are in order.
+fn steady_per_stream_tok_s(streams: &[Vec<Duration>]) -> Option<f64> {
+    let start = streams.iter().map(|t| t.first().copied()).max()??;
+    let end = streams.iter().map(|t| t.last().copied()).min()??;
+    if end <= start {
+        return None;
+    }
+    let tokens: usize = streams
+        .iter()
+        .map(|t| t.iter().filter(|&&at| at > start && at <= end).count())
+        .sum();
+    Some(tokens as f64 / (end - start).as_secs_f64() / streams.len() as f64)
 }
 
 /// Runs the three measurements; returns the report and the backend. `progress` gets a line per
@@ -183,14 +206,21 @@ pub fn run(
             .collect();
         concurrent(e, prompts, o.output_tokens)
     })?;
+    let times: Vec<Vec<Duration>> = together.iter().map(|t| t.token_times.clone()).collect();
     let decode = DecodeScaling {
         alone_tok_s: alone[0].decode_tok_s(),
         per_stream_tok_s: together.iter().map(Timing::decode_tok_s).sum::<f64>()
             / together.len() as f64,
+        steady_per_stream_tok_s: steady_per_stream_tok_s(&times),
     };
     progress(&format!(
-        "decode: {:.1} tok/s alone, {:.1} tok/s per stream with {} streams",
-        decode.alone_tok_s, decode.per_stream_tok_s, o.decode_streams
+        "decode: {:.1} tok/s alone, {:.1} tok/s per stream with {} streams ({} while all decode)",
+        decode.alone_tok_s,
+        decode.per_stream_tok_s,
+        o.decode_streams,
+        decode
+            .steady_per_stream_tok_s
+            .map_or("no moment".into(), |v| format!("{v:.1} tok/s"))
     ));
     let report = ServeReport {
         throughput,
@@ -281,6 +311,7 @@ fn follow(mut rx: UnboundedReceiver<Event>, start: Instant) -> anyhow::Result<Ti
         first_token: Duration::ZERO,
         last_token: Duration::ZERO,
         tokens: Vec::new(),
+        token_times: Vec::new(),
         cached_tokens: 0,
     };
     while let Some(event) = rx.blocking_recv() {
@@ -292,6 +323,7 @@ fn follow(mut rx: UnboundedReceiver<Event>, start: Instant) -> anyhow::Result<Ti
                 }
                 timing.last_token = now;
                 timing.tokens.push(t.id);
+                timing.token_times.push(now);
             }
             Event::Started { cached_tokens } => timing.cached_tokens = cached_tokens,
             Event::PromptToken(_) => {}
@@ -330,9 +362,40 @@ pub fn to_markdown(o: &ServeBenchOptions, r: &ServeReport) -> String {
             t.cached_tokens
         );
     }
+    let steady = r
+        .decode
+        .steady_per_stream_tok_s
+        .map_or("n/a".into(), |v| format!("{v:.1}"));
     md += &format!(
-        "\n### Decode speed per stream\n\n| 1 stream tok/s | per stream with {} tok/s |\n|---:|---:|\n| {:.1} | {:.1} |\n",
-        o.decode_streams, r.decode.alone_tok_s, r.decode.per_stream_tok_s
+        "\n### Decode speed per stream\n\n\
+         | 1 stream tok/s | per stream with {k} tok/s (first to last token) | per stream while all {k} decode tok/s |\n\
+         |---:|---:|---:|\n| {:.1} | {:.1} | {steady} |\n",
+        r.decode.alone_tok_s,
+        r.decode.per_stream_tok_s,
+        k = o.decode_streams,
     );
     md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: &[u64]) -> Vec<Duration> {
+        v.iter().map(|&m| Duration::from_millis(m)).collect()
+    }
+
+    #[test]
+    fn the_steady_rate_counts_only_the_window_where_every_stream_decodes() {
+        // Stream a decodes every 10 ms from 0, b from 50 (its prompt came later); the window is
+        // 50..=100 ms, where a sends 5 tokens (60..100) and b 5 (60..100 of its 50..140).
+        let a = ms(&[0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]);
+        let b = ms(&[50, 60, 70, 80, 90, 100, 110, 120, 130, 140]);
+        let rate = steady_per_stream_tok_s(&[a.clone(), b]).expect("a window");
+        assert!((rate - 100.0).abs() < 1e-9, "{rate}");
+        // A stream that ended before another began: no common window.
+        let c = ms(&[200, 210]);
+        assert_eq!(steady_per_stream_tok_s(&[a, c]), None);
+        assert_eq!(steady_per_stream_tok_s(&[ms(&[]), ms(&[1, 2])]), None);
+    }
 }

@@ -43,6 +43,15 @@ fn the_serve_benchmark_runs_small_on_the_cpu() {
         assert_eq!(t.cached_tokens, lengths[i - 1] + 5, "turn {i}");
     }
     assert!(report.decode.alone_tok_s > 0.0 && report.decode.per_stream_tok_s > 0.0);
+    // The three streams decode together for most of their 6 tokens.
+    assert!(
+        report
+            .decode
+            .steady_per_stream_tok_s
+            .is_some_and(|v| v > 0.0),
+        "{:?}",
+        report.decode
+    );
     let md = to_markdown(&options, &report);
     assert_eq!(md.matches("\n| 4 | 194 |").count(), 1, "{md}");
 }
