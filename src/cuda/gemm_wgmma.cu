@@ -13,12 +13,14 @@
 // dequantised weight serves N tokens: the dequantisation (5 instructions per 2 weights in Q4, 7 in
 // Q8) is what bounds these kernels, not the tensor cores (bench/NOTES.md v1.21), so the taller tile
 // halves it per product. An expert of 129..160 rows is one tile of N = 160 (80 accumulators; its
-// k-loop spills a few registers to L1), not a full tile and a short one: the grouping's `spill`
-// (moe.cu) gives an expert's last tile up to SPILL more rows. Measured 3 % (gate‖up) and 9 %
-// (down) faster at 4K tokens of uniform routing: far less than the third fewer tiles, so the short
-// tiles' N = 64 products cost much less than a full tile's and the products are a large part of
-// the time too (bench/NOTES.md v1.46). k-tiles of 64 columns (one quantisation group) stream through STAGES
-// shared-memory stages by cp.async: the X tile (N rows × 128 bytes, 128-byte swizzle, the layout
+// k-loop spills a few registers to L1; one stage less), not a full tile and a short one: the
+// grouping's `spill` (moe.cu) gives an expert's last tile up to SPILL more rows. Measured 11 %
+// (gate‖up) and 10 % (down) faster at 4K tokens of uniform routing, less than the third fewer
+// tiles would give at a constant cost per tile: a short tile costs well under a full one (its
+// N = 64 products are half), so the products are a large part of the time too (NOTES v1.46).
+//
+// k-tiles of 64 columns (one quantisation group) stream through STAGES shared-memory stages by
+// cp.async: the X tile (N rows × 128 bytes, 128-byte swizzle, the layout
 // wgmma reads) and the packed weights (256 rows × 32 bytes in Q4, 64 in Q8). Per k-tile kt each
 // thread dequantises its 16 A registers and issues the four k16 products; while they run, it waits
 // for k-tile kt + 1's stage (its copies, a barrier for everyone's) and refills the stage k-tile
@@ -287,7 +289,7 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     __shared__ int c_row_s[BM_MAX];
     __shared__ int b_off_s[BN];  // word offset of each weight row in its matrix, −1: none
 
-    // Grouped tiles may be up to BM_MAX rows (the host sized the stages for them; dense: BM).
+    // Grouped tiles may be up to BM_MAX rows (their five stages fit the same shared memory; dense: BM).
     const int bm = a.tiles ? BM_MAX : BM;
     int mat, p0, rows;
     if (!block_tile(a, bm, mat, p0, rows)) return;  // the whole block: before any barrier
