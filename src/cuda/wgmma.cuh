@@ -96,34 +96,20 @@ __device__ __forceinline__ void store_accumulators(bf16* y, int n, const float* 
 // d += A·B for A = 64 rows × 16 in registers (a: the mma.m16n8k16 A fragment of each warp's 16
 // rows) and B = 16 × N from shared memory, K-major (desc_b); d holds N / 2 accumulators.
 template <int N> __device__ __forceinline__ void wgmma_k16(float* d, const u32 a[4], u64 desc_b);
-template <> __device__ __forceinline__ void wgmma_k16<64>(float* d, const u32 a[4], u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        WGMMA_REGS32 ", "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : WGMMA_D32
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-template <> __device__ __forceinline__ void wgmma_k16<128>(float* d, const u32 a[4], u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        WGMMA_REGS64 ", "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : WGMMA_D64
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-
-template <> __device__ __forceinline__ void wgmma_k16<160>(float* d, const u32 a[4], u64 desc_b) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16 "
-        WGMMA_REGS80 ", "
-        "{%80, %81, %82, %83}, %84, p, 1, 1, 0;\n}\n"
-        : WGMMA_D80
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
+// One specialisation per N: the instruction's shape, its accumulator list (WGMMA_D*) with their
+// {%0, ...} names (WGMMA_REGS*), and the names of the A registers and the descriptor after them.
+#define WGMMA_K16(N, D, REGS, A_DESC)                                                                \
+    template <> __device__ __forceinline__ void wgmma_k16<N>(float* d, const u32 a[4], u64 desc_b) { \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                     \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 " REGS ", " A_DESC     \
+                     ", p, 1, 1, 0;\n}\n"                                                             \
+                     : D                                                                             \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));                     \
+    }
+WGMMA_K16(64, WGMMA_D32, WGMMA_REGS32, "{%32, %33, %34, %35}, %36")
+WGMMA_K16(128, WGMMA_D64, WGMMA_REGS64, "{%64, %65, %66, %67}, %68")
+WGMMA_K16(160, WGMMA_D80, WGMMA_REGS80, "{%80, %81, %82, %83}, %84")
+#undef WGMMA_K16
 
 // d += A·B for A = 64 rows × 16 (registers, as wgmma_k16) and B = 16 × 256 from shared memory,
 // MN-major (the transpose bit; desc_b with the leading offset to the next 64 columns).
