@@ -77,8 +77,6 @@ pub struct ServeReport {
 
 /// What one request saw.
 struct Timing {
-    first_token: Duration,
-    last_token: Duration,
     tokens: Vec<u32>,
     /// When each token arrived.
     token_times: Vec<Duration>,
@@ -89,14 +87,26 @@ impl Timing {
     /// Decode tokens per second after the first token.
     fn decode_tok_s(&self) -> f64 {
         let steps = self.tokens.len().saturating_sub(1) as f64;
-        steps / (self.last_token - self.first_token).as_secs_f64().max(1e-9)
+        steps
+            / (self.last_token() - self.first_token())
+                .as_secs_f64()
+                .max(1e-9)
+    }
+
+    /// When the first token arrived (zero if none did).
+    fn first_token(&self) -> Duration {
+        self.token_times.first().copied().unwrap_or_default()
+    }
+
+    fn last_token(&self) -> Duration {
+        self.token_times.last().copied().unwrap_or_default()
     }
 }
 
 /// Tokens per second per stream in the window where every stream is between its first and its
 /// last token (tokens arriving after the window's start, up to its end); `None` if the window is
 /// empty. Each stream's arrival times are in order.
-fn steady_per_stream_tok_s(streams: &[Vec<Duration>]) -> Option<f64> {
+fn steady_per_stream_tok_s(streams: &[&[Duration]]) -> Option<f64> {
     let start = streams.iter().map(|t| t.first().copied()).max()??;
     let end = streams.iter().map(|t| t.last().copied()).min()??;
     if end <= start {
@@ -181,8 +191,8 @@ pub fn run(
         .zip(&cached)
         .map(|((len, c), (_, w))| Turn {
             prompt_tokens: *len,
-            ttft_cold_s: c.first_token.as_secs_f64(),
-            ttft_cached_s: w.first_token.as_secs_f64(),
+            ttft_cold_s: c.first_token().as_secs_f64(),
+            ttft_cached_s: w.first_token().as_secs_f64(),
             cached_tokens: w.cached_tokens,
         })
         .collect();
@@ -206,7 +216,7 @@ pub fn run(
             .collect();
         concurrent(e, prompts, o.output_tokens)
     })?;
-    let times: Vec<Vec<Duration>> = together.iter().map(|t| t.token_times.clone()).collect();
+    let times: Vec<&[Duration]> = together.iter().map(|t| t.token_times.as_slice()).collect();
     let decode = DecodeScaling {
         alone_tok_s: alone[0].decode_tok_s(),
         per_stream_tok_s: together.iter().map(Timing::decode_tok_s).sum::<f64>()
@@ -308,8 +318,6 @@ fn conversation(
 /// Reads one request's events to the end.
 fn follow(mut rx: UnboundedReceiver<Event>, start: Instant) -> anyhow::Result<Timing> {
     let mut timing = Timing {
-        first_token: Duration::ZERO,
-        last_token: Duration::ZERO,
         tokens: Vec::new(),
         token_times: Vec::new(),
         cached_tokens: 0,
@@ -317,13 +325,8 @@ fn follow(mut rx: UnboundedReceiver<Event>, start: Instant) -> anyhow::Result<Ti
     while let Some(event) = rx.blocking_recv() {
         match event {
             Event::Token(t) => {
-                let now = start.elapsed();
-                if timing.tokens.is_empty() {
-                    timing.first_token = now;
-                }
-                timing.last_token = now;
                 timing.tokens.push(t.id);
-                timing.token_times.push(now);
+                timing.token_times.push(start.elapsed());
             }
             Event::Started { cached_tokens } => timing.cached_tokens = cached_tokens,
             Event::PromptToken(_) => {}
@@ -391,11 +394,11 @@ mod tests {
         // 50..=100 ms, where a sends 5 tokens (60..100) and b 5 (60..100 of its 50..140).
         let a = ms(&[0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]);
         let b = ms(&[50, 60, 70, 80, 90, 100, 110, 120, 130, 140]);
-        let rate = steady_per_stream_tok_s(&[a.clone(), b]).expect("a window");
+        let rate = steady_per_stream_tok_s(&[&a, &b]).expect("a window");
         assert!((rate - 100.0).abs() < 1e-9, "{rate}");
         // A stream that ended before another began: no common window.
         let c = ms(&[200, 210]);
-        assert_eq!(steady_per_stream_tok_s(&[a, c]), None);
-        assert_eq!(steady_per_stream_tok_s(&[ms(&[]), ms(&[1, 2])]), None);
+        assert_eq!(steady_per_stream_tok_s(&[&a, &c]), None);
+        assert_eq!(steady_per_stream_tok_s(&[&ms(&[]), &ms(&[1, 2])]), None);
     }
 }
