@@ -225,6 +225,11 @@ impl GemmKernels {
         self.use_wgmma && matches!(format, Format::Q4 | Format::Q8)
     }
 
+    /// Whether the products of `w` run on the wgmma kernels (valid 4/8-bit weights, wgmma on).
+    fn runs_on_wgmma(&self, w: &Matrices) -> bool {
+        check_matrices(w).is_ok_and(|f| self.on_wgmma(f))
+    }
+
     /// Whether the experts of a pass of `rows` rows run as grouped GEMMs (each expert's weights
     /// read once for all its rows) rather than as the decode GEMVs' (row, expert) slots: from 9
     /// rows on, the most one GEMV launch takes (from 2 rows measured 15 % slower at 8 streams,
@@ -241,7 +246,7 @@ impl GemmKernels {
     /// `LILY_EXPERT_TILE_ROWS` forces one height (128 only where the wgmma kernel runs these
     /// weights; elsewhere it means 64).
     pub fn expert_tile_rows(&self, pairs: usize, experts: usize, w: &Matrices) -> usize {
-        let wgmma = check_matrices(w).is_ok_and(|f| self.on_wgmma(f));
+        let wgmma = self.runs_on_wgmma(w);
         match self.expert_tile_override {
             Some(WGMMA_TILE_ROWS) if !wgmma => return TILE_ROWS,
             Some(rows) => return rows,
@@ -259,7 +264,7 @@ impl GemmKernels {
     /// experts `w` in tiles of `tile_rows` ([`super::moe::MoeKernels::group_by_expert`]):
     /// [`WGMMA_SPILL_ROWS`] where the wgmma kernel runs them in its 128-row tiles, else 0.
     pub fn expert_tile_spill(&self, tile_rows: usize, w: &Matrices) -> usize {
-        let wgmma = check_matrices(w).is_ok_and(|f| self.on_wgmma(f));
+        let wgmma = self.runs_on_wgmma(w);
         if self.spill && wgmma && tile_rows == WGMMA_TILE_ROWS {
             WGMMA_SPILL_ROWS
         } else {
