@@ -145,7 +145,8 @@ fn q4_at_model_shapes(wgmma: bool, staged: bool) {
             dense_case(g, &dev, &mut rng, &m, &w_sq, t, label);
         }
     }
-    // out_proj / o_proj (K = 4096), shared down (K = 512), the test model's down (K = 128).
+    // out_proj / o_proj (K = 4096), shared down (K = 512), a small down (K = 128: on mma.sync
+    // even with wgmma on, whose scale copies take K in 256-column pieces).
     for (n, k, ts) in [
         (2048, 4096, &[33usize, 300][..]),
         (2048, 512, &[16, 129]),

@@ -323,7 +323,7 @@ fn grouped_case(
     let ids = route(rng, routing, tokens, experts);
     let (xb, xf) = activations(rng, tokens * hidden, 1.0);
     let dx = upload(s, &xb);
-    let spill = g.expert_tile_spill(tile_rows, &ex.gate_up.view());
+    let spill = g.expert_tile_spill(tile_rows, &[&ex.gate_up.view(), &ex.down.view()]);
     let groups = group_on_gpu(s, &mk, &ids, experts, (tile_rows, spill));
     let what = format!(
         "{routing:?} routing, {tokens} tokens, {experts} experts [{inter}×{hidden}] (tiles of {tile_rows} + {spill}, {kernel:?})"
@@ -439,11 +439,21 @@ fn grouped_experts_match_cpu() {
         }
     }
     drop(real);
-    // tests/cuda_forward.rs's model (16 experts, hidden 512, I = 128) in bf16 and Q4, and Q8
-    // experts, in each tile height.
+    // Small experts (16 experts, hidden 512, I = 128) in bf16, Q4 as tests/cuda_forward.rs's
+    // model (I = 256), and Q8 experts, in each tile height. The wgmma kernels take K in whole
+    // 256-column pieces (their scale copies), so the Q8 stack of I = 192 stays on mma.sync
+    // (asserted below) and a second one of I = 256 runs on wgmma.
     let small = Experts::random(s, &mut rng, Kind::Bf16, 16, 512, 128);
-    let small_q4 = Experts::random(s, &mut rng, Kind::Q4, 16, 512, 128);
+    let small_q4 = Experts::random(s, &mut rng, Kind::Q4, 16, 512, 256);
     let q8 = Experts::random(s, &mut rng, Kind::Q8, 12, 256, 192);
+    let q8_wgmma = Experts::random(s, &mut rng, Kind::Q8, 12, 256, 256);
+    {
+        let mut g = GemmKernels::load(&dev).expect("kernels");
+        Kernel::Wgmma.select(&mut g);
+        let rows = |ex: &Experts| g.expert_tile_rows(4096, 12, &[&ex.gate_up.view(), &ex.down.view()]);
+        assert_eq!(rows(&q8), 64, "K = 192 must not be grouped for the wgmma kernels");
+        assert_eq!(rows(&q8_wgmma), 128);
+    }
     for rows in TILE_HEIGHTS {
         grouped_case(
             &dev,
@@ -489,13 +499,13 @@ fn grouped_experts_match_cpu() {
     grouped_case(
         &dev,
         &mut rng,
-        &q8,
+        &q8_wgmma,
         Routing::Uniform,
         100,
         (128, Kernel::Wgmma),
     );
     for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged] {
-        grouped_case(&dev, &mut rng, &q8, Routing::Skewed, 300, (128, kernel));
+        grouped_case(&dev, &mut rng, &q8_wgmma, Routing::Skewed, 300, (128, kernel));
         grouped_case(&dev, &mut rng, &small_q4, Routing::Skewed, 37, (64, kernel));
     }
     // Q8 at the real shapes on wgmma (what GGUF K-quants and FP8 checkpoints run as).
@@ -644,8 +654,8 @@ fn run_block(
     )
     .expect("router_topk");
     // The tile height forward.rs would pick for this many rows.
-    let tile_rows = g.expert_tile_rows(b.ids.len(), e + 1, &blk.gate_up.view());
-    let spill = g.expert_tile_spill(tile_rows, &blk.gate_up.view());
+    let tile_rows = g.expert_tile_rows(b.ids.len(), e + 1, &[&blk.gate_up.view(), &blk.down.view()]);
+    let spill = g.expert_tile_spill(tile_rows, &[&blk.gate_up.view(), &blk.down.view()]);
     mk.group_by_expert(&b.ids.as_view(), SLOTS, tile_rows, spill, &mut b.groups)
         .expect("group_by_expert");
     g.experts_gate_up(&blk.gate_up.view(), x, &b.groups, &mut b.act.as_view_mut())
@@ -1021,7 +1031,7 @@ fn timing_grouped_moe_at_4096_tokens() {
         for (rows, kernel) in kernels {
             let mut g = GemmKernels::load(&dev).expect("kernels");
             kernel.select(&mut g);
-            let spill = g.expert_tile_spill(rows, &ex.gate_up.view());
+            let spill = g.expert_tile_spill(rows, &[&ex.gate_up.view(), &ex.down.view()]);
             let group_ms = median_ms(&dev, 20, || {
                 mk.group_by_expert(&b.ids.slice(..pairs), TOP_K, rows, spill, &mut groups)
                     .expect("group")

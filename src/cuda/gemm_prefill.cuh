@@ -34,6 +34,11 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
 }
+// 8 bytes global → shared (through L1: cp.async's .cg takes only 16), zero-filled when !valid.
+__device__ __forceinline__ void cp_async8(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0)
+                 : "memory");
+}
 // 4 bytes global → shared (through L1: cp.async's .cg takes only 16), zero-filled when !valid.
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)

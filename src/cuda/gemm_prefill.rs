@@ -44,14 +44,16 @@ const GROUPED_FROM_ROWS: usize = super::gemm::MAX_TOKENS + 1;
 /// Weight rows per block tile (BN in gemm_prefill.cu).
 const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
+/// Columns of a matrix the wgmma kernels take are a multiple of this: four quantisation groups.
+const WGMMA_COL_MULTIPLE: usize = 256;
 /// The wgmma kernels' block: 4 warpgroups (THREADS in gemm_wgmma.cu).
 const WGMMA_THREADS: u32 = 512;
 /// Dynamic shared memory of a wgmma kernel (smem_bytes in gemm_wgmma.cu): six stages of X and
-/// packed weights (32 bytes per row and k-tile in Q4, 64 in Q8), 1 KB to align. Tiles taller by
-/// the spill take five stages in the same bytes.
+/// packed weights (32 bytes per row and k-tile in Q4, 64 in Q8), two slots of four k-tiles' scales
+/// and biases, 1 KB to align. Tiles taller by the spill take five stages in the same bytes.
 fn wgmma_shared_bytes(format: Format) -> usize {
     let row_bytes = if format == Format::Q4 { 32 } else { 64 };
-    6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * row_bytes) + 1024
+    6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * row_bytes) + 2 * (2 * TILE_COLS * 8) + 1024
 }
 
 /// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cuh (also the table
@@ -219,15 +221,18 @@ impl GemmKernels {
         self.spill = on;
     }
 
-    /// Whether products with weights of `format` run on the wgmma kernels: the quantised ones
-    /// unless `LILY_WGMMA=0` (bf16 weights stay on mma.sync or cuBLAS).
-    fn on_wgmma(&self, format: Format) -> bool {
-        self.use_wgmma && matches!(format, Format::Q4 | Format::Q8)
+    /// Whether products with weights of `format` and `cols` columns run on the wgmma kernels: the
+    /// quantised ones whose rows are whole 4-group pieces (the kernels copy scales and biases in
+    /// 8-byte pieces; every product of the model qualifies), unless `LILY_WGMMA=0` (bf16 weights
+    /// stay on mma.sync or cuBLAS).
+    fn on_wgmma(&self, format: Format, cols: usize) -> bool {
+        self.use_wgmma && matches!(format, Format::Q4 | Format::Q8) && cols % WGMMA_COL_MULTIPLE == 0
     }
 
-    /// Whether the products of `w` run on the wgmma kernels (valid 4/8-bit weights, wgmma on).
-    fn runs_on_wgmma(&self, w: &Matrices) -> bool {
-        check_matrices(w).is_ok_and(|f| self.on_wgmma(f))
+    /// Whether the products of every stack in `ws` run on the wgmma kernels (valid 4/8-bit
+    /// weights, wgmma on): one expert grouping serves gate‖up and down, so both must.
+    fn runs_on_wgmma(&self, ws: &[&Matrices]) -> bool {
+        ws.iter().all(|w| check_matrices(w).is_ok_and(|f| self.on_wgmma(f, w.cols)))
     }
 
     /// Whether the experts of a pass of `rows` rows run as grouped GEMMs (each expert's weights
@@ -239,14 +244,14 @@ impl GemmKernels {
     }
 
     /// The tile height for grouping `pairs` (token, slot) pairs over `experts` experts whose
-    /// weights are `w`: 16 rows while the experts average at most 16 (a batched decode step, a
+    /// weight stacks (gate‖up, down) are `ws`: 16 rows while the experts average at most 16 (a batched decode step, a
     /// short prompt), 32 up to 48, else 64 — a 64-row tile of a few rows is mostly padding, whose
     /// tensor work costs as much as real rows — or, for 4/8-bit weights on the wgmma kernel, 128
     /// (its tiles of at most 64 rows run shorter products, so they pad no more than 64-row tiles).
     /// `LILY_EXPERT_TILE_ROWS` forces one height (128 only where the wgmma kernel runs these
     /// weights; elsewhere it means 64).
-    pub fn expert_tile_rows(&self, pairs: usize, experts: usize, w: &Matrices) -> usize {
-        let wgmma = self.runs_on_wgmma(w);
+    pub fn expert_tile_rows(&self, pairs: usize, experts: usize, ws: &[&Matrices]) -> usize {
+        let wgmma = self.runs_on_wgmma(ws);
         match self.expert_tile_override {
             Some(WGMMA_TILE_ROWS) if !wgmma => return TILE_ROWS,
             Some(rows) => return rows,
@@ -261,10 +266,10 @@ impl GemmKernels {
     }
 
     /// The rows beyond `tile_rows` that an expert's last tile may take, for a grouping of the
-    /// experts `w` in tiles of `tile_rows` ([`super::moe::MoeKernels::group_by_expert`]):
+    /// experts' stacks `ws` in tiles of `tile_rows` ([`super::moe::MoeKernels::group_by_expert`]):
     /// [`WGMMA_SPILL_ROWS`] where the wgmma kernel runs them in its 128-row tiles, else 0.
-    pub fn expert_tile_spill(&self, tile_rows: usize, w: &Matrices) -> usize {
-        let wgmma = self.runs_on_wgmma(w);
+    pub fn expert_tile_spill(&self, tile_rows: usize, ws: &[&Matrices]) -> usize {
+        let wgmma = self.runs_on_wgmma(ws);
         if self.spill && wgmma && tile_rows == WGMMA_TILE_ROWS {
             WGMMA_SPILL_ROWS
         } else {
@@ -414,11 +419,15 @@ impl GemmKernels {
             wp % 16 == 0,
             "gemm: weights at {wp:#x} are not 16-byte aligned"
         );
+        ensure!(
+            !self.on_wgmma(format, w.cols) || (sp % 8 == 0 && bp % 8 == 0),
+            "gemm: scales at {sp:#x} or biases at {bp:#x} are not 8-byte aligned"
+        );
         let xp = addr(x, stream, &mut guards);
         // The wgmma kernel takes tiles of up to 128 rows (dense products: 128), the mma.sync
         // kernels one of TILE_HEIGHTS.
         let grouped_height = rows.grouped.map(|(g, _, _)| g.tile_rows());
-        let wgmma = self.on_wgmma(format)
+        let wgmma = self.on_wgmma(format, w.cols)
             && matches!(
                 grouped_height,
                 None | Some(TILE_ROWS) | Some(WGMMA_TILE_ROWS)

@@ -60,9 +60,17 @@ template <int N> __host__ __device__ constexpr int stages() { return N > BM ? ST
 template <int F> __host__ __device__ constexpr int row_bytes() { return F == Q4 ? BK / 2 : BK; }
 // A stage: the X tile (N rows of 128 bytes), then the packed weights (BN rows).
 template <int N, int F> __host__ __device__ constexpr int stage_bytes() { return N * BK * 2 + BN * row_bytes<F>(); }
-// Must match wgmma_shared_bytes in gemm_prefill.rs: the stages and slack to align the start to 1024
-// bytes (the swizzle pattern repeats every 1024).
-template <int F> __host__ __device__ constexpr int smem_bytes() { return STAGES * stage_bytes<BM, F>() + 1024; }
+// The scales and biases of the tile's weight rows: a ring of two slots after the stages, each
+// holding SB_KTILES k-tiles' {scale} then {bias} per weight row (8 bytes a row each), copied with
+// the stage of the slot's first k-tile. One 8-byte copy per thread every four k-tiles instead of
+// four 2-byte global loads per k-tile, whose latency the products waited on (bench/NOTES.md v1.28,
+// v1.47). So K must be a multiple of 4 groups (256) and the scales and biases 8-byte aligned.
+constexpr int SB_KTILES = 4;
+constexpr int SB_SLOT_BYTES = 2 * BN * SB_KTILES * 2;
+template <int F> __host__ __device__ constexpr int sb_offset() { return STAGES * stage_bytes<BM, F>(); }
+// Must match wgmma_shared_bytes in gemm_prefill.rs: the stages, the scale ring and slack to align
+// the start to 1024 bytes (the swizzle pattern repeats every 1024).
+template <int F> __host__ __device__ constexpr int smem_bytes() { return sb_offset<F>() + 2 * SB_SLOT_BYTES + 1024; }
 static_assert(stage_bytes<64, Q4>() % 1024 == 0 && stage_bytes<64, Q8>() % 1024 == 0 &&
                   stage_bytes<BM_MAX, Q4>() % 1024 == 0 && stage_bytes<BM_MAX, Q8>() % 1024 == 0,
               "X tiles stay 1024-byte aligned");
@@ -86,14 +94,11 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     const int ngroups = a.k / 64;
     const u32* wmat = a.w + mat * a.w_mat_words;
 
-    // This thread's two fragment rows: their scale/bias index (−1: absent, zeros).
+    // This thread's two fragment rows, and the row whose scales (tid < BN) or biases (tid ≥ BN)
+    // it copies into the scale ring.
     const int r_lo = 16 * warp + g;
-    i64 sb_off[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = tile_weight_row<E == SWIGLU, BN>(r_lo + 8 * h, col_tile, a.n);
-        sb_off[h] = row < 0 ? -1 : ((i64)mat * a.n + row) * ngroups;
-    }
+    const int sb_row = tile_weight_row<E == SWIGLU, BN>(tid % BN, col_tile, a.n);
+    const bf16* sb_src = (tid < BN ? a.scales : a.biases) + (sb_row < 0 ? 0 : ((i64)mat * a.n + sb_row) * ngroups);
     // What this thread copies per k-tile: X chunk c of rows xr0 + 64u < N (u < X_ROWS), and weight
     // chunk tid % (ROW / 16) of rows tid / (ROW / 16) + u · THREADS / (ROW / 16) (u < W_CHUNKS).
     constexpr int X_ROWS = (N + 63) / 64;
@@ -129,21 +134,21 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
             const u32* src = wmat + max(w_off[u], 0) + kt * (ROW / 4) + wc * 4;
             cp_async16(x_tile(s) + X_BYTES + r * ROW + (pc << 4), src, w_off[u] >= 0);
         }
-    };
-    // {scale, bias} of this thread's two rows for k-tile kt, as loaded (zeros for absent rows) ...
-    auto load_sb = [&](int kt, unsigned short raw[4]) {
-        const unsigned short* s = reinterpret_cast<const unsigned short*>(a.scales);
-        const unsigned short* b = reinterpret_cast<const unsigned short*>(a.biases);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            raw[2 * h] = sb_off[h] < 0 ? (unsigned short)0 : __ldg(s + sb_off[h] + kt);
-            raw[2 * h + 1] = sb_off[h] < 0 ? (unsigned short)0 : __ldg(b + sb_off[h] + kt);
+        if (kt % SB_KTILES == 0) {
+            const u32 slot = base + sb_offset<F>() + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES;
+            cp_async8(slot + tid * (SB_KTILES * 2), sb_src + kt, sb_row >= 0);
         }
     };
-    // ... and as the bf16 pairs dequantise takes.
-    auto pack_sb = [](const unsigned short raw[4], u32 sb[2]) {
-        sb[0] = (u32)raw[0] | ((u32)raw[1] << 16);
-        sb[1] = (u32)raw[2] | ((u32)raw[3] << 16);
+    // {scale, bias} of this thread's two rows for k-tile kt from the ring, as the bf16 pairs
+    // dequantise takes: its slot came with an earlier stage, already waited for.
+    auto read_sb = [&](int kt, u32 sb[2]) {
+        const unsigned char* slot = smem + sb_offset<F>() + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES + (kt % SB_KTILES) * 2;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = (r_lo + 8 * h) * (SB_KTILES * 2);
+            sb[h] = (u32)*reinterpret_cast<const unsigned short*>(slot + r) |
+                    ((u32)*reinterpret_cast<const unsigned short*>(slot + BN * SB_KTILES * 2 + r) << 16);
+        }
     };
 
     // This thread's 16 A registers (four k16 steps) of k-tile kt from its stage, with {scale, bias}
@@ -210,16 +215,10 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     cp_async_wait<STAGES - 2>();  // k-tile 0 has landed (this thread's copies) ...
     fence_async_shared();         // ... is visible to the tensor cores ...
     __syncthreads();              // ... and so is everyone's
-    unsigned short sb_raw[4];
-    load_sb(0, sb_raw);
-    pack_sb(sb_raw, sb);
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
+        read_sb(kt, sb);
         dequantise(kt, sb, frag);
-        // The next k-tile's scales and biases are loaded now and packed only after this k-tile's
-        // products: packed right after the loads, their latency held up the products' issue (and,
-        // through the barrier, every warp: bench/NOTES.md v1.28).
-        if (kt + 1 < KT) load_sb(kt + 1, sb_raw);
         issue(kt, frag);
         // While the products run: the next k-tile's stage ready for everyone, and a refill.
         if (kt + 1 < KT) {
@@ -231,7 +230,6 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
             cp_async_commit();
         }
         wgmma_wait<0>();  // the fragments are free again
-        pack_sb(sb_raw, sb);
         fence_accumulators<N>(d);
     }
     wgmma_wait<0>();

@@ -164,12 +164,13 @@ pub(super) fn moe_experts(
         // Pairs sorted by expert, then one grouped GEMM per projection; routed[token][slot] as below.
         // Tiles as tall as the experts' rows: few rows each (a batched decode step, a short
         // prompt) take short tiles. The shared expert (id e) is one of e + 1.
-        let tile_rows = k.gemm.expert_tile_rows(t * slots, e + 1, &w.gate_up.view());
+        let stacks = [&w.gate_up.view(), &w.down.view()];
+        let tile_rows = k.gemm.expert_tile_rows(t * slots, e + 1, &stacks);
         k.moe.group_by_expert(
             &s.expert_ids.slice(..t * slots),
             slots,
             tile_rows,
-            k.gemm.expert_tile_spill(tile_rows, &w.gate_up.view()),
+            k.gemm.expert_tile_spill(tile_rows, &stacks),
             &mut s.groups,
         )?;
         let mut act = s.act.slice_mut(..t * slots * inter);
