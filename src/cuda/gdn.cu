@@ -18,7 +18,8 @@
 //
 // Kernels:
 //   gdn_decode          one token for each of B sequences (state pools addressed by slot ids)
-//   gdn_prefill_prep    prefill, per (chunk of 64, value head): conv, norms, gates, WY form
+//   gdn_prefill_qk      prefill, per (chunk of 64, key head): conv and norms of q, k; gates
+//   gdn_prefill_prep    prefill, per (chunk of 64, value head): conv of v, WY form
 //   gdn_prefill_state   prefill, per (value head, 32 dv columns): the state carried over chunks
 //   gdn_prefill_out     prefill, per (chunk, value head): outputs and the gated norm
 //                       (gdn_prefill_out_tf32: the same in plain tf32, measured and off: gdn.rs)
@@ -29,6 +30,7 @@
 #define GDN_DK 128
 #define GDN_DV 128
 #define GDN_VALUE_HEADS 32
+#define GDN_KEY_HEADS 16
 #define GDN_KEY_DIM 2048    // q (or k) channels: 16 key heads × 128
 #define GDN_VALUE_DIM 4096  // v channels: 32 value heads × 128
 #define GDN_CONV_DIM 8192   // q ‖ k ‖ v
@@ -79,6 +81,10 @@ struct GdnArgs {
     float* ws_u;      // [nc][32][64][128]  U  = T·(β v), replaced by Vn = U − W·S by gdn_prefill_state
     float* ws_h;      // [nc][32][128][128] the state at the start of each chunk
     float* ws_decay;  // [nc][32]           e^(G_last)
+    float* ws_q;      // [nc][16][64][128]  q after conv, SiLU, l2 norm, times 1/√dk (gdn_prefill_qk)
+    float* ws_kn;     // [nc][16][64][128]  k after conv, SiLU, l2 norm
+    float* ws_beta;   // [nc][32][64]       β
+    float* ws_g;      // [nc][32][64]       G, the in-chunk cumulative log-decay
     i64 qkv_stride, z_stride, b_stride, a_stride;
     int rows;  // decode: sequences; prefill: tokens
     int n_slots;
@@ -377,6 +383,7 @@ extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
 // ---------------------------------------------------------------------------------------------
 // Prefill of T = p.rows tokens of one sequence, in chunks of 64 (MODEL.md §3.6.6). Per value head,
 // with G the in-chunk cumulative log-decay and rows padded with zeros to a whole chunk:
+//   gdn_prefill_qk     (chunk, key head) in parallel: q, k (conv, SiLU, l2 norm), β, G
 //   gdn_prefill_prep   (chunk, head) in parallel:  L = strictly_lower(β k kᵀ ⊙ e^(G_r − G_s)),
 //                      solve (I + L)·[U | W] = [β v | β k e^G]; K̃ = k e^(G_last − G)
 //   gdn_prefill_state  (head, 32 columns) sequential over chunks, the state S in registers:
@@ -394,8 +401,9 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Waits until at most one group of this thread's copies is still in flight.
+// Waits until at most one group of this thread's copies is still in flight (or none).
 __device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 // ---------------------------------------------------------------------------------------------
 // Tensor cores: mma.m16n8k8 with tf32 operands and fp32 accumulators. Fragments, lane = 4g + t:
@@ -476,15 +484,13 @@ __device__ __forceinline__ void load_b_split(u32 hi[2], u32 lo[2], const float* 
 #define VPITCH 136
 #define SPITCH 40
 
-// Conv + SiLU of the chunk starting at token t0, for two heads of 128 channels starting at channels
-// ch0 and ch1, into dst0 and dst1 ([64][PITCH] floats in shared memory). Rows past T are zeros.
-// Lane l of each warp takes 8 channels (lanes 0..15 head 0, 16..31 head 1: each half a coalesced
-// 256-byte row segment); warp w takes rows 8w .. 8w+7, sliding a window of the 4 taps down them.
-// The 11 input rows a lane needs are all loaded before any is used: one memory latency, not 11.
-__device__ void chunk_conv(const GdnArgs& p, int t0, int ch0, int ch1, float* dst0, float* dst1) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, T = p.rows;
-    const int ch = (lane < 16 ? ch0 : ch1) + (lane % 16) * 8;
-    float* dst = (lane < 16 ? dst0 : dst1) + (lane % 16) * 8;
+// Conv + SiLU of ROWS rows of the chunk starting at token t0 (rows r0 .. r0 + ROWS − 1 of the
+// chunk), channels ch .. ch + 7 (this lane's eight); sink(r, out) takes row r's eight outputs
+// (zeros for rows past T), called by every lane for the same r at once (a sink may shuffle).
+// The ROWS + 3 input rows a lane needs are all loaded before any is used: one memory latency.
+template <int ROWS, typename Sink>
+__device__ __forceinline__ void conv_rows(const GdnArgs& p, int t0, int r0, int ch, Sink sink) {
+    const int T = p.rows;
     float w[4][8];  // [tap][channel]
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -494,8 +500,6 @@ __device__ void chunk_conv(const GdnArgs& p, int t0, int ch0, int ch1, float* ds
         w[2][j] = wj.z;
         w[3][j] = wj.w;
     }
-    constexpr int ROWS = CHUNK / (PF_THREADS / 32);  // output rows per warp
-    const int r0 = warp * ROWS;
     // Input row t0 + r0 − 3 + i (token index; −3..−1 are the conv state's rows 0..2), zeros past T.
     uint4 in[ROWS + GDN_HIST];
 #pragma unroll
@@ -521,9 +525,7 @@ __device__ void chunk_conv(const GdnArgs& p, int t0, int ch0, int ch1, float* ds
             acc += w[3][j] * x3[j];
             out[j] = t0 + r < T ? silu(acc) : 0.0f;
         }
-        float4* d = reinterpret_cast<float4*>(dst + r * PITCH);
-        d[0] = make_float4(out[0], out[1], out[2], out[3]);
-        d[1] = make_float4(out[4], out[5], out[6], out[7]);
+        sink(r, out);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             x0[j] = x1[j];
@@ -533,42 +535,78 @@ __device__ void chunk_conv(const GdnArgs& p, int t0, int ch0, int ch1, float* ds
     }
 }
 
-// β (when beta_s is not null) and the in-chunk cumulative decay G of value head hv for the 64 rows
-// of the chunk at t0; padded rows get β = 0 and g = 0 (so they change nothing). Ends with a barrier.
-__device__ void chunk_gates(const GdnArgs& p, int t0, int hv, float* beta_s, float* G_s) {
-    const int tid = threadIdx.x, t = t0 + tid;
-    if (tid < CHUNK) {
-        const bool valid = t < p.rows;
-        if (beta_s) beta_s[tid] = valid ? sigmoidf_(bf(p.b[t * p.b_stride + hv])) : 0.0f;
-        G_s[tid] = valid ? gdn_decay(p.a_log[hv], p.dt_bias[hv], bf(p.a[t * p.a_stride + hv])) : 0.0f;
+// Copies a [64][128] fp32 tile (rows of 128 values, contiguous) into shared rows of PITCH floats.
+__device__ __forceinline__ void copy_tile_async(float* dst, const float* src) {
+    for (int e = threadIdx.x; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
+        const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
+        cp_async16(dst + r * PITCH + d, src + r * GDN_DK + d);
     }
-    __syncthreads();
-    if (tid == 0) {  // sequential, as the reference sums (64 adds); loads first, then the chain
-        float g[CHUNK];
-#pragma unroll
-        for (int i = 0; i < CHUNK; ++i) g[i] = G_s[i];
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < CHUNK; ++i) {
-            acc += g[i];
-            G_s[i] = acc;
-        }
-    }
-    __syncthreads();
+}
+// Copies the 64 values of a chunk row (β or G of one value head) into shared memory (16 threads).
+__device__ __forceinline__ void copy_row_async(float* dst, const float* src, int lane16) {
+    cp_async16(dst + 4 * lane16, src + 4 * lane16);
 }
 
-// l2-normalises the 64 rows of 128 values in x (shared, pitch PITCH), times `scale`; a warp per row.
-__device__ void l2norm_rows(float* x, float scale) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    for (int r = warp; r < CHUNK; r += PF_THREADS / 32) {
-        float4* row = reinterpret_cast<float4*>(x + r * PITCH);
-        float4 v = row[lane];
-        const float f = rsqrtf(warp_sum(v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w) + L2NORM_EPS) * scale;
-        v.x *= f;
-        v.y *= f;
-        v.z *= f;
-        v.w *= f;
-        row[lane] = v;
+// Grid (chunks, 16 key heads), 256 threads: everything of a chunk that gdn_prefill_prep and
+// gdn_prefill_out both need and that depends on the key head or value head alone, once — they each
+// recomputed it per value head, ≈ 40 % of their time (bench/NOTES.md v1.46, v1.47):
+//   ws_q, ws_kn  q and k of key head kh after conv, SiLU and the l2 norm (q times 1/√dk);
+//   ws_beta, ws_g  β and the in-chunk cumulative log-decay G of value heads 2kh, 2kh + 1.
+// Padded rows (past T) get q = k = 0, β = 0 and g = 0, so they change nothing. Warp w convolves
+// rows 8w .. 8w + 7: lanes 0..15 eight q channels each, lanes 16..31 eight k channels, so a row of
+// one head is one half-warp and its l2 norm a half-warp sum.
+extern "C" __global__ void __launch_bounds__(PF_THREADS) gdn_prefill_qk(const GdnArgs p) {
+    pdl_wait();
+    pdl_launch_dependents();
+    __shared__ __align__(16) float g_s[2][CHUNK];
+    const int chunk = blockIdx.x, kh = blockIdx.y, t0 = chunk * CHUNK, tid = threadIdx.x;
+    const int lane = tid % 32, warp = tid / 32;
+
+    // The gates' inputs first (threads 0..127: value head 2kh + tid / 64, row tid % 64): their
+    // strided loads are independent of the conv's and overlap it.
+    const int gh = 2 * kh + tid / CHUNK, gt = t0 + tid % CHUNK;
+    const bool gate_row = tid < 2 * CHUNK && gt < p.rows;
+    const float b_in = gate_row ? bf(p.b[gt * p.b_stride + gh]) : 0.0f;
+    const float a_in = gate_row ? bf(p.a[gt * p.a_stride + gh]) : 0.0f;
+
+    const bool is_k = lane >= 16;
+    const float scale = is_k ? 1.0f : rsqrtf((float)GDN_DK);
+    float* dst = (is_k ? p.ws_kn : p.ws_q) + ((i64)chunk * GDN_KEY_HEADS + kh) * CHUNK * GDN_DK + (lane % 16) * 8;
+    constexpr int ROWS = CHUNK / (PF_THREADS / 32);
+    conv_rows<ROWS>(p, t0, warp * ROWS, (is_k ? GDN_KEY_DIM : 0) + kh * GDN_DK + (lane % 16) * 8,
+                    [&](int r, const float out[8]) {
+                        float sq = 0.0f;
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) sq += out[j] * out[j];
+#pragma unroll
+                        for (int o = 8; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+                        const float f = rsqrtf(sq + L2NORM_EPS) * scale;
+                        float4* d = reinterpret_cast<float4*>(dst + r * GDN_DK);
+                        d[0] = make_float4(out[0] * f, out[1] * f, out[2] * f, out[3] * f);
+                        d[1] = make_float4(out[4] * f, out[5] * f, out[6] * f, out[7] * f);
+                    });
+
+    const i64 gates = ((i64)chunk * GDN_VALUE_HEADS + 2 * kh) * CHUNK;  // this block's two rows of β, G
+    if (tid < 2 * CHUNK) {
+        p.ws_beta[gates + tid] = gate_row ? sigmoidf_(b_in) : 0.0f;
+        g_s[tid / CHUNK][tid % CHUNK] = gate_row ? gdn_decay(p.a_log[gh], p.dt_bias[gh], a_in) : 0.0f;
+    }
+    __syncthreads();
+    if (lane == 0 && warp < 2) {  // sequential, as the reference sums (64 adds); loads first, then the chain
+        float g[CHUNK];
+#pragma unroll
+        for (int i = 0; i < CHUNK; ++i) g[i] = g_s[warp][i];
+        float acc = 0.0f;
+        float4* out = reinterpret_cast<float4*>(p.ws_g + gates + warp * CHUNK);
+#pragma unroll
+        for (int i = 0; i < CHUNK; i += 4) {
+            float4 v;
+            v.x = acc += g[i];
+            v.y = acc += g[i + 1];
+            v.z = acc += g[i + 2];
+            v.w = acc += g[i + 3];
+            out[i / 4] = v;
+        }
     }
 }
 
@@ -611,9 +649,23 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     float* G_s = beta_s + CHUNK;
     const int chunk = blockIdx.x, hv = blockIdx.y, kh = hv / 2, t0 = chunk * CHUNK, tid = threadIdx.x;
 
-    chunk_conv(p, t0, GDN_KEY_DIM + kh * GDN_DK, 2 * GDN_KEY_DIM + hv * GDN_DV, k_s, v_s);
-    chunk_gates(p, t0, hv, beta_s, G_s);  // its barriers also cover the conv's writes
-    l2norm_rows(k_s, 1.0f);
+    // k, β and G from gdn_prefill_qk, in flight while the block convolves its head's v: warp w
+    // rows 8w + 4·(lane / 16) .. +3, each half-warp a row of 128 channels.
+    const i64 gates = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK;
+    copy_tile_async(k_s, p.ws_kn + ((i64)chunk * GDN_KEY_HEADS + kh) * CHUNK * GDN_DK);
+    if (tid < 16) copy_row_async(beta_s, p.ws_beta + gates, tid);
+    else if (tid < 32) copy_row_async(G_s, p.ws_g + gates, tid - 16);
+    cp_async_commit();
+    {
+        const int lane = tid % 32, r0 = (tid / 32) * 8 + (lane / 16) * 4;
+        float* vrow = v_s + (lane % 16) * 8;
+        conv_rows<4>(p, t0, r0, 2 * GDN_KEY_DIM + hv * GDN_DV + (lane % 16) * 8, [&](int r, const float out[8]) {
+            float4* d = reinterpret_cast<float4*>(vrow + r * PITCH);
+            d[0] = make_float4(out[0], out[1], out[2], out[3]);
+            d[1] = make_float4(out[4], out[5], out[6], out[7]);
+        });
+    }
+    cp_async_wait_0();
     __syncthreads();
 
     // L[r][s] = β_r (k_r·k_s) e^(G_r − G_s) for s < r (the reference's order of factors), else 0.
@@ -851,10 +903,13 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int m0 = 16 * (warp / 2);
 
-    chunk_conv(p, t0, kh * GDN_DK, GDN_KEY_DIM + kh * GDN_DK, q_s, kv_s);
-    chunk_gates(p, t0, hv, nullptr, G_s);
-    l2norm_rows(q_s, rsqrtf((float)GDN_DK));
-    l2norm_rows(kv_s, 1.0f);
+    // q, k and G from gdn_prefill_qk.
+    const i64 qk_tile = ((i64)chunk * GDN_KEY_HEADS + kh) * CHUNK * GDN_DK;
+    copy_tile_async(q_s, p.ws_q + qk_tile);
+    copy_tile_async(kv_s, p.ws_kn + qk_tile);
+    if (tid < 16) copy_row_async(G_s, p.ws_g + ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK, tid);
+    cp_async_commit();
+    cp_async_wait_0();
     __syncthreads();
 
     // A[r][s] = (q_r·k_s) e^(G_r − G_s) for s ≤ r, else 0: rows m0..m0+15, columns 32(w%2)..+31.

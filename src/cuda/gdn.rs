@@ -144,8 +144,9 @@ impl<'a> GdnInputs<'a> {
 
 /// Scratch of the chunked prefill, sized for chunks of up to `max_tokens` tokens:
 /// W, K̃ and U/Vn (`[chunks][32][64][128]` fp32 each), the state at each chunk start
-/// (`[chunks][32][128][128]` fp32) and the chunk decays — about 80 KiB per token
-/// (320 MiB for 4096 tokens). Allocate once; it is filled with NaNs so that a read of anything not
+/// (`[chunks][32][128][128]` fp32), the chunk decays, the normalised q and k
+/// (`[chunks][16][64][128]` fp32 each), β and G (`[chunks][32][64]`) — about 97 KiB per token
+/// (388 MiB for 4096 tokens). Allocate once; it is filled with NaNs so that a read of anything not
 /// written first would show in the outputs.
 pub struct GdnWorkspace {
     w: CudaSlice<f32>,
@@ -153,6 +154,10 @@ pub struct GdnWorkspace {
     u: CudaSlice<f32>,
     h: CudaSlice<f32>,
     decay: CudaSlice<f32>,
+    q_norm: CudaSlice<f32>,
+    k_norm: CudaSlice<f32>,
+    beta: CudaSlice<f32>,
+    g: CudaSlice<f32>,
     max_tokens: usize,
 }
 
@@ -174,12 +179,17 @@ impl GdnWorkspace {
             Ok(buf)
         };
         let tile = chunks * VALUE_HEADS * CHUNK * HEAD_DIM;
+        let key_tile = chunks * KEY_HEADS * CHUNK * HEAD_DIM;
         Ok(Self {
             w: alloc(tile)?,
             k: alloc(tile)?,
             u: alloc(tile)?,
             h: alloc(chunks * SSM_STATE_LEN)?,
             decay: alloc(chunks * VALUE_HEADS)?,
+            q_norm: alloc(key_tile)?,
+            k_norm: alloc(key_tile)?,
+            beta: alloc(chunks * VALUE_HEADS * CHUNK)?,
+            g: alloc(chunks * VALUE_HEADS * CHUNK)?,
             max_tokens,
         })
     }
@@ -187,7 +197,12 @@ impl GdnWorkspace {
     /// Device bytes a workspace for `max_tokens` tokens takes.
     pub fn bytes(max_tokens: usize) -> usize {
         let chunks = max_tokens.div_ceil(CHUNK);
-        4 * chunks * (3 * VALUE_HEADS * CHUNK * HEAD_DIM + SSM_STATE_LEN + VALUE_HEADS)
+        4 * chunks
+            * (3 * VALUE_HEADS * CHUNK * HEAD_DIM
+                + SSM_STATE_LEN
+                + VALUE_HEADS
+                + 2 * KEY_HEADS * CHUNK * HEAD_DIM
+                + 2 * VALUE_HEADS * CHUNK)
     }
 
     pub fn max_tokens(&self) -> usize {
@@ -216,6 +231,10 @@ struct GdnArgs {
     ws_u: u64,
     ws_h: u64,
     ws_decay: u64,
+    ws_q: u64,
+    ws_kn: u64,
+    ws_beta: u64,
+    ws_g: u64,
     qkv_stride: i64,
     z_stride: i64,
     b_stride: i64,
@@ -233,6 +252,7 @@ pub struct GdnKernels {
     stream: Arc<CudaStream>,
     decode: CudaFunction,
     zero: CudaFunction,
+    qk: CudaFunction,
     prep: CudaFunction,
     state: CudaFunction,
     out: CudaFunction,
@@ -258,6 +278,7 @@ impl GdnKernels {
             stream: dev.stream().clone(),
             decode: dev.function("gdn", "gdn_decode")?,
             zero: dev.function("gdn", "gdn_zero_state")?,
+            qk: dev.function("gdn", "gdn_prefill_qk")?,
             prep: big("gdn_prefill_prep", PREP_SMEM)?,
             state: big("gdn_prefill_state", STATE_SMEM)?,
             out: big("gdn_prefill_out", OUT_SMEM)?,
@@ -406,16 +427,26 @@ impl GdnKernels {
         let (ws_u, _u) = ws.u.device_ptr_mut(stream);
         let (ws_h, _h) = ws.h.device_ptr_mut(stream);
         let (ws_decay, _d) = ws.decay.device_ptr_mut(stream);
+        let (ws_q, _q) = ws.q_norm.device_ptr_mut(stream);
+        let (ws_kn, _kn) = ws.k_norm.device_ptr_mut(stream);
+        let (ws_beta, _b) = ws.beta.device_ptr_mut(stream);
+        let (ws_g, _g) = ws.g.device_ptr_mut(stream);
         args.ssm = ssm_ptr;
         args.conv_state = conv_ptr;
         args.y = y_ptr;
         (args.ws_w, args.ws_k, args.ws_u, args.ws_h, args.ws_decay) =
             (ws_w, ws_k, ws_u, ws_h, ws_decay);
+        (args.ws_q, args.ws_kn, args.ws_beta, args.ws_g) = (ws_q, ws_kn, ws_beta, ws_g);
         args.n_slots = 1;
 
         let chunks = tokens.div_ceil(CHUNK) as u32;
         let heads = VALUE_HEADS as u32;
         let block = (PF_THREADS, 1, 1);
+        let qk = LaunchConfig {
+            grid_dim: (chunks, KEY_HEADS as u32, 1),
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
         let prep = LaunchConfig {
             grid_dim: (chunks, heads, 1),
             block_dim: block,
@@ -439,6 +470,7 @@ impl GdnKernels {
         // SAFETY: common_args checked the inputs for `tokens` rows, the state views have exactly
         // one sequence's state, and the workspace holds ceil(tokens / 64) chunks.
         unsafe {
+            launch!(self.stream, &self.qk, qk, &args)?;
             launch!(self.stream, &self.prep, prep, &args)?;
             launch!(self.stream, &self.state, state, &args)?;
             if self.use_out_tf32 {
