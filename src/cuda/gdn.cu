@@ -48,7 +48,6 @@
 #define CHUNK 64                        // prefill chunk length (any length is exact; 64 as the reference)
 #define PF_THREADS 256
 #define ST_COLS 32                      // dv columns per block of gdn_prefill_state
-#define ST_THREADS 512                  // its threads
 
 // Shared-memory row pitches, in floats. A row of 128 values gets 4 floats of padding so that the
 // float4 reads down a column of rows (row r, r+1, ... at one offset) fall into distinct banks.
@@ -747,15 +746,12 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
 // Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, K̃ and U, and S.
 #define STATE_SMEM ((2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + GDN_DK * SPITCH) * 4)
 
-// Grid (4 column slices, 32 value heads), ST_THREADS = 512 threads; sequential over the chunks.
-// The block's state slice S[128 d][32 v] stays in the accumulators of the tensor-core products:
-// warp w holds rows 16(w/2)..+15, columns 16(w%2)..+15 as 2 tiles of 16 × 8 (C-fragment layout),
-// and a copy in shared memory feeds W·S. The next chunk's W, K̃ and U are prefetched with cp.async
-// while the current one is computed. Both products use 3xTF32 (fp32 accuracy): the state is
-// carried over thousands of tokens. Sixteen warps, not eight: each chunk is a short chain of
-// dependent products and loads per warp (bench/NOTES.md v1.46: issue- and dependency-bound), so
-// twice the warps on half the tiles each (v1.47).
-extern "C" __global__ void __launch_bounds__(ST_THREADS, 1) gdn_prefill_state(const GdnArgs p) {
+// Grid (4 column slices, 32 value heads), 256 threads; sequential over the chunks. The block's
+// state slice S[128 d][32 v] stays in the accumulators of the tensor-core products: warp w holds rows
+// 16w..16w+15 as 4 tiles of 16 × 8 (C-fragment layout), and a copy in shared memory feeds W·S.
+// The next chunk's W, K̃ and U are prefetched with cp.async while the current one is computed.
+// Both products use 3xTF32 (fp32 accuracy): the state is carried over thousands of tokens.
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(const GdnArgs p) {
     pdl_wait();
     pdl_launch_dependents();
     extern __shared__ float4 smem4[];
@@ -767,45 +763,39 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 1) gdn_prefill_state(co
     const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
     const int nc = (p.rows + CHUNK - 1) / CHUNK;
 
-    // Copies of chunk c into buffer `buf`: W and K̃ rows tid/32 + 16u (u < 4) at float column
-    // 4(tid % 32), U (this slice) row tid/8 at column 4(tid % 8). The offsets within a chunk's
-    // tile are the same for every chunk: only the tile's start moves.
-    constexpr int CP_ROWS = ST_THREADS / 32;  // W / K̃ rows per pass of the block
-    const int cr = tid / 32, cd = 4 * (tid % 32), ur = tid / 8, uv = 4 * (tid % 8);
-    const float* w_src = p.ws_w + (i64)hv * CHUNK * GDN_DK + cr * GDN_DK + cd;
-    const float* k_src = p.ws_k + (i64)hv * CHUNK * GDN_DK + cr * GDN_DK + cd;
-    const float* u_src = p.ws_u + (i64)hv * CHUNK * GDN_DK + ur * GDN_DV + v0 + uv;
-    constexpr i64 CHUNK_STRIDE = (i64)GDN_VALUE_HEADS * CHUNK * GDN_DK;  // floats between chunks' tiles
+    // Copies chunk c's W, K̃ (whole) and U (this slice) into buffer `buf`: 8 + 8 + 2 vectors per thread.
     auto prefetch = [&](int c, int buf) {
-        const i64 at = c * CHUNK_STRIDE;
-#pragma unroll
-        for (int u = 0; u < CHUNK / CP_ROWS; ++u) {
-            cp_async16(W_s + (buf * CHUNK + cr + CP_ROWS * u) * PITCH + cd, w_src + at + CP_ROWS * u * GDN_DK);
-            cp_async16(K_s + (buf * CHUNK + cr + CP_ROWS * u) * VPITCH + cd, k_src + at + CP_ROWS * u * GDN_DK);
+        const i64 tile = ((i64)c * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
+        for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
+            const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
+            cp_async16(W_s + (buf * CHUNK + r) * PITCH + d, p.ws_w + tile + r * GDN_DK + d);
+            cp_async16(K_s + (buf * CHUNK + r) * VPITCH + d, p.ws_k + tile + r * GDN_DK + d);
         }
-        cp_async16(U_s + (buf * CHUNK + ur) * SPITCH + uv, u_src + at);
+        for (int e = tid; e < CHUNK * ST_COLS / 4; e += PF_THREADS) {
+            const int r = e / (ST_COLS / 4), v = (e % (ST_COLS / 4)) * 4;
+            cp_async16(U_s + (buf * CHUNK + r) * SPITCH + v, p.ws_u + tile + r * GDN_DV + v0 + v);
+        }
     };
-    static_assert(CHUNK * ST_COLS / 4 == ST_THREADS, "one U vector per thread");
     prefetch(0, 0);
     cp_async_commit();
 
-    // S[d][v] for d = d0 + g (+8), v = n0 + 8j + 2t (+1): s[j] = {S[d][v], S[d][v+1], S[d+8][v], S[d+8][v+1]}.
-    const int d0 = 16 * (warp / 2), n0 = 16 * (warp % 2);
+    // S[d][v] for d = 16·warp + g (+8), v = 8j + 2t (+1): s[j] = {S[d][v], S[d][v+1], S[d+8][v], S[d+8][v+1]}.
+    const int d0 = 16 * warp;
     float* state = p.ssm + (i64)hv * GDN_HEAD_STATE + v0;
-    float s[2][4];
+    float s[4][4];
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int d = d0 + g + 8 * h, v = n0 + 8 * j + 2 * t;
+            const int d = d0 + g + 8 * h, v = 8 * j + 2 * t;
             const float2 x = *reinterpret_cast<const float2*>(state + d * GDN_DV + v);
             s[j][2 * h] = x.x;
             s[j][2 * h + 1] = x.y;
             *reinterpret_cast<float2*>(S_s + d * SPITCH + v) = x;
         }
 
-    // The Vn tile of warp w: rows 16(w/4).., columns 8(w%4)..
-    const int vm0 = 16 * (warp / 4), vn0 = 8 * (warp % 4);
+    // Vn tiles of warp w: rows 16(w/2).., columns 16(w%2) + 8j, j < 2.
+    const int vm0 = 16 * (warp / 2), vn0 = 16 * (warp % 2);
 #pragma unroll 1
     for (int c = 0; c < nc; ++c) {
         const int buf = c % 2;
@@ -822,43 +812,47 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 1) gdn_prefill_state(co
         // The state at the start of chunk c, for gdn_prefill_out.
         float* h = p.ws_h + ((i64)c * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE + v0;
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
-                *reinterpret_cast<float2*>(h + (d0 + g + 8 * hh) * GDN_DV + n0 + 8 * j + 2 * t) =
+                *reinterpret_cast<float2*>(h + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
                     make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
 
-        // Vn = U − W·S, accumulated onto U with −W as the A operand; the k-steps alternate between
-        // two accumulators (two chains of 24 dependent products instead of one of 48).
+        // Vn = U − W·S, accumulated onto U with −W as the A operand.
         {
             float acc[2][4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                acc[0][e] = U[(vm0 + g + 8 * (e / 2)) * SPITCH + vn0 + 2 * t + e % 2];
-                acc[1][e] = 0.0f;
-            }
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] = U[(vm0 + g + 8 * (e / 2)) * SPITCH + vn0 + 8 * j + 2 * t + e % 2];
 #pragma unroll 4
             for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
-                u32 ahi[4], alo[4], bhi[2], blo[2];
+                u32 ahi[4], alo[4];
                 load_a_split(ahi, alo, W, PITCH, 1, vm0, k0, g, t, true);
-                load_b_split(bhi, blo, S_s, SPITCH, 1, k0, vn0, g, t);
-                mma_3xtf32(acc[(k0 / 8) % 2], ahi, alo, bhi, blo);
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    u32 bhi[2], blo[2];
+                    load_b_split(bhi, blo, S_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
+                    mma_3xtf32(acc[j], ahi, alo, bhi, blo);
+                }
             }
             // Each value goes back to the U element it started from (no other thread reads those
             // before the barrier) and to the workspace for gdn_prefill_out.
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int r = vm0 + g + 8 * hh, v = vn0 + 2 * t;
-                const float2 x = make_float2(acc[0][2 * hh] + acc[1][2 * hh], acc[0][2 * hh + 1] + acc[1][2 * hh + 1]);
-                *reinterpret_cast<float2*>(U + r * SPITCH + v) = x;
-                *reinterpret_cast<float2*>(p.ws_u + tile + r * GDN_DV + v0 + v) = x;
-            }
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = vm0 + g + 8 * hh, v = vn0 + 8 * j + 2 * t;
+                    const float2 x = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+                    *reinterpret_cast<float2*>(U + r * SPITCH + v) = x;
+                    *reinterpret_cast<float2*>(p.ws_u + tile + r * GDN_DV + v0 + v) = x;
+                }
         }
         __syncthreads();  // Vn complete; S_s reads done
 
         // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) at K[r][d]), B = Vn.
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[j][e] *= decay;
 #pragma unroll 2
@@ -866,25 +860,25 @@ extern "C" __global__ void __launch_bounds__(ST_THREADS, 1) gdn_prefill_state(co
             u32 ahi[4], alo[4];
             load_a_split(ahi, alo, K, 1, VPITCH, d0, k0, g, t);
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
+            for (int j = 0; j < 4; ++j) {
                 u32 bhi[2], blo[2];
-                load_b_split(bhi, blo, U, SPITCH, 1, k0, n0 + 8 * j, g, t);
+                load_b_split(bhi, blo, U, SPITCH, 1, k0, 8 * j, g, t);
                 mma_3xtf32(s[j], ahi, alo, bhi, blo);
             }
         }
 #pragma unroll
-        for (int j = 0; j < 2; ++j)
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
-                *reinterpret_cast<float2*>(S_s + (d0 + g + 8 * hh) * SPITCH + n0 + 8 * j + 2 * t) =
+                *reinterpret_cast<float2*>(S_s + (d0 + g + 8 * hh) * SPITCH + 8 * j + 2 * t) =
                     make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
         __syncthreads();  // S_s updated; this chunk's buffers free for the prefetch of chunk c + 2
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-            *reinterpret_cast<float2*>(state + (d0 + g + 8 * hh) * GDN_DV + n0 + 8 * j + 2 * t) =
+            *reinterpret_cast<float2*>(state + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
                 make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
 }
 

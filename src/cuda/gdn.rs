@@ -50,8 +50,6 @@ const DEC_THREADS: u32 = 128;
 const DEC_BLOCKS: u32 = (VALUE_HEADS * HEAD_DIM / 32) as u32; // one per (value head, 32 dv columns)
 const PF_THREADS: u32 = 256;
 const ST_COLS: usize = 32;
-/// gdn_prefill_state's block (ST_THREADS in gdn.cu).
-const ST_THREADS: u32 = 512;
 const PITCH: usize = 132;
 const LPITCH: usize = 68;
 const VPITCH: usize = 136;
@@ -456,7 +454,7 @@ impl GdnKernels {
         };
         let state = LaunchConfig {
             grid_dim: ((HEAD_DIM / ST_COLS) as u32, heads, 1),
-            block_dim: (ST_THREADS, 1, 1),
+            block_dim: block,
             shared_mem_bytes: STATE_SMEM as u32,
         };
         let out = LaunchConfig {
