@@ -331,7 +331,7 @@ __device__ void gemv(const GemvArgs& a) {
         float* warp_ss = reinterpret_cast<float*>(res_sum + K);
         const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
         for (int n = 0; n < ntok; ++n) {
-            residual_rmsnorm_row(a.res_h + (i64)n * K, a.res_parts + (i64)n * a.res_k * K,
+            residual_rmsnorm_row<0>(a.res_h + (i64)n * K, a.res_parts + (i64)n * a.res_k * K,
                                  a.res_weights ? a.res_weights + n * a.res_k : nullptr, a.res_k, a.res_norm_w,
                                  res_sum, res_x + n * K, K, a.res_eps, warp_ss);
             if (writer) {  // the vectors this thread wrote itself

@@ -44,7 +44,7 @@ residual_rmsnorm(bf16* __restrict__ h, const bf16* __restrict__ parts, const flo
     __shared__ float warp_ss[RES_THREADS / 32];
     const int row = blockIdx.x;
     bf16* hr = h + (u64)row * n;
-    residual_rmsnorm_row(hr, parts + (u64)row * k * n, weights ? weights + (u64)row * k : nullptr, k, w, hr,
+    residual_rmsnorm_row<9>(hr, parts + (u64)row * k * n, weights ? weights + (u64)row * k : nullptr, k, w, hr,
                          y + (u64)row * n, n, eps, warp_ss);
 }
 

@@ -23,6 +23,10 @@ __device__ __forceinline__ uint4 norm_vec8(uint4 x, const float* __restrict__ w,
     return pack8(f);
 }
 
+// MAX_PARTS: how many parts' loads are put in flight at once, before any is summed (the rest, if
+// k is larger, in turn); the kernel of norm.cu takes 9 (the 8 routed experts and the shared one:
+// one memory latency instead of nine, bench/NOTES.md v1.47), the decode GEMV 0 (its registers).
+template <int MAX_PARTS>
 __device__ __forceinline__ void residual_rmsnorm_row(const bf16* h, const bf16* __restrict__ parts,
                                                      const float* __restrict__ weights, int k,
                                                      const float* __restrict__ w, bf16* hn, bf16* y, int n,
@@ -34,16 +38,32 @@ __device__ __forceinline__ void residual_rmsnorm_row(const bf16* h, const bf16* 
     uint4* yr = reinterpret_cast<uint4*>(y);
     float ss = 0.0f;
     for (int v = threadIdx.x; v < nvec; v += threads) {
+        // The first MAX_PARTS parts' loads issued before any is used; the sum keeps its order.
+        uint4 pv[MAX_PARTS > 0 ? MAX_PARTS : 1];
+#pragma unroll
+        for (int j = 0; j < MAX_PARTS; ++j)
+            if (j < k) pv[j] = pr[(u64)j * nvec + v];
+        uint4 hv;
+        if constexpr (MAX_PARTS > 0) hv = hr[v];
         float acc[8], f[8];
         for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-        for (int j = 0; j < k; ++j) {
+#pragma unroll
+        for (int j = 0; j < MAX_PARTS; ++j) {
+            if (j >= k) break;
+            const float wj = weights ? weights[j] : 1.0f;
+            unpack8(pv[j], f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] += wj * f[i];
+        }
+        for (int j = MAX_PARTS; j < k; ++j) {  // the parts beyond MAX_PARTS, in turn
             const float wj = weights ? weights[j] : 1.0f;
             unpack8(pr[(u64)j * nvec + v], f);
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc[i] += wj * f[i];
         }
         unpack8(pack8(acc), acc);  // r in bf16
-        unpack8(hr[v], f);
+        if constexpr (MAX_PARTS == 0) hv = hr[v];
+        unpack8(hv, f);
 #pragma unroll
         for (int i = 0; i < 8; ++i) f[i] += acc[i];
         const uint4 sum = pack8(f);
