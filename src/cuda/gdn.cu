@@ -610,14 +610,31 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS) gdn_prefill_qk(const Gd
     }
 }
 
-// acc[j] = the 16 × 8 tiles at rows m0.., columns n_base + 8j (j < 4) of x·yᵀ, for x and y 64 rows of
-// 128 values (shared, pitch PITCH), in PASSES products (mma_passes). Tiles wholly above the diagonal
-// (first column past m0 + 15) are not computed and stay zero: the callers keep only s ≤ r.
+// The tiles of a 64 × 64 lower-triangular product x·yᵀ (16 × 8 tiles whose first column is at
+// most their row block's last row: 2, 4, 6 and 8 tiles in the row blocks 0..3, 20 in all) spread
+// over the 8 warps, at most 3 each; a warp's tiles share a row block, so they share its A
+// fragments. Warp w takes row block m0 / 16 and column tiles j0 .. j0 + count − 1:
+//   w      0  1  2  3  4  5  6  7
+//   m0/16  3  3  3  2  2  1  1  0
+//   j0     0  3  6  0  3  0  2  0
+//   count  3  3  2  3  3  2  2  2
+// (A warp per 16 × 32 quarter gave the busiest warps four tiles and two warps none, which waited
+// at the next barrier: bench/NOTES.md v1.47.)
+constexpr int TRI_MAX = 3;
+__device__ __forceinline__ void tri_tiles(int warp, int& m0, int& j0, int& count) {
+    m0 = 16 * ((0x01122333u >> (4 * warp)) & 0xF);
+    j0 = (0x02030630u >> (4 * warp)) & 0xF;
+    count = (0x22233233u >> (4 * warp)) & 0xF;
+}
+
+// acc[jj] = the 16 × 8 tile at rows m0.., columns 8(j0 + jj) of x·yᵀ (jj < count ≤ TRI_MAX), for x
+// and y 64 rows of 128 values (shared, pitch PITCH), in PASSES products (mma_passes).
 template <int PASSES = 3>
-__device__ __forceinline__ void rows_dot_tile(const float* x, const float* y, int m0, int n_base, float acc[4][4]) {
+__device__ __forceinline__ void rows_dot_tiles(const float* x, const float* y, int m0, int j0, int count,
+                                               float acc[TRI_MAX][4]) {
     const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < TRI_MAX; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
 #pragma unroll 2
@@ -625,10 +642,10 @@ __device__ __forceinline__ void rows_dot_tile(const float* x, const float* y, in
         u32 ahi[4], alo[4];
         load_a_split(ahi, alo, x, PITCH, 1, m0, k0, g, t);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (n_base + 8 * j > m0 + 15) continue;  // the same for the whole warp
+        for (int j = 0; j < TRI_MAX; ++j) {
+            if (j >= count) continue;  // the same for the whole warp
             u32 bhi[2], blo[2];
-            load_b_split(bhi, blo, y, 1, PITCH, k0, n_base + 8 * j, g, t);  // B = yᵀ: (k, n) at y[n][k]
+            load_b_split(bhi, blo, y, 1, PITCH, k0, 8 * (j0 + j), g, t);  // B = yᵀ: (k, n) at y[n][k]
             mma_passes<PASSES>(acc[j], ahi, alo, bhi, blo);
         }
     }
@@ -668,19 +685,24 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     cp_async_wait_0();
     __syncthreads();
 
-    // L[r][s] = β_r (k_r·k_s) e^(G_r − G_s) for s < r (the reference's order of factors), else 0.
-    // Warp w: rows 16(w/2)..+15, columns 32(w%2)..+31 (C-fragment layout, see mma_tf32).
+    // L[r][s] = β_r (k_r·k_s) e^(G_r − G_s) for s < r (the reference's order of factors), else 0,
+    // in the tiles of tri_tiles (C-fragment layout, see mma_tf32); the substitution reads L[r][s]
+    // for s ≤ its row block's last row only, so the tiles right of that are never written.
     {
-        const int m0 = 16 * (tid / 64), n_base = 32 * (tid / 32 % 2), g = tid % 32 / 4, t = tid % 4;
-        float acc[4][4];
-        rows_dot_tile(k_s, k_s, m0, n_base, acc);
+        const int g = tid % 32 / 4, t = tid % 4;
+        int m0, j0, count;
+        tri_tiles(tid / 32, m0, j0, count);
+        float acc[TRI_MAX][4];
+        rows_dot_tiles(k_s, k_s, m0, j0, count, acc);
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < TRI_MAX; ++j) {
+            if (j >= count) continue;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int r = m0 + g + 8 * (e / 2), s = n_base + 8 * j + 2 * t + e % 2;
+                const int r = m0 + g + 8 * (e / 2), s = 8 * (j0 + j) + 2 * t + e % 2;
                 L_s[r * LPITCH + s] = s < r ? beta_s[r] * acc[j][e] * expf(G_s[r] - G_s[s]) : 0.0f;
             }
+        }
     }
     const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;  // this (chunk, head) in ws_*
     // K̃ = k e^(G_last − G) and e^(G_last) for gdn_prefill_state. Padded rows have g = 0, so
@@ -912,18 +934,22 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
     cp_async_wait_0();
     __syncthreads();
 
-    // A[r][s] = (q_r·k_s) e^(G_r − G_s) for s ≤ r, else 0: rows m0..m0+15, columns 32(w%2)..+31.
+    // A[r][s] = (q_r·k_s) e^(G_r − G_s) for s ≤ r, else 0, in the tiles of tri_tiles; A·Vn reads
+    // the columns up to its row block's last row only, so the tiles right of that are never written.
     {
-        const int n_base = 32 * (warp % 2);
-        float acc[4][4];
-        rows_dot_tile<PASSES>(q_s, kv_s, m0, n_base, acc);
+        int am0, j0, count;
+        tri_tiles(warp, am0, j0, count);
+        float acc[TRI_MAX][4];
+        rows_dot_tiles<PASSES>(q_s, kv_s, am0, j0, count, acc);
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < TRI_MAX; ++j) {
+            if (j >= count) continue;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int r = m0 + g + 8 * (e / 2), s = n_base + 8 * j + 2 * t + e % 2;
+                const int r = am0 + g + 8 * (e / 2), s = 8 * (j0 + j) + 2 * t + e % 2;
                 A_s[r * LPITCH + s] = s <= r ? acc[j][e] * expf(G_s[r] - G_s[s]) : 0.0f;
             }
+        }
     }
     __syncthreads();  // q and k no longer read as they are
 
