@@ -652,7 +652,7 @@ __device__ __forceinline__ void rows_dot_tiles(const float* x, const float* y, i
 }
 
 // Dynamic shared memory of gdn_prefill_prep (bytes); gdn.rs has the same formula.
-#define PREP_SMEM ((2 * CHUNK * PITCH + 2 * CHUNK * LPITCH + 2 * CHUNK) * 4)
+#define PREP_SMEM ((2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4)
 
 // Grid (chunks, 32 value heads), 256 threads. Writes W, U, K̃ and e^(G_last) of its (chunk, head).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(const GdnArgs p) {
@@ -664,7 +664,6 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     float* L_s = v_s + CHUNK * PITCH;
     float* beta_s = L_s + CHUNK * LPITCH;
     float* G_s = beta_s + CHUNK;
-    float* T_s = G_s + CHUNK;  // (I + L)⁻¹
     const int chunk = blockIdx.x, hv = blockIdx.y, kh = hv / 2, t0 = chunk * CHUNK, tid = threadIdx.x;
 
     // k, β and G from gdn_prefill_qk, in flight while the block convolves its head's v: warp w
@@ -729,19 +728,20 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     if (tid < CHUNK) G_s[tid] = expf(G_s[tid]);
     __syncthreads();
 
-    // [W | U] = T·[β k e^G | β v] with T = (I + L)⁻¹ (lower triangular, unit diagonal). T comes
-    // from a forward substitution of the 64 identity columns, one column per thread of warps 0..1:
-    // row r of column c is X_r = δ_rc − Σ_(s<r) L[r][s] X_s, the column in registers (both loops
-    // unrolled, so every index is a constant), L read four values at a time (a broadcast to the
-    // warp), the sum in four partial sums (s mod 4) so that its chain of dependent FMAs is a quarter
-    // as long. Meanwhile warps 2..7 scale the right-hand sides in place. Then the product on the
-    // tensor cores (3xTF32). Substituting all 256 right-hand columns instead took 8× the FMAs and
-    // bound the kernel by the FMA pipe (bench/NOTES.md v1.47).
-    if (tid < CHUNK) {
+    // Forward substitution, one column per thread: threads 0..127 the columns of W (right-hand
+    // side β k e^G), 128..255 those of U (β v). Row r: X_r = B_r − Σ_(s<r) L[r][s] X_s. The column
+    // lives in registers (both loops unrolled, so every index is a constant) and L is read four
+    // values at a time, a broadcast to the warp: ~600 shared loads per thread instead of 4000.
+    // The sum runs in four partial sums (s mod 4), so that its chain of dependent FMAs is a quarter
+    // as long; only the last term of each row waits for the row before.
+    {
+        const bool is_w = tid < GDN_DK;
+        float* X = (is_w ? k_s : v_s) + tid % GDN_DK;
         float x[CHUNK];
 #pragma unroll
         for (int r = 0; r < CHUNK; ++r) {
-            float acc = r == tid ? 1.0f : 0.0f;
+            float acc = beta_s[r] * X[r * PITCH];
+            if (is_w) acc *= G_s[r];  // e^G (above)
             float acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;
             const float* Lr = L_s + r * LPITCH;
 #pragma unroll
@@ -755,58 +755,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
             x[r] = (acc + acc1) + (acc2 + acc3);
         }
 #pragma unroll
-        for (int r = 0; r < CHUNK; ++r) T_s[r * LPITCH + tid] = x[r];
-    } else {
-        // Right-hand sides: k rows times β e^G (G_s holds e^G now), v rows times β.
-        for (int e = tid - CHUNK; e < 2 * CHUNK * GDN_DK / 4; e += PF_THREADS - CHUNK) {
-            const bool is_w = e < CHUNK * GDN_DK / 4;
-            const int i = is_w ? e : e - CHUNK * GDN_DK / 4, r = i / (GDN_DK / 4), d = (i % (GDN_DK / 4)) * 4;
-            float4* row = reinterpret_cast<float4*>((is_w ? k_s : v_s) + r * PITCH + d);
-            const float b = beta_s[r], eg = is_w ? G_s[r] : 1.0f;
-            float4 v = *row;
-            v.x = b * v.x * eg;
-            v.y = b * v.y * eg;
-            v.z = b * v.z * eg;
-            v.w = b * v.w * eg;
-            *row = v;
-        }
-    }
-    __syncthreads();
-    // X = T·R: warp w takes the 32 columns 32(w % 4).. of R = k_s (w < 4) or v_s, all 64 rows as
-    // 4 row blocks × 4 tiles of 16 × 8; row block m needs k-steps up to its diagonal (T is lower
-    // triangular), 20 (row block, k-step) pairs of 4 products each.
-    {
-        const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
-        float* R = (warp < 4 ? k_s : v_s) + 32 * (warp % 4);
-        float acc[4][4][4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.0f;
-#pragma unroll
-        for (int ks = 0; ks < CHUNK / 8; ++ks) {
-            u32 bhi[4][2], blo[4][2];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) load_b_split(bhi[j], blo[j], R, PITCH, 1, 8 * ks, 8 * j, g, t);
-#pragma unroll
-            for (int m = ks / 2; m < 4; ++m) {
-                u32 ahi[4], alo[4];
-                load_a_split(ahi, alo, T_s, LPITCH, 1, 16 * m, 8 * ks, g, t);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) mma_3xtf32(acc[m][j], ahi, alo, bhi[j], blo[j]);
-            }
-        }
-        __syncthreads();  // every warp is done reading R
-#pragma unroll
-        for (int m = 0; m < 4; ++m)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh)
-                    *reinterpret_cast<float2*>(R + (16 * m + g + 8 * hh) * PITCH + 8 * j + 2 * t) =
-                        make_float2(acc[m][j][2 * hh], acc[m][j][2 * hh + 1]);
+        for (int r = 0; r < CHUNK; ++r) X[r * PITCH] = x[r];
     }
     __syncthreads();
     for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
