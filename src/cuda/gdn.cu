@@ -728,34 +728,65 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     if (tid < CHUNK) G_s[tid] = expf(G_s[tid]);
     __syncthreads();
 
-    // Forward substitution, one column per thread: threads 0..127 the columns of W (right-hand
-    // side β k e^G), 128..255 those of U (β v). Row r: X_r = B_r − Σ_(s<r) L[r][s] X_s. The column
-    // lives in registers (both loops unrolled, so every index is a constant) and L is read four
-    // values at a time, a broadcast to the warp: ~600 shared loads per thread instead of 4000.
-    // The sum runs in four partial sums (s mod 4), so that its chain of dependent FMAs is a quarter
-    // as long; only the last term of each row waits for the row before.
+    // Forward substitution (I + L)·X = B, one column per thread: threads 0..127 the columns of W
+    // (right-hand side β k e^G), 128..255 those of U (β v), in place. Blocked by 16 rows: for row
+    // block i, X_i = B_i − L_(i,<i)·X_(<i) on the tensor cores (3xTF32), then the 16-row triangle
+    // L_(i,i) substituted per column. A warp's 32 columns are its own lanes' (and its product's
+    // tiles), so only __syncwarp orders the steps. Substituting all 64 rows per column took 2,016
+    // FMAs per thread and bound the kernel by the FMA pipe; blocked, 480 (bench/NOTES.md v1.47).
     {
+        const int lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
         const bool is_w = tid < GDN_DK;
-        float* X = (is_w ? k_s : v_s) + tid % GDN_DK;
-        float x[CHUNK];
+        float* R = (is_w ? k_s : v_s) + 32 * (warp % 4);  // the warp's 32 columns
+        float* X = R + lane;                                 // this thread's column
+#pragma unroll 8
+        for (int r = 0; r < CHUNK; ++r) X[r * PITCH] *= is_w ? beta_s[r] * G_s[r] : beta_s[r];  // G_s: e^G
+        __syncwarp();
 #pragma unroll
-        for (int r = 0; r < CHUNK; ++r) {
-            float acc = beta_s[r] * X[r * PITCH];
-            if (is_w) acc *= G_s[r];  // e^G (above)
-            float acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;
-            const float* Lr = L_s + r * LPITCH;
+        for (int i = 0; i < CHUNK / 16; ++i) {
+            if (i > 0) {
+                float acc[4][4];
 #pragma unroll
-            for (int s = 0; s < r; s += 4) {
-                const float4 l = *reinterpret_cast<const float4*>(Lr + s);
-                acc -= l.x * x[s];
-                if (s + 1 < r) acc1 -= l.y * x[s + 1];
-                if (s + 2 < r) acc2 -= l.z * x[s + 2];
-                if (s + 3 < r) acc3 -= l.w * x[s + 3];
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+#pragma unroll
+                for (int ks = 0; ks < 2 * i; ++ks) {
+                    u32 ahi[4], alo[4];
+                    load_a_split(ahi, alo, L_s, LPITCH, 1, 16 * i, 8 * ks, g, t);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        u32 bhi[2], blo[2];
+                        load_b_split(bhi, blo, R, PITCH, 1, 8 * ks, 8 * j, g, t);
+                        mma_3xtf32(acc[j], ahi, alo, bhi, blo);
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) R[(16 * i + g + 8 * (e / 2)) * PITCH + 8 * j + 2 * t + e % 2] -= acc[j][e];
+                __syncwarp();
             }
-            x[r] = (acc + acc1) + (acc2 + acc3);
-        }
+            float x[16];
 #pragma unroll
-        for (int r = 0; r < CHUNK; ++r) X[r * PITCH] = x[r];
+            for (int rr = 0; rr < 16; ++rr) {
+                const int r = 16 * i + rr;
+                float acc = X[r * PITCH], acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;
+                const float* Lr = L_s + r * LPITCH + 16 * i;
+#pragma unroll
+                for (int s = 0; s < rr; s += 4) {
+                    const float4 l = *reinterpret_cast<const float4*>(Lr + s);
+                    acc -= l.x * x[s];
+                    if (s + 1 < rr) acc1 -= l.y * x[s + 1];
+                    if (s + 2 < rr) acc2 -= l.z * x[s + 2];
+                    if (s + 3 < rr) acc3 -= l.w * x[s + 3];
+                }
+                x[rr] = (acc + acc1) + (acc2 + acc3);
+            }
+#pragma unroll
+            for (int rr = 0; rr < 16; ++rr) X[(16 * i + rr) * PITCH] = x[rr];
+            __syncwarp();
+        }
     }
     __syncthreads();
     for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
