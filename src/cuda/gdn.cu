@@ -396,9 +396,11 @@ extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
 // outputs must agree with decode, so everything is fp32-accurate: gdn_prefill_prep on the CUDA
 // cores, the products of gdn_prefill_state and gdn_prefill_out on the tensor cores in 3xTF32.
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const u32 s = (u32)__cvta_generic_to_shared(smem);
+__device__ __forceinline__ void cp_async16(u32 s, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    cp_async16((u32)__cvta_generic_to_shared(smem), gmem);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most one group of this thread's copies is still in flight (or none).
@@ -817,17 +819,29 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     const int nc = (p.rows + CHUNK - 1) / CHUNK;
 
     // Copies chunk c's W, K̃ (whole) and U (this slice) into buffer `buf`: 8 + 8 + 2 vectors per thread.
+    // A thread copies W and K̃ rows cr + 8u (u < 8) at float column cd and U rows ur + 32u (u < 2)
+    // at column uv of this slice: offsets that are the same in every chunk's tile, so per chunk only
+    // the tile's start moves (the per-chunk address arithmetic was as many instructions as the
+    // products, bench/NOTES.md v1.46).
+    constexpr int CP_ROWS = PF_THREADS / 32;
+    constexpr i64 CHUNK_STRIDE = (i64)GDN_VALUE_HEADS * CHUNK * GDN_DK;  // floats between chunks' tiles
+    static_assert(CHUNK * ST_COLS / 4 == 2 * PF_THREADS, "two U vectors per thread");
+    const int cr = tid / 32, cd = 4 * (tid % 32), ur = tid / 8, uv = 4 * (tid % 8);
+    const float* w_src = p.ws_w + (i64)hv * CHUNK * GDN_DK + cr * GDN_DK + cd;
+    const float* k_src = p.ws_k + (i64)hv * CHUNK * GDN_DK + cr * GDN_DK + cd;
+    const float* u_src = p.ws_u + (i64)hv * CHUNK * GDN_DK + ur * GDN_DV + v0 + uv;
+    const u32 w_dst = (u32)__cvta_generic_to_shared(W_s + cr * PITCH + cd);
+    const u32 k_dst = (u32)__cvta_generic_to_shared(K_s + cr * VPITCH + cd);
+    const u32 u_dst = (u32)__cvta_generic_to_shared(U_s + ur * SPITCH + uv);
     auto prefetch = [&](int c, int buf) {
-        const i64 tile = ((i64)c * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
-        for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
-            const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
-            cp_async16(W_s + (buf * CHUNK + r) * PITCH + d, p.ws_w + tile + r * GDN_DK + d);
-            cp_async16(K_s + (buf * CHUNK + r) * VPITCH + d, p.ws_k + tile + r * GDN_DK + d);
+        const i64 at = c * CHUNK_STRIDE;
+#pragma unroll
+        for (int u = 0; u < CHUNK / CP_ROWS; ++u) {
+            cp_async16(w_dst + 4 * (buf * CHUNK + CP_ROWS * u) * PITCH, w_src + at + CP_ROWS * u * GDN_DK);
+            cp_async16(k_dst + 4 * (buf * CHUNK + CP_ROWS * u) * VPITCH, k_src + at + CP_ROWS * u * GDN_DK);
         }
-        for (int e = tid; e < CHUNK * ST_COLS / 4; e += PF_THREADS) {
-            const int r = e / (ST_COLS / 4), v = (e % (ST_COLS / 4)) * 4;
-            cp_async16(U_s + (buf * CHUNK + r) * SPITCH + v, p.ws_u + tile + r * GDN_DV + v0 + v);
-        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) cp_async16(u_dst + 4 * (buf * CHUNK + 32 * u) * SPITCH, u_src + at + 32 * u * GDN_DV);
     };
     prefetch(0, 0);
     cp_async_commit();
