@@ -21,7 +21,8 @@
 //
 // k-tiles of 64 columns (one quantisation group) stream through STAGES shared-memory stages by
 // cp.async: the X tile (N rows × 128 bytes, 128-byte swizzle, the layout
-// wgmma reads) and the packed weights (256 rows × 32 bytes in Q4, 64 in Q8). Per k-tile kt each
+// wgmma reads) and the packed weights (256 rows × 32 bytes in Q4, 64 in Q8); every fourth stage
+// also brings four k-tiles' scales and biases into a ring of their own (sb_offset). Per k-tile kt each
 // thread dequantises its 16 A registers and issues the four k16 products; while they run, it waits
 // for k-tile kt + 1's stage (its copies, a barrier for everyone's) and refills the stage k-tile
 // kt − 1 used (every warpgroup has finished those products before the barrier); then it waits for
