@@ -450,8 +450,13 @@ fn grouped_experts_match_cpu() {
     {
         let mut g = GemmKernels::load(&dev).expect("kernels");
         Kernel::Wgmma.select(&mut g);
-        let rows = |ex: &Experts| g.expert_tile_rows(4096, 12, &[&ex.gate_up.view(), &ex.down.view()]);
-        assert_eq!(rows(&q8), 64, "K = 192 must not be grouped for the wgmma kernels");
+        let rows =
+            |ex: &Experts| g.expert_tile_rows(4096, 12, &[&ex.gate_up.view(), &ex.down.view()]);
+        assert_eq!(
+            rows(&q8),
+            64,
+            "K = 192 must not be grouped for the wgmma kernels"
+        );
         assert_eq!(rows(&q8_wgmma), 128);
     }
     for rows in TILE_HEIGHTS {
@@ -505,7 +510,14 @@ fn grouped_experts_match_cpu() {
         (128, Kernel::Wgmma),
     );
     for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged] {
-        grouped_case(&dev, &mut rng, &q8_wgmma, Routing::Skewed, 300, (128, kernel));
+        grouped_case(
+            &dev,
+            &mut rng,
+            &q8_wgmma,
+            Routing::Skewed,
+            300,
+            (128, kernel),
+        );
         grouped_case(&dev, &mut rng, &small_q4, Routing::Skewed, 37, (64, kernel));
     }
     // Q8 at the real shapes on wgmma (what GGUF K-quants and FP8 checkpoints run as).
@@ -654,7 +666,8 @@ fn run_block(
     )
     .expect("router_topk");
     // The tile height forward.rs would pick for this many rows.
-    let tile_rows = g.expert_tile_rows(b.ids.len(), e + 1, &[&blk.gate_up.view(), &blk.down.view()]);
+    let tile_rows =
+        g.expert_tile_rows(b.ids.len(), e + 1, &[&blk.gate_up.view(), &blk.down.view()]);
     let spill = g.expert_tile_spill(tile_rows, &[&blk.gate_up.view(), &blk.down.view()]);
     mk.group_by_expert(&b.ids.as_view(), SLOTS, tile_rows, spill, &mut b.groups)
         .expect("group_by_expert");

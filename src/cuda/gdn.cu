@@ -480,6 +480,24 @@ __device__ __forceinline__ void load_b_split(u32 hi[2], u32 lo[2], const float* 
     split_tf32(v[0], hi[0], lo[0]);
     split_tf32(v[1], hi[1], lo[1]);
 }
+// The B fragment of the tile at (k0, n0) of a matrix kept split in shared memory (hi and lo parts
+// in two arrays of the same layout): loads, no splitting.
+__device__ __forceinline__ void load_b_presplit(u32 hi[2], u32 lo[2], const u32* xhi, const u32* xlo, int ks, int ns, int k0,
+                                                int n0, int g, int t) {
+    const int i0 = (k0 + t) * ks + (n0 + g) * ns, i1 = (k0 + t + 4) * ks + (n0 + g) * ns;
+    hi[0] = xhi[i0];
+    hi[1] = xhi[i1];
+    lo[0] = xlo[i0];
+    lo[1] = xlo[i1];
+}
+// Two adjacent values x0, x1 stored split: hi parts at hi[0..1], lo parts at lo[0..1] (8-byte aligned).
+__device__ __forceinline__ void store_split(u32* hi, u32* lo, float x0, float x1) {
+    uint2 h, l;
+    split_tf32(x0, h.x, l.x);
+    split_tf32(x1, h.y, l.y);
+    *reinterpret_cast<uint2*>(hi) = h;
+    *reinterpret_cast<uint2*>(lo) = l;
+}
 
 // Rows of 128 values read as the k × n operand B of an mma: a pitch of 8 (mod 32) floats spreads
 // the lanes' (row t, column g) reads over all banks. For 32-column slices: 40.
@@ -798,12 +816,15 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     }
 }
 
-// Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, K̃ and U, and S.
-#define STATE_SMEM ((2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + GDN_DK * SPITCH) * 4)
+// Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, K̃ and U, Vn's lo parts,
+// and S as hi and lo parts.
+#define STATE_SMEM ((2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + CHUNK * SPITCH + 2 * GDN_DK * SPITCH) * 4)
 
 // Grid (4 column slices, 32 value heads), 256 threads; sequential over the chunks. The block's
 // state slice S[128 d][32 v] stays in the accumulators of the tensor-core products: warp w holds rows
 // 16w..16w+15 as 4 tiles of 16 × 8 (C-fragment layout), and a copy in shared memory feeds W·S.
+// The B operands (S, then Vn) are stored split (tf32 hi and lo parts, split_tf32) by the thread that
+// made each value: split once instead of once per warp that reads it (4× for S, 8× for Vn).
 // The next chunk's W, K̃ and U are prefetched with cp.async while the current one is computed.
 // Both products use 3xTF32 (fp32 accuracy): the state is carried over thousands of tokens.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(const GdnArgs p) {
@@ -812,8 +833,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     extern __shared__ float4 smem4[];
     float* W_s = reinterpret_cast<float*>(smem4);  // [2][64][PITCH]
     float* K_s = W_s + 2 * CHUNK * PITCH;            // [2][64][VPITCH]
-    float* U_s = K_s + 2 * CHUNK * VPITCH;           // [2][64][SPITCH], U then Vn
-    float* S_s = U_s + 2 * CHUNK * SPITCH;           // [128][SPITCH]
+    float* U_s = K_s + 2 * CHUNK * VPITCH;           // [2][64][SPITCH], U then Vn's hi parts
+    u32* Vlo_s = reinterpret_cast<u32*>(U_s + 2 * CHUNK * SPITCH);  // [64][SPITCH], Vn's lo parts
+    u32* Shi_s = Vlo_s + CHUNK * SPITCH;                             // [128][SPITCH], S's hi parts
+    u32* Slo_s = Shi_s + GDN_DK * SPITCH;                            // [128][SPITCH], S's lo parts
     const int hv = blockIdx.y, v0 = blockIdx.x * ST_COLS, tid = threadIdx.x;
     const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
     const int nc = (p.rows + CHUNK - 1) / CHUNK;
@@ -858,7 +881,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
             const float2 x = *reinterpret_cast<const float2*>(state + d * GDN_DV + v);
             s[j][2 * h] = x.x;
             s[j][2 * h + 1] = x.y;
-            *reinterpret_cast<float2*>(S_s + d * SPITCH + v) = x;
+            store_split(Shi_s + d * SPITCH + v, Slo_s + d * SPITCH + v, x.x, x.y);
         }
 
     // Vn tiles of warp w: rows 16(w/2).., columns 16(w%2) + 8j, j < 2.
@@ -869,7 +892,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
         if (c + 1 < nc) prefetch(c + 1, buf ^ 1);
         cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning chunk c
         cp_async_wait_1();
-        __syncthreads();  // chunk c's buffers (everyone's copies) and S_s are ready
+        __syncthreads();  // chunk c's buffers (everyone's copies) and S are ready
         const float* W = W_s + buf * CHUNK * PITCH;
         const float* K = K_s + buf * CHUNK * VPITCH;
         float* U = U_s + buf * CHUNK * SPITCH;
@@ -899,7 +922,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     u32 bhi[2], blo[2];
-                    load_b_split(bhi, blo, S_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
+                    load_b_presplit(bhi, blo, Shi_s, Slo_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
                     mma_3xtf32(acc[j], ahi, alo, bhi, blo);
                 }
             }
@@ -911,11 +934,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
                 for (int hh = 0; hh < 2; ++hh) {
                     const int r = vm0 + g + 8 * hh, v = vn0 + 8 * j + 2 * t;
                     const float2 x = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
-                    *reinterpret_cast<float2*>(U + r * SPITCH + v) = x;
+                    store_split(reinterpret_cast<u32*>(U + r * SPITCH + v), Vlo_s + r * SPITCH + v, x.x, x.y);
                     *reinterpret_cast<float2*>(p.ws_u + tile + r * GDN_DV + v0 + v) = x;
                 }
         }
-        __syncthreads();  // Vn complete; S_s reads done
+        __syncthreads();  // Vn complete; S reads done
 
         // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) at K[r][d]), B = Vn.
 #pragma unroll
@@ -929,7 +952,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 u32 bhi[2], blo[2];
-                load_b_split(bhi, blo, U, SPITCH, 1, k0, 8 * j, g, t);
+                load_b_presplit(bhi, blo, reinterpret_cast<const u32*>(U), Vlo_s, SPITCH, 1, k0, 8 * j, g, t);
                 mma_3xtf32(s[j], ahi, alo, bhi, blo);
             }
         }
@@ -937,9 +960,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
-                *reinterpret_cast<float2*>(S_s + (d0 + g + 8 * hh) * SPITCH + 8 * j + 2 * t) =
-                    make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
-        __syncthreads();  // S_s updated; this chunk's buffers free for the prefetch of chunk c + 2
+                store_split(Shi_s + (d0 + g + 8 * hh) * SPITCH + 8 * j + 2 * t, Slo_s + (d0 + g + 8 * hh) * SPITCH + 8 * j + 2 * t,
+                            s[j][2 * hh], s[j][2 * hh + 1]);
+        __syncthreads();  // S updated; this chunk's buffers free for the prefetch of chunk c + 2
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j)

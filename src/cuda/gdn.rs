@@ -55,8 +55,10 @@ const LPITCH: usize = 68;
 const VPITCH: usize = 136;
 const SPITCH: usize = 40;
 const PREP_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4;
-const STATE_SMEM: usize =
-    (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + HEAD_DIM * SPITCH) * 4;
+const STATE_SMEM: usize = (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH)
+    + CHUNK * SPITCH
+    + 2 * HEAD_DIM * SPITCH)
+    * 4;
 const OUT_SMEM: usize = (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4;
 
 /// Checks that a model's GDN layers have the shapes these kernels are compiled for.

@@ -226,13 +226,16 @@ impl GemmKernels {
     /// 8-byte pieces; every product of the model qualifies), unless `LILY_WGMMA=0` (bf16 weights
     /// stay on mma.sync or cuBLAS).
     fn on_wgmma(&self, format: Format, cols: usize) -> bool {
-        self.use_wgmma && matches!(format, Format::Q4 | Format::Q8) && cols % WGMMA_COL_MULTIPLE == 0
+        self.use_wgmma
+            && matches!(format, Format::Q4 | Format::Q8)
+            && cols % WGMMA_COL_MULTIPLE == 0
     }
 
     /// Whether the products of every stack in `ws` run on the wgmma kernels (valid 4/8-bit
     /// weights, wgmma on): one expert grouping serves gate‖up and down, so both must.
     fn runs_on_wgmma(&self, ws: &[&Matrices]) -> bool {
-        ws.iter().all(|w| check_matrices(w).is_ok_and(|f| self.on_wgmma(f, w.cols)))
+        ws.iter()
+            .all(|w| check_matrices(w).is_ok_and(|f| self.on_wgmma(f, w.cols)))
     }
 
     /// Whether the experts of a pass of `rows` rows run as grouped GEMMs (each expert's weights
