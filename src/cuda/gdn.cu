@@ -567,67 +567,149 @@ __device__ __forceinline__ void copy_row_async(float* dst, const float* src, int
     cp_async16(dst + 4 * lane16, src + 4 * lane16);
 }
 
-// Grid (chunks, 16 key heads), 256 threads: everything of a chunk that gdn_prefill_prep and
+// gdn_prefill_qk's input rows of one chunk in shared memory: the 3 rows before it and its 64, each
+// as q ‖ k of the key head (2 × 128 bf16 = 32 pieces of 16 bytes).
+#define QK_IN_ROWS (CHUNK + GDN_HIST)
+#define QK_PIECES 32
+#define QK_SMEM (2 * QK_IN_ROWS * QK_PIECES * 16)  // two buffers
+
+// 16-byte copy, or 16 zero bytes when !valid (cp.async's source size 0).
+__device__ __forceinline__ void cp_async16_zfill(u32 s, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+
+// Grid (chunk groups, 16 key heads), 256 threads: everything of a chunk that gdn_prefill_prep and
 // gdn_prefill_out both need and that depends on the key head or value head alone, once — they each
 // recomputed it per value head, ≈ 40 % of their time (bench/NOTES.md v1.46, v1.47):
 //   ws_q, ws_kn  q and k of key head kh after conv, SiLU and the l2 norm (q times 1/√dk);
 //   ws_beta, ws_g  β and the in-chunk cumulative log-decay G of value heads 2kh, 2kh + 1.
-// Padded rows (past T) get q = k = 0, β = 0 and g = 0, so they change nothing. Warp w convolves
-// rows 8w .. 8w + 7: lanes 0..15 eight q channels each, lanes 16..31 eight k channels, so a row of
-// one head is one half-warp and its l2 norm a half-warp sum.
+// Padded rows (past T) get q = k = 0, β = 0 and g = 0, so they change nothing. Block x takes chunks
+// x, x + gridDim.x, ...: the next chunk's input rows are copied into shared memory (cp.async) while
+// this one is computed, so loads, arithmetic and stores overlap (one chunk per block loaded all
+// rows, computed, then stored, and ran at ≈ 1.6 TB/s: bench/NOTES.md v1.47). Warp w convolves rows
+// 8w .. 8w + 7: lanes 0..15 eight q channels each, lanes 16..31 eight k channels, so a row of one
+// head is one half-warp and its l2 norm a half-warp sum.
 extern "C" __global__ void __launch_bounds__(PF_THREADS) gdn_prefill_qk(const GdnArgs p) {
     pdl_wait();
     pdl_launch_dependents();
+    extern __shared__ uint4 qk_in[];  // [2][QK_IN_ROWS][QK_PIECES]
     __shared__ __align__(16) float g_s[2][CHUNK];
-    const int chunk = blockIdx.x, kh = blockIdx.y, t0 = chunk * CHUNK, tid = threadIdx.x;
+    const int kh = blockIdx.y, tid = threadIdx.x, T = p.rows, nc = (T + CHUNK - 1) / CHUNK;
     const int lane = tid % 32, warp = tid / 32;
-
-    // The gates' inputs first (threads 0..127: value head 2kh + tid / 64, row tid % 64): their
-    // strided loads are independent of the conv's and overlap it.
-    const int gh = 2 * kh + tid / CHUNK, gt = t0 + tid % CHUNK;
-    const bool gate_row = tid < 2 * CHUNK && gt < p.rows;
-    const float b_in = gate_row ? bf(p.b[gt * p.b_stride + gh]) : 0.0f;
-    const float a_in = gate_row ? bf(p.a[gt * p.a_stride + gh]) : 0.0f;
-
     const bool is_k = lane >= 16;
+    const int ch = (is_k ? GDN_KEY_DIM : 0) + kh * GDN_DK + (lane % 16) * 8;  // this lane's 8 channels
     const float scale = is_k ? 1.0f : rsqrtf((float)GDN_DK);
-    float* dst = (is_k ? p.ws_kn : p.ws_q) + ((i64)chunk * GDN_KEY_HEADS + kh) * CHUNK * GDN_DK + (lane % 16) * 8;
-    constexpr int ROWS = CHUNK / (PF_THREADS / 32);
-    conv_rows<ROWS>(p, t0, warp * ROWS, (is_k ? GDN_KEY_DIM : 0) + kh * GDN_DK + (lane % 16) * 8,
-                    [&](int r, const float out[8]) {
-                        float sq = 0.0f;
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) sq += out[j] * out[j];
-#pragma unroll
-                        for (int o = 8; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-                        const float f = rsqrtf(sq + L2NORM_EPS) * scale;
-                        float4* d = reinterpret_cast<float4*>(dst + r * GDN_DK);
-                        d[0] = make_float4(out[0] * f, out[1] * f, out[2] * f, out[3] * f);
-                        d[1] = make_float4(out[4] * f, out[5] * f, out[6] * f, out[7] * f);
-                    });
 
-    const i64 gates = ((i64)chunk * GDN_VALUE_HEADS + 2 * kh) * CHUNK;  // this block's two rows of β, G
-    if (tid < 2 * CHUNK) {
-        p.ws_beta[gates + tid] = gate_row ? sigmoidf_(b_in) : 0.0f;
-        g_s[tid / CHUNK][tid % CHUNK] = gate_row ? gdn_decay(p.a_log[gh], p.dt_bias[gh], a_in) : 0.0f;
+    // Chunk c's input rows (tokens t0 − 3 .. t0 + 63; −3..−1 are the conv state's rows 0..2, rows
+    // past T zeros) into buffer buf; piece e of row r is channel (e < 16 ? q : k) of head kh.
+    // A thread copies piece `lane` (its own channels) of rows warp + 8u.
+    const u32 in_s = (u32)__cvta_generic_to_shared(qk_in + warp * QK_PIECES + lane);
+    const bf16* qkv_ch = p.qkv + ch;
+    const bf16* conv_ch = p.conv_state + ch;
+    auto prefetch = [&](int c, int buf) {
+#pragma unroll
+        for (int u = 0; u < (QK_IN_ROWS + 7) / 8; ++u) {
+            const int r = warp + 8 * u, src = c * CHUNK + r - GDN_HIST;
+            if (r >= QK_IN_ROWS) break;
+            const bf16* x = src >= 0 ? qkv_ch + (i64)min(src, T - 1) * p.qkv_stride : conv_ch + (src + GDN_HIST) * GDN_CONV_DIM;
+            cp_async16_zfill(in_s + (u32)(buf * QK_IN_ROWS + 8 * u) * QK_PIECES * 16, x, src < T);
+        }
+    };
+
+    float w[4][8];  // [tap][channel]
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float4 wj = reinterpret_cast<const float4*>(p.conv_w)[ch + j];
+        w[0][j] = wj.x;
+        w[1][j] = wj.y;
+        w[2][j] = wj.z;
+        w[3][j] = wj.w;
     }
-    __syncthreads();
-    if (lane == 0 && warp < 2) {  // sequential, as the reference sums (64 adds); loads first, then the chain
-        float g[CHUNK];
+    if (blockIdx.x < nc) prefetch(blockIdx.x, 0);
+    cp_async_commit();
+
+#pragma unroll 1
+    for (int chunk = blockIdx.x, it = 0; chunk < nc; chunk += gridDim.x, ++it) {
+        const int t0 = chunk * CHUNK, buf = it % 2;
+        if (chunk + gridDim.x < nc) prefetch(chunk + gridDim.x, buf ^ 1);
+        cp_async_commit();  // possibly empty: "all but the newest group" is this chunk's
+
+        // The gates' inputs (threads 0..127: value head 2kh + tid / 64, row tid % 64): strided loads,
+        // independent of the rows, issued before the wait.
+        const int gh = 2 * kh + tid / CHUNK, gt = t0 + tid % CHUNK;
+        const bool gate_row = tid < 2 * CHUNK && gt < T;
+        const float b_in = gate_row ? bf(p.b[gt * p.b_stride + gh]) : 0.0f;
+        const float a_in = gate_row ? bf(p.a[gt * p.a_stride + gh]) : 0.0f;
+
+        cp_async_wait_1();
+        __syncthreads();  // this chunk's rows (everyone's copies) are in
+
+        // Conv + SiLU + l2 norm of rows 8w .. 8w + 7 (input rows 8w .. 8w + 10 of the buffer).
+        const uint4* in = qk_in + buf * QK_IN_ROWS * QK_PIECES + lane;
+        float* dst = (is_k ? p.ws_kn : p.ws_q) + ((i64)chunk * GDN_KEY_HEADS + kh) * CHUNK * GDN_DK + (lane % 16) * 8;
+        constexpr int ROWS = CHUNK / (PF_THREADS / 32);
+        const int r0 = warp * ROWS;
+        float x0[8], x1[8], x2[8], x3[8];  // rows t−3, t−2, t−1, t
+        unpack8(in[(r0 + 0) * QK_PIECES], x0);
+        unpack8(in[(r0 + 1) * QK_PIECES], x1);
+        unpack8(in[(r0 + 2) * QK_PIECES], x2);
 #pragma unroll
-        for (int i = 0; i < CHUNK; ++i) g[i] = g_s[warp][i];
-        float acc = 0.0f;
-        float4* out = reinterpret_cast<float4*>(p.ws_g + gates + warp * CHUNK);
+        for (int i = 0; i < ROWS; ++i) {
+            unpack8(in[(r0 + i + GDN_HIST) * QK_PIECES], x3);
+            const int r = r0 + i;
+            float out[8];
 #pragma unroll
-        for (int i = 0; i < CHUNK; i += 4) {
-            float4 v;
-            v.x = acc += g[i];
-            v.y = acc += g[i + 1];
-            v.z = acc += g[i + 2];
-            v.w = acc += g[i + 3];
-            out[i / 4] = v;
+            for (int j = 0; j < 8; ++j) {
+                float acc = w[0][j] * x0[j];
+                acc += w[1][j] * x1[j];
+                acc += w[2][j] * x2[j];
+                acc += w[3][j] * x3[j];
+                out[j] = t0 + r < T ? silu(acc) : 0.0f;
+            }
+            float sq = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sq += out[j] * out[j];
+#pragma unroll
+            for (int o = 8; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            const float f = rsqrtf(sq + L2NORM_EPS) * scale;
+            float4* d = reinterpret_cast<float4*>(dst + r * GDN_DK);
+            d[0] = make_float4(out[0] * f, out[1] * f, out[2] * f, out[3] * f);
+            d[1] = make_float4(out[4] * f, out[5] * f, out[6] * f, out[7] * f);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                x0[j] = x1[j];
+                x1[j] = x2[j];
+                x2[j] = x3[j];
+            }
+        }
+
+        const i64 gates = ((i64)chunk * GDN_VALUE_HEADS + 2 * kh) * CHUNK;  // this chunk's two rows of β, G
+        if (tid < 2 * CHUNK) {
+            p.ws_beta[gates + tid] = gate_row ? sigmoidf_(b_in) : 0.0f;
+            g_s[tid / CHUNK][tid % CHUNK] = gate_row ? gdn_decay(p.a_log[gh], p.dt_bias[gh], a_in) : 0.0f;
+        }
+        // Every warp is past its reads of this buffer (the next iteration refills it) and g_s is
+        // written (the next iteration writes it again only after its own barrier, which the
+        // summing lanes below reach after they have read it).
+        __syncthreads();
+        if (lane == 0 && warp < 2) {  // sequential, as the reference sums (64 adds); loads first, then the chain
+            float g[CHUNK];
+#pragma unroll
+            for (int i = 0; i < CHUNK; ++i) g[i] = g_s[warp][i];
+            float acc = 0.0f;
+            float4* out = reinterpret_cast<float4*>(p.ws_g + gates + warp * CHUNK);
+#pragma unroll
+            for (int i = 0; i < CHUNK; i += 4) {
+                float4 v;
+                v.x = acc += g[i];
+                v.y = acc += g[i + 1];
+                v.z = acc += g[i + 2];
+                v.w = acc += g[i + 3];
+                out[i / 4] = v;
+            }
         }
     }
+    cp_async_wait_0();
 }
 
 // The tiles of a 64 × 64 lower-triangular product x·yᵀ (16 × 8 tiles whose first column is at

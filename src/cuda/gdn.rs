@@ -54,6 +54,11 @@ const PITCH: usize = 132;
 const LPITCH: usize = 68;
 const VPITCH: usize = 136;
 const SPITCH: usize = 40;
+/// gdn_prefill_qk: two buffers of a chunk's 67 input rows of q ‖ k (256 bf16 each).
+const QK_SMEM: usize = 2 * (CHUNK + 3) * 256 * 2;
+/// gdn_prefill_qk's blocks per key head: each walks every QK_GROUPS-th chunk, copying the next
+/// one's rows while it computes this one. 16 × 16 blocks fill the 132 SMs twice.
+const QK_GROUPS: u32 = 16;
 const PREP_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4;
 const STATE_SMEM: usize = (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH)
     + CHUNK * SPITCH
@@ -280,7 +285,7 @@ impl GdnKernels {
             stream: dev.stream().clone(),
             decode: dev.function("gdn", "gdn_decode")?,
             zero: dev.function("gdn", "gdn_zero_state")?,
-            qk: dev.function("gdn", "gdn_prefill_qk")?,
+            qk: big("gdn_prefill_qk", QK_SMEM)?,
             prep: big("gdn_prefill_prep", PREP_SMEM)?,
             state: big("gdn_prefill_state", STATE_SMEM)?,
             out: big("gdn_prefill_out", OUT_SMEM)?,
@@ -445,9 +450,14 @@ impl GdnKernels {
         let heads = VALUE_HEADS as u32;
         let block = (PF_THREADS, 1, 1);
         let qk = LaunchConfig {
-            grid_dim: (chunks, KEY_HEADS as u32, 1),
+            // as many chunks for every block of a head: 64 chunks are 16 blocks of 4, 40 are 14 of ≤ 3
+            grid_dim: (
+                chunks.div_ceil(chunks.div_ceil(QK_GROUPS)),
+                KEY_HEADS as u32,
+                1,
+            ),
             block_dim: block,
-            shared_mem_bytes: 0,
+            shared_mem_bytes: QK_SMEM as u32,
         };
         let prep = LaunchConfig {
             grid_dim: (chunks, heads, 1),
