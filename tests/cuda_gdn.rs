@@ -528,7 +528,8 @@ fn decode_matches_reference() {
     println!("decode: y max relative error {max_rel:.2e}, state max error / scale {max_state:.2e}");
 }
 
-/// Prefill of T tokens from a random state vs the CPU's chunked form, for T around chunk edges.
+/// Prefill of T tokens from a random state vs the CPU's chunked form, for T around chunk edges and
+/// past 16 chunks (2,500 tokens: gdn_prefill_qk's blocks then walk 3 chunks each, the last fewer).
 #[test]
 fn prefill_matches_reference() {
     let dev = device();
@@ -536,7 +537,7 @@ fn prefill_matches_reference() {
     let mut kernels = GdnKernels::load(&dev).expect("load");
     let mut rng = rng("prefill_matches_reference");
     // Both output kernels: 3xTF32 (the default) and plain tf32 (LILY_GDN_OUT_TF32=1).
-    for (t, tf32) in [1, 7, 64, 65, 200, 1000]
+    for (t, tf32) in [1, 7, 64, 65, 200, 1000, 2500]
         .into_iter()
         .flat_map(|t| [(t, false), (t, true)])
     {
