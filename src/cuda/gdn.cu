@@ -77,10 +77,8 @@ struct GdnArgs {
     bf16* y;
     // Prefill scratch (see gdn_prefill_prep), nc = ceil(rows / 64) chunks:
     float* ws_w;      // [nc][32][64][128]  W  = T·(β k e^G)
-    float* ws_k;      // [nc][32][64][128]  K̃ = k e^(G_last − G)
     float* ws_u;      // [nc][32][64][128]  U  = T·(β v), replaced by Vn = U − W·S by gdn_prefill_state
     float* ws_h;      // [nc][32][128][128] the state at the start of each chunk
-    float* ws_decay;  // [nc][32]           e^(G_last)
     float* ws_q;      // [nc][16][64][128]  q after conv, SiLU, l2 norm, times 1/√dk (gdn_prefill_qk)
     float* ws_kn;     // [nc][16][64][128]  k after conv, SiLU, l2 norm
     float* ws_beta;   // [nc][32][64]       β
@@ -385,9 +383,10 @@ extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
 // with G the in-chunk cumulative log-decay and rows padded with zeros to a whole chunk:
 //   gdn_prefill_qk     (chunk, key head) in parallel: q, k (conv, SiLU, l2 norm), β, G
 //   gdn_prefill_prep   (chunk, head) in parallel:  L = strictly_lower(β k kᵀ ⊙ e^(G_r − G_s)),
-//                      solve (I + L)·[U | W] = [β v | β k e^G]; K̃ = k e^(G_last − G)
+//                      solve (I + L)·[U | W] = [β v | β k e^G]
 //   gdn_prefill_state  (head, 32 columns) sequential over chunks, the state S in registers:
-//                      Vn = U − W·S;  S ← e^(G_last) S + K̃ᵀ Vn   (writes each chunk's starting S)
+//                      Vn = U − W·S;  S ← e^(G_last) S + K̃ᵀ Vn  with K̃ = k e^(G_last − G)
+//                      (writes each chunk's starting S)
 //   gdn_prefill_out    (chunk, head) in parallel:  O = (q e^G)·S_chunk + (q kᵀ ⊙ e^(G_r − G_s))_(s≤r)·Vn,
 //                      then the gated RMSNorm
 //   gdn_conv_update    the conv state after the last token (last: the others read the old one)
@@ -756,7 +755,7 @@ __device__ __forceinline__ void rows_dot_tiles(const float* x, const float* y, i
 // Dynamic shared memory of gdn_prefill_prep (bytes); gdn.rs has the same formula.
 #define PREP_SMEM ((2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4)
 
-// Grid (chunks, 32 value heads), 256 threads. Writes W, U, K̃ and e^(G_last) of its (chunk, head).
+// Grid (chunks, 32 value heads), 256 threads. Writes W and U of its (chunk, head).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(const GdnArgs p) {
     pdl_wait();
     pdl_launch_dependents();
@@ -807,22 +806,6 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
         }
     }
     const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;  // this (chunk, head) in ws_*
-    // K̃ = k e^(G_last − G) and e^(G_last) for gdn_prefill_state. Padded rows have g = 0, so
-    // G_last = G[63] is the last real row's G.
-    {
-        const float g_last = G_s[CHUNK - 1];
-        for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
-            const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
-            float4 kv = *reinterpret_cast<const float4*>(k_s + r * PITCH + d);
-            const float f = expf(g_last - G_s[r]);
-            kv.x *= f;
-            kv.y *= f;
-            kv.z *= f;
-            kv.w *= f;
-            reinterpret_cast<float4*>(p.ws_k + tile)[e] = kv;
-        }
-        if (tid == 0) p.ws_decay[chunk * GDN_VALUE_HEADS + hv] = expf(g_last);
-    }
     __syncthreads();  // L complete; k_s no longer read by other threads
     // G_s becomes e^G (the W columns' right-hand side factor), computed once per row here rather
     // than 64 times by each W thread, which left the U half of the block waiting at the barrier
@@ -898,16 +881,20 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     }
 }
 
-// Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, K̃ and U, Vn's lo parts,
-// and S as hi and lo parts.
-#define STATE_SMEM ((2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH) + CHUNK * SPITCH + 2 * GDN_DK * SPITCH) * 4)
+// Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, k, U and G, Vn's lo parts,
+// S as hi and lo parts, and K̃'s row factors.
+#define STATE_SMEM \
+    ((2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + CHUNK) + CHUNK * SPITCH + 2 * GDN_DK * SPITCH + CHUNK) * 4)
 
 // Grid (4 column slices, 32 value heads), 256 threads; sequential over the chunks. The block's
 // state slice S[128 d][32 v] stays in the accumulators of the tensor-core products: warp w holds rows
 // 16w..16w+15 as 4 tiles of 16 × 8 (C-fragment layout), and a copy in shared memory feeds W·S.
 // The B operands (S, then Vn) are stored split (tf32 hi and lo parts, split_tf32) by the thread that
 // made each value: split once instead of once per warp that reads it (4× for S, 8× for Vn).
-// The next chunk's W, K̃ and U are prefetched with cp.async while the current one is computed.
+// The next chunk's W, k, U and G are prefetched with cp.async while the current one is computed.
+// K̃ = k e^(G_last − G) is made here from gdn_prefill_qk's k (rows scaled as the A fragments are
+// loaded), not read from a copy per value head that gdn_prefill_prep wrote: 32 KB less written
+// and read per (chunk, head), the same values bit for bit.
 // Both products use 3xTF32 (fp32 accuracy): the state is carried over thousands of tokens.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(const GdnArgs p) {
     pdl_wait();
@@ -919,34 +906,40 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     u32* Vlo_s = reinterpret_cast<u32*>(U_s + 2 * CHUNK * SPITCH);  // [64][SPITCH], Vn's lo parts
     u32* Shi_s = Vlo_s + CHUNK * SPITCH;                             // [128][SPITCH], S's hi parts
     u32* Slo_s = Shi_s + GDN_DK * SPITCH;                            // [128][SPITCH], S's lo parts
-    const int hv = blockIdx.y, v0 = blockIdx.x * ST_COLS, tid = threadIdx.x;
+    float* G_s = reinterpret_cast<float*>(Slo_s + GDN_DK * SPITCH);  // [2][64], G
+    float* F_s = G_s + 2 * CHUNK;                                    // [64], e^(G_last − G_r)
+    const int hv = blockIdx.y, kh = hv / 2, v0 = blockIdx.x * ST_COLS, tid = threadIdx.x;
     const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
     const int nc = (p.rows + CHUNK - 1) / CHUNK;
 
-    // Copies chunk c's W, K̃ (whole) and U (this slice) into buffer `buf`: 8 + 8 + 2 vectors per thread.
-    // A thread copies W and K̃ rows cr + 8u (u < 8) at float column cd and U rows ur + 32u (u < 2)
-    // at column uv of this slice: offsets that are the same in every chunk's tile, so per chunk only
-    // the tile's start moves (the per-chunk address arithmetic was as many instructions as the
-    // products, bench/NOTES.md v1.46).
+    // Copies chunk c's W, k (whole), U (this slice) and G into buffer `buf`: 8 + 8 + 2 vectors per
+    // thread, and one more for threads 0..15. A thread copies W and k rows cr + 8u (u < 8) at float
+    // column cd and U rows ur + 32u (u < 2) at column uv of this slice: offsets that are the same in
+    // every chunk's tile, so per chunk only the tile's start moves (the per-chunk address arithmetic
+    // was as many instructions as the products, bench/NOTES.md v1.46).
     constexpr int CP_ROWS = PF_THREADS / 32;
     constexpr i64 CHUNK_STRIDE = (i64)GDN_VALUE_HEADS * CHUNK * GDN_DK;  // floats between chunks' tiles
+    constexpr i64 KEY_CHUNK_STRIDE = (i64)GDN_KEY_HEADS * CHUNK * GDN_DK;
     static_assert(CHUNK * ST_COLS / 4 == 2 * PF_THREADS, "two U vectors per thread");
     const int cr = tid / 32, cd = 4 * (tid % 32), ur = tid / 8, uv = 4 * (tid % 8);
     const float* w_src = p.ws_w + (i64)hv * CHUNK * GDN_DK + cr * GDN_DK + cd;
-    const float* k_src = p.ws_k + (i64)hv * CHUNK * GDN_DK + cr * GDN_DK + cd;
+    const float* k_src = p.ws_kn + (i64)kh * CHUNK * GDN_DK + cr * GDN_DK + cd;
     const float* u_src = p.ws_u + (i64)hv * CHUNK * GDN_DK + ur * GDN_DV + v0 + uv;
+    const float* g_src = p.ws_g + (i64)hv * CHUNK + 4 * (tid % 16);
     const u32 w_dst = (u32)__cvta_generic_to_shared(W_s + cr * PITCH + cd);
     const u32 k_dst = (u32)__cvta_generic_to_shared(K_s + cr * VPITCH + cd);
     const u32 u_dst = (u32)__cvta_generic_to_shared(U_s + ur * SPITCH + uv);
+    const u32 g_dst = (u32)__cvta_generic_to_shared(G_s + 4 * (tid % 16));
     auto prefetch = [&](int c, int buf) {
-        const i64 at = c * CHUNK_STRIDE;
+        const i64 at = c * CHUNK_STRIDE, key_at = c * KEY_CHUNK_STRIDE;
 #pragma unroll
         for (int u = 0; u < CHUNK / CP_ROWS; ++u) {
             cp_async16(w_dst + 4 * (buf * CHUNK + CP_ROWS * u) * PITCH, w_src + at + CP_ROWS * u * GDN_DK);
-            cp_async16(k_dst + 4 * (buf * CHUNK + CP_ROWS * u) * VPITCH, k_src + at + CP_ROWS * u * GDN_DK);
+            cp_async16(k_dst + 4 * (buf * CHUNK + CP_ROWS * u) * VPITCH, k_src + key_at + CP_ROWS * u * GDN_DK);
         }
 #pragma unroll
         for (int u = 0; u < 2; ++u) cp_async16(u_dst + 4 * (buf * CHUNK + 32 * u) * SPITCH, u_src + at + 32 * u * GDN_DV);
+        if (tid < 16) cp_async16(g_dst + 4 * buf * CHUNK, g_src + (i64)c * GDN_VALUE_HEADS * CHUNK);
     };
     prefetch(0, 0);
     cp_async_commit();
@@ -979,7 +972,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
         const float* K = K_s + buf * CHUNK * VPITCH;
         float* U = U_s + buf * CHUNK * SPITCH;
         const i64 tile = ((i64)c * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
-        const float decay = p.ws_decay[c * GDN_VALUE_HEADS + hv];
+        // e^(G_last) and K̃'s row factors. Padded rows have g = 0, so G_last = G[63] is the last
+        // real row's G. F_s is read after the next barrier (the previous chunk's reads are done).
+        const float* G = G_s + buf * CHUNK;
+        const float decay = expf(G[CHUNK - 1]);
+        if (tid < CHUNK) F_s[tid] = expf(G[CHUNK - 1] - G[tid]);
 
         // The state at the start of chunk c, for gdn_prefill_out.
         float* h = p.ws_h + ((i64)c * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE + v0;
@@ -1022,7 +1019,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
         }
         __syncthreads();  // Vn complete; S reads done
 
-        // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) at K[r][d]), B = Vn.
+        // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) = k[r][d] · F[r]), B = Vn.
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -1030,7 +1027,15 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
 #pragma unroll 2
         for (int k0 = 0; k0 < CHUNK; k0 += 8) {
             u32 ahi[4], alo[4];
-            load_a_split(ahi, alo, K, 1, VPITCH, d0, k0, g, t);
+            {
+                float a[4];
+                load_a(a, K, 1, VPITCH, d0, k0, g, t);  // a[0], a[1] from row k0 + t; a[2], a[3] from k0 + t + 4
+                const float f0 = F_s[k0 + t], f1 = F_s[k0 + t + 4];
+                split_tf32(a[0] * f0, ahi[0], alo[0]);
+                split_tf32(a[1] * f0, ahi[1], alo[1]);
+                split_tf32(a[2] * f1, ahi[2], alo[2]);
+                split_tf32(a[3] * f1, ahi[3], alo[3]);
+            }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 u32 bhi[2], blo[2];
