@@ -285,27 +285,20 @@ impl Experts {
 
 /// Which prefill GEMM kernel a case runs: mma.sync (gemm_prefill.cu) or wgmma (gemm_wgmma.cu),
 /// the latter also with its outputs stored through shared memory (`LILY_WGMMA_STAGED_STORES`),
-/// with or without the taller last tiles of its 128-row tile maps (`LILY_WGMMA_SPILL`), and with
-/// the down products on blocks of 2 warpgroups (`LILY_WGMMA_DOWN_WG2`, every wgmma case but
-/// `WgmmaDownWg4`).
+/// and with or without the taller last tiles of its 128-row tile maps (`LILY_WGMMA_SPILL`).
 #[derive(Clone, Copy, Debug)]
 enum Kernel {
     MmaSync,
     Wgmma,
     WgmmaStaged,
     WgmmaUnspilled,
-    WgmmaDownWg4,
 }
 
 impl Kernel {
     fn select(self, g: &mut GemmKernels) {
         g.set_wgmma(!matches!(self, Kernel::MmaSync));
-        g.set_staged_stores(matches!(
-            self,
-            Kernel::WgmmaStaged | Kernel::WgmmaUnspilled | Kernel::WgmmaDownWg4
-        ));
+        g.set_staged_stores(matches!(self, Kernel::WgmmaStaged | Kernel::WgmmaUnspilled));
         g.set_spill(!matches!(self, Kernel::WgmmaUnspilled));
-        g.set_down_wg2(!matches!(self, Kernel::WgmmaDownWg4));
     }
 }
 
@@ -433,8 +426,6 @@ fn grouped_experts_match_cpu() {
         (128, Kernel::WgmmaStaged),
         (64, Kernel::WgmmaStaged),
         (128, Kernel::WgmmaUnspilled),
-        (128, Kernel::WgmmaDownWg4),
-        (64, Kernel::WgmmaDownWg4),
     ] {
         grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600, kernel);
@@ -443,7 +434,7 @@ fn grouped_experts_match_cpu() {
     }
     // Experts of 150, 160 (one tile of N = 160), 161 (128 + 33) and 288 rows (128 + 160).
     for tokens in [150, 160, 161, 288] {
-        for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged, Kernel::WgmmaDownWg4] {
+        for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged] {
             grouped_case(&dev, &mut rng, &real, Routing::Same, tokens, (128, kernel));
         }
     }
@@ -518,7 +509,7 @@ fn grouped_experts_match_cpu() {
         100,
         (128, Kernel::Wgmma),
     );
-    for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged, Kernel::WgmmaDownWg4] {
+    for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged] {
         grouped_case(
             &dev,
             &mut rng,
@@ -1046,7 +1037,6 @@ fn timing_grouped_moe_at_4096_tokens() {
             (128, Kernel::Wgmma),
             (128, Kernel::WgmmaStaged),
             (128, Kernel::WgmmaUnspilled),
-            (128, Kernel::WgmmaDownWg4),
             (64, Kernel::Wgmma),
             (32, Kernel::MmaSync),
             (16, Kernel::MmaSync),

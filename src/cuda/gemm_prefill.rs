@@ -46,19 +46,14 @@ const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
 /// Columns of a matrix the wgmma kernels take are a multiple of this: four quantisation groups.
 const WGMMA_COL_MULTIPLE: usize = 256;
-/// The wgmma kernels' blocks: `warpgroups` of 128 threads (threads() in gemm_wgmma.cu), 64 weight
-/// rows each (bn()): 4 (one block per SM), or 2 for the experts' down products (two per SM).
-fn wgmma_block(warpgroups: usize) -> (u32, usize) {
-    (128 * warpgroups as u32, 64 * warpgroups)
-}
-/// Dynamic shared memory of a wgmma kernel (smem_bytes in gemm_wgmma.cu): six stages (4
-/// warpgroups) or four (2) of X and packed weights (32 bytes per row and k-tile in Q4, 64 in Q8),
-/// two slots of four k-tiles' scales and biases, 1 KB to align. Tiles taller by the spill take one
-/// stage less in the same bytes.
-fn wgmma_shared_bytes(format: Format, warpgroups: usize) -> usize {
+/// The wgmma kernels' block: 4 warpgroups (THREADS in gemm_wgmma.cu).
+const WGMMA_THREADS: u32 = 512;
+/// Dynamic shared memory of a wgmma kernel (smem_bytes in gemm_wgmma.cu): six stages of X and
+/// packed weights (32 bytes per row and k-tile in Q4, 64 in Q8), two slots of four k-tiles' scales
+/// and biases, 1 KB to align. Tiles taller by the spill take five stages in the same bytes.
+fn wgmma_shared_bytes(format: Format) -> usize {
     let row_bytes = if format == Format::Q4 { 32 } else { 64 };
-    let (stages, tile_cols) = (if warpgroups == 4 { 6 } else { 4 }, 64 * warpgroups);
-    stages * (WGMMA_TILE_ROWS * 128 + tile_cols * row_bytes) + 2 * (2 * tile_cols * 8) + 1024
+    6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * row_bytes) + 2 * (2 * TILE_COLS * 8) + 1024
 }
 
 /// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cuh (also the table
@@ -145,14 +140,7 @@ pub struct GemmKernels {
     expert_tile_override: Option<usize>,
     /// Q4 and Q8 on wgmma (gemm_wgmma.cu), [format][epilogue].
     wgmma: [[CudaFunction; 2]; 2],
-    /// The same plain products in blocks of 2 warpgroups, [format]: the experts' down products
-    /// (`down_wg2`).
-    wgmma_wg2: [CudaFunction; 2],
     use_wgmma: bool,
-    /// Grouped plain products (the experts' down) on the 2-warpgroup kernels, two blocks per SM
-    /// (on unless `LILY_WGMMA_DOWN_WG2=0`): K = 512 is 8 k-tiles, too few for one block per SM to
-    /// hide its pipeline fill and epilogue (bench/NOTES.md v1.27, v1.48).
-    down_wg2: bool,
     /// The wgmma kernels' plain (not SwiGLU) products store their outputs through shared memory as
     /// 16-byte row pieces (on unless `LILY_WGMMA_STAGED_STORES=0`): the experts' down GEMM at 4K
     /// tokens 11 % faster, the SwiGLU products no faster or (≤ 512 tokens) 7 % slower
@@ -171,10 +159,7 @@ impl GemmKernels {
             dev.allow_dynamic_shared(&f, name, need)?;
             Ok(f)
         };
-        let wgmma =
-            |name: &str, format| load_from("gemm_wgmma", name, wgmma_shared_bytes(format, 4));
-        let wgmma_wg2 =
-            |name: &str, format| load_from("gemm_wgmma", name, wgmma_shared_bytes(format, 2));
+        let wgmma = |name: &str, format| load_from("gemm_wgmma", name, wgmma_shared_bytes(format));
         // gemm_q4, gemm_swiglu_q4_m32, ...: [format][epilogue] for one height.
         let height = |rows: usize| -> Result<[[CudaFunction; 2]; 3]> {
             let suffix = if rows == TILE_ROWS {
@@ -213,12 +198,7 @@ impl GemmKernels {
                     wgmma("wgmma_swiglu_q8", Format::Q8)?,
                 ],
             ],
-            wgmma_wg2: [
-                wgmma_wg2("wgmma_q4_wg2", Format::Q4)?,
-                wgmma_wg2("wgmma_q8_wg2", Format::Q8)?,
-            ],
             use_wgmma: std::env::var("LILY_WGMMA").map_or(true, |v| v != "0"),
-            down_wg2: std::env::var("LILY_WGMMA_DOWN_WG2").map_or(true, |v| v != "0"),
             staged_stores: std::env::var("LILY_WGMMA_STAGED_STORES").map_or(true, |v| v != "0"),
             spill: std::env::var("LILY_WGMMA_SPILL").map_or(true, |v| v != "0"),
         })
@@ -233,12 +213,6 @@ impl GemmKernels {
     /// registers); on unless `LILY_WGMMA_STAGED_STORES=0`. SwiGLU products never are.
     pub fn set_staged_stores(&mut self, on: bool) {
         self.staged_stores = on;
-    }
-
-    /// Runs the experts' down products on the 2-warpgroup wgmma kernels (or the 4-warpgroup
-    /// ones); on unless `LILY_WGMMA_DOWN_WG2=0`.
-    pub fn set_down_wg2(&mut self, on: bool) {
-        self.down_wg2 = on;
     }
 
     /// Lets [`Self::expert_tile_spill`] give the wgmma kernels' expert tiles their extra rows;
@@ -521,13 +495,9 @@ impl GemmKernels {
             count: as_i32(w.count, "count")?,
             staged_stores: (self.staged_stores && epilogue == Epilogue::Store) as i32,
         };
-        // Grouped plain products on wgmma: the 2-warpgroup kernels when down_wg2.
-        let wg2 = wgmma && self.down_wg2 && epilogue == Epilogue::Store && rows.grouped.is_some();
-        let (wgmma_threads, wgmma_cols) = wgmma_block(if wg2 { 2 } else { 4 });
-        let tile_cols = if wgmma { wgmma_cols } else { TILE_COLS };
         let col_tiles = match epilogue {
-            Epilogue::Store => w.rows.div_ceil(tile_cols),
-            Epilogue::SwiGlu => out_width.div_ceil(tile_cols / 2),
+            Epilogue::Store => w.rows.div_ceil(TILE_COLS),
+            Epilogue::SwiGlu => out_width.div_ceil(TILE_COLS / 2),
         };
         ensure!(
             col_tiles <= 65535,
@@ -541,15 +511,10 @@ impl GemmKernels {
                 format.shared_bytes(height),
                 THREADS,
             ),
-            _ if wg2 => (
-                &self.wgmma_wg2[format as usize],
-                wgmma_shared_bytes(format, 2),
-                wgmma_threads,
-            ),
             _ => (
                 &self.wgmma[format as usize][epilogue as usize],
-                wgmma_shared_bytes(format, 4),
-                wgmma_threads,
+                wgmma_shared_bytes(format),
+                WGMMA_THREADS,
             ),
         };
         let cfg = LaunchConfig {

@@ -46,53 +46,48 @@ namespace {
 enum Epilogue { STORE = 0, SWIGLU = 1 };
 enum Format { Q4 = 0, Q8 = 1 };
 
-constexpr int BM = 128;  // token rows per tile (wgmma N) ...
-constexpr int SPILL = 32;  // ... and up to this many more in an expert's last tile
+constexpr int BM = 128;       // token rows per tile (wgmma N) ...
+constexpr int SPILL = 32;     // ... and up to this many more in an expert's last tile
 constexpr int BM_MAX = BM + SPILL;
-constexpr int BK = 64;  // k-tile: one quantisation group
-// Blocks of WG warpgroups: 4 (512 threads, 256 weight rows, one block per SM, six stages) or, for
-// the experts' down products, 2 (256 threads, 128 weight rows, two blocks per SM, four stages):
-// K = 512 is only 8 k-tiles, so a lone block's pipeline fill and epilogue leave the SM idle, which
-// the second block covers (bench/NOTES.md v1.27, v1.48).
-template <int WG> __host__ __device__ constexpr int bn() { return 64 * WG; }  // weight rows per tile
-template <int WG> __host__ __device__ constexpr int threads() { return 128 * WG; }
-template <int WG> __host__ __device__ constexpr int base_stages() { return WG == 4 ? 6 : 4; }
-// Tiles of N = 160 take one stage less, so that they fit in the shared memory of the 128-row
+constexpr int BN = 256;       // weight rows per tile: 4 warpgroups × wgmma M = 64
+constexpr int BK = 64;        // k-tile: one quantisation group
+constexpr int THREADS = 512;  // 4 warpgroups
+constexpr int STAGES = 6;
+// Tiles of N = 160 take one stage less, so that they fit in the shared memory of six 128-row
 // stages. Measured against six 160-row stages (a larger allocation, so less L1 beside it): uniform
 // 4K gate‖up 0.415 → 0.384 ms, prefill @4K +1.4 % (bench/NOTES.md v1.46).
-template <int WG, int N> __host__ __device__ constexpr int stages() { return N > BM ? base_stages<WG>() - 1 : base_stages<WG>(); }
+template <int N> __host__ __device__ constexpr int stages() { return N > BM ? STAGES - 1 : STAGES; }
 // Bytes of one weight row in a k-tile: 32 (Q4) or 64 (Q8).
 template <int F> __host__ __device__ constexpr int row_bytes() { return F == Q4 ? BK / 2 : BK; }
-// A stage: the X tile (N rows of 128 bytes), then the packed weights (bn rows).
-template <int WG, int N, int F> __host__ __device__ constexpr int stage_bytes() { return N * BK * 2 + bn<WG>() * row_bytes<F>(); }
+// A stage: the X tile (N rows of 128 bytes), then the packed weights (BN rows).
+template <int N, int F> __host__ __device__ constexpr int stage_bytes() { return N * BK * 2 + BN * row_bytes<F>(); }
 // The scales and biases of the tile's weight rows: a ring of two slots after the stages, each
 // holding SB_KTILES k-tiles' {scale} then {bias} per weight row (8 bytes a row each), copied with
 // the stage of the slot's first k-tile. One 8-byte copy per thread every four k-tiles instead of
 // four 2-byte global loads per k-tile, whose latency the products waited on (bench/NOTES.md v1.28,
 // v1.47). So K must be a multiple of 4 groups (256) and the scales and biases 8-byte aligned.
 constexpr int SB_KTILES = 4;
-template <int WG> __host__ __device__ constexpr int sb_slot_bytes() { return 2 * bn<WG>() * SB_KTILES * 2; }
-template <int WG, int F> __host__ __device__ constexpr int sb_offset() { return base_stages<WG>() * stage_bytes<WG, BM, F>(); }
+constexpr int SB_SLOT_BYTES = 2 * BN * SB_KTILES * 2;
+template <int F> __host__ __device__ constexpr int sb_offset() { return STAGES * stage_bytes<BM, F>(); }
 // Must match wgmma_shared_bytes in gemm_prefill.rs: the stages, the scale ring and slack to align
 // the start to 1024 bytes (the swizzle pattern repeats every 1024).
-template <int WG, int F> __host__ __device__ constexpr int smem_bytes() { return sb_offset<WG, F>() + 2 * sb_slot_bytes<WG>() + 1024; }
-template <int WG, int F> constexpr bool fits() {
-    return stage_bytes<WG, 64, F>() % 1024 == 0 && stage_bytes<WG, BM_MAX, F>() % 1024 == 0 &&  // X tiles 1024-aligned
-           stages<WG, BM_MAX>() * stage_bytes<WG, BM_MAX, F>() <= base_stages<WG>() * stage_bytes<WG, BM, F>() &&
-           (4 / WG) * (smem_bytes<WG, F>() + 2 * BM_MAX * 4 + bn<WG>() * 4 + 1024) <= 227 * 1024;  // blocks per SM
-}
-static_assert(fits<4, Q4>() && fits<4, Q8>() && fits<2, Q4>() && fits<2, Q8>(),
-              "stages aligned, the taller tiles' stages within the 128-row ones, 4 / WG blocks per SM");
+template <int F> __host__ __device__ constexpr int smem_bytes() { return sb_offset<F>() + 2 * SB_SLOT_BYTES + 1024; }
+static_assert(stage_bytes<64, Q4>() % 1024 == 0 && stage_bytes<64, Q8>() % 1024 == 0 &&
+                  stage_bytes<BM_MAX, Q4>() % 1024 == 0 && stage_bytes<BM_MAX, Q8>() % 1024 == 0,
+              "X tiles stay 1024-byte aligned");
+static_assert(stages<BM_MAX>() * stage_bytes<BM_MAX, Q4>() <= STAGES * stage_bytes<BM, Q4>() &&
+                  stages<BM_MAX>() * stage_bytes<BM_MAX, Q8>() <= STAGES * stage_bytes<BM, Q8>(),
+              "the taller tiles' stages fit in the 128-row tiles' shared memory");
+static_assert(smem_bytes<Q8>() + 2 * BM_MAX * 4 + 1024 <= 227 * 1024, "one block per SM must fit");
 
 // The block's products for a tile of `rows` ≤ N token rows of matrix `mat`: the tables of
 // gemm<E> (X row, Y row of each token row; word offset of each weight row) are in place.
-template <int WG, int E, int F, int N>
+template <int E, int F, int N>
 __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, const int* a_row_s, const int* c_row_s,
                                          const int* b_off_s) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    constexpr int BN = bn<WG>(), THREADS = threads<WG>(), SB_SLOT_BYTES = sb_slot_bytes<WG>(), SB_OFFSET = sb_offset<WG, F>();
-    constexpr int X_BYTES = N * BK * 2, STAGE_BYTES = stage_bytes<WG, N, F>(), ROW = row_bytes<F>();
-    constexpr int STAGES = stages<WG, N>();  // this tile height's ring
+    constexpr int X_BYTES = N * BK * 2, STAGE_BYTES = stage_bytes<N, F>(), ROW = row_bytes<F>();
+    constexpr int STAGES = stages<N>();  // this tile height's ring (shadows the 128-row count)
     constexpr int W_CHUNKS = BN * ROW / 16 / THREADS;  // weight chunks per thread per k-tile: 1 or 2
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
@@ -105,13 +100,13 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     const int r_lo = 16 * warp + g;
     const int sb_row = tile_weight_row<E == SWIGLU, BN>(tid % BN, col_tile, a.n);
     const bf16* sb_src = (tid < BN ? a.scales : a.biases) + (sb_row < 0 ? 0 : ((i64)mat * a.n + sb_row) * ngroups);
-    // What this thread copies per k-tile: X chunk c of rows xr0 + X_PASS·u < N (u < X_ROWS), and
-    // weight chunk tid % (ROW / 16) of rows tid / (ROW / 16) + u · THREADS / (ROW / 16) (u < W_CHUNKS).
-    constexpr int X_PASS = THREADS / 8, X_ROWS = (N + X_PASS - 1) / X_PASS;
+    // What this thread copies per k-tile: X chunk c of rows xr0 + 64u < N (u < X_ROWS), and weight
+    // chunk tid % (ROW / 16) of rows tid / (ROW / 16) + u · THREADS / (ROW / 16) (u < W_CHUNKS).
+    constexpr int X_ROWS = (N + 63) / 64;
     const int xc = tid % 8, xr0 = tid / 8;
     int x_src[X_ROWS];
 #pragma unroll
-    for (int u = 0; u < X_ROWS; ++u) x_src[u] = N % X_PASS == 0 || xr0 + X_PASS * u < N ? a_row_s[xr0 + X_PASS * u] : -1;
+    for (int u = 0; u < X_ROWS; ++u) x_src[u] = N % 64 == 0 || xr0 + 64 * u < N ? a_row_s[xr0 + 64 * u] : -1;
     constexpr int CPR = ROW / 16;  // chunks per weight row
     const int wc = tid % CPR;
     int w_off[W_CHUNKS];
@@ -124,12 +119,12 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     const unsigned char* smem = smem_raw + (base - raw);
     auto x_tile = [&](int s) { return base + s * STAGE_BYTES; };
 
-    // k-tile kt into stage s: X N rows × 8 chunks (swizzled), W BN rows × 2 chunks (plain).
+    // k-tile kt into stage s: X N rows × 8 chunks (swizzled), W 256 rows × 2 chunks (plain).
     auto load_tile = [&](int kt, int s) {
 #pragma unroll
         for (int u = 0; u < X_ROWS; ++u) {
-            const int r = xr0 + X_PASS * u, xr = x_src[u];
-            if (N % X_PASS != 0 && r >= N) continue;  // the last piece of N = 160 (4 warpgroups)
+            const int r = xr0 + 64 * u, xr = x_src[u];
+            if (N % 64 != 0 && r >= N) continue;  // the last 64-row piece of N = 160
             const bf16* src = a.x + (i64)max(xr, 0) * a.k + kt * BK + xc * 8;
             cp_async16(x_tile(s) + r * 128 + ((xc ^ (r & 7)) << 4), src, xr >= 0);
         }
@@ -141,14 +136,14 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
             cp_async16(x_tile(s) + X_BYTES + r * ROW + (pc << 4), src, w_off[u] >= 0);
         }
         if (kt % SB_KTILES == 0) {
-            const u32 slot = base + SB_OFFSET + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES;
+            const u32 slot = base + sb_offset<F>() + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES;
             cp_async8(slot + tid * (SB_KTILES * 2), sb_src + kt, sb_row >= 0);
         }
     };
     // {scale, bias} of this thread's two rows for k-tile kt from the ring, as the bf16 pairs
     // dequantise takes: its slot came with an earlier stage, already waited for.
     auto read_sb = [&](int kt, u32 sb[2]) {
-        const unsigned char* slot = smem + SB_OFFSET + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES + (kt % SB_KTILES) * 2;
+        const unsigned char* slot = smem + sb_offset<F>() + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES + (kt % SB_KTILES) * 2;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = (r_lo + 8 * h) * (SB_KTILES * 2);
@@ -287,9 +282,8 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     store_accumulators<E == SWIGLU, N, BN>(a.y, a.n, d, rows, col_tile, c_row_s);
 }
 
-template <int WG, int E, int F>
+template <int E, int F>
 __device__ __forceinline__ void gemm(const GemmArgs& a) {
-    constexpr int BN = bn<WG>();
     __shared__ int a_row_s[BM_MAX];
     __shared__ int c_row_s[BM_MAX];
     __shared__ int b_off_s[BN];  // word offset of each weight row in its matrix, −1: none
@@ -306,24 +300,17 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     }
     __syncthreads();
     // The tile's height decides N for the whole block.
-    if (rows > BM) products<WG, E, F, BM_MAX>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else if (rows > 64) products<WG, E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else products<WG, E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    if (rows > BM) products<E, F, BM_MAX>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else if (rows > 64) products<E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else products<E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
 }
 
 }  // namespace
 
-#define WGMMA_KERNEL(name, WG, E, F)                                                        \
-    extern "C" __global__ void __launch_bounds__(threads<WG>(), 4 / WG) name(const GemmArgs a) { \
-        pdl_wait();                                                                         \
-        pdl_launch_dependents();                                                            \
-        gemm<WG, E, F>(a);                                                                  \
-    }
+#define WGMMA_KERNEL(name, E, F) \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<E, F>(a); }
 
-WGMMA_KERNEL(wgmma_q4, 4, STORE, Q4)
-WGMMA_KERNEL(wgmma_swiglu_q4, 4, SWIGLU, Q4)
-WGMMA_KERNEL(wgmma_q8, 4, STORE, Q8)
-WGMMA_KERNEL(wgmma_swiglu_q8, 4, SWIGLU, Q8)
-// The experts' down products in blocks of 2 warpgroups (gemm_prefill.rs: LILY_WGMMA_DOWN_WG2).
-WGMMA_KERNEL(wgmma_q4_wg2, 2, STORE, Q4)
-WGMMA_KERNEL(wgmma_q8_wg2, 2, STORE, Q8)
+WGMMA_KERNEL(wgmma_q4, STORE, Q4)
+WGMMA_KERNEL(wgmma_swiglu_q4, SWIGLU, Q4)
+WGMMA_KERNEL(wgmma_q8, STORE, Q8)
+WGMMA_KERNEL(wgmma_swiglu_q8, SWIGLU, Q8)
