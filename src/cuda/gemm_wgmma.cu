@@ -102,16 +102,29 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     const bf16* sb_src = (tid < BN ? a.scales : a.biases) + (sb_row < 0 ? 0 : ((i64)mat * a.n + sb_row) * ngroups);
     // What this thread copies per k-tile: X chunk c of rows xr0 + 64u < N (u < X_ROWS), and weight
     // chunk tid % (ROW / 16) of rows tid / (ROW / 16) + u · THREADS / (ROW / 16) (u < W_CHUNKS).
+    // The sources are k-tile 0's, each copy's later ones a fixed step on (its row's pointer stays
+    // in a register: the per-k-tile 64-bit address arithmetic was ≈ 25 of the k-loop's ≈ 196
+    // instructions), and a false `x_ok`/`w_ok` copies zeros.
     constexpr int X_ROWS = (N + 63) / 64;
     const int xc = tid % 8, xr0 = tid / 8;
-    int x_src[X_ROWS];
+    const bf16* x_src[X_ROWS];
+    bool x_ok[X_ROWS];
 #pragma unroll
-    for (int u = 0; u < X_ROWS; ++u) x_src[u] = N % 64 == 0 || xr0 + 64 * u < N ? a_row_s[xr0 + 64 * u] : -1;
+    for (int u = 0; u < X_ROWS; ++u) {
+        const int xr = N % 64 == 0 || xr0 + 64 * u < N ? a_row_s[xr0 + 64 * u] : -1;
+        x_ok[u] = xr >= 0;
+        x_src[u] = a.x + (i64)max(xr, 0) * a.k + xc * 8;
+    }
     constexpr int CPR = ROW / 16;  // chunks per weight row
     const int wc = tid % CPR;
-    int w_off[W_CHUNKS];
+    const u32* w_src[W_CHUNKS];
+    bool w_ok[W_CHUNKS];
 #pragma unroll
-    for (int u = 0; u < W_CHUNKS; ++u) w_off[u] = b_off_s[tid / CPR + u * (THREADS / CPR)];
+    for (int u = 0; u < W_CHUNKS; ++u) {
+        const int w_off = b_off_s[tid / CPR + u * (THREADS / CPR)];
+        w_ok[u] = w_off >= 0;
+        w_src[u] = wmat + max(w_off, 0) + wc * 4;
+    }
 
     // 1024-byte-aligned start of the stages.
     const u32 raw = smem_u32(smem_raw);
@@ -123,17 +136,15 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     auto load_tile = [&](int kt, int s) {
 #pragma unroll
         for (int u = 0; u < X_ROWS; ++u) {
-            const int r = xr0 + 64 * u, xr = x_src[u];
+            const int r = xr0 + 64 * u;
             if (N % 64 != 0 && r >= N) continue;  // the last 64-row piece of N = 160
-            const bf16* src = a.x + (i64)max(xr, 0) * a.k + kt * BK + xc * 8;
-            cp_async16(x_tile(s) + r * 128 + ((xc ^ (r & 7)) << 4), src, xr >= 0);
+            cp_async16(x_tile(s) + r * 128 + ((xc ^ (r & 7)) << 4), x_src[u] + kt * BK, x_ok[u]);
         }
 #pragma unroll
         for (int u = 0; u < W_CHUNKS; ++u) {
             const int r = tid / CPR + u * (THREADS / CPR);
             const int pc = F == Q4 ? wc : q8_chunk(wc, r);
-            const u32* src = wmat + max(w_off[u], 0) + kt * (ROW / 4) + wc * 4;
-            cp_async16(x_tile(s) + X_BYTES + r * ROW + (pc << 4), src, w_off[u] >= 0);
+            cp_async16(x_tile(s) + X_BYTES + r * ROW + (pc << 4), w_src[u] + kt * (ROW / 4), w_ok[u]);
         }
         if (kt % SB_KTILES == 0) {
             const u32 slot = base + sb_offset<F>() + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES;
@@ -152,10 +163,10 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
         }
     };
 
-    // This thread's 16 A registers (four k16 steps) of k-tile kt from its stage, with {scale, bias}
-    // sb of the thread's two rows.
-    auto dequantise = [&](int kt, const u32 sb[2], u32 frag[16]) {
-        const unsigned char* wq = smem + (kt % STAGES) * STAGE_BYTES + X_BYTES;
+    // This thread's 16 A registers (four k16 steps) of the k-tile in stage `stage`, with {scale,
+    // bias} sb of the thread's two rows.
+    auto dequantise = [&](int stage, const u32 sb[2], u32 frag[16]) {
+        const unsigned char* wq = smem + stage * STAGE_BYTES + X_BYTES;
         if constexpr (F == Q4) {
             // Rows r_lo and r_lo + 8 of the stage's packed weights: words 0..7 = k 8w..8w+7.
             const uint4 lo0 = *reinterpret_cast<const uint4*>(wq + r_lo * 32);
@@ -195,10 +206,10 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     float d[N / 2];
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
-    // The four k16 products of k-tile kt, asynchronous (one commit group).
-    auto issue = [&](int kt, const u32 frag[16]) {
+    // The four k16 products of the k-tile in stage `stage`, asynchronous (one commit group).
+    auto issue = [&](int stage, const u32 frag[16]) {
         wgmma_fence();
-        const u32 xb = x_tile(kt % STAGES);
+        const u32 xb = x_tile(stage);
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ++ks) wgmma_k16<N>(d, &frag[4 * ks], smem_desc(xb + ks * 32));
         wgmma_commit();
@@ -216,20 +227,24 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     cp_async_wait<STAGES - 2>();  // k-tile 0 has landed (this thread's copies) ...
     fence_async_shared();         // ... is visible to the tensor cores ...
     __syncthreads();              // ... and so is everyone's
+    // stage = kt % STAGES; the refill of k-tile kt + STAGES − 1 goes to the stage of kt − 1.
+    int stage = 0, refill = STAGES - 1;
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
         read_sb(kt, sb);
-        dequantise(kt, sb, frag);
-        issue(kt, frag);
+        dequantise(stage, sb, frag);
+        issue(stage, frag);
         // While the products run: the next k-tile's stage ready for everyone, and a refill.
         if (kt + 1 < KT) {
             cp_async_wait<STAGES - 3>();  // this thread's copies of k-tile kt + 1 have landed ...
             fence_async_shared();
             __syncthreads();  // ... and everyone's; every warpgroup is past k-tile kt − 1's products
             const int next = kt + STAGES - 1;
-            if (next < KT) load_tile(next, next % STAGES);  // into the stage of k-tile kt − 1
+            if (next < KT) load_tile(next, refill);  // into the stage of k-tile kt − 1
             cp_async_commit();
         }
+        refill = stage;
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
         wgmma_wait<0>();  // the fragments are free again
         fence_accumulators<N>(d);
     }
