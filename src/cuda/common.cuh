@@ -62,11 +62,16 @@ __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_gene
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
-// x · sigmoid(x). The quotient by __fdividef (≤ 2 ulp; its denominator is ≥ 1, and past 2¹²⁶ the
-// true value is below 1e-36 anyway): an IEEE division adds a slow-path branch and call at every
-// use, which made up 17 % of gdn_prefill_out's code (5,592 → 4,640 SASS instructions, prep 7,024 →
-// 6,288: its instruction cache overflowed, bench/NOTES.md v1.28).
-__device__ __forceinline__ float silu(float v) { return __fdividef(v, 1.0f + expf(-v)); }
+// x · sigmoid(x). The quotient as x · rcp.approx(1 + e^−x) (≤ 2 ulp): an IEEE division adds a
+// slow-path branch and call at every use, which made up 17 % of gdn_prefill_out's code (5,592 →
+// 4,640 SASS instructions, prep 7,024 → 6,288: its instruction cache overflowed, bench/NOTES.md
+// v1.28). This is __fdividef's arithmetic without its guards for denominators below 2⁻¹²⁶ (three
+// instructions a value; ours is ≥ 1); past 2¹²⁶ both give ±0, where the true value is below 1e-36.
+__device__ __forceinline__ float silu(float v) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + expf(-v)));
+    return v * r;
+}
 
 // Programmatic dependent launch (pdl.rs). Every kernel calls pdl_wait() before it reads anything an
 // earlier kernel wrote or writes anything an earlier kernel reads, and pdl_launch_dependents() once
