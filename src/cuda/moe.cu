@@ -83,24 +83,18 @@ extern "C" __global__ void moe_group_scan(int* __restrict__ counts, int chunks, 
     __shared__ int scratch[GROUP_MAX_EXPERTS / 32];
     const int e = threadIdx.x;
     const bool real = e < experts;
-    // Exclusive sums over chunks, four loads in flight at a time.
+    // Two passes over the chunks, SCAN_BATCH loads in flight at a time (independent loads issued
+    // together, then used: one memory latency per batch, not per chunk): the expert's total, then,
+    // once the offsets are known, the exclusive sums written back with the offset added.
+    constexpr int SCAN_BATCH = 8;
     int count = 0;
     if (real) {
-        int c = 0;
-        for (; c + 4 <= chunks; c += 4) {
-            int v[4];
+        for (int c0 = 0; c0 < chunks; c0 += SCAN_BATCH) {
+            int v[SCAN_BATCH];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) v[i] = counts[(c + i) * experts + e];
+            for (int i = 0; i < SCAN_BATCH; ++i) v[i] = c0 + i < chunks ? counts[(c0 + i) * experts + e] : 0;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                counts[(c + i) * experts + e] = count;
-                count += v[i];
-            }
-        }
-        for (; c < chunks; ++c) {
-            const int v = counts[c * experts + e];
-            counts[c * experts + e] = count;
-            count += v;
+            for (int i = 0; i < SCAN_BATCH; ++i) count += v[i];
         }
     }
     // ⌈(count − spill) / tile_rows⌉ tiles, at least one for a non-empty expert (C division
@@ -110,7 +104,17 @@ extern "C" __global__ void moe_group_scan(int* __restrict__ counts, int chunks, 
     const int offset = block_exclusive_sum(count, scratch, &total_pairs);
     const int first_tile = block_exclusive_sum(ntiles, scratch, &total_tiles);
     if (real) {
-        for (int c = 0; c < chunks; ++c) counts[c * experts + e] += offset;
+        int position = offset;
+        for (int c0 = 0; c0 < chunks; c0 += SCAN_BATCH) {
+            int v[SCAN_BATCH];
+#pragma unroll
+            for (int i = 0; i < SCAN_BATCH; ++i) v[i] = c0 + i < chunks ? counts[(c0 + i) * experts + e] : 0;
+#pragma unroll
+            for (int i = 0; i < SCAN_BATCH; ++i) {
+                if (c0 + i < chunks) counts[(c0 + i) * experts + e] = position;
+                position += v[i];
+            }
+        }
         for (int i = 0; i < ntiles && first_tile + i < max_tiles; ++i)
             tiles[first_tile + i] =
                 make_int4(e, offset + i * tile_rows, i + 1 < ntiles ? tile_rows : count - i * tile_rows, 0);
