@@ -535,6 +535,7 @@ __device__ __forceinline__ void conv_rows(const GdnArgs& p, int t0, int r0, int 
     for (int i = 0; i < ROWS; ++i) {
         unpack8(in[i + GDN_HIST], x3);
         const int r = r0 + i;
+        const u32 live = t0 + r < T ? 0xFFFFFFFFu : 0u;  // rows past T: +0 by a mask, not a branch
         float out[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -542,7 +543,7 @@ __device__ __forceinline__ void conv_rows(const GdnArgs& p, int t0, int r0, int 
             acc += w[1][j] * x1[j];
             acc += w[2][j] * x2[j];
             acc += w[3][j] * x3[j];
-            out[j] = t0 + r < T ? silu(acc) : 0.0f;
+            out[j] = __uint_as_float(__float_as_uint(silu(acc)) & live);
         }
         sink(r, out);
 #pragma unroll
