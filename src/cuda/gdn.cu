@@ -402,9 +402,8 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     cp_async16((u32)__cvta_generic_to_shared(smem), gmem);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// Waits until at most one (two) group(s) of this thread's copies are still in flight (or none).
+// Waits until at most one group of this thread's copies is still in flight (or none).
 __device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_2() { asm volatile("cp.async.wait_group 2;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_0() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
 
 // ---------------------------------------------------------------------------------------------
@@ -886,18 +885,18 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     }
 }
 
-// Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, U and G, q, k, Vn's lo
+// Dynamic shared memory of gdn_prefill_state (bytes): W and q, two buffers of k, U and G, Vn's lo
 // parts, S as hi and lo parts, and K̃'s row factors.
 #define STATE_SMEM \
-    ((2 * (CHUNK * PITCH + CHUNK * SPITCH + CHUNK) + CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + 2 * GDN_DK * SPITCH + CHUNK) * 4)
+    ((2 * CHUNK * PITCH + 2 * (CHUNK * VPITCH + CHUNK * SPITCH + CHUNK) + CHUNK * SPITCH + 2 * GDN_DK * SPITCH + CHUNK) * 4)
 
 // Grid (4 column slices, 32 value heads), 256 threads; sequential over the chunks. The block's
 // state slice S[128 d][32 v] stays in the accumulators of the tensor-core products: warp w holds rows
 // 16w..16w+15 as 4 tiles of 16 × 8 (C-fragment layout), and a copy in shared memory feeds W·S.
 // The B operands (S, then Vn) are stored split (tf32 hi and lo parts, split_tf32) by the thread that
 // made each value: split once instead of once per warp that reads it (4× for S, 8× for Vn).
-// The next chunk's W, U and G are prefetched with cp.async while the current one is computed, its q
-// while the current one's second product runs, its k while its own first product runs.
+// The next chunk's k, U and G are prefetched with cp.async while the current one is computed, its
+// W and q while the current one's second product runs.
 // K̃ = k e^(G_last − G) is made here from gdn_prefill_qk's k (rows scaled as the A fragments are
 // loaded), not read from a copy per value head that gdn_prefill_prep wrote: 32 KB less written
 // and read per (chunk, head), the same values bit for bit.
@@ -906,10 +905,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     pdl_wait();
     pdl_launch_dependents();
     extern __shared__ float4 smem4[];
-    float* W_s = reinterpret_cast<float*>(smem4);  // [2][64][PITCH]
-    float* Q_s = W_s + 2 * CHUNK * PITCH;            // [64][PITCH], q of the key head
-    float* K_s = Q_s + CHUNK * PITCH;                // [64][VPITCH], k of the key head
-    float* U_s = K_s + CHUNK * VPITCH;               // [2][64][SPITCH], U then Vn's hi parts
+    float* W_s = reinterpret_cast<float*>(smem4);  // [64][PITCH]
+    float* Q_s = W_s + CHUNK * PITCH;                // [64][PITCH], q of the key head
+    float* K_s = Q_s + CHUNK * PITCH;                // [2][64][VPITCH]
+    float* U_s = K_s + 2 * CHUNK * VPITCH;           // [2][64][SPITCH], U then Vn's hi parts
     u32* Vlo_s = reinterpret_cast<u32*>(U_s + 2 * CHUNK * SPITCH);  // [64][SPITCH], Vn's lo parts
     u32* Shi_s = Vlo_s + CHUNK * SPITCH;                             // [128][SPITCH], S's hi parts
     u32* Slo_s = Shi_s + GDN_DK * SPITCH;                            // [128][SPITCH], S's lo parts
@@ -919,10 +918,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
     const int nc = (p.rows + CHUNK - 1) / CHUNK;
 
-    // Copies chunk c's W (whole), U (this slice) and G into buffer `buf` (8 + 2 vectors per thread,
-    // and one more for threads 0..15); q and k have one buffer each (8 vectors per thread): q is read
-    // by the first product only, so chunk c + 1's is copied while the second runs, and k by the
-    // second only, so chunk c + 1's is copied while the next chunk's first runs.
+    // Copies chunk c's k (whole), U (this slice) and G into buffer `buf` (8 + 2 vectors per thread,
+    // and one more for threads 0..15), and, into their one buffer, W and q (8 + 8): those are read
+    // by the first product only, so chunk c + 1's are copied once it is done, while the second runs.
     // A thread copies W, q and k rows cr + 8u (u < 8) at float column cd and U rows ur + 32u (u < 2)
     // at column uv of this slice: offsets that are the same in every chunk's tile, so per chunk only
     // the tile's start moves (the per-chunk address arithmetic was as many instructions as the
@@ -943,28 +941,27 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     const u32 u_dst = (u32)__cvta_generic_to_shared(U_s + ur * SPITCH + uv);
     const u32 g_dst = (u32)__cvta_generic_to_shared(G_s + 4 * (tid % 16));
     auto prefetch = [&](int c, int buf) {
-        const i64 at = c * CHUNK_STRIDE;
+        const i64 at = c * CHUNK_STRIDE, key_at = c * KEY_CHUNK_STRIDE;
 #pragma unroll
         for (int u = 0; u < CHUNK / CP_ROWS; ++u)
-            cp_async16(w_dst + 4 * (buf * CHUNK + CP_ROWS * u) * PITCH, w_src + at + CP_ROWS * u * GDN_DK);
+            cp_async16(k_dst + 4 * (buf * CHUNK + CP_ROWS * u) * VPITCH, k_src + key_at + CP_ROWS * u * GDN_DK);
 #pragma unroll
         for (int u = 0; u < 2; ++u) cp_async16(u_dst + 4 * (buf * CHUNK + 32 * u) * SPITCH, u_src + at + 32 * u * GDN_DV);
         if (tid < 16) cp_async16(g_dst + 4 * buf * CHUNK, g_src + (i64)c * GDN_VALUE_HEADS * CHUNK);
     };
-    auto prefetch_key = [&](u32 dst, const float* src, int pitch, int c) {
+    auto prefetch_wq = [&](int c) {
+        const i64 at = c * CHUNK_STRIDE, key_at = c * KEY_CHUNK_STRIDE;
 #pragma unroll
-        for (int u = 0; u < CHUNK / CP_ROWS; ++u)
-            cp_async16(dst + 4 * CP_ROWS * u * pitch, src + c * KEY_CHUNK_STRIDE + CP_ROWS * u * GDN_DK);
+        for (int u = 0; u < CHUNK / CP_ROWS; ++u) {
+            cp_async16(w_dst + 4 * CP_ROWS * u * PITCH, w_src + at + CP_ROWS * u * GDN_DK);
+            cp_async16(q_dst + 4 * CP_ROWS * u * PITCH, q_src + key_at + CP_ROWS * u * GDN_DK);
+        }
     };
-    // Groups in commit order: chunk 0's buffers, its q, its k; then per chunk c the buffers of c + 1
-    // (at its start), the q of c + 1 (after its first product), the k of c + 1 (at its end). So at
-    // a chunk's start all but the newest two groups are its buffers and q; before its second
-    // product all but the newest one are its k too.
+    // Groups in commit order: chunk 0's buffers, its W and q, then per chunk c the buffers of c + 1
+    // (at its start) and the W and q of c + 1 (after its first product).
     prefetch(0, 0);
     cp_async_commit();
-    prefetch_key(q_dst, q_src, PITCH, 0);
-    cp_async_commit();
-    prefetch_key(k_dst, k_src, VPITCH, 0);
+    prefetch_wq(0);
     cp_async_commit();
 
     // S[d][v] for d = 16·warp + g (+8), v = 8j + 2t (+1): s[j] = {S[d][v], S[d][v+1], S[d+8][v], S[d+8][v+1]}.
@@ -988,11 +985,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     for (int c = 0; c < nc; ++c) {
         const int buf = c % 2;
         if (c + 1 < nc) prefetch(c + 1, buf ^ 1);
-        cp_async_commit();  // possibly empty: keeps the group counts uniform
-        cp_async_wait_2();
-        __syncthreads();  // chunk c's buffers and q (everyone's copies) and S are ready
-        const float* W = W_s + buf * CHUNK * PITCH;
-        const float* K = K_s;
+        cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning chunk c's
+        cp_async_wait_1();
+        __syncthreads();  // chunk c's buffers, W and q (everyone's copies) and S are ready
+        const float* W = W_s;
+        const float* K = K_s + buf * CHUNK * VPITCH;
         float* U = U_s + buf * CHUNK * SPITCH;
         const i64 tile = ((i64)c * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
         // e^(G_last) and K̃'s row factors. Padded rows have g = 0, so G_last = G[63] is the last
@@ -1047,10 +1044,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
                     *reinterpret_cast<float2*>(p.ws_o + tile + r * GDN_DV + v0 + v) = make_float2(o[j][2 * hh], o[j][2 * hh + 1]);
                 }
         }
-        cp_async_wait_1();  // this thread's copies of chunk c's k have landed ...
-        __syncthreads();    // ... and everyone's; Vn complete; S and q reads done
-        if (c + 1 < nc) prefetch_key(q_dst, q_src, PITCH, c + 1);  // into the one q buffer
-        cp_async_commit();                                         // possibly empty
+        __syncthreads();  // Vn complete; S, W and q reads done
+        if (c + 1 < nc) prefetch_wq(c + 1);  // into the one W and q buffer, while the next product runs
+        cp_async_commit();                     // possibly empty
 
         // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) = k[r][d] · F[r]), B = Vn.
 #pragma unroll
@@ -1082,9 +1078,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
             for (int hh = 0; hh < 2; ++hh)
                 store_split(Shi_s + (d0 + g + 8 * hh) * SPITCH + 8 * j + 2 * t, Slo_s + (d0 + g + 8 * hh) * SPITCH + 8 * j + 2 * t,
                             s[j][2 * hh], s[j][2 * hh + 1]);
-        __syncthreads();  // S updated; this chunk's buffers free for the prefetch of chunk c + 2, k for c + 1
-        if (c + 1 < nc) prefetch_key(k_dst, k_src, VPITCH, c + 1);
-        cp_async_commit();  // possibly empty
+        __syncthreads();  // S updated; this chunk's buffers free for the prefetch of chunk c + 2
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j)

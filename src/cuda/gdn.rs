@@ -60,9 +60,8 @@ const QK_SMEM: usize = 2 * (CHUNK + 3) * 256 * 2;
 /// one's rows while it computes this one. 16 × 16 blocks fill the 132 SMs twice.
 const QK_GROUPS: u32 = 16;
 const PREP_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4;
-const STATE_SMEM: usize = (2 * (CHUNK * PITCH + CHUNK * SPITCH + CHUNK)
-    + CHUNK * PITCH
-    + CHUNK * VPITCH
+const STATE_SMEM: usize = (2 * CHUNK * PITCH
+    + 2 * (CHUNK * VPITCH + CHUNK * SPITCH + CHUNK)
     + CHUNK * SPITCH
     + 2 * HEAD_DIM * SPITCH
     + CHUNK)
