@@ -78,7 +78,7 @@ struct GdnArgs {
     // Prefill scratch (see gdn_prefill_prep), nc = ceil(rows / 64) chunks:
     float* ws_w;      // [nc][32][64][128]  W  = T·(β k e^G)
     float* ws_u;      // [nc][32][64][128]  U  = T·(β v), replaced by Vn = U − W·S by gdn_prefill_state
-    float* ws_o;      // [nc][32][64][128]  (q e^G)·S_chunk, the outputs' inter-chunk part (gdn_prefill_state)
+    float* ws_h;      // [nc][32][128][128] the state at the start of each chunk
     float* ws_q;      // [nc][16][64][128]  q after conv, SiLU, l2 norm, times 1/√dk (gdn_prefill_qk)
     float* ws_kn;     // [nc][16][64][128]  k after conv, SiLU, l2 norm
     float* ws_beta;   // [nc][32][64]       β
@@ -385,9 +385,9 @@ extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
 //   gdn_prefill_prep   (chunk, head) in parallel:  L = strictly_lower(β k kᵀ ⊙ e^(G_r − G_s)),
 //                      solve (I + L)·[U | W] = [β v | β k e^G]
 //   gdn_prefill_state  (head, 32 columns) sequential over chunks, the state S in registers:
-//                      Vn = U − W·S;  O_inter = (q e^G)·S;  S ← e^(G_last) S + K̃ᵀ Vn
-//                      with K̃ = k e^(G_last − G)
-//   gdn_prefill_out    (chunk, head) in parallel:  O = O_inter + (q kᵀ ⊙ e^(G_r − G_s))_(s≤r)·Vn,
+//                      Vn = U − W·S;  S ← e^(G_last) S + K̃ᵀ Vn  with K̃ = k e^(G_last − G)
+//                      (writes each chunk's starting S)
+//   gdn_prefill_out    (chunk, head) in parallel:  O = (q e^G)·S_chunk + (q kᵀ ⊙ e^(G_r − G_s))_(s≤r)·Vn,
 //                      then the gated RMSNorm
 //   gdn_conv_update    the conv state after the last token (last: the others read the old one)
 // Only gdn_prefill_state is sequential; it splits the dv columns, which evolve independently.
@@ -885,18 +885,17 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     }
 }
 
-// Dynamic shared memory of gdn_prefill_state (bytes): W and q, two buffers of k, U and G, Vn's lo
-// parts, S as hi and lo parts, and K̃'s row factors.
+// Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, k, U and G, Vn's lo parts,
+// S as hi and lo parts, and K̃'s row factors.
 #define STATE_SMEM \
-    ((2 * CHUNK * PITCH + 2 * (CHUNK * VPITCH + CHUNK * SPITCH + CHUNK) + CHUNK * SPITCH + 2 * GDN_DK * SPITCH + CHUNK) * 4)
+    ((2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + CHUNK) + CHUNK * SPITCH + 2 * GDN_DK * SPITCH + CHUNK) * 4)
 
 // Grid (4 column slices, 32 value heads), 256 threads; sequential over the chunks. The block's
 // state slice S[128 d][32 v] stays in the accumulators of the tensor-core products: warp w holds rows
 // 16w..16w+15 as 4 tiles of 16 × 8 (C-fragment layout), and a copy in shared memory feeds W·S.
 // The B operands (S, then Vn) are stored split (tf32 hi and lo parts, split_tf32) by the thread that
 // made each value: split once instead of once per warp that reads it (4× for S, 8× for Vn).
-// The next chunk's k, U and G are prefetched with cp.async while the current one is computed, its
-// W and q while the current one's second product runs.
+// The next chunk's W, k, U and G are prefetched with cp.async while the current one is computed.
 // K̃ = k e^(G_last − G) is made here from gdn_prefill_qk's k (rows scaled as the A fragments are
 // loaded), not read from a copy per value head that gdn_prefill_prep wrote: 32 KB less written
 // and read per (chunk, head), the same values bit for bit.
@@ -905,9 +904,8 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     pdl_wait();
     pdl_launch_dependents();
     extern __shared__ float4 smem4[];
-    float* W_s = reinterpret_cast<float*>(smem4);  // [64][PITCH]
-    float* Q_s = W_s + CHUNK * PITCH;                // [64][PITCH], q of the key head
-    float* K_s = Q_s + CHUNK * PITCH;                // [2][64][VPITCH]
+    float* W_s = reinterpret_cast<float*>(smem4);  // [2][64][PITCH]
+    float* K_s = W_s + 2 * CHUNK * PITCH;            // [2][64][VPITCH]
     float* U_s = K_s + 2 * CHUNK * VPITCH;           // [2][64][SPITCH], U then Vn's hi parts
     u32* Vlo_s = reinterpret_cast<u32*>(U_s + 2 * CHUNK * SPITCH);  // [64][SPITCH], Vn's lo parts
     u32* Shi_s = Vlo_s + CHUNK * SPITCH;                             // [128][SPITCH], S's hi parts
@@ -918,13 +916,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
     const int nc = (p.rows + CHUNK - 1) / CHUNK;
 
-    // Copies chunk c's k (whole), U (this slice) and G into buffer `buf` (8 + 2 vectors per thread,
-    // and one more for threads 0..15), and, into their one buffer, W and q (8 + 8): those are read
-    // by the first product only, so chunk c + 1's are copied once it is done, while the second runs.
-    // A thread copies W, q and k rows cr + 8u (u < 8) at float column cd and U rows ur + 32u (u < 2)
-    // at column uv of this slice: offsets that are the same in every chunk's tile, so per chunk only
-    // the tile's start moves (the per-chunk address arithmetic was as many instructions as the
-    // products, bench/NOTES.md v1.46).
+    // Copies chunk c's W, k (whole), U (this slice) and G into buffer `buf`: 8 + 8 + 2 vectors per
+    // thread, and one more for threads 0..15. A thread copies W and k rows cr + 8u (u < 8) at float
+    // column cd and U rows ur + 32u (u < 2) at column uv of this slice: offsets that are the same in
+    // every chunk's tile, so per chunk only the tile's start moves (the per-chunk address arithmetic
+    // was as many instructions as the products, bench/NOTES.md v1.46).
     constexpr int CP_ROWS = PF_THREADS / 32;
     constexpr i64 CHUNK_STRIDE = (i64)GDN_VALUE_HEADS * CHUNK * GDN_DK;  // floats between chunks' tiles
     constexpr i64 KEY_CHUNK_STRIDE = (i64)GDN_KEY_HEADS * CHUNK * GDN_DK;
@@ -932,36 +928,24 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     const int cr = tid / 32, cd = 4 * (tid % 32), ur = tid / 8, uv = 4 * (tid % 8);
     const float* w_src = p.ws_w + (i64)hv * CHUNK * GDN_DK + cr * GDN_DK + cd;
     const float* k_src = p.ws_kn + (i64)kh * CHUNK * GDN_DK + cr * GDN_DK + cd;
-    const float* q_src = p.ws_q + (i64)kh * CHUNK * GDN_DK + cr * GDN_DK + cd;
     const float* u_src = p.ws_u + (i64)hv * CHUNK * GDN_DK + ur * GDN_DV + v0 + uv;
     const float* g_src = p.ws_g + (i64)hv * CHUNK + 4 * (tid % 16);
     const u32 w_dst = (u32)__cvta_generic_to_shared(W_s + cr * PITCH + cd);
-    const u32 q_dst = (u32)__cvta_generic_to_shared(Q_s + cr * PITCH + cd);
     const u32 k_dst = (u32)__cvta_generic_to_shared(K_s + cr * VPITCH + cd);
     const u32 u_dst = (u32)__cvta_generic_to_shared(U_s + ur * SPITCH + uv);
     const u32 g_dst = (u32)__cvta_generic_to_shared(G_s + 4 * (tid % 16));
     auto prefetch = [&](int c, int buf) {
         const i64 at = c * CHUNK_STRIDE, key_at = c * KEY_CHUNK_STRIDE;
 #pragma unroll
-        for (int u = 0; u < CHUNK / CP_ROWS; ++u)
+        for (int u = 0; u < CHUNK / CP_ROWS; ++u) {
+            cp_async16(w_dst + 4 * (buf * CHUNK + CP_ROWS * u) * PITCH, w_src + at + CP_ROWS * u * GDN_DK);
             cp_async16(k_dst + 4 * (buf * CHUNK + CP_ROWS * u) * VPITCH, k_src + key_at + CP_ROWS * u * GDN_DK);
+        }
 #pragma unroll
         for (int u = 0; u < 2; ++u) cp_async16(u_dst + 4 * (buf * CHUNK + 32 * u) * SPITCH, u_src + at + 32 * u * GDN_DV);
         if (tid < 16) cp_async16(g_dst + 4 * buf * CHUNK, g_src + (i64)c * GDN_VALUE_HEADS * CHUNK);
     };
-    auto prefetch_wq = [&](int c) {
-        const i64 at = c * CHUNK_STRIDE, key_at = c * KEY_CHUNK_STRIDE;
-#pragma unroll
-        for (int u = 0; u < CHUNK / CP_ROWS; ++u) {
-            cp_async16(w_dst + 4 * CP_ROWS * u * PITCH, w_src + at + CP_ROWS * u * GDN_DK);
-            cp_async16(q_dst + 4 * CP_ROWS * u * PITCH, q_src + key_at + CP_ROWS * u * GDN_DK);
-        }
-    };
-    // Groups in commit order: chunk 0's buffers, its W and q, then per chunk c the buffers of c + 1
-    // (at its start) and the W and q of c + 1 (after its first product).
     prefetch(0, 0);
-    cp_async_commit();
-    prefetch_wq(0);
     cp_async_commit();
 
     // S[d][v] for d = 16·warp + g (+8), v = 8j + 2t (+1): s[j] = {S[d][v], S[d][v+1], S[d+8][v], S[d+8][v+1]}.
@@ -985,10 +969,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     for (int c = 0; c < nc; ++c) {
         const int buf = c % 2;
         if (c + 1 < nc) prefetch(c + 1, buf ^ 1);
-        cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning chunk c's
+        cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning chunk c
         cp_async_wait_1();
-        __syncthreads();  // chunk c's buffers, W and q (everyone's copies) and S are ready
-        const float* W = W_s;
+        __syncthreads();  // chunk c's buffers (everyone's copies) and S are ready
+        const float* W = W_s + buf * CHUNK * PITCH;
         const float* K = K_s + buf * CHUNK * VPITCH;
         float* U = U_s + buf * CHUNK * SPITCH;
         const i64 tile = ((i64)c * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
@@ -998,41 +982,35 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
         const float decay = expf(G[CHUNK - 1]);
         if (tid < CHUNK) F_s[tid] = expf(G[CHUNK - 1] - G[tid]);
 
-        // Vn = U − W·S, accumulated onto U with −W as the A operand, and beside it the outputs'
-        // inter-chunk part O = (q e^G)·S from the same S fragments, for gdn_prefill_out (which
-        // read all of S per chunk for it: 64 KB written and read per (chunk, head), now 32 KB of O).
+        // The state at the start of chunk c, for gdn_prefill_out.
+        float* h = p.ws_h + ((i64)c * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE + v0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                *reinterpret_cast<float2*>(h + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
+                    make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
+
+        // Vn = U − W·S, accumulated onto U with −W as the A operand.
         {
-            const float e_lo = expf(G[vm0 + g]), e_hi = expf(G[vm0 + g + 8]);  // e^G of the A rows
-            float acc[2][4], o[2][4];
+            float acc[2][4];
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    acc[j][e] = U[(vm0 + g + 8 * (e / 2)) * SPITCH + vn0 + 8 * j + 2 * t + e % 2];
-                    o[j][e] = 0.0f;
-                }
-#pragma unroll 2
+                for (int e = 0; e < 4; ++e) acc[j][e] = U[(vm0 + g + 8 * (e / 2)) * SPITCH + vn0 + 8 * j + 2 * t + e % 2];
+#pragma unroll 4
             for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
-                u32 ahi[4], alo[4], qhi[4], qlo[4];
+                u32 ahi[4], alo[4];
                 load_a_split(ahi, alo, W, PITCH, 1, vm0, k0, g, t, true);
-                {
-                    float q[4];
-                    load_a(q, Q_s, PITCH, 1, vm0, k0, g, t);  // q[0], q[2] from row vm0 + g; q[1], q[3] from + 8
-                    split_tf32(q[0] * e_lo, qhi[0], qlo[0]);
-                    split_tf32(q[1] * e_hi, qhi[1], qlo[1]);
-                    split_tf32(q[2] * e_lo, qhi[2], qlo[2]);
-                    split_tf32(q[3] * e_hi, qhi[3], qlo[3]);
-                }
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     u32 bhi[2], blo[2];
                     load_b_presplit(bhi, blo, Shi_s, Slo_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
                     mma_3xtf32(acc[j], ahi, alo, bhi, blo);
-                    mma_3xtf32(o[j], qhi, qlo, bhi, blo);
                 }
             }
-            // Each Vn value goes back to the U element it started from (no other thread reads those
-            // before the barrier) and to the workspace for gdn_prefill_out, as does O.
+            // Each value goes back to the U element it started from (no other thread reads those
+            // before the barrier) and to the workspace for gdn_prefill_out.
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -1041,12 +1019,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
                     const float2 x = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
                     store_split(reinterpret_cast<u32*>(U + r * SPITCH + v), Vlo_s + r * SPITCH + v, x.x, x.y);
                     *reinterpret_cast<float2*>(p.ws_u + tile + r * GDN_DV + v0 + v) = x;
-                    *reinterpret_cast<float2*>(p.ws_o + tile + r * GDN_DV + v0 + v) = make_float2(o[j][2 * hh], o[j][2 * hh + 1]);
                 }
         }
-        __syncthreads();  // Vn complete; S, W and q reads done
-        if (c + 1 < nc) prefetch_wq(c + 1);  // into the one W and q buffer, while the next product runs
-        cp_async_commit();                     // possibly empty
+        __syncthreads();  // Vn complete; S reads done
 
         // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) = k[r][d] · F[r]), B = Vn.
 #pragma unroll
@@ -1088,11 +1063,10 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
                 make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
 }
 
-// Dynamic shared memory of gdn_prefill_out (bytes): q, k/Vn, A, G.
-#define OUT_SMEM ((CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + CHUNK) * 4)
+// Dynamic shared memory of gdn_prefill_out (bytes): q, k/Vn, A, a 32-row slab of S, G.
+#define OUT_SMEM ((CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4)
 
-// Grid (chunks, 32 value heads), 256 threads. O starts from the inter-chunk part that
-// gdn_prefill_state computed (in 3xTF32 always); the intra-chunk products run on the tensor cores in PASSES products
+// Grid (chunks, 32 value heads), 256 threads. The products run on the tensor cores in PASSES products
 // (mma_passes): gdn_prefill_out in 3xTF32 (prefill then agrees with decode as closely as fp32
 // allows); gdn_prefill_out_tf32 in plain tf32, a third of the products and none of the remainders,
 // at noise of ~1e-3 of a head's rms in the outputs, 1/3 of their bf16 rounding (the reference's
@@ -1101,10 +1075,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
 // memory to the gated norm, a warp per row.
 template <int PASSES>
 __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
-    float* q_s = smem;                              // [64][PITCH]: q, then the outputs
+    float* q_s = smem;                              // [64][PITCH]: q, then q e^G, then the outputs
     float* kv_s = q_s + CHUNK * PITCH;              // [64][PITCH] k, then [64][VPITCH] Vn
     float* A_s = kv_s + CHUNK * VPITCH;             // [64][LPITCH]
-    float* G_s = A_s + CHUNK * LPITCH;
+    float* H_s = A_s + CHUNK * LPITCH;              // [32][VPITCH]: 32 rows of the chunk's starting state
+    float* G_s = H_s + 32 * VPITCH;
     const int chunk = blockIdx.x, hv = blockIdx.y, kh = hv / 2, t0 = chunk * CHUNK, tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int m0 = 16 * (warp / 2);
@@ -1139,23 +1114,62 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
 
     const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
 #pragma unroll
-    for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS)
-        reinterpret_cast<float4*>(kv_s)[e / (GDN_DK / 4) * (VPITCH / 4) + e % (GDN_DK / 4)] =
-            reinterpret_cast<const float4*>(p.ws_u + tile)[e];
+    for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
+        const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
+        float4* qr = reinterpret_cast<float4*>(q_s + r * PITCH + d);
+        const float f = expf(G_s[r]);
+        float4 q = *qr;
+        q.x *= f;
+        q.y *= f;
+        q.z *= f;
+        q.w *= f;
+        *qr = q;
+        *reinterpret_cast<float4*>(kv_s + r * VPITCH + d) = reinterpret_cast<const float4*>(p.ws_u + tile)[e];
+    }
 
-    // The inter-chunk part (q e^G)·S_chunk, from gdn_prefill_state: the accumulators' start.
     const int n_base = 64 * (warp % 2);
     float acc[8][4];
-    const float* inter = p.ws_o + tile;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const float2 x = *reinterpret_cast<const float2*>(inter + (m0 + g + 8 * hh) * GDN_DV + n_base + 8 * j + 2 * t);
-            acc[j][2 * hh] = x.x;
-            acc[j][2 * hh + 1] = x.y;
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+
+    // The inter-chunk part (q e^G)·S_chunk, S streamed through shared memory 32 rows at a time;
+    // each slab's loads are issued into registers before the previous slab's products, so their
+    // latency hides behind them.
+    const float* hsrc = p.ws_h + ((i64)chunk * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE;
+    constexpr int SLAB_VECS = 32 * GDN_DV / 4 / PF_THREADS;  // float4 per thread per slab
+    float4 slab[SLAB_VECS];
+    auto load_slab = [&](int d0) {
+#pragma unroll
+        for (int u = 0; u < SLAB_VECS; ++u) {
+            const int e = tid + u * PF_THREADS, r = e / (GDN_DV / 4), v = (e % (GDN_DV / 4)) * 4;
+            slab[u] = *reinterpret_cast<const float4*>(hsrc + (d0 + r) * GDN_DV + v);
         }
-    __syncthreads();  // Vn in place
+    };
+    load_slab(0);
+#pragma unroll 1
+    for (int d0 = 0; d0 < GDN_DK; d0 += 32) {
+#pragma unroll
+        for (int u = 0; u < SLAB_VECS; ++u) {
+            const int e = tid + u * PF_THREADS, r = e / (GDN_DV / 4), v = (e % (GDN_DV / 4)) * 4;
+            *reinterpret_cast<float4*>(H_s + r * VPITCH + v) = slab[u];
+        }
+        __syncthreads();  // the slab (and, the first time, q e^G and Vn) are in place
+        if (d0 + 32 < GDN_DK) load_slab(d0 + 32);
+#pragma unroll 2
+        for (int k0 = 0; k0 < 32; k0 += 8) {
+            u32 ahi[4], alo[4];
+            load_a_split(ahi, alo, q_s, PITCH, 1, m0, d0 + k0, g, t);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                u32 bhi[2], blo[2];
+                load_b_split(bhi, blo, H_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
+                mma_passes<PASSES>(acc[j], ahi, alo, bhi, blo);
+            }
+        }
+        __syncthreads();  // H_s free for the next slab
+    }
 
     // The intra-chunk part A·Vn; A's rows m0..m0+15 are zero past column m0 + 15.
 #pragma unroll 1

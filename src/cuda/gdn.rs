@@ -60,13 +60,12 @@ const QK_SMEM: usize = 2 * (CHUNK + 3) * 256 * 2;
 /// one's rows while it computes this one. 16 × 16 blocks fill the 132 SMs twice.
 const QK_GROUPS: u32 = 16;
 const PREP_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4;
-const STATE_SMEM: usize = (2 * CHUNK * PITCH
-    + 2 * (CHUNK * VPITCH + CHUNK * SPITCH + CHUNK)
+const STATE_SMEM: usize = (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + CHUNK)
     + CHUNK * SPITCH
     + 2 * HEAD_DIM * SPITCH
     + CHUNK)
     * 4;
-const OUT_SMEM: usize = (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + CHUNK) * 4;
+const OUT_SMEM: usize = (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4;
 
 /// Checks that a model's GDN layers have the shapes these kernels are compiled for.
 pub fn check_config(c: &ModelConfig) -> Result<()> {
@@ -152,14 +151,14 @@ impl<'a> GdnInputs<'a> {
 }
 
 /// Scratch of the chunked prefill, sized for chunks of up to `max_tokens` tokens:
-/// W, U/Vn and the outputs' inter-chunk part (`[chunks][32][64][128]` fp32 each), the normalised q
-/// and k (`[chunks][16][64][128]` fp32 each), β and G (`[chunks][32][64]`) — about 64 KiB per token
-/// (257 MiB for 4096 tokens). Allocate once; it is filled with NaNs so that a read of anything not
+/// W and U/Vn (`[chunks][32][64][128]` fp32 each), the state at each chunk start
+/// (`[chunks][32][128][128]` fp32), the normalised q and k (`[chunks][16][64][128]` fp32 each),
+/// β and G (`[chunks][32][64]`) — about 80 KiB per token (321 MiB for 4096 tokens). Allocate once; it is filled with NaNs so that a read of anything not
 /// written first would show in the outputs.
 pub struct GdnWorkspace {
     w: CudaSlice<f32>,
     u: CudaSlice<f32>,
-    o: CudaSlice<f32>,
+    h: CudaSlice<f32>,
     q_norm: CudaSlice<f32>,
     k_norm: CudaSlice<f32>,
     beta: CudaSlice<f32>,
@@ -189,7 +188,7 @@ impl GdnWorkspace {
         Ok(Self {
             w: alloc(tile)?,
             u: alloc(tile)?,
-            o: alloc(tile)?,
+            h: alloc(chunks * SSM_STATE_LEN)?,
             q_norm: alloc(key_tile)?,
             k_norm: alloc(key_tile)?,
             beta: alloc(chunks * VALUE_HEADS * CHUNK)?,
@@ -202,7 +201,8 @@ impl GdnWorkspace {
     pub fn bytes(max_tokens: usize) -> usize {
         let chunks = max_tokens.div_ceil(CHUNK);
         4 * chunks
-            * (3 * VALUE_HEADS * CHUNK * HEAD_DIM
+            * (2 * VALUE_HEADS * CHUNK * HEAD_DIM
+                + SSM_STATE_LEN
                 + 2 * KEY_HEADS * CHUNK * HEAD_DIM
                 + 2 * VALUE_HEADS * CHUNK)
     }
@@ -230,7 +230,7 @@ struct GdnArgs {
     y: u64,
     ws_w: u64,
     ws_u: u64,
-    ws_o: u64,
+    ws_h: u64,
     ws_q: u64,
     ws_kn: u64,
     ws_beta: u64,
@@ -424,7 +424,7 @@ impl GdnKernels {
         let (y_ptr, _y) = y.device_ptr_mut(stream);
         let (ws_w, _w) = ws.w.device_ptr_mut(stream);
         let (ws_u, _u) = ws.u.device_ptr_mut(stream);
-        let (ws_o, _o) = ws.o.device_ptr_mut(stream);
+        let (ws_h, _h) = ws.h.device_ptr_mut(stream);
         let (ws_q, _q) = ws.q_norm.device_ptr_mut(stream);
         let (ws_kn, _kn) = ws.k_norm.device_ptr_mut(stream);
         let (ws_beta, _b) = ws.beta.device_ptr_mut(stream);
@@ -432,7 +432,7 @@ impl GdnKernels {
         args.ssm = ssm_ptr;
         args.conv_state = conv_ptr;
         args.y = y_ptr;
-        (args.ws_w, args.ws_u, args.ws_o) = (ws_w, ws_u, ws_o);
+        (args.ws_w, args.ws_u, args.ws_h) = (ws_w, ws_u, ws_h);
         (args.ws_q, args.ws_kn, args.ws_beta, args.ws_g) = (ws_q, ws_kn, ws_beta, ws_g);
         args.n_slots = 1;
 
