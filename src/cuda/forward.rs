@@ -52,7 +52,7 @@ pub struct CudaOptions {
     /// Tokens per sequence (KV cache capacity).
     pub max_context: usize,
     /// Prompt tokens per forward chunk. Long chunks keep the tensor cores busy (each expert sees
-    /// ~chunk/32 rows); the workspaces grow with it (~120 KiB per token).
+    /// ~chunk/32 rows); the workspaces grow with it (~100 KiB per token).
     pub prefill_chunk: usize,
     /// Replay decode steps from captured CUDA graphs (one per batch size).
     pub cuda_graphs: bool,

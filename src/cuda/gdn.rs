@@ -153,8 +153,9 @@ impl<'a> GdnInputs<'a> {
 /// Scratch of the chunked prefill, sized for chunks of up to `max_tokens` tokens:
 /// W and U/Vn (`[chunks][32][64][128]` fp32 each), the state at each chunk start
 /// (`[chunks][32][128][128]` fp32), the normalised q and k (`[chunks][16][64][128]` fp32 each),
-/// β and G (`[chunks][32][64]`) — about 80 KiB per token (321 MiB for 4096 tokens). Allocate once; it is filled with NaNs so that a read of anything not
-/// written first would show in the outputs.
+/// β and G (`[chunks][32][64]`) — about 80 KiB per token (321 MiB for 4096 tokens). Allocate
+/// once; it is filled with NaNs so that a read of anything not written first would show in the
+/// outputs.
 pub struct GdnWorkspace {
     w: CudaSlice<f32>,
     u: CudaSlice<f32>,
