@@ -243,10 +243,44 @@ fn cublas_path_matches_cpu() {
             &format!("cublas {kind:?}{}", if keep { " kept" } else { "" }),
         );
     }
+    // gemm_pitched: the same products with rows at the padded pitch, as cuBLAS wrote them (no
+    // copy): each row's values bit for bit those of `gemm`, its padding zero.
+    let s = dev.stream();
+    for (kind, n, t, keep) in [(Kind::Q8, 257, 600, true), (Kind::Q4, 131, 513, false), (Kind::Q4, 256, 512, false)] {
+        let m = matrix(&mut rng, kind, n, 2048, 0.05);
+        let dm = DeviceMatrices::concat(s, &[&m]).expect("upload weights");
+        let x = upload(s, &activations(&mut rng, t * 2048, 1.0).0);
+        let mut dense = DenseGemm::new(&dev, n.next_multiple_of(8) * 2048).expect("cuBLAS");
+        if keep {
+            dense.keep(&dm.view()).expect("keep");
+        }
+        let pitch = n.next_multiple_of(8);
+        let (mut packed, mut pitched) = (Output::new(s, t * n), Output::new(s, t * pitch));
+        dense
+            .gemm(&dm.view(), &x.as_view(), &mut packed.view())
+            .expect("dense gemm");
+        let got = dense
+            .gemm_pitched(&dm.view(), &x.as_view(), &mut pitched.view())
+            .expect("pitched gemm");
+        assert_eq!(got, pitch, "{kind:?} {n} rows: the pitch");
+        let what = format!("pitched {kind:?} [{n}×2048] × {t}");
+        let (a, b) = (packed.get(s, &what), pitched.get(s, &what));
+        for r in 0..t {
+            let row = &b[r * pitch..(r + 1) * pitch];
+            let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&row[..n]), bits(&a[r * n..(r + 1) * n]), "{what}: row {r}");
+            assert!(row[n..].iter().all(|v| v.to_f32() == 0.0), "{what}: row {r}'s padding");
+        }
+        // A y of the packed size is refused where the pitch is wider.
+        if pitch != n {
+            assert!(dense
+                .gemm_pitched(&dm.view(), &x.as_view(), &mut packed.view())
+                .is_err());
+        }
+    }
     // A matrix larger than the scratch is an error, not an overrun.
     let mut small = DenseGemm::new(&dev, 64 * 256).expect("cuBLAS");
     let big = matrix(&mut rng, Kind::Q4, 128, 256, 0.05);
-    let s = dev.stream();
     let dm = DeviceMatrices::concat(s, &[&big]).expect("upload");
     let x = upload(s, &vec![bf16::ONE; 512 * 256]);
     let mut y = Output::new(s, 512 * 128);

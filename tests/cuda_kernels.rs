@@ -1029,6 +1029,7 @@ fn router_gemv_with_fused_topk_equals_the_topk_kernel() {
             );
             moe.router_topk(
                 &logits.as_view(),
+                experts + 1,
                 experts,
                 8,
                 true,
@@ -1037,6 +1038,34 @@ fn router_gemv_with_fused_topk_equals_the_topk_kernel() {
             )
             .unwrap();
             let what = format!("{experts} experts, {ntok} tokens");
+            // The same logits rows at a wider pitch (cuBLAS's padded output in long passes), the
+            // padding values large enough to win if they were read: the same choice, same bits.
+            let pitch = (experts + 1).next_multiple_of(8) + 8;
+            let mut rows = vec![bf16::from_f32(100.0); ntok * pitch];
+            for (t, row) in download(s, &logits).chunks(experts + 1).enumerate() {
+                rows[t * pitch..t * pitch + experts + 1].copy_from_slice(row);
+            }
+            let pitched = upload(s, &rows);
+            let (mut p_ids, mut p_weights) = (
+                upload(s, &vec![-3i32; ntok * slots]),
+                upload(s, &vec![-3.0f32; ntok * slots]),
+            );
+            moe.router_topk(
+                &pitched.as_view(),
+                pitch,
+                experts,
+                8,
+                true,
+                &mut p_ids.as_view_mut(),
+                &mut p_weights.as_view_mut(),
+            )
+            .unwrap();
+            assert_eq!(download(s, &p_ids), download(s, &want_ids), "{what}: ids at pitch {pitch}");
+            assert_eq!(
+                download(s, &p_weights).iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                download(s, &want_weights).iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{what}: weights at pitch {pitch}"
+            );
             assert_eq!(download(s, &ids), download(s, &want_ids), "{what}: ids");
             let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
             assert_eq!(

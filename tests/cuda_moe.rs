@@ -181,6 +181,7 @@ fn grouping_sorts_pairs_by_expert() {
         (Routing::Uniform, 9, 256),
         (Routing::Uniform, 300, 16),
         (Routing::Skewed, 129, 16),
+        (Routing::Uniform, 9000, 256),
     ] {
         let ids = route(&mut rng, routing, tokens, experts);
         let shapes = TILE_HEIGHTS.map(|rows| (rows, 0));
@@ -658,6 +659,7 @@ fn run_block(
         .expect("router");
     mk.router_topk(
         &b.logits.as_view(),
+        e + 1,
         e,
         TOP_K,
         true,

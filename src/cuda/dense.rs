@@ -15,7 +15,8 @@
 //! cuBLAS runs a slow kernel for a row count that is no multiple of 8 (the router with the shared
 //! expert's gate, 257 rows: ≈ 0.10 ms at 4096 tokens against ≈ 0.02 for 256 rows, at either output
 //! pitch, NOTES v1.31/v1.34). Such matrices are multiplied with zero rows appended up to the next
-//! multiple of 8, into an aligned scratch output whose real rows `dense_unpad` copies into place.
+//! multiple of 8, into an aligned scratch output whose real rows `dense_unpad` copies into place,
+//! or, for a consumer that reads rows at a pitch (the router's top-k), into its own output as it is.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,7 +35,7 @@ use super::{
 pub const MIN_TOKENS: usize = 512;
 
 /// The rows a matrix is multiplied with: its own, zero rows appended to a multiple of 8.
-fn padded_rows(rows: usize) -> usize {
+pub fn padded_rows(rows: usize) -> usize {
     rows.next_multiple_of(8)
 }
 
@@ -102,6 +103,30 @@ impl DenseGemm {
         x: &CudaView<bf16>,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
+        self.product(w, x, y, false).map(|_| ())
+    }
+
+    /// As [`Self::gemm`], but y's rows are [`padded_rows`]`(w.rows)` values apart (cuBLAS's aligned
+    /// output as it is, no copy; the values past `w.rows` in each row are zero): y holds
+    /// `t · pitch` values. Returns the pitch. For a consumer that can read rows at a pitch (the
+    /// router's top-k).
+    pub fn gemm_pitched(
+        &mut self,
+        w: &Matrices,
+        x: &CudaView<bf16>,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<usize> {
+        self.product(w, x, y, true)
+    }
+
+    /// The product into y, at `rows` or (`pitched`) at the padded pitch; returns y's pitch.
+    fn product(
+        &mut self,
+        w: &Matrices,
+        x: &CudaView<bf16>,
+        y: &mut CudaViewMut<bf16>,
+        pitched: bool,
+    ) -> Result<usize> {
         let (rows, cols) = (w.rows, w.cols);
         ensure!(
             cols > 0 && cols % GROUP == 0 && x.len() % cols == 0,
@@ -109,13 +134,14 @@ impl DenseGemm {
             x.len()
         );
         let t = x.len() / cols;
+        let pitch = padded_rows(rows);
+        let y_pitch = if pitched { pitch } else { rows };
         ensure!(
-            y.len() == t * rows,
-            "dense gemm: y has {} values, expected {t}×{rows}",
+            y.len() == t * y_pitch,
+            "dense gemm: y has {} values, expected {t}×{y_pitch}",
             y.len()
         );
         w.check_lengths("dense gemm")?;
-        let pitch = padded_rows(rows);
         let stream = self.stream.clone();
         let stream = &*stream;
         let weights = match self.kept.get(&address(w, stream)) {
@@ -136,7 +162,7 @@ impl DenseGemm {
             },
         };
         let xp = x.device_ptr(stream).0;
-        let yp = if pitch == rows {
+        let yp = if y_pitch == pitch {
             y.device_ptr_mut(stream).0
         } else {
             if self.padded.as_ref().is_none_or(|p| p.len() < t * pitch) {
@@ -184,7 +210,7 @@ impl DenseGemm {
         }
         .map_err(|e| CudaError::Shape(format!("cuBLAS GEMM [{t}×{cols}]·[{rows}×{cols}]ᵀ: {e}")))?;
         super::profile::after_launch(stream, "dense cublas")?;
-        if pitch != rows {
+        if y_pitch != pitch {
             let padded = self.padded.as_ref().expect("allocated above");
             let cfg = LaunchConfig {
                 grid_dim: ((t * rows).div_ceil(256).min(132 * 16) as u32, 1, 1),
@@ -196,7 +222,7 @@ impl DenseGemm {
             // values (checked at the top).
             unsafe { launch!(stream, &self.unpad, cfg, padded, &m, y, &width, &nn) }?;
         }
-        Ok(())
+        Ok(y_pitch)
     }
 }
 

@@ -117,8 +117,10 @@ struct Scratch {
     proj: CudaSlice<bf16>,
     mixed: CudaSlice<bf16>,
     r: CudaSlice<bf16>,
-    /// `[tokens][experts + 1]`: router logits, then the shared expert's gate logit.
+    /// `[tokens][router_pitch]`: router logits, then the shared expert's gate logit (then zeros up
+    /// to the pitch, where cuBLAS wrote them: forward/projection.rs `router_logits`).
     router: CudaSlice<bf16>,
+    router_pitch: usize,
     /// `[tokens][slots]`, slots = top_k routed experts + the shared expert (DeviceMoe).
     expert_ids: CudaSlice<i32>,
     expert_weights: CudaSlice<f32>,
@@ -289,7 +291,8 @@ impl CudaBackend {
             proj: alloc(&st, rows * proj_width)?,
             mixed: alloc(&st, rows * mixed_width)?,
             r: alloc(&st, rows * h)?,
-            router: alloc(&st, rows * e)?,
+            router: alloc(&st, rows * dense::padded_rows(e))?,
+            router_pitch: e,
             expert_ids: alloc(&st, rows * slots)?,
             expert_weights: alloc(&st, rows * slots)?,
             gu: alloc(&st, gu_rows * slots * 2 * inter)?,
@@ -743,14 +746,14 @@ fn record_routing(
     let (e, topk) = (c.num_experts, c.num_experts_per_tok);
     let slots = topk + 1;
     let logits: Vec<bf16> = st
-        .clone_dtoh(&s.router.slice(..t * (e + 1)))
+        .clone_dtoh(&s.router.slice(..t * s.router_pitch))
         .during(|| "copying the router logits".into())?;
     let ids: Vec<i32> = st
         .clone_dtoh(&s.expert_ids.slice(..t * slots))
         .during(|| "copying the expert ids".into())?;
     // Each row: e router logits, then the shared expert's gate (not a choice); top_k routed
     // slots, then the shared expert's.
-    for row in logits.chunks(e + 1) {
+    for row in logits.chunks(s.router_pitch) {
         trace.logits[li].extend(row[..e].iter().map(|x| x.to_f32()));
     }
     for row in ids.chunks(slots) {

@@ -1,16 +1,16 @@
 // MoE routing and combine on the device (spec/MODEL.md §3.7), so decode never waits on the host.
 #include "moe.cuh"
 
-// One warp per token: router_topk_row (moe.cuh). logits [T][experts + shared]; ids
-// [T][k + shared] i32, weights f32.
-extern "C" __global__ void router_topk(const bf16* __restrict__ logits, int tokens, int experts, int k,
+// One warp per token: router_topk_row (moe.cuh). logits [T][pitch], each row experts + shared
+// values then padding (cuBLAS's aligned output, dense.rs); ids [T][k + shared] i32, weights f32.
+extern "C" __global__ void router_topk(const bf16* __restrict__ logits, int pitch, int tokens, int experts, int k,
                                        int shared, int* __restrict__ ids, float* __restrict__ weights) {
     pdl_wait();
     pdl_launch_dependents();
     const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (t >= tokens) return;
     const int out = t * (k + shared);
-    router_topk_row(logits + (u64)t * (experts + shared), experts, k, shared, ids + out, weights + out);
+    router_topk_row(logits + (u64)t * pitch, experts, k, shared, ids + out, weights + out);
 }
 
 // ---- Grouping (token, slot) pairs by expert for the grouped expert GEMMs (gemm_prefill.cu) ----

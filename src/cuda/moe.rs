@@ -309,10 +309,12 @@ impl MoeKernels {
     /// Softmax over each token's `experts` router logits, top `k` (ties → lower index),
     /// renormalised. With `shared`, each logits row ends with the shared expert's gate logit and
     /// the shared expert becomes slot k (id `experts`, weight sigmoid(gate)). `logits` is
-    /// `[tokens][experts + shared]`, `ids` and `weights` are `[tokens][k + shared]`.
+    /// `[tokens][pitch]`, each row's first `experts + shared` values read, `ids` and `weights`
+    /// are `[tokens][k + shared]`.
     pub fn router_topk(
         &self,
         logits: &CudaView<bf16>,
+        pitch: usize,
         experts: usize,
         k: usize,
         shared: bool,
@@ -329,10 +331,10 @@ impl MoeKernels {
         );
         let (row, slots) = (experts + shared as usize, k + shared as usize);
         ensure!(
-            logits.len() % row == 0,
-            "router: logits are not whole rows of {row}"
+            pitch >= row && logits.len() % pitch == 0,
+            "router: logits are not whole rows of {pitch} values (≥ {row})"
         );
-        let tokens = logits.len() / row;
+        let tokens = logits.len() / pitch;
         ensure!(
             ids.len() == tokens * slots && weights.len() == tokens * slots,
             "router: ids/weights must be [{tokens}][{slots}]"
@@ -346,7 +348,8 @@ impl MoeKernels {
             block_dim: (32 * warps_per_block, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (t, e, k, sh) = (
+        let (pitch, t, e, k, sh) = (
+            as_i32(pitch, "router pitch")?,
             as_i32(tokens, "tokens")?,
             experts as i32,
             k as i32,
@@ -358,6 +361,7 @@ impl MoeKernels {
                 &self.router_topk,
                 cfg,
                 logits,
+                &pitch,
                 &t,
                 &e,
                 &k,

@@ -6,7 +6,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::fp8;
-use super::projection::gemv_rows;
+use super::projection::router_logits;
 use super::residual::{Output, Parts, ResidualStream};
 use super::{Kernels, Scratch};
 use crate::config::ModelConfig;
@@ -68,7 +68,8 @@ pub(super) fn moe_experts(
             &st,
         ));
     }
-    match router_input {
+    // Logits rows `pitch` apart: packed from the GEMVs, padded from cuBLAS.
+    s.router_pitch = match router_input {
         // The residual add and post-mixer norm made in the router's GEMV, xn written for the experts.
         Some((stream, norm)) => {
             let eps = c.rms_norm_eps;
@@ -84,20 +85,15 @@ pub(super) fn moe_experts(
                 true,
                 Output::Router,
                 slots,
-            )?
+            )?;
+            e + 1
         }
-        None => gemv_rows(
-            k,
-            &w.router,
-            &s.xn.slice(..t * hd),
-            &mut s.router.slice_mut(..t * (e + 1)),
-            t,
-            L2Ahead::default(),
-        )?,
-    }
+        None => router_logits(k, &w.router, &s.xn.slice(..t * hd), &mut s.router.as_view_mut(), t)?,
+    };
     if !fused_topk {
         k.moe.router_topk(
-            &s.router.slice(..t * (e + 1)),
+            &s.router.slice(..t * s.router_pitch),
+            s.router_pitch,
             e,
             topk,
             true,

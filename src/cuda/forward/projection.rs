@@ -66,15 +66,13 @@ pub(super) fn gemv_rows(
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     // An FP8 checkpoint's long passes with LILY_FP8_DENSE=1: the matrix as it ships, on FP8.
-    if t >= fp8::FROM_ROWS {
+    if fp8_dense(k, w, t) {
         if let (Some(path), Some(w8)) = (&mut k.fp8, &w.fp8) {
-            if path.dense {
-                return path.gemm(w8, x, y, t);
-            }
+            return path.gemm(w8, x, y, t);
         }
     }
     let view = w.view();
-    if t >= dense::MIN_TOKENS && GemmKernels::supports(&view) {
+    if cublas(k, w, t) {
         return k
             .dense
             .gemm(&view, &x.slice(..t * cols), &mut y.slice_mut(..t * rows));
@@ -102,4 +100,37 @@ pub(super) fn gemv_rows(
         done += n;
     }
     Ok(())
+}
+
+/// The router's logits of `t` rows of `x` into `y` (room for `t` rows at any pitch below), rows
+/// a returned pitch apart: cuBLAS's aligned output as it is where long passes take cuBLAS (257
+/// rows padded to 264: no copy into packed rows, dense.rs), else packed rows of `w.rows`.
+pub(super) fn router_logits(
+    k: &mut Kernels,
+    w: &DeviceMatrices,
+    x: &CudaView<bf16>,
+    y: &mut CudaViewMut<bf16>,
+    t: usize,
+) -> Result<usize> {
+    if cublas(k, w, t) {
+        let pitch = dense::padded_rows(w.rows);
+        return k.dense.gemm_pitched(
+            &w.view(),
+            &x.slice(..t * w.cols),
+            &mut y.slice_mut(..t * pitch),
+        );
+    }
+    gemv_rows(k, w, x, &mut y.slice_mut(..t * w.rows), t, L2Ahead::default())?;
+    Ok(w.rows)
+}
+
+/// Whether `gemv_rows` multiplies `w` for `t` rows in its FP8 form (an FP8 checkpoint's long
+/// passes with LILY_FP8_DENSE=1).
+fn fp8_dense(k: &Kernels, w: &DeviceMatrices, t: usize) -> bool {
+    t >= fp8::FROM_ROWS && w.fp8.is_some() && k.fp8.as_ref().is_some_and(|p| p.dense)
+}
+
+/// Whether `gemv_rows` multiplies `w` for `t` rows through cuBLAS (dense.rs).
+fn cublas(k: &Kernels, w: &DeviceMatrices, t: usize) -> bool {
+    !fp8_dense(k, w, t) && t >= dense::MIN_TOKENS && GemmKernels::supports(&w.view())
 }
