@@ -17,14 +17,17 @@ extern "C" __global__ void router_topk(const bf16* __restrict__ logits, int pitc
 //
 // A prefill chunk of T tokens routes P = T·k pairs p = token·k + slot (ids [T][k] from
 // router_topk). The expert GEMMs want each expert's pairs contiguous, in token order (so the result
-// does not depend on scheduling), and a map of row tiles {expert, first position, rows}. Three
+// does not depend on scheduling), and a map of row tiles {expert, first position, rows}. Two
 // small launches, no host round trip:
 //   1. moe_group_count:   per chunk of GROUP_CHUNK pairs, how many go to each expert;
-//   2. moe_group_scan:    one block: per expert, the exclusive sums over chunks; over experts, the
-//                         first position of each expert and of its tiles; writes the tile map;
-//   3. moe_group_scatter: per chunk, each pair's rank among the same expert's pairs before it
-//                         (within its warp by __match_any_sync, across warps by per-warp counts),
-//                         giving its position; sorted[position] = p.
+//   2. moe_group_scatter: per chunk, every chunk's counts summed per expert (the chunks before
+//                         this one, and all): each expert's first position (an exclusive sum over
+//                         experts) plus this chunk's start within it; each pair's rank among the
+//                         same expert's pairs of the chunk before it (within its warp by
+//                         __match_any_sync, across warps by per-warp counts) gives its position;
+//                         sorted[position] = p. Block 0 also writes the tile map. (Every block
+//                         repeats the sums, a few loads per thread: cheaper than a one-block scan
+//                         launch between the two, whose loop over the chunks was a latency chain.)
 // Positions: expert e's pairs occupy [offset_e, offset_e + count_e), ordered by p, hence by token.
 #define GROUP_CHUNK 1024     // pairs per block of passes 1 and 3 (one per thread)
 #define GROUP_MAX_EXPERTS 288  // 256 routed + the shared expert, rounded up to whole warps
@@ -48,7 +51,7 @@ extern "C" __global__ void moe_group_count(const int* __restrict__ ids, int pair
     for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[blockIdx.x * experts + e] = hist[e];
 }
 
-// Exclusive sum over the block (one value per thread, blockDim.x = GROUP_MAX_EXPERTS); `total`
+// Exclusive sum over the block (one value per thread, any whole number of warps ≤ 32); `total`
 // gets the sum of all. `scratch` holds one int per warp; the caller's barriers separate uses.
 __device__ int block_exclusive_sum(int v, int* scratch, int* total) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -71,50 +74,19 @@ __device__ int block_exclusive_sum(int v, int* scratch, int* total) {
     return before + x - v;
 }
 
-// One block of GROUP_MAX_EXPERTS threads (thread e = expert e). In place, counts[c][e] becomes the
-// position of chunk c's first pair for expert e. tiles[i] = {expert, first position, rows, 0} for
-// every tile of tile_rows rows, experts in order, where an expert's last tile also takes a
-// remainder of up to `spill` rows (rather than a tile of its own); *num_tiles = how many.
-extern "C" __global__ void moe_group_scan(int* __restrict__ counts, int chunks, int experts, int tile_rows,
-                                          int spill, int max_tiles, int4* __restrict__ tiles,
-                                          int* __restrict__ num_tiles) {
-    pdl_wait();
-    pdl_launch_dependents();
-    __shared__ int scratch[GROUP_MAX_EXPERTS / 32];
+// The tile map of one grouping, from thread e's expert (e < experts) count and first position:
+// tiles[i] = {expert, first position, rows, 0} for every tile of tile_rows rows, experts in order,
+// where an expert's last tile also takes a remainder of up to `spill` rows (rather than a tile of
+// its own); *num_tiles = how many. Every thread of the block calls it.
+__device__ void write_tiles(int count, int offset, int experts, int tile_rows, int spill, int max_tiles, int* scratch,
+                            int4* tiles, int* num_tiles) {
     const int e = threadIdx.x;
-    const bool real = e < experts;
-    // Two passes over the chunks, SCAN_BATCH loads in flight at a time (independent loads issued
-    // together, then used: one memory latency per batch, not per chunk): the expert's total, then,
-    // once the offsets are known, the exclusive sums written back with the offset added.
-    constexpr int SCAN_BATCH = 8;
-    int count = 0;
-    if (real) {
-        for (int c0 = 0; c0 < chunks; c0 += SCAN_BATCH) {
-            int v[SCAN_BATCH];
-#pragma unroll
-            for (int i = 0; i < SCAN_BATCH; ++i) v[i] = c0 + i < chunks ? counts[(c0 + i) * experts + e] : 0;
-#pragma unroll
-            for (int i = 0; i < SCAN_BATCH; ++i) count += v[i];
-        }
-    }
     // ⌈(count − spill) / tile_rows⌉ tiles, at least one for a non-empty expert (C division
     // truncates toward zero, so a negative numerator gives 0 or less).
     const int ntiles = count == 0 ? 0 : max(1, (count - spill + tile_rows - 1) / tile_rows);
-    int total_pairs, total_tiles;
-    const int offset = block_exclusive_sum(count, scratch, &total_pairs);
+    int total_tiles;
     const int first_tile = block_exclusive_sum(ntiles, scratch, &total_tiles);
-    if (real) {
-        int position = offset;
-        for (int c0 = 0; c0 < chunks; c0 += SCAN_BATCH) {
-            int v[SCAN_BATCH];
-#pragma unroll
-            for (int i = 0; i < SCAN_BATCH; ++i) v[i] = c0 + i < chunks ? counts[(c0 + i) * experts + e] : 0;
-#pragma unroll
-            for (int i = 0; i < SCAN_BATCH; ++i) {
-                if (c0 + i < chunks) counts[(c0 + i) * experts + e] = position;
-                position += v[i];
-            }
-        }
+    if (e < experts) {
         for (int i = 0; i < ntiles && first_tile + i < max_tiles; ++i)
             tiles[first_tile + i] =
                 make_int4(e, offset + i * tile_rows, i + 1 < ntiles ? tile_rows : count - i * tile_rows, 0);
@@ -122,26 +94,60 @@ extern "C" __global__ void moe_group_scan(int* __restrict__ counts, int chunks, 
     if (e == 0) *num_tiles = min(total_tiles, max_tiles);
 }
 
-// sorted[position of pair p] = p. Grid: chunks; block: GROUP_CHUNK threads. `base` from moe_group_scan.
+// sorted[position of pair p] = p, and (block 0) the tile map. Grid: chunks; block: GROUP_CHUNK
+// threads; counts [chunks][experts] from moe_group_count.
 extern "C" __global__ void moe_group_scatter(const int* __restrict__ ids, int pairs, int experts,
-                                             const int* __restrict__ base, int* __restrict__ sorted) {
-    pdl_wait();
-    pdl_launch_dependents();
+                                             const int* __restrict__ counts, int tile_rows, int spill,
+                                             int max_tiles, int4* __restrict__ tiles, int* __restrict__ num_tiles,
+                                             int* __restrict__ sorted) {
     __shared__ int warp_counts[GROUP_WARPS][GROUP_MAX_EXPERTS];  // pairs of each warp per expert
+    __shared__ int before_s[GROUP_MAX_EXPERTS], total_s[GROUP_MAX_EXPERTS];
+    __shared__ int scratch[GROUP_WARPS];
     for (int i = threadIdx.x; i < GROUP_WARPS * GROUP_MAX_EXPERTS; i += blockDim.x) (&warp_counts[0][0])[i] = 0;
-    __syncthreads();
+    for (int e = threadIdx.x; e < GROUP_MAX_EXPERTS; e += blockDim.x) before_s[e] = total_s[e] = 0;
+    // The ids came from router_topk, two launches back: moe_group_count has waited for it before
+    // this grid could start, so this chunk's ranks are made before the wait for the counts.
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int p = blockIdx.x * GROUP_CHUNK + threadIdx.x;
     const bool valid = p < pairs;
     const int e = valid ? expert_of(ids, p, experts) : -1;  // -1: a group of its own, never stored
     const unsigned peers = __match_any_sync(0xffffffffu, e);
     const int rank = __popc(peers & ((1u << lane) - 1u));  // same-expert lanes below this one
+    __syncthreads();
     if (valid && rank == 0) warp_counts[warp][e] = __popc(peers);
+    pdl_wait();
+    pdl_launch_dependents();
+    // Per expert: the pairs of the chunks before this one, and of all; SCAN_BATCH independent
+    // loads in flight per thread.
+    constexpr int SCAN_BATCH = 4;
+    const int n = gridDim.x * experts;
+    for (int i0 = threadIdx.x; i0 < n; i0 += SCAN_BATCH * GROUP_CHUNK) {
+        int v[SCAN_BATCH];
+#pragma unroll
+        for (int j = 0; j < SCAN_BATCH; ++j) {
+            const int i = i0 + j * GROUP_CHUNK;
+            v[j] = i < n ? counts[i] : 0;
+        }
+#pragma unroll
+        for (int j = 0; j < SCAN_BATCH; ++j) {
+            const int i = i0 + j * GROUP_CHUNK;
+            if (i >= n || v[j] == 0) continue;
+            const int c = i / experts, ex = i - c * experts;
+            atomicAdd(&total_s[ex], v[j]);
+            if (c < (int)blockIdx.x) atomicAdd(&before_s[ex], v[j]);
+        }
+    }
+    __syncthreads();
+    const int count = threadIdx.x < experts ? total_s[threadIdx.x] : 0;
+    int total_pairs;
+    const int offset = block_exclusive_sum(count, scratch, &total_pairs);
+    if (threadIdx.x < experts) before_s[threadIdx.x] += offset;  // this chunk's first position per expert
+    if (blockIdx.x == 0) write_tiles(count, offset, experts, tile_rows, spill, max_tiles, scratch, tiles, num_tiles);
     __syncthreads();
     if (valid) {
         int before = 0;
         for (int w = 0; w < warp; ++w) before += warp_counts[w][e];
-        sorted[base[blockIdx.x * experts + e] + before + rank] = p;
+        sorted[before_s[e] + before + rank] = p;
     }
 }
 

@@ -37,7 +37,6 @@ pub struct MoeKernels {
     stream: Arc<CudaStream>,
     router_topk: CudaFunction,
     group_count: CudaFunction,
-    group_scan: CudaFunction,
     group_scatter: CudaFunction,
     slot_table: CudaFunction,
 }
@@ -55,7 +54,7 @@ pub struct ExpertGroups {
     /// The shortest tiles the map has room for.
     min_tile_rows: usize,
     max_pairs: usize,
-    /// `[chunks][experts]`: counts, then first positions (moe_group_scan works in place).
+    /// `[chunks][experts]`: each chunk's pairs per expert.
     chunk_counts: CudaSlice<i32>,
     sorted: CudaSlice<i32>,
     tiles: CudaSlice<i32>,
@@ -152,7 +151,6 @@ impl MoeKernels {
             stream: dev.stream().clone(),
             router_topk: dev.function("moe", "router_topk")?,
             group_count: dev.function("moe", "moe_group_count")?,
-            group_scan: dev.function("moe", "moe_group_scan")?,
             group_scatter: dev.function("moe", "moe_group_scatter")?,
             slot_table: dev.function("moe", "moe_slot_table")?,
         })
@@ -217,7 +215,7 @@ impl MoeKernels {
     /// Groups the pairs of `ids` (`[tokens][top_k]` expert ids from [`Self::router_topk`]) by
     /// expert into `groups`, in tiles of `tile_rows`, for the grouped expert GEMMs; an expert's
     /// last tile takes a remainder of up to `spill` rows (0: none) instead of a tile of its own.
-    /// Three launches, no host round trip.
+    /// Two launches, no host round trip.
     pub fn group_by_expert(
         &self,
         ids: &CudaView<i32>,
@@ -247,7 +245,7 @@ impl MoeKernels {
         groups.tile_rows = tile_rows;
         groups.spill = spill;
         let chunks = pairs.div_ceil(GROUP_CHUNK);
-        let (p, e, c) = (pairs as i32, groups.experts as i32, chunks as i32);
+        let (p, e) = (pairs as i32, groups.experts as i32);
         let (rows, spill, max) = (
             as_i32(groups.tile_rows, "tile rows")?,
             as_i32(spill, "spill rows")?,
@@ -256,11 +254,6 @@ impl MoeKernels {
         let per_chunk = LaunchConfig {
             grid_dim: (chunks as u32, 1, 1),
             block_dim: (GROUP_CHUNK as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let one_block = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (MAX_GROUP_EXPERTS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut counts = groups.chunk_counts.slice_mut(..chunks * groups.experts);
@@ -276,22 +269,9 @@ impl MoeKernels {
                 &e,
                 &mut counts
             )?;
-            launch!(
-                self.stream,
-                &self.group_scan,
-                one_block,
-                &mut counts,
-                &c,
-                &e,
-                &rows,
-                &spill,
-                &max,
-                &mut groups.tiles,
-                &mut groups.num_tiles
-            )?;
         }
-        let base = counts.as_view();
-        // SAFETY: as above.
+        let counts = counts.as_view();
+        // SAFETY: as above; at most max_tiles tiles are written.
         unsafe {
             launch!(
                 self.stream,
@@ -300,7 +280,12 @@ impl MoeKernels {
                 ids,
                 &p,
                 &e,
-                &base,
+                &counts,
+                &rows,
+                &spill,
+                &max,
+                &mut groups.tiles,
+                &mut groups.num_tiles,
                 &mut groups.sorted
             )
         }
