@@ -415,8 +415,8 @@ fn grouped_experts_match_cpu() {
     let mut rng = rng("grouped experts");
     // Qwen3.6-35B-A3B: 256 experts, hidden 2048, I = 512, MLX Q4: the mma.sync kernel in each
     // tile height, and wgmma (tile maps of 128 rows: tiles of up to 64 rows take its N = 64
-    // products, taller ones N = 128, and an expert's last tile of 129..160 rows N = 160; and of
-    // 64 rows).
+    // products, taller ones N = 96 or 128, and an expert's last tile of 129..160 rows N = 144 or
+    // 160; and of 64 rows).
     let real = Experts::random(s, &mut rng, Kind::Q4, 256, 2048, 512);
     for kernel in [
         (64, Kernel::MmaSync),
@@ -433,8 +433,9 @@ fn grouped_experts_match_cpu() {
         grouped_case(&dev, &mut rng, &real, Routing::Same, 70, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Uniform, 9, kernel);
     }
-    // Experts of 150, 160 (one tile of N = 160), 161 (128 + 33) and 288 rows (128 + 160).
-    for tokens in [150, 160, 161, 288] {
+    // Experts of 70 (one tile of N = 96), 100 (N = 128), 140 (N = 144), 150 and 160 (N = 160),
+    // 161 (128 + 33) and 288 rows (128 + 160).
+    for tokens in [70, 100, 140, 150, 160, 161, 288] {
         for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged] {
             grouped_case(&dev, &mut rng, &real, Routing::Same, tokens, (128, kernel));
         }

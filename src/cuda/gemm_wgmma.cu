@@ -9,15 +9,16 @@
 //
 // Block: 4 warpgroups (512 threads), tile of 256 weight rows × up to 128 token rows; warpgroup q
 // owns weight rows 64q..64q+63 and issues m64nNk16 products, N = 128 token rows (64 fp32
-// accumulators per thread) or, for a tile of at most 64 rows (an expert's last few), N = 64. Each
+// accumulators per thread) or, for a shorter tile (an expert's last few rows), N = 96 or 64. Each
 // dequantised weight serves N tokens: the dequantisation (5 instructions per 2 weights in Q4, 7 in
 // Q8) is what bounds these kernels, not the tensor cores (bench/NOTES.md v1.21), so the taller tile
-// halves it per product. An expert of 129..160 rows is one tile of N = 160 (80 accumulators; its
-// k-loop spills a few registers to L1; one stage less), not a full tile and a short one: the
-// grouping's `spill` (moe.cu) gives an expert's last tile up to SPILL more rows. Measured 11 %
-// (gate‖up) and 10 % (down) faster at 4K tokens of uniform routing, less than the third fewer
-// tiles would give at a constant cost per tile: a short tile costs well under a full one (its
-// N = 64 products are half), so the products are a large part of the time too (NOTES v1.46).
+// halves it per product. An expert of 129..160 rows is one tile of N = 144 or 160 (72 or 80
+// accumulators; its k-loop spills a few registers to L1; one stage less), not a full tile and a
+// short one: the grouping's `spill` (moe.cu) gives an expert's last tile up to SPILL more rows.
+// Measured 11 % (gate‖up) and 10 % (down) faster at 4K tokens of uniform routing, less than the
+// third fewer tiles would give at a constant cost per tile: a short tile costs well under a full
+// one (its N = 64 products are half), so the products are a large part of the time too (NOTES
+// v1.46).
 //
 // k-tiles of 64 columns (one quantisation group) stream through STAGES shared-memory stages by
 // cp.async: the X tile (N rows × 128 bytes, 128-byte swizzle, the layout
@@ -73,6 +74,7 @@ template <int F> __host__ __device__ constexpr int sb_offset() { return STAGES *
 // the start to 1024 bytes (the swizzle pattern repeats every 1024).
 template <int F> __host__ __device__ constexpr int smem_bytes() { return sb_offset<F>() + 2 * SB_SLOT_BYTES + 1024; }
 static_assert(stage_bytes<64, Q4>() % 1024 == 0 && stage_bytes<64, Q8>() % 1024 == 0 &&
+                  stage_bytes<96, Q4>() % 1024 == 0 && stage_bytes<144, Q8>() % 1024 == 0 &&
                   stage_bytes<BM_MAX, Q4>() % 1024 == 0 && stage_bytes<BM_MAX, Q8>() % 1024 == 0,
               "X tiles stay 1024-byte aligned");
 static_assert(stages<BM_MAX>() * stage_bytes<BM_MAX, Q4>() <= STAGES * stage_bytes<BM, Q4>() &&
@@ -314,9 +316,13 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
         b_off_s[tid] = row < 0 ? -1 : row * (a.k * row_bytes<F>() / BK / 4);  // words per row
     }
     __syncthreads();
-    // The tile's height decides N for the whole block.
-    if (rows > BM) products<E, F, BM_MAX>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else if (rows > 64) products<E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    // The tile's height decides N for the whole block, in steps of 16 or 32 rows above 64: the
+    // products' time follows N, and an expert's rows rarely fill a tile (uniform routing of 4K
+    // tokens gives ≈ 143 rows an expert, half of them ≤ 144).
+    if (rows > 144) products<E, F, BM_MAX>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else if (rows > BM) products<E, F, 144>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else if (rows > 96) products<E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else if (rows > 64) products<E, F, 96>(a, mat, rows, a_row_s, c_row_s, b_off_s);
     else products<E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
 }
 
