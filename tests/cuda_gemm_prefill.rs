@@ -246,7 +246,11 @@ fn cublas_path_matches_cpu() {
     // gemm_pitched: the same products with rows at the padded pitch, as cuBLAS wrote them (no
     // copy): each row's values bit for bit those of `gemm`, its padding zero.
     let s = dev.stream();
-    for (kind, n, t, keep) in [(Kind::Q8, 257, 600, true), (Kind::Q4, 131, 513, false), (Kind::Q4, 256, 512, false)] {
+    for (kind, n, t, keep) in [
+        (Kind::Q8, 257, 600, true),
+        (Kind::Q4, 131, 513, false),
+        (Kind::Q4, 256, 512, false),
+    ] {
         let m = matrix(&mut rng, kind, n, 2048, 0.05);
         let dm = DeviceMatrices::concat(s, &[&m]).expect("upload weights");
         let x = upload(s, &activations(&mut rng, t * 2048, 1.0).0);
@@ -268,8 +272,15 @@ fn cublas_path_matches_cpu() {
         for r in 0..t {
             let row = &b[r * pitch..(r + 1) * pitch];
             let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&row[..n]), bits(&a[r * n..(r + 1) * n]), "{what}: row {r}");
-            assert!(row[n..].iter().all(|v| v.to_f32() == 0.0), "{what}: row {r}'s padding");
+            assert_eq!(
+                bits(&row[..n]),
+                bits(&a[r * n..(r + 1) * n]),
+                "{what}: row {r}"
+            );
+            assert!(
+                row[n..].iter().all(|v| v.to_f32() == 0.0),
+                "{what}: row {r}'s padding"
+            );
         }
         // A y of the packed size is refused where the pitch is wider.
         if pitch != n {

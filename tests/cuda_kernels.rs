@@ -1060,10 +1060,20 @@ fn router_gemv_with_fused_topk_equals_the_topk_kernel() {
                 &mut p_weights.as_view_mut(),
             )
             .unwrap();
-            assert_eq!(download(s, &p_ids), download(s, &want_ids), "{what}: ids at pitch {pitch}");
             assert_eq!(
-                download(s, &p_weights).iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                download(s, &want_weights).iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                download(s, &p_ids),
+                download(s, &want_ids),
+                "{what}: ids at pitch {pitch}"
+            );
+            assert_eq!(
+                download(s, &p_weights)
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>(),
+                download(s, &want_weights)
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>(),
                 "{what}: weights at pitch {pitch}"
             );
             assert_eq!(download(s, &ids), download(s, &want_ids), "{what}: ids");

@@ -296,6 +296,7 @@ impl MoeKernels {
     /// the shared expert becomes slot k (id `experts`, weight sigmoid(gate)). `logits` is
     /// `[tokens][pitch]`, each row's first `experts + shared` values read, `ids` and `weights`
     /// are `[tokens][k + shared]`.
+    #[allow(clippy::too_many_arguments)]
     pub fn router_topk(
         &self,
         logits: &CudaView<bf16>,

@@ -88,7 +88,13 @@ pub(super) fn moe_experts(
             )?;
             e + 1
         }
-        None => router_logits(k, &w.router, &s.xn.slice(..t * hd), &mut s.router.as_view_mut(), t)?,
+        None => router_logits(
+            k,
+            &w.router,
+            &s.xn.slice(..t * hd),
+            &mut s.router.as_view_mut(),
+            t,
+        )?,
     };
     if !fused_topk {
         k.moe.router_topk(

@@ -120,7 +120,14 @@ pub(super) fn router_logits(
             &mut y.slice_mut(..t * pitch),
         );
     }
-    gemv_rows(k, w, x, &mut y.slice_mut(..t * w.rows), t, L2Ahead::default())?;
+    gemv_rows(
+        k,
+        w,
+        x,
+        &mut y.slice_mut(..t * w.rows),
+        t,
+        L2Ahead::default(),
+    )?;
     Ok(w.rows)
 }
 
