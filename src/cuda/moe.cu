@@ -29,7 +29,7 @@ extern "C" __global__ void router_topk(const bf16* __restrict__ logits, int pitc
 //                         repeats the sums, a few loads per thread: cheaper than a one-block scan
 //                         launch between the two, whose loop over the chunks was a latency chain.)
 // Positions: expert e's pairs occupy [offset_e, offset_e + count_e), ordered by p, hence by token.
-#define GROUP_CHUNK 1024     // pairs per block of passes 1 and 3 (one per thread)
+#define GROUP_CHUNK 1024     // pairs per block of both launches (one per thread)
 #define GROUP_MAX_EXPERTS 288  // 256 routed + the shared expert, rounded up to whole warps
 #define GROUP_WARPS (GROUP_CHUNK / 32)
 
