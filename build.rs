@@ -31,6 +31,10 @@ const NVCC_FLAGS: &[&str] = &[
     "-Xptxas=-v",
 ];
 
+/// Modules built a second time with the decode timeline's stamps (`-DLILY_TIMELINE`, common.cuh),
+/// embedded as `<name>+timeline`: the kernels of a decode step (src/cuda/timeline.rs).
+const TIMELINE_MODULES: &[&str] = &["attention", "embed", "gdn", "gemm", "moe", "norm", "sample"];
+
 fn build_kernels() -> Result<(), String> {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
@@ -59,11 +63,17 @@ fn build_kernels() -> Result<(), String> {
         .iter()
         .map(|p| fs::read_to_string(p).map_err(|e| format!("reading {}: {e}", p.display())))
         .collect::<Result<_, _>>()?;
-    let kernels: Vec<(String, &PathBuf)> = sources
+    let mut kernels: Vec<(String, &PathBuf)> = sources
         .iter()
         .filter(|p| has_ext(p, "cu"))
         .map(|p| (module_name(&cuda_dir, p), p))
         .collect();
+    let timeline: Vec<(String, &PathBuf)> = kernels
+        .iter()
+        .filter(|(name, _)| TIMELINE_MODULES.contains(&name.as_str()))
+        .map(|(name, p)| (format!("{name}+timeline"), *p))
+        .collect();
+    kernels.extend(timeline);
 
     // Compile in parallel, at most as many nvcc processes as cargo allows jobs.
     let jobs: usize = env::var("NUM_JOBS")
@@ -179,9 +189,14 @@ fn compile(
     let stamp = base.with_extension("stamp");
     let log = base.with_extension("ptxas.txt");
 
+    let defines: &[&str] = if name.ends_with("+timeline") {
+        &["-DLILY_TIMELINE"]
+    } else {
+        &[]
+    };
     let text = fs::read_to_string(src).map_err(|e| format!("reading {}: {e}", src.display()))?;
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    (text.as_str(), headers, NVCC_FLAGS, nvcc).hash(&mut hasher);
+    (text.as_str(), headers, NVCC_FLAGS, defines, nvcc).hash(&mut hasher);
     let key = format!("{:016x}", hasher.finish());
     if cubin.is_file() && fs::read_to_string(&stamp).is_ok_and(|s| s == key) {
         return Ok(());
@@ -189,6 +204,7 @@ fn compile(
 
     let out = Command::new(nvcc)
         .args(NVCC_FLAGS)
+        .args(defines)
         .arg("-I")
         .arg(cuda_dir)
         .arg("-o")

@@ -11,7 +11,8 @@
 #   bash DIR/gpu-check.sh run [DIR]    on the GPU machine, from the repo root: runs every test
 #                                      binary in DIR, then `lily bench` and `lily bench --serve` on
 #                                      the full-size synthetic Q4 model; writes summary.txt, logs.tar
-#                                      and the bench files (with profile.md: the time per op)
+#                                      and the bench files (with profile.md: the time per op, timeline.md: the
+#                                      decode step kernel by kernel in its graph)
 #                                      under $OUT (or ./gpu-out); exits non-zero if a test failed.
 #
 # Set GPU_CHECK_CONTEXTS (comma-separated) to change the benchmark's contexts, or to "none" to skip
@@ -194,6 +195,14 @@ PY
             tail -15 "$logs/bench-$quant.log"
             echo "bench $quant: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
         done
+        # Where a decode step's time goes in its CUDA graph, kernel by kernel (timeline.md), from
+        # the decode kernels' timeline builds: a run of its own, so the sweep above has the plain ones.
+        echo "=== bench --timeline"
+        timeout 200 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda --timeline \
+            --contexts "${GPU_CHECK_TIMELINE_CONTEXTS:-4096,32768}" --decode-steps 64 --out "$out" > "$logs/bench-timeline.log" 2>&1
+        rc=$?
+        grep "^### context" "$logs/bench-timeline.log" | cut -c1-100
+        echo "bench --timeline: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
     fi
     # A/B: the q4 sweep again at 4K and 32K (GPU_CHECK_AB_CONTEXTS) with one setting changed, once
     # per setting in GPU_CHECK_AB (default: each setting under trial on, the early reads off), into

@@ -2,6 +2,8 @@
 //! a warm-up at that context, then per round one measured prefill followed by N greedy decode
 //! steps; the median of the rounds is reported. Works on any [`Backend`].
 
+pub mod timeline;
+
 use std::time::Instant;
 
 use crate::model::{Backend, OpTime, SeqId, Step, StepOutput};

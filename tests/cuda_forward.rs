@@ -257,7 +257,20 @@ fn q4_weights(seed: u64) -> Weights {
 }
 
 fn gpu_backend(weights: &Weights, max_sequences: usize, batch_steps: bool) -> CudaBackend {
-    let dev = CudaDevice::new(0).expect("a CUDA GPU");
+    gpu_backend_on(
+        CudaDevice::new(0).expect("a CUDA GPU"),
+        weights,
+        max_sequences,
+        batch_steps,
+    )
+}
+
+fn gpu_backend_on(
+    dev: CudaDevice,
+    weights: &Weights,
+    max_sequences: usize,
+    batch_steps: bool,
+) -> CudaBackend {
     let model = CudaModel::upload(&dev, weights).unwrap();
     let options = CudaOptions {
         max_sequences,
@@ -476,6 +489,101 @@ fn op_timing_changes_nothing_and_names_the_sections() {
         );
     }
     assert!(timed.take_op_times().is_empty(), "take starts over");
+}
+
+/// `lily bench --timeline` (the CUDA backend's timeline.rs): on a device opened with the decode
+/// kernels' timeline builds, the logits are those of the plain kernels, bit for bit, with and
+/// without a timeline being taken; every launch of every replay of the decode graph stamps once
+/// (the stamps make whole replays of the captured launch list), the gaps are positive and sum
+/// to less than the steps' wall time, and the sections of a decode step are all there. A device
+/// with the plain kernels refuses a timeline with an error.
+#[test]
+fn timeline_stamps_every_launch_of_the_decode_graph() {
+    let weights = q4_weights(13);
+    let mut plain = gpu_backend(&weights, 1, false);
+    let err = plain.start_timeline().unwrap_err().to_string();
+    assert!(err.contains("no timeline"), "{err}");
+    let stamped = CudaDevice::new_with(0, true).expect("a CUDA GPU");
+    let mut traced = gpu_backend_on(stamped, &weights, 1, false);
+    plain.create_sequence(0).unwrap();
+    traced.create_sequence(0).unwrap();
+    let p = prompt(200, 5);
+    let mut logits = traced.forward(0, &p).unwrap();
+    assert_eq!(logits, plain.forward(0, &p).unwrap());
+    let step = |plain: &mut CudaBackend, traced: &mut CudaBackend, logits: &mut Vec<f32>| {
+        let tok = argmax(logits);
+        let t0 = std::time::Instant::now();
+        *logits = traced.forward(0, &[tok]).unwrap();
+        let wall = t0.elapsed().as_secs_f64() * 1e6;
+        assert_eq!(*logits, plain.forward(0, &[tok]).unwrap());
+        wall
+    };
+    step(&mut plain, &mut traced, &mut logits); // captures the graph
+    assert!(traced.start_timeline().unwrap());
+    let steps = 6;
+    let wall: f64 = (0..steps)
+        .map(|_| step(&mut plain, &mut traced, &mut logits))
+        .sum();
+    let t = traced.stop_timeline().unwrap().expect("a timeline");
+    assert_eq!(t.steps, steps);
+    let per_step = t.launches.len() + 1;
+    let calls: u64 = t.ops.iter().map(|o| o.calls).sum();
+    assert_eq!(calls as usize, steps * (per_step - 1));
+    assert!(per_step > 40, "{per_step} launches per step");
+    let sum_us: f64 = t.ops.iter().map(|o| o.ms).sum::<f64>() * 1e3;
+    assert!(
+        sum_us > 0.0 && sum_us < wall,
+        "gaps sum to {sum_us} µs, the steps took {wall} µs"
+    );
+    assert!(
+        t.launches
+            .iter()
+            .all(|l| l.gap_us.is_finite() && l.gap_us >= 0.0 && l.waited_us >= 0.0),
+        "{:?}",
+        t.launches
+    );
+    // The GEMVs mark their work in order: x staged, first batch in, tiles done, end, all within
+    // the gap to the next launch's release.
+    let gemvs: Vec<_> = t
+        .launches
+        .iter()
+        .filter(|l| l.section == "gdn in_proj")
+        .collect();
+    assert!(!gemvs.is_empty());
+    for l in gemvs {
+        let m: Vec<f64> = l.marks_us[1..].iter().map(|m| m.expect("marked")).collect();
+        assert!(
+            m.windows(2).all(|w| w[0] <= w[1]) && m[3] <= l.gap_us,
+            "{l:?}"
+        );
+    }
+    for section in [
+        "embed",
+        "gdn in_proj",
+        "gdn mixer",
+        "attn mixer",
+        "moe experts",
+        "lm_head",
+    ] {
+        assert!(
+            t.ops.iter().any(|o| o.section == section),
+            "no {section}: {:?}",
+            t.ops
+        );
+    }
+    // Off again: nothing stamps, nothing changes.
+    assert!(traced.stop_timeline().unwrap().is_none());
+    step(&mut plain, &mut traced, &mut logits);
+    assert!(traced.start_timeline().unwrap());
+    assert!(
+        traced.stop_timeline().unwrap().is_none(),
+        "no decode step ran under the second timeline"
+    );
+    println!(
+        "timeline: {per_step} launches per step, {:.1} µs per step of gaps, {:.1} µs per step of wall time",
+        sum_us / steps as f64,
+        wall / steps as f64
+    );
 }
 
 /// `lily agree --device-routing` on the GPU (src/agree.rs): a traced run (passes uncaptured, each

@@ -51,6 +51,11 @@ pub struct BenchArgs {
     /// decode rows riding along, against the prompts alone (0: not).
     #[arg(long, default_value_t = 0)]
     pub profile_mixed: usize,
+    /// Instead of the sweep, a timeline of the decode steps at every context: each kernel's
+    /// share of the step as its CUDA graph runs, from the decode kernels' timeline builds (GPU
+    /// only; writes timeline.md with --out).
+    #[arg(long, conflicts_with_all = ["serve", "profile"])]
+    pub timeline: bool,
     /// Measure the engine under load instead: concurrent streams, a multi-turn conversation
     /// with and without the prefix cache, decode speed per stream (the flags below).
     #[arg(long)]
@@ -91,6 +96,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let gpu = GpuOptions {
             slots: Some(args.streams.max(args.decode_streams)),
             batch_steps: args.batch_steps,
+            timeline: false,
         };
         (longest, gpu)
     } else {
@@ -103,6 +109,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             longest,
             GpuOptions {
                 slots,
+                timeline: args.timeline,
                 ..GpuOptions::default()
             },
         )
@@ -123,6 +130,24 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         "--profile: {} cannot time its ops (the CUDA backend can)",
         backend.device_name()
     );
+    if args.timeline {
+        let mut md = String::new();
+        for &context in &args.contexts {
+            let t = bench::timeline::decode_timeline(backend.as_mut(), context, args.decode_steps)?
+                .ok_or_else(|| {
+                    anyhow::anyhow!("--timeline: {} cannot take one", backend.device_name())
+                })?;
+            let part = bench::timeline::to_markdown(context, &t, 48);
+            eprintln!("{}", part.lines().next().unwrap_or(""));
+            md += &part;
+        }
+        println!("{md}");
+        if let Some(out) = &args.out {
+            std::fs::create_dir_all(out)?;
+            std::fs::write(out.join("timeline.md"), md)?;
+        }
+        return Ok(());
+    }
     let options = BenchOptions {
         contexts: args.contexts.clone(),
         decode_steps: args.decode_steps,
@@ -234,7 +259,7 @@ fn synthetic_backend(
                 Quant::Q4 => Some(4),
                 Quant::Q8 | Quant::Fp8 => Some(8),
             };
-            let dev = CudaDevice::open(device)?;
+            let dev = CudaDevice::open_with(device, gpu.timeline)?;
             let t = std::time::Instant::now();
             let config = lily::config::ModelConfig::from_json(&cfg)?;
             let model = if quant == Quant::Fp8 {

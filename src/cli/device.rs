@@ -32,6 +32,8 @@ pub struct GpuOptions {
     pub slots: Option<usize>,
     /// The steps of several sequences run as shared passes (default: the backend's).
     pub batch_steps: Option<bool>,
+    /// The decode kernels built with the timeline's stamps (`lily bench --timeline`).
+    pub timeline: bool,
 }
 
 #[cfg(feature = "cuda")]
@@ -61,7 +63,7 @@ pub fn backend(
     #[cfg(feature = "cuda")]
     {
         use lily::cuda::{forward::CudaBackend, model::CudaModel, CudaDevice};
-        let dev = CudaDevice::open(device)?;
+        let dev = CudaDevice::open_with(device, gpu.timeline)?;
         let model = CudaModel::upload(&dev, &weights)?;
         drop(weights);
         Ok(Box::new(CudaBackend::new(

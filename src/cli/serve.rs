@@ -91,6 +91,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let gpu = super::device::GpuOptions {
         slots: Some(args.max_sequences),
         batch_steps: args.batch_steps,
+        timeline: false,
     };
     server::run(ServeOptions {
         source,

@@ -80,5 +80,58 @@ __device__ __forceinline__ float silu(float v) {
 // Two reads come before the wait where the order of a forward pass makes them safe, each argued
 // where it is made: the GDN decode step's state (gdn.rs, decode_in_pass) and the experts' down
 // GEMV's ids (gemm.rs, then_ids_ready).
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+//
+// Decode timeline (timeline.rs, `lily bench --timeline`): the decode kernels' modules are built a
+// second time with LILY_TIMELINE (build.rs), and a device opened for a timeline loads those. In
+// them, while the host has set `lily_timeline`, block 0 of each kernel stamps {global timer as it
+// reached its wait, as the wait returned, grid size}: the gap between two kernels' returns is what
+// the first one cost the step in its CUDA graph, and a kernel that reached its wait after its
+// predecessor finished was late. The stamp's slot is taken before the wait, where the atomic's
+// round trip overlaps the wait; slots may then be out of launch order, which the host restores
+// from the stamps. A separate build because any check in the plain kernels, even of a pointer in
+// constant memory, cost decode 5–7 % (a load before every wait: bench/NOTES.md v1.50).
+// A kernel may also mark points of its own work in block 0's entry (timeline_mark: up to
+// TIMELINE_MARKS, the global timer at each): where its time goes after the wait.
+#define TIMELINE_MARKS 5
+#ifdef LILY_TIMELINE
+extern "C" __device__ u64* lily_timeline = nullptr;  // [0] slots taken, then TIMELINE_WORDS a slot
+constexpr u64 TIMELINE_CAPACITY = 1ull << 21;         // slots (timeline.rs: CAPACITY)
+constexpr u64 TIMELINE_WORDS = 3 + TIMELINE_MARKS;   // reached, released, grid, marks (timeline.rs: WORDS)
+
+__device__ __forceinline__ u64 global_timer() {
+    u64 now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
+// Returns block 0's entry (null elsewhere, or with no timeline), for timeline_mark.
+__device__ __forceinline__ u64* pdl_wait() {
+    u64* const timeline = *const_cast<u64* volatile*>(&lily_timeline);
+    const bool stamp = timeline != nullptr && (threadIdx.x | threadIdx.y | blockIdx.x | blockIdx.y | blockIdx.z) == 0;
+    u64 slot = 0, reached = 0;
+    if (stamp) {
+        reached = global_timer();
+        slot = atomicAdd(timeline, 1ull);
+    }
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (stamp && slot < TIMELINE_CAPACITY) {
+        u64* entry = timeline + 1 + TIMELINE_WORDS * slot;
+        entry[0] = reached;
+        entry[1] = global_timer();
+        entry[2] = (u64)gridDim.x * gridDim.y * gridDim.z;
+        return entry;
+    }
+    return nullptr;
+}
+
+__device__ __forceinline__ void timeline_mark(u64* entry, int mark) {
+    if (entry != nullptr) entry[3 + mark] = global_timer();
+}
+#else
+__device__ __forceinline__ u64* pdl_wait() {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    return nullptr;
+}
+__device__ __forceinline__ void timeline_mark(u64*, int) {}
+#endif
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }

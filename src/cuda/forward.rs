@@ -36,6 +36,7 @@ use super::norm::NormKernels;
 use super::profile::{self, OpProfile};
 use super::sample::SampleKernels;
 use super::snapshot::SnapshotPool;
+use super::timeline::Timeline;
 use super::weights::DeviceMatrices;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::LayerKind;
@@ -223,10 +224,13 @@ pub struct CudaBackend {
     /// What the routers decide, while `lily agree` traces it: passes run uncaptured and each MoE
     /// layer's router logits and expert ids are copied out (record_routing).
     routing: Option<RoutingTrace>,
+    /// `lily bench --timeline`: the stamps of the decode graphs' kernels (timeline.rs), and the
+    /// batch size of the graph replayed since it was installed (one size only).
+    timeline: Option<(Timeline, Option<usize>)>,
 }
 
-/// A captured decode pass.
-struct DecodeGraph(CudaGraph);
+/// A captured decode pass, with the (section, kernel) of each of its launches in order.
+struct DecodeGraph(CudaGraph, Vec<(&'static str, String)>);
 
 // SAFETY: a CUDA graph may be launched from any thread once its context is bound, which
 // `CudaGraph::launch` does; the backend (and with it the graph) is used by one thread at a time.
@@ -355,6 +359,7 @@ impl CudaBackend {
             profile: None,
             fused_rows,
             routing: None,
+            timeline: None,
             options,
         })
     }
@@ -464,14 +469,21 @@ impl CudaBackend {
         if !self.decode_graphs.contains_key(&b) {
             st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .during(|| "starting the decode graph capture".into())?;
-            let captured = self.body(&pass);
+            let (captured, labels) = profile::label_launches(|| self.body(&pass));
             let graph = st
                 .end_capture(sys::CUgraphInstantiate_flags(0))
                 .during(|| "capturing the decode graph".into());
             captured?;
             let graph = graph?
                 .ok_or_else(|| CudaError::Shape("the decode graph capture was empty".into()))?;
-            self.decode_graphs.insert(b, DecodeGraph(graph));
+            self.decode_graphs.insert(b, DecodeGraph(graph, labels));
+        }
+        if let Some((_, replayed)) = &mut self.timeline {
+            ensure!(
+                replayed.is_none_or(|r| r == b),
+                "a timeline covers decode passes of one batch size"
+            );
+            *replayed = Some(b);
         }
         self.decode_graphs[&b]
             .0

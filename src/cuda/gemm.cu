@@ -200,8 +200,9 @@ __device__ void gemv(const GemvArgs& a) {
     // PDL (common.cuh): a fixed matrix can be streamed in before the previous kernel is done; the
     // expert of a slot is known only once the router's ids are written (or were, see ids_ready).
     const bool ids_wait = a.ids && !a.ids_ready;
+    u64* timeline = nullptr;  // block 0's timeline entry (common.cuh), in timeline builds
     if (ids_wait) {
-        pdl_wait();
+        timeline = pdl_wait();
         // A release fence before the trigger orders what this grid's wait made visible (the ids)
         // before the start of the next grid (PTX ISA, griddepcontrol), which may read them before
         // its own wait (ids_ready). Its reads bypass L1 too (__ldcg): no stale line of an earlier
@@ -232,6 +233,7 @@ __device__ void gemv(const GemvArgs& a) {
     } else if (a.ids) {
         mat = min(max(__ldcg(a.ids + slot_id), 0), a.count - 1);
     }
+    timeline_mark(timeline, 0);  // the matrix known
     const u32* wmat = a.w + mat * a.w_mat_words;
     const bf16* smat = a.scales + (i64)mat * a.rows * ngroups;
     const bf16* bmat = a.biases + (i64)mat * a.rows * ngroups;
@@ -320,7 +322,7 @@ __device__ void gemv(const GemvArgs& a) {
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + off), "r"((u32)min(4096ll, end - off))
                          : "memory");
     }
-    if (!ids_wait) pdl_wait();
+    if (!ids_wait) timeline = pdl_wait();
 
     // A residual input: each token row's x made here (into shared memory) from the residual
     // stream, exactly as the residual_rmsnorm kernel would have made it.
@@ -399,6 +401,7 @@ __device__ void gemv(const GemvArgs& a) {
         }
     }
     __syncthreads();
+    timeline_mark(timeline, 1);  // x staged
 
     // acc: the C fragment, {row g, tokens 2t, 2t+1}, {row g+8, tokens 2t, 2t+1}.
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -413,6 +416,7 @@ __device__ void gemv(const GemvArgs& a) {
         // job is free, and the copy of job j + STAGES - 1 can go into it.
         cp_async_wait<STAGES - 2>();
         __syncwarp();
+        if (j == 0) timeline_mark(timeline, 2);  // the first batch in shared memory
         issue(j + STAGES - 1);
         const unsigned char* cur = ring + (j % STAGES) * S::BYTES;
         const int it0 = it_begin + job.batch * BATCH;
@@ -503,6 +507,7 @@ __device__ void gemv(const GemvArgs& a) {
         acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
     }
     cp_async_wait<0>();  // no copy may still be writing when the block's shared memory is reused
+    timeline_mark(timeline, 3);  // this thread's tiles done
 
     if (a.topk_k > 0) {
         __shared__ int last;
@@ -519,6 +524,7 @@ __device__ void gemv(const GemvArgs& a) {
             if (threadIdx.x == 0) *a.topk_counter = 0u;
         }
     }
+    timeline_mark(timeline, 4);  // block 0's end
 }
 
 }  // namespace

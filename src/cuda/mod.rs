@@ -23,6 +23,7 @@ pub mod profile;
 pub mod sample;
 pub mod snapshot;
 pub mod synth;
+pub mod timeline;
 pub mod weights;
 
 use std::collections::HashMap;
@@ -166,6 +167,12 @@ pub struct CudaDevice {
 impl CudaDevice {
     /// Opens the device named by `spec`: `cuda` (device 0) or `cuda:N`.
     pub fn open(spec: &str) -> Result<Self> {
+        Self::open_with(spec, false)
+    }
+
+    /// [`open`](Self::open), with the decode kernels' timeline builds when `timeline` (see
+    /// [`new_with`](Self::new_with)).
+    pub fn open_with(spec: &str, timeline: bool) -> Result<Self> {
         let index = match spec.strip_prefix("cuda") {
             Some("") => 0,
             Some(rest) => rest
@@ -174,11 +181,18 @@ impl CudaDevice {
                 .ok_or_else(|| CudaError::BadDeviceSpec(spec.to_string()))?,
             None => return Err(CudaError::BadDeviceSpec(spec.to_string())),
         };
-        Self::new(index)
+        Self::new_with(index, timeline)
     }
 
     /// Opens device `index` and loads every embedded kernel module onto it.
     pub fn new(index: usize) -> Result<Self> {
+        Self::new_with(index, false)
+    }
+
+    /// Opens device `index`; with `timeline`, the modules built with the decode timeline's
+    /// stamps (build.rs, timeline.rs) stand in for the plain ones, so that a timeline can be
+    /// taken: those kernels do a little more at each wait, the plain ones nothing.
+    pub fn new_with(index: usize, timeline: bool) -> Result<Self> {
         ensure_libraries()?;
         let count = CudaContext::device_count().during(|| "cuDeviceGetCount".into())? as usize;
         if index >= count {
@@ -200,6 +214,17 @@ impl CudaDevice {
         let stream = ctx.new_stream().during(|| "cuStreamCreate".into())?;
         let mut modules = HashMap::new();
         for &(module, cubin) in embedded::CUBINS {
+            let (module, stamped) = match module.strip_suffix("+timeline") {
+                Some(plain) => (plain, true),
+                None => (module, false),
+            };
+            let has_stamped = || {
+                let name = format!("{module}+timeline");
+                embedded::CUBINS.iter().any(|&(m, _)| m == name)
+            };
+            if stamped != (timeline && has_stamped()) {
+                continue;
+            }
             // Copied into a Vec: cuModuleLoadData wants an aligned image; include_bytes! gives no alignment.
             let image = cudarc::nvrtc::Ptx::from_binary(cubin.to_vec());
             let loaded = ctx
@@ -255,6 +280,28 @@ impl CudaDevice {
             .shared_size_bytes()
             .during(|| format!("static shared memory of {name}"))? as usize;
         Ok(self.max_shared_memory_per_block()?.saturating_sub(fixed))
+    }
+
+    /// Writes `value` into the 8-byte global `name` of every kernel module that has one, then
+    /// waits for the copies; returns how many modules had it.
+    pub fn set_module_global(&self, name: &str, value: u64) -> Result<usize> {
+        let mut set = 0;
+        for m in self.modules.values() {
+            let Ok(mut symbol) = m.get_global(name, &self.stream) else {
+                continue;
+            };
+            // SAFETY: the global is one 8-byte word, written as its bits.
+            let mut word = unsafe { symbol.transmute_mut::<u64>(1) }
+                .ok_or_else(|| CudaError::Shape(format!("{name} is not 8 bytes")))?;
+            self.stream
+                .memcpy_htod(&[value], &mut word)
+                .during(|| format!("setting {name}"))?;
+            set += 1;
+        }
+        self.stream
+            .synchronize()
+            .during(|| format!("setting {name}"))?;
+        Ok(set)
     }
 
     /// Lets launches of `f` ask for up to `bytes` of dynamic shared memory (above 48 KB a kernel

@@ -30,6 +30,25 @@ pub struct OpProfile {
 
 thread_local! {
     static ACTIVE: RefCell<Option<OpProfile>> = const { RefCell::new(None) };
+    static LABELS: RefCell<Option<Labels>> = const { RefCell::new(None) };
+}
+
+/// The launches of a pass as they are made (for a captured graph, whose replays the timeline
+/// measures: timeline.rs): (section, kernel) each.
+#[derive(Default)]
+struct Labels {
+    section: &'static str,
+    launches: Vec<(&'static str, String)>,
+}
+
+/// Runs `pass` and returns, beside its result, the (section, kernel) of each launch it made.
+pub(crate) fn label_launches<T>(
+    pass: impl FnOnce() -> Result<T>,
+) -> (Result<T>, Vec<(&'static str, String)>) {
+    LABELS.with_borrow_mut(|l| *l = Some(Labels::default()));
+    let out = pass();
+    let labels = LABELS.with_borrow_mut(Option::take).unwrap_or_default();
+    (out, labels.launches)
 }
 
 impl OpProfile {
@@ -110,6 +129,11 @@ impl OpProfile {
 /// Starts a section of the forward pass ("gdn in_proj", "moe experts", ...); the work since the
 /// last event goes to the section before. A no-op without an installed profile.
 pub(crate) fn section(stream: &CudaStream, name: &'static str) -> Result<()> {
+    LABELS.with_borrow_mut(|l| {
+        if let Some(l) = l {
+            l.section = name;
+        }
+    });
     ACTIVE.with_borrow_mut(|a| match a {
         Some(p) => {
             if p.used > 0 && !p.section.is_empty() {
@@ -124,6 +148,11 @@ pub(crate) fn section(stream: &CudaStream, name: &'static str) -> Result<()> {
 
 /// Called by `launch!` after each launch: the time until this event is the kernel's.
 pub(crate) fn after_launch(stream: &CudaStream, kernel: &'static str) -> Result<()> {
+    LABELS.with_borrow_mut(|l| {
+        if let Some(l) = l {
+            l.launches.push((l.section, kernel_name(kernel)));
+        }
+    });
     ACTIVE.with_borrow_mut(|a| match a {
         Some(p) => p.mark(stream, kernel),
         None => Ok(()),

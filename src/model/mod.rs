@@ -42,6 +42,31 @@ pub struct OpTime {
     pub calls: u64,
 }
 
+/// Where the decode steps' time went as their CUDA graph ran ([`Backend::stop_timeline`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DecodeTimeline {
+    /// Steps measured.
+    pub steps: usize,
+    /// Per (section, kernel): the gaps from each of its launches to the next launch's start,
+    /// summed over the steps.
+    pub ops: Vec<OpTime>,
+    /// Each launch of one step but the last, in order.
+    pub launches: Vec<LaunchTime>,
+}
+
+/// One launch of a decode step in a [`DecodeTimeline`]: medians over the steps, in µs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LaunchTime {
+    pub section: String,
+    pub kernel: String,
+    /// From its wait's return (its predecessor done) to the next launch's.
+    pub gap_us: f64,
+    /// How long it waited at its wait, ready before its predecessor finished (about 0: late).
+    pub waited_us: f64,
+    /// Points of its own work it marked, from its wait's return (None: not marked).
+    pub marks_us: Vec<Option<f64>>,
+}
+
 /// A device that runs the model. It owns the per-sequence states (KV caches and recurrent
 /// states live where the compute is), addressed by [`SeqId`].
 ///
@@ -142,6 +167,16 @@ pub trait Backend: Send {
     /// The op times gathered since timing was turned on or last taken, largest first.
     fn take_op_times(&mut self) -> Vec<OpTime> {
         Vec::new()
+    }
+    /// Starts a timeline of the decode steps from now on, as their CUDA graph runs (`lily bench
+    /// --timeline`); returns whether this backend can take one.
+    fn start_timeline(&mut self) -> anyhow::Result<bool> {
+        Ok(false)
+    }
+    /// Ends the timeline begun by [`start_timeline`](Backend::start_timeline): None where none
+    /// was taken.
+    fn stop_timeline(&mut self) -> anyhow::Result<Option<DecodeTimeline>> {
+        Ok(None)
     }
     /// Starts recording what the MoE routers decide for every row run from now on (`lily
     /// agree`); returns whether this backend can.

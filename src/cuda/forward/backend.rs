@@ -11,10 +11,12 @@ use crate::cuda::gdn;
 use crate::cuda::profile::OpProfile;
 use crate::cuda::sample::SampleKernels;
 use crate::cuda::snapshot::StatePools;
+use crate::cuda::timeline::{self, Timeline};
 use crate::cuda::{Context, Result};
 use crate::model::passes::{self, PassLimits, PassStep};
 use crate::model::{
-    panic_message, Backend, OpTime, RoutingTrace, SeqId, Snapshot, SnapshotId, Step, StepOutput,
+    panic_message, Backend, DecodeTimeline, OpTime, RoutingTrace, SeqId, Snapshot, SnapshotId,
+    Step, StepOutput,
 };
 use crate::sampling::DeviceSampling;
 
@@ -168,6 +170,22 @@ impl Backend for CudaBackend {
     }
     fn take_op_times(&mut self) -> Vec<OpTime> {
         self.profile.as_mut().map_or_else(Vec::new, OpProfile::take)
+    }
+    fn start_timeline(&mut self) -> anyhow::Result<bool> {
+        anyhow::ensure!(self.timeline.is_none(), "a timeline is already being taken");
+        self.timeline = Some((Timeline::install(&self.dev)?, None));
+        Ok(true)
+    }
+    fn stop_timeline(&mut self) -> anyhow::Result<Option<DecodeTimeline>> {
+        let Some((timeline, batch)) = self.timeline.take() else {
+            return Ok(None);
+        };
+        let stamps = timeline.uninstall(&self.dev)?;
+        let Some(batch) = batch else {
+            return Ok(None);
+        };
+        let labels = &self.decode_graphs[&batch].1;
+        Ok(Some(timeline::per_launch(&stamps, labels)?))
     }
     fn trace_routing(&mut self) -> bool {
         self.routing = Some(RoutingTrace::new(self.model.layers.len()));
