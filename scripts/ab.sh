@@ -7,7 +7,8 @@
 #                                          call carries at most 64 MiB with the working tree). The
 #                                          tree must be clean; the checkout returns to where it was.
 #   bash DIR/ab.sh run DIR [SPEC ...]     there, from the repo root: SPEC is NAME (a packed build)
-#                                          or NAME:VAR=VALUE (that build with one setting); default:
+#                                          or NAME:VAR=VALUE (that build with a setting; several
+#                                          joined by +: NAME:A=1+B=2); default:
 #                                          every packed build as it is. Writes $OUT/ab.md (the
 #                                          table: each variant's mean of the runs' medians) and
 #                                          $OUT/ab.tar (every run's bench files and log).
@@ -59,14 +60,15 @@ run)
         for spec in "${specs[@]}"; do
             name="${spec%%:*}" setting="X_AB_NONE=1"
             [[ "$spec" == *:* ]] && setting="${spec#*:}"
+            IFS='+' read -ra setting <<< "$setting"  # NAME:A=1+B=2: both settings
             tag="${spec//[:=]/-}-$run"
             if [[ "${AB_MODE:-sweep}" == serve ]]; then
                 # shellcheck disable=SC2086
-                env "$setting" timeout 300 "$bins/lily-$name" bench --serve --synthetic qwen3.6-35b-a3b --device cuda \
+                env "${setting[@]}" timeout 300 "$bins/lily-$name" bench --serve --synthetic qwen3.6-35b-a3b --device cuda \
                     --quant "${AB_QUANT:-q4}" ${AB_SERVE_ARGS:---batch-steps --streams 64 --prompt-tokens 1024 --output-tokens 128} \
                     --out "$res/$tag" > "$res/$tag.log" 2>&1
             else
-                env "$setting" timeout 300 "$bins/lily-$name" bench --synthetic qwen3.6-35b-a3b --device cuda \
+                env "${setting[@]}" timeout 300 "$bins/lily-$name" bench --synthetic qwen3.6-35b-a3b --device cuda \
                     --quant "${AB_QUANT:-q4}" --contexts "${AB_CONTEXTS:-4096,32768}" --rounds "${AB_ROUNDS:-3}" \
                     --decode-steps "${AB_STEPS:-32}" --out "$res/$tag" > "$res/$tag.log" 2>&1
             fi
