@@ -5,6 +5,7 @@ pub mod convert;
 pub mod cpu;
 pub mod passes;
 pub mod state;
+pub mod timeline;
 pub mod weights;
 
 use std::collections::HashMap;
@@ -12,6 +13,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use passes::PassLimits;
 pub use state::SequenceState;
+pub use timeline::{DecodeTimeline, LaunchTime};
 pub use weights::Weights;
 
 use crate::config::ModelConfig;
@@ -40,31 +42,6 @@ pub struct OpTime {
     pub kernel: String,
     pub ms: f64,
     pub calls: u64,
-}
-
-/// Where the decode steps' time went as their CUDA graph ran ([`Backend::stop_timeline`]).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct DecodeTimeline {
-    /// Steps measured.
-    pub steps: usize,
-    /// Per (section, kernel): the gaps from each of its launches to the next launch's start,
-    /// summed over the steps.
-    pub ops: Vec<OpTime>,
-    /// Each launch of one step but the last, in order.
-    pub launches: Vec<LaunchTime>,
-}
-
-/// One launch of a decode step in a [`DecodeTimeline`]: medians over the steps, in µs.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct LaunchTime {
-    pub section: String,
-    pub kernel: String,
-    /// From its wait's return (its predecessor done) to the next launch's.
-    pub gap_us: f64,
-    /// How long it waited at its wait, ready before its predecessor finished (about 0: late).
-    pub waited_us: f64,
-    /// Points of its own work it marked, from its wait's return (None: not marked).
-    pub marks_us: Vec<Option<f64>>,
 }
 
 /// A device that runs the model. It owns the per-sequence states (KV caches and recurrent

@@ -11,7 +11,7 @@ use crate::cuda::gdn;
 use crate::cuda::profile::OpProfile;
 use crate::cuda::sample::SampleKernels;
 use crate::cuda::snapshot::StatePools;
-use crate::cuda::timeline::{self, Timeline};
+use crate::cuda::timeline::Timeline;
 use crate::cuda::{Context, Result};
 use crate::model::passes::{self, PassLimits, PassStep};
 use crate::model::{
@@ -185,7 +185,7 @@ impl Backend for CudaBackend {
             return Ok(None);
         };
         let labels = &self.decode_graphs[&batch].1;
-        Ok(Some(timeline::per_launch(&stamps, labels)?))
+        Ok(Some(crate::model::timeline::per_launch(&stamps, labels)?))
     }
     fn trace_routing(&mut self) -> bool {
         self.routing = Some(RoutingTrace::new(self.model.layers.len()));
