@@ -131,6 +131,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         backend.device_name()
     );
     if args.timeline {
+        // Whether the backend can take one, before any prompt runs (a CPU sweep's prefills are long).
+        anyhow::ensure!(
+            backend.start_timeline()?,
+            "--timeline: {} cannot take one (the CUDA backend can)",
+            backend.device_name()
+        );
+        backend.stop_timeline()?;
         let mut md = String::new();
         for &context in &args.contexts {
             let t = bench::timeline::decode_timeline(backend.as_mut(), context, args.decode_steps)?

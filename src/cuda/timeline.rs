@@ -52,24 +52,28 @@ impl Timeline {
     /// after the one before it has finished). An error if the buffer overflowed.
     pub fn uninstall(self, dev: &CudaDevice) -> Result<Vec<Stamp>> {
         dev.set_module_global(SYMBOL, 0)?;
-        let words = dev
-            .stream()
-            .clone_dtoh(&self.buf)
-            .during(|| "reading the timeline".into())?;
-        let taken = words[0] as usize;
+        // The count first, then only the stamps taken (the buffer is 128 MB).
+        let st = dev.stream();
+        let read = |range: std::ops::Range<usize>| {
+            st.clone_dtoh(&self.buf.slice(range))
+                .during(|| "reading the timeline".into())
+        };
+        let taken = read(0..1)?[0] as usize;
         super::ensure!(
             taken <= CAPACITY,
             "the timeline holds {CAPACITY} stamps, the kernels took {taken}"
         );
-        let mut stamps: Vec<Stamp> = (0..taken)
-            .map(|i| {
-                let w = &words[1 + WORDS * i..1 + WORDS * (i + 1)];
-                Stamp {
-                    reached: w[0],
-                    released: w[1],
-                    grid: w[2],
-                    marks: std::array::from_fn(|m| w[3 + m]),
-                }
+        if taken == 0 {
+            return Ok(Vec::new());
+        }
+        let words = read(1..1 + WORDS * taken)?;
+        let mut stamps: Vec<Stamp> = words
+            .chunks_exact(WORDS)
+            .map(|w| Stamp {
+                reached: w[0],
+                released: w[1],
+                grid: w[2],
+                marks: std::array::from_fn(|m| w[3 + m]),
             })
             .collect();
         stamps.sort_by_key(|s| s.released);
