@@ -54,10 +54,11 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
                  const float* __restrict__ k_norm, const __grid_constant__ RopeFreqs rope, const KvCacheArgs c,
                  const int* __restrict__ slots, const int* __restrict__ positions, int slot0, int start,
                  bf16* __restrict__ q_out, int rows, float eps) {
-    pdl_wait();
-    pdl_launch_dependents();
     const int unit_id = blockIdx.x * PREP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = unit_id / PREP_UNITS, unit = unit_id % PREP_UNITS;
+    if (unit < N_QHEADS + N_KVHEADS) prefetch_l1((unit < N_QHEADS ? q_norm : k_norm) + 8 * lane);
+    pdl_wait();
+    pdl_launch_dependents();
     if (row >= rows) return;
     const int slot = positions ? slots[row] : slot0;
     const int pos = positions ? positions[row] : start + row;
@@ -337,12 +338,11 @@ __device__ __forceinline__ int split_chunk(int len, int max_splits, int min_chun
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     attn_decode_split(const bf16* __restrict__ q, const KvCacheArgs c, const int* __restrict__ slots,
                       const int* __restrict__ positions, float* __restrict__ part_o,
-                      float* __restrict__ part_ml, int max_splits, float scale_log2, int min_chunk) {
-    pdl_wait();
-    pdl_launch_dependents();
+                      float* __restrict__ part_ml, int max_splits, float scale_log2, int min_chunk, int early) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float s_m[DEC_WARPS][GROUP], s_l[DEC_WARPS][GROUP];
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+    // Slots and positions come from host copies before the pass, which no kernel overlaps.
     const int slot = slots[b], pos = positions[b];
     if (!in_cache(c, slot, pos)) return;  // attn_combine writes NaN for this sequence
     const int len = pos + 1, chunk = split_chunk(len, max_splits, min_chunk);
@@ -366,8 +366,18 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
             cp_async16(sv + r * ROW_BYTES + part * 16, vg + off, ok);
         }
     };
-#pragma unroll
-    for (int s = 0; s < DEC_STAGES - 1; ++s) {
+    // With `early`, the first stages whose keys are all older than this step's go out before the
+    // wait: those rows were written by earlier passes, and the kernel that may still run when this
+    // one starts (attn_prepare: every kernel before it has finished, since attn_prepare triggers
+    // this launch only after its own wait) writes only row pos. The rest go out after the wait.
+    int issued = 0;
+    for (; early && issued < DEC_STAGES - 1 && issued < ntiles && min(k0 + (issued + 1) * DEC_TILE, k1) <= pos; ++issued) {
+        load_kv(issued, issued);
+        cp_async_commit();
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+    for (int s = issued; s < DEC_STAGES - 1; ++s) {
         if (s < ntiles) load_kv(s, s);
         cp_async_commit();  // empty groups too, so that the wait count below stays uniform
     }

@@ -288,6 +288,9 @@ pub struct AttentionKernels {
     /// Decode: the fewest keys per split (a multiple of 64); `LILY_ATTN_MIN_CHUNK` sets it (default
     /// 64: as many splits as fill the GPU), to measure fewer, longer splits at short context.
     min_chunk: i32,
+    /// Decode: the split kernel streams its first key tiles before its PDL wait (attention.cu
+    /// attn_decode_split; off with `LILY_EARLY_READS=0`).
+    early_reads: bool,
 }
 
 impl AttentionKernels {
@@ -348,6 +351,7 @@ impl AttentionKernels {
                 .map_or(DEC_TILE, |v| {
                     v.clamp(DEC_TILE, 1 << 20).next_multiple_of(DEC_TILE)
                 }) as i32,
+            early_reads: super::gemm::early_reads(),
         })
     }
 
@@ -661,7 +665,8 @@ impl AttentionKernels {
                 &mut ws.part_ml,
                 &splits_i,
                 &self.scale_log2,
-                &self.min_chunk
+                &self.min_chunk,
+                &i32::from(self.early_reads)
             )?;
             // With positions, attn_combine takes the positions from the device and the chunks from
             // the same rule as the split kernel: `start` is unused, `chunk` is the min chunk.

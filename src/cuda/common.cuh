@@ -77,9 +77,10 @@ __device__ __forceinline__ float silu(float v) {
 // earlier kernel wrote or writes anything an earlier kernel reads, and pdl_launch_dependents() once
 // it has started, so that the next kernel's blocks can be scheduled and run their independent
 // prologue (e.g. streaming weights) while this one finishes. Both are no-ops without the attribute.
-// Two reads come before the wait where the order of a forward pass makes them safe, each argued
-// where it is made: the GDN decode step's state (gdn.rs, decode_in_pass) and the experts' down
-// GEMV's ids (gemm.rs, then_ids_ready).
+// Three reads come before the wait where the order of a forward pass makes them safe, each argued
+// where it is made: the GDN decode step's state and conv state (gdn.rs, decode_in_pass), the
+// split-KV decode's key tiles older than the step's own key (attention.cu, attn_decode_split) and
+// the experts' down GEMV's ids (gemm.rs, then_ids_ready).
 //
 // Decode timeline (timeline.rs, `lily bench --timeline`): the decode kernels' modules are built a
 // second time with LILY_TIMELINE (build.rs), and a device opened for a timeline loads those. In
@@ -135,3 +136,9 @@ __device__ __forceinline__ u64* pdl_wait() {
 __device__ __forceinline__ void timeline_mark(u64*, int) {}
 #endif
 __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
+// A line a kernel will read after its wait but that no kernel of the step writes (a norm's
+// weights, the conv weights, a sequence's own conv state), pulled into L1 before the wait: the
+// step's 1.8 GB weight stream evicts them from L2, so otherwise each is a DRAM round trip on the
+// kernel's critical path (bench/NOTES.md v1.51). Only a hint: nothing waits for it.
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }

@@ -176,8 +176,29 @@ gdn_decode(const GdnArgs p) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) s[i] = *reinterpret_cast<const float4*>(S + (r + 16 * i) * GDN_DV);
     };
+    // This block's conv channels (see below), as the conv reads them.
+    auto channel = [&] {
+        if (tid < 2) return kh * GDN_DK + rank * 16 + tid * 8;
+        if (tid < 4) return GDN_KEY_DIM + kh * GDN_DK + rank * 16 + (tid - 2) * 8;
+        return 2 * GDN_KEY_DIM + hv * GDN_DV + v0 + (tid - 4) * 8;
+    };
     // The slots come from the host before the pass (not from a kernel), so they may be read here.
-    if (p.state_early) load_state();
+    // The same argument covers the sequence's conv state (only this layer's step writes it); the
+    // conv and norm weights and the head's gate parameters are constants: all pulled into L1.
+    if (p.state_early) {
+        load_state();
+        if (tid < 8) {
+            const int ch = channel();
+            const bf16* hist = p.conv_state + (i64)slot * GDN_CONV_STATE + ch;
+#pragma unroll
+            for (int j = 0; j < 3; ++j) prefetch_l1(hist + j * GDN_CONV_DIM);
+            prefetch_l1(p.conv_w + 4 * ch);  // 8 channels × 4 taps fp32: one 128-byte line
+            prefetch_l1(p.norm_w + v0 + 4 * c);
+        } else if (tid == 8) {
+            prefetch_l1(p.a_log + hv);
+            prefetch_l1(p.dt_bias + hv);
+        }
+    }
     pdl_wait();
     pdl_launch_dependents();
     if (!p.state_early) load_state();
@@ -199,18 +220,8 @@ gdn_decode(const GdnArgs p) {
     uint4* hist = nullptr;
     uint4 h1, h2, xn;
     if (tid < 8) {
-        int ch;
-        float* out;
-        if (tid < 2) {
-            ch = kh * GDN_DK + rank * 16 + tid * 8;
-            out = qk_mine + tid * 8;
-        } else if (tid < 4) {
-            ch = GDN_KEY_DIM + kh * GDN_DK + rank * 16 + (tid - 2) * 8;
-            out = qk_mine + 16 + (tid - 2) * 8;
-        } else {
-            ch = 2 * GDN_KEY_DIM + hv * GDN_DV + v0 + (tid - 4) * 8;
-            out = v_s + (tid - 4) * 8;
-        }
+        const int ch = channel();
+        float* out = tid < 2 ? qk_mine + tid * 8 : tid < 4 ? qk_mine + 16 + (tid - 2) * 8 : v_s + (tid - 4) * 8;
         hist = reinterpret_cast<uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE + ch);
         const uint4 h0 = hist[0];
         h1 = hist[GDN_CONV_DIM / 8];

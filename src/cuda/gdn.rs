@@ -313,8 +313,8 @@ impl GdnKernels {
         self.decode_with(w, x, slots, ssm, conv, y, false)
     }
 
-    /// [`Self::decode`] inside a forward pass: the kernel reads the recurrent state before its PDL
-    /// wait, so the read overlaps the previous kernel. Safe only when no kernel that may still run
+    /// [`Self::decode`] inside a forward pass: the kernel reads the recurrent state (and pulls its
+    /// conv state into L1) before its PDL wait, so the reads overlap the previous kernel. Safe only when no kernel that may still run
     /// (PDL lets a kernel start while its predecessors finish) writes these states, which holds in
     /// a pass: the only writers of a layer's states are that layer's GDN kernels, each sequence's
     /// run once per pass, and every pass starts after host copies (slots, token ids), which no

@@ -24,9 +24,10 @@ __device__ __forceinline__ float sum_squares(const uint4* x, int nvec, int lane)
 // (1 + stored weight) for the zero-centred norms of this model, computed once at load time.
 extern "C" __global__ void rmsnorm(const bf16* __restrict__ x, const float* __restrict__ w,
                                    bf16* __restrict__ y, int rows, int n, float eps) {
+    const int row = norm_row(), lane = threadIdx.x % 32, nvec = n / 8;
+    for (int v = lane; v < nvec; v += 32) prefetch_l1(w + 8 * v);
     pdl_wait();
     pdl_launch_dependents();
-    const int row = norm_row(), lane = threadIdx.x % 32, nvec = n / 8;
     if (row >= rows) return;
     const uint4* xr = reinterpret_cast<const uint4*>(x + (u64)row * n);
     uint4* yr = reinterpret_cast<uint4*>(y + (u64)row * n);
@@ -39,6 +40,7 @@ extern "C" __global__ void rmsnorm(const bf16* __restrict__ x, const float* __re
 extern "C" __global__ void __launch_bounds__(RES_THREADS)
 residual_rmsnorm(bf16* __restrict__ h, const bf16* __restrict__ parts, const float* __restrict__ weights, int k,
                  const float* __restrict__ w, bf16* __restrict__ y, int rows, int n, float eps) {
+    for (int v = threadIdx.x; v < n / 8; v += RES_THREADS) prefetch_l1(w + 8 * v);
     pdl_wait();
     pdl_launch_dependents();
     __shared__ float warp_ss[RES_THREADS / 32];
