@@ -56,7 +56,7 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
                  bf16* __restrict__ q_out, int rows, float eps) {
     const int unit_id = blockIdx.x * PREP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = unit_id / PREP_UNITS, unit = unit_id % PREP_UNITS;
-    if (unit < N_QHEADS + N_KVHEADS) prefetch_l1((unit < N_QHEADS ? q_norm : k_norm) + 8 * lane);
+    if (positions && unit < N_QHEADS + N_KVHEADS) prefetch_l1((unit < N_QHEADS ? q_norm : k_norm) + 8 * lane);
     pdl_wait();
     pdl_launch_dependents();
     if (row >= rows) return;
@@ -523,17 +523,23 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// attn_combine: grid (16 heads, rows), 256 threads. Merges the partial results of one (row, head)
+// attn_combine: grid (16 heads, 4 quarters of the head's dims, rows), 256 threads. Merges the partial results of one (row, head)
 // over the key chunks that hold keys it sees: with M = max m_s and w_s = exp2(m_s − M),
 //   o = Σ w_s part_o_s / Σ w_s l_s,   out[row][256·h + d] = bf16(o[d] · sigmoid(gate[row][h][d])).
 // Decode (positions given): row b is a sequence at positions[b], chunks as split_chunk picks them
 // (with `chunk` passed as attn_decode_split's min_chunk).
 // Prefill (positions null): row i is token i at position start + i, chunks of `chunk` keys.
 // Either way the row's position pos sees chunks 0 .. pos / chunk.
-// Thread s first holds split s's (m, l) for the block-wide max and sum; then 4 groups of 64
-// threads, one float4 of dims each, sum every 4th split, and group 0 adds the 4 up.
+// Thread s first holds split s's (m, l) for the block-wide max and sum; then 16 groups of 16
+// threads, one float4 of the block's 64 dims each, sum every 16th split, and group 0 adds the 16
+// up. Every load is issued right after the wait (the partial outputs of a thread's first 4 splits
+// do not depend on the weights): one L2 round trip, where a block per head and 16 splits per
+// thread took four in turn (bench/NOTES.md v1.51).
 
 #define COMBINE_THREADS 256
+#define COMBINE_DIMS 64                             // dims per block
+#define COMBINE_GROUPS (COMBINE_THREADS * 4 / COMBINE_DIMS)  // split groups: 16
+#define COMBINE_AHEAD 4                             // splits per thread loaded before the weights
 
 __device__ __forceinline__ float block_max(float v, float* scratch) {
 #pragma unroll
@@ -565,15 +571,17 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     pdl_wait();
     pdl_launch_dependents();
     __shared__ float s_w[DEC_MAX_SPLITS];
-    __shared__ float4 s_acc[4][64];
+    __shared__ float4 s_acc[COMBINE_GROUPS][COMBINE_DIMS / 4];
     __shared__ float scratch[COMBINE_THREADS / 32];
-    const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
-    bf16* dst = out + (u64)b * N_QHEADS * HEAD_DIM + h * HEAD_DIM;
+    const int h = blockIdx.x, quarter = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+    const int grp = tid / (COMBINE_DIMS / 4), d4 = tid % (COMBINE_DIMS / 4);  // split group, float4 of dims
+    const int dim0 = quarter * COMBINE_DIMS;
+    bf16* dst = out + (u64)b * N_QHEADS * HEAD_DIM + h * HEAD_DIM + dim0;
     int pos = start + b;
     if (positions) {
         pos = positions[b];
         if (!in_cache(c, slots[b], pos)) {
-            dst[tid] = __float2bfloat16_rn(__int_as_float(0x7fc00000));  // NaN: see in_cache
+            if (tid < COMBINE_DIMS) dst[tid] = __float2bfloat16_rn(__int_as_float(0x7fc00000));  // NaN: see in_cache
             return;
         }
         chunk = split_chunk(pos + 1, max_splits, chunk);  // decode: `chunk` is the split's min_chunk
@@ -581,40 +589,59 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     const int nsplit = pos / chunk + 1;
     const u64 row = (u64)b * N_QHEADS + h;
 
+    // Every load up front: (m, l) of split tid, the first COMBINE_AHEAD partial outputs of this
+    // thread's splits grp, grp + 16, ... (they do not depend on the weights), the output gate.
     float m = NEG_INF, l = 0.0f;
     if (tid < nsplit) {
         m = part_ml[(row * max_splits + tid) * 2];
         l = part_ml[(row * max_splits + tid) * 2 + 1];
     }
+    const float4* po = reinterpret_cast<const float4*>(part_o + row * max_splits * HEAD_DIM + dim0) + d4;
+    float4 ahead[COMBINE_AHEAD];
+#pragma unroll
+    for (int i = 0; i < COMBINE_AHEAD; ++i) {
+        const int s = grp + i * COMBINE_GROUPS;
+        ahead[i] = s < nsplit ? po[(u64)s * (HEAD_DIM / 4)] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    float2 g01 = make_float2(0.0f, 0.0f), g23 = g01;
+    if (tid < COMBINE_DIMS / 4) {
+        const bf16* gate = qkv + (u64)b * QKV_STRIDE + h * 2 * HEAD_DIM + HEAD_DIM + dim0 + 4 * d4;
+        g01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(gate));
+        g23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(gate + 2));
+    }
+
     const float mm = block_max(m, scratch);  // finite: every split saw at least one key
     const float w = tid < nsplit ? exp2f(m - mm) : 0.0f;
     s_w[tid] = w;
     const float ll = block_sum(w * l, scratch);  // its barriers also publish s_w
 
-    const int grp = tid / 64, d4 = tid % 64;
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const float4* po = reinterpret_cast<const float4*>(part_o + row * max_splits * HEAD_DIM) + d4;
-#pragma unroll 4
-    for (int s = grp; s < nsplit; s += 4) {
-        const float4 v = po[(u64)s * (HEAD_DIM / 4)];
+    auto add = [&](int s, float4 v) {
         const float ws = s_w[s];
         acc.x += ws * v.x;
         acc.y += ws * v.y;
         acc.z += ws * v.z;
         acc.w += ws * v.w;
-    }
+    };
+#pragma unroll
+    for (int i = 0; i < COMBINE_AHEAD; ++i)
+        if (grp + i * COMBINE_GROUPS < nsplit) add(grp + i * COMBINE_GROUPS, ahead[i]);
+#pragma unroll 4
+    for (int s = grp + COMBINE_AHEAD * COMBINE_GROUPS; s < nsplit; s += COMBINE_GROUPS) add(s, po[(u64)s * (HEAD_DIM / 4)]);
     s_acc[grp][d4] = acc;
     __syncthreads();
-    if (tid < 64) {
-        const float4 a = s_acc[0][d4], b1 = s_acc[1][d4], b2 = s_acc[2][d4], b3 = s_acc[3][d4];
+    if (tid < COMBINE_DIMS / 4) {
+        float4 a = s_acc[0][d4];
+#pragma unroll
+        for (int j = 1; j < COMBINE_GROUPS; ++j) {
+            const float4 v = s_acc[j][d4];
+            a.x += v.x, a.y += v.y, a.z += v.z, a.w += v.w;
+        }
         const float inv = 1.0f / ll;
-        const bf16* gate = qkv + (u64)b * QKV_STRIDE + h * 2 * HEAD_DIM + HEAD_DIM + 4 * d4;
-        const float2 g01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(gate));
-        const float2 g23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(gate + 2));
-        const float y0 = (a.x + b1.x + b2.x + b3.x) * inv * sigmoid(g01.x);
-        const float y1 = (a.y + b1.y + b2.y + b3.y) * inv * sigmoid(g01.y);
-        const float y2 = (a.z + b1.z + b2.z + b3.z) * inv * sigmoid(g23.x);
-        const float y3 = (a.w + b1.w + b2.w + b3.w) * inv * sigmoid(g23.y);
+        const float y0 = a.x * inv * sigmoid(g01.x);
+        const float y1 = a.y * inv * sigmoid(g01.y);
+        const float y2 = a.z * inv * sigmoid(g23.x);
+        const float y3 = a.w * inv * sigmoid(g23.y);
         bf162* d = reinterpret_cast<bf162*>(dst + 4 * d4);
         d[0] = __floats2bfloat162_rn(y0, y1);
         d[1] = __floats2bfloat162_rn(y2, y3);

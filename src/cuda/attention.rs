@@ -60,6 +60,8 @@ const DEC_SMEM_BYTES: usize = 202_752;
 /// The most key splits one (row, head) can have: attn_combine's thread count.
 const MAX_SPLITS: usize = 256;
 const COMBINE_THREADS: usize = 256;
+/// attn_combine's dims per block: a head's 256 in four blocks.
+const COMBINE_DIMS: usize = 64;
 
 /// The KV caches of the attention layers for a pool of `slots` sequences of up to `capacity`
 /// tokens each. K and V are separate buffers of bf16 `[slot][layer][kv_head][capacity][256]`:
@@ -707,10 +709,14 @@ impl AttentionKernels {
     }
 }
 
-/// attn_combine: one block per (row, head).
+/// attn_combine: four blocks per (row, head), 64 of its dims each.
 fn combine_config(rows: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (Q_HEADS as u32, rows as u32, 1),
+        grid_dim: (
+            Q_HEADS as u32,
+            (HEAD_DIM / COMBINE_DIMS) as u32,
+            rows as u32,
+        ),
         block_dim: (COMBINE_THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     }

@@ -140,5 +140,7 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 // A line a kernel will read after its wait but that no kernel of the step writes (a norm's
 // weights, the conv weights, a sequence's own conv state), pulled into L1 before the wait: the
 // step's 1.8 GB weight stream evicts them from L2, so otherwise each is a DRAM round trip on the
-// kernel's critical path (bench/NOTES.md v1.51). Only a hint: nothing waits for it.
+// kernel's critical path (bench/NOTES.md v1.51). Only a hint: nothing waits for it. Decode
+// launches only (a few rows): in prefill's thousands of rows the hints cost ≈ 2 % of the pass.
+constexpr int DECODE_ROWS = 64;  // launches of at most this many rows take the hints (decode passes)
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }

@@ -25,7 +25,8 @@ __device__ __forceinline__ float sum_squares(const uint4* x, int nvec, int lane)
 extern "C" __global__ void rmsnorm(const bf16* __restrict__ x, const float* __restrict__ w,
                                    bf16* __restrict__ y, int rows, int n, float eps) {
     const int row = norm_row(), lane = threadIdx.x % 32, nvec = n / 8;
-    for (int v = lane; v < nvec; v += 32) prefetch_l1(w + 8 * v);
+    if (rows <= DECODE_ROWS)
+        for (int v = lane; v < nvec; v += 32) prefetch_l1(w + 8 * v);
     pdl_wait();
     pdl_launch_dependents();
     if (row >= rows) return;
@@ -40,7 +41,8 @@ extern "C" __global__ void rmsnorm(const bf16* __restrict__ x, const float* __re
 extern "C" __global__ void __launch_bounds__(RES_THREADS)
 residual_rmsnorm(bf16* __restrict__ h, const bf16* __restrict__ parts, const float* __restrict__ weights, int k,
                  const float* __restrict__ w, bf16* __restrict__ y, int rows, int n, float eps) {
-    for (int v = threadIdx.x; v < n / 8; v += RES_THREADS) prefetch_l1(w + 8 * v);
+    if (rows <= DECODE_ROWS)
+        for (int v = threadIdx.x; v < n / 8; v += RES_THREADS) prefetch_l1(w + 8 * v);
     pdl_wait();
     pdl_launch_dependents();
     __shared__ float warp_ss[RES_THREADS / 32];
