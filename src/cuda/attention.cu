@@ -3,12 +3,14 @@
 // fp32 math. attention.rs launches these kernels and documents the buffers they take.
 //
 //   attn_prepare          per token: q/k RMSNorm (effective weight 1+w), RoPE, K/V cache append
+//                         (prefill; decode does the same inside attn_decode_split)
 //   attn_prefill          T new tokens of one sequence over its cache: causal flash attention
 //                         (tensor cores, mma.sync m16n8k16 bf16), output gate fused; for short
 //                         chunks at long context also split over the keys
 //   attn_prefill_wgmma    the same on Hopper's warpgroup products, for long chunks
 //                         (attention_wgmma.cu)
-//   attn_decode_split     one new token per sequence: flash-decoding over a chunk of the cache
+//   attn_decode_split     one new token per sequence: q/k norm, RoPE and the append as above,
+//                         then flash-decoding over a chunk of the cache
 //   attn_combine          merges the key chunks of a split attn_decode_split or attn_prefill,
 //                         applies the output gate
 //
@@ -49,34 +51,10 @@ struct RopeFreqs {
     float inv_freq[ROT_HALF];
 };
 
-extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
-    attn_prepare(const bf16* __restrict__ qkv, const float* __restrict__ q_norm,
-                 const float* __restrict__ k_norm, const __grid_constant__ RopeFreqs rope, const KvCacheArgs c,
-                 const int* __restrict__ slots, const int* __restrict__ positions, int slot0, int start,
-                 bf16* __restrict__ q_out, int rows, float eps) {
-    const int unit_id = blockIdx.x * PREP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row = unit_id / PREP_UNITS, unit = unit_id % PREP_UNITS;
-    if (positions && unit < N_QHEADS + N_KVHEADS) prefetch_l1((unit < N_QHEADS ? q_norm : k_norm) + 8 * lane);
-    pdl_wait();
-    pdl_launch_dependents();
-    if (row >= rows) return;
-    const int slot = positions ? slots[row] : slot0;
-    const int pos = positions ? positions[row] : start + row;
-    const bool cached = in_cache(c, slot, pos);
-    const bf16* src = qkv + (u64)row * QKV_STRIDE;
-
-    if (unit >= N_QHEADS + N_KVHEADS) {  // a value head: copied as it is
-        const int vh = unit - N_QHEADS - N_KVHEADS;
-        if (!cached) return;
-        const uint4 v = reinterpret_cast<const uint4*>(src + V_OFFSET + vh * HEAD_DIM)[lane];
-        reinterpret_cast<uint4*>(c.v + cache_offset(c, slot, vh) + (u64)pos * HEAD_DIM)[lane] = v;
-        return;
-    }
-    const bool is_q = unit < N_QHEADS;
-    if (!is_q && !cached) return;
-    const bf16* x = is_q ? src + unit * 2 * HEAD_DIM : src + K_OFFSET + (unit - N_QHEADS) * HEAD_DIM;
-    const float* w = is_q ? q_norm : k_norm;
-
+// One head's RMSNorm (weight w, effective 1 + stored) and RoPE at position pos: lane l's dims
+// 8l .. 8l + 7 of x in, the same dims out (bf16). The whole warp takes part (shuffles).
+__device__ __forceinline__ uint4 norm_rope_lane(const bf16* x, const float* __restrict__ w, int pos, int lane,
+                                                const RopeFreqs& rope, float eps) {
     float f[8];
     unpack8(reinterpret_cast<const uint4*>(x)[lane], f);
     float ss = 0.0f;
@@ -108,7 +86,36 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
             f[i] = f[i] * cs + sign * partner[i] * sn;
         }
     }
-    const uint4 y = pack8(f);
+    return pack8(f);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
+    attn_prepare(const bf16* __restrict__ qkv, const float* __restrict__ q_norm,
+                 const float* __restrict__ k_norm, const __grid_constant__ RopeFreqs rope, const KvCacheArgs c,
+                 const int* __restrict__ slots, const int* __restrict__ positions, int slot0, int start,
+                 bf16* __restrict__ q_out, int rows, float eps) {
+    const int unit_id = blockIdx.x * PREP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = unit_id / PREP_UNITS, unit = unit_id % PREP_UNITS;
+    if (positions && unit < N_QHEADS + N_KVHEADS) prefetch_l1((unit < N_QHEADS ? q_norm : k_norm) + 8 * lane);
+    pdl_wait();
+    pdl_launch_dependents();
+    if (row >= rows) return;
+    const int slot = positions ? slots[row] : slot0;
+    const int pos = positions ? positions[row] : start + row;
+    const bool cached = in_cache(c, slot, pos);
+    const bf16* src = qkv + (u64)row * QKV_STRIDE;
+
+    if (unit >= N_QHEADS + N_KVHEADS) {  // a value head: copied as it is
+        const int vh = unit - N_QHEADS - N_KVHEADS;
+        if (!cached) return;
+        const uint4 v = reinterpret_cast<const uint4*>(src + V_OFFSET + vh * HEAD_DIM)[lane];
+        reinterpret_cast<uint4*>(c.v + cache_offset(c, slot, vh) + (u64)pos * HEAD_DIM)[lane] = v;
+        return;
+    }
+    const bool is_q = unit < N_QHEADS;
+    if (!is_q && !cached) return;
+    const bf16* x = is_q ? src + unit * 2 * HEAD_DIM : src + K_OFFSET + (unit - N_QHEADS) * HEAD_DIM;
+    const uint4 y = norm_rope_lane(x, is_q ? q_norm : k_norm, pos, lane, rope, eps);
     if (is_q) {
         reinterpret_cast<uint4*>(q_out + ((u64)row * N_QHEADS + unit) * HEAD_DIM)[lane] = y;
     } else {
@@ -301,7 +308,9 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2)
 
 // ---------------------------------------------------------------------------------------------
 // attn_decode_split: flash-decoding. Grid (max_splits, 2 KV heads, batch). Block (split, kvh, b)
-// attends the 8 query heads of KV head kvh of sequence b over one chunk of its len = pos + 1
+// makes the 8 query heads of KV head kvh of sequence b from qkv (attn_prepare's norm and RoPE; the
+// block of the last chunk also appends the step's key and value to the cache: one launch less
+// per layer than a separate attn_prepare), attends them over one chunk of its len = pos + 1
 // cached keys and writes unnormalised partial results for attn_combine:
 //   part_o [batch][16][max_splits][256]: Σ_k exp2(s_k − m) v_k       (fp32)
 //   part_ml[batch][16][max_splits][2]:   m (running max, log2 domain) and l = Σ_k exp2(s_k − m)
@@ -336,11 +345,13 @@ __device__ __forceinline__ int split_chunk(int len, int max_splits, int min_chun
 }
 
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
-    attn_decode_split(const bf16* __restrict__ q, const KvCacheArgs c, const int* __restrict__ slots,
-                      const int* __restrict__ positions, float* __restrict__ part_o,
+    attn_decode_split(const bf16* __restrict__ qkv, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                      const __grid_constant__ RopeFreqs rope, float eps, bf16* __restrict__ q_out, const KvCacheArgs c,
+                      const int* __restrict__ slots, const int* __restrict__ positions, float* __restrict__ part_o,
                       float* __restrict__ part_ml, int max_splits, float scale_log2, int min_chunk, int early) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float s_m[DEC_WARPS][GROUP], s_l[DEC_WARPS][GROUP];
+    __shared__ __align__(16) bf16 q_s[GROUP * HEAD_DIM];  // the block's 8 query heads, normed and rotated
     const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
     // Slots and positions come from host copies before the pass, which no kernel overlaps.
     const int slot = slots[b], pos = positions[b];
@@ -351,9 +362,11 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     const int k1 = min(k0 + chunk, len);
     const int ntiles = (k1 - k0 + DEC_TILE - 1) / DEC_TILE;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-    const bf16* kg = c.k + cache_offset(c, slot, kvh);
-    const bf16* vg = c.v + cache_offset(c, slot, kvh);
+    bf16* const kg = c.k + cache_offset(c, slot, kvh);
+    bf16* const vg = c.v + cache_offset(c, slot, kvh);
     const u32 s0 = smem_u32(smem);
+    prefetch_l1(q_norm + 8 * lane);
+    if (warp == 0) prefetch_l1(k_norm + 8 * lane);
 
     // K/V tile j (keys k0 + 64j ..) into stage s; keys ≥ k1 are zero rows (and masked below).
     auto load_kv = [&](int j, int s) {
@@ -367,9 +380,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
         }
     };
     // With `early`, the first stages whose keys are all older than this step's go out before the
-    // wait: those rows were written by earlier passes, and the kernel that may still run when this
-    // one starts (attn_prepare: every kernel before it has finished, since attn_prepare triggers
-    // this launch only after its own wait) writes only row pos. The rest go out after the wait.
+    // wait: those rows were written by earlier passes, and no kernel of this pass writes any of
+    // them (the step's own row pos is written by this kernel, below). The rest go out after the
+    // wait and the append.
     int issued = 0;
     for (; early && issued < DEC_STAGES - 1 && issued < ntiles && min(k0 + (issued + 1) * DEC_TILE, k1) <= pos; ++issued) {
         load_kv(issued, issued);
@@ -377,13 +390,37 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     }
     pdl_wait();
     pdl_launch_dependents();
+    // What attn_prepare does for a prefill, for this block's share: its 8 query heads (warp w:
+    // heads 2w, 2w + 1 of the group), and in the block whose chunk ends with the step's key the
+    // append of that key and value to the cache.
+    const bf16* src = qkv + (u64)b * QKV_STRIDE;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int hg = 2 * warp + i;
+        reinterpret_cast<uint4*>(q_s + hg * HEAD_DIM)[lane] =
+            norm_rope_lane(src + (kvh * GROUP + hg) * 2 * HEAD_DIM, q_norm, pos, lane, rope, eps);
+    }
+    if (k1 == len) {
+        if (warp == 0)
+            reinterpret_cast<uint4*>(kg + (u64)pos * HEAD_DIM)[lane] =
+                norm_rope_lane(src + K_OFFSET + kvh * HEAD_DIM, k_norm, pos, lane, rope, eps);
+        else if (warp == 1)
+            reinterpret_cast<uint4*>(vg + (u64)pos * HEAD_DIM)[lane] =
+                reinterpret_cast<const uint4*>(src + V_OFFSET + kvh * HEAD_DIM)[lane];
+        __threadfence_block();
+    }
+    __syncthreads();  // q_s complete; the appended row visible to the block's copies below
+    if (split == 0)  // the queries, as attn_prepare writes them (q_out [batch][16][256], for tests)
+        for (int i = tid; i < GROUP * HEAD_DIM / 8; i += DEC_THREADS)
+            reinterpret_cast<uint4*>(q_out + ((u64)b * N_QHEADS + kvh * GROUP) * HEAD_DIM)[i] =
+                reinterpret_cast<const uint4*>(q_s)[i];
     for (int s = issued; s < DEC_STAGES - 1; ++s) {
         if (s < ntiles) load_kv(s, s);
         cp_async_commit();  // empty groups too, so that the wait count below stays uniform
     }
 
     // Qᵀ as the B operand, all 16 k-steps: b0 = Q[head g][16ks + 2t ..], b1 = Q[g][16ks + 8 + 2t ..].
-    const bf16* qb = q + ((u64)b * N_QHEADS + kvh * GROUP + g) * HEAD_DIM + 2 * t;
+    const bf16* qb = q_s + g * HEAD_DIM + 2 * t;
     u32 qf[16][2];
 #pragma unroll
     for (int ks = 0; ks < 16; ++ks) {

@@ -625,7 +625,7 @@ impl AttentionKernels {
             ws.partials
         );
         self.check_common(qkv, q_norm, k_norm, out)?;
-        let (rows, splits_i) = (b as i32, splits as i32);
+        let splits_i = splits as i32;
 
         let stream = &*self.stream;
         let (c, _guards) = cache.args(stream, layer);
@@ -640,26 +640,14 @@ impl AttentionKernels {
         unsafe {
             launch!(
                 stream,
-                &self.prepare,
-                prepare_config(b),
+                &self.decode_split,
+                split_cfg,
                 qkv,
                 q_norm,
                 k_norm,
                 &self.rope,
-                &c,
-                slots,
-                positions,
-                &zero,
-                &zero,
+                &self.eps,
                 &mut ws.q,
-                &rows,
-                &self.eps
-            )?;
-            launch!(
-                stream,
-                &self.decode_split,
-                split_cfg,
-                &ws.q,
                 &c,
                 slots,
                 positions,
