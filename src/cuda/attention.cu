@@ -37,7 +37,8 @@
 // lanes 0..7, and the RoPE partner of dim j < 32 (dim j + 32) is on lane l + 4.
 //
 // Rows are tokens. Prefill: `positions` is null, row r is position start + r of sequence `slot0`.
-// Decode: row r is one token of its own sequence, at positions[r] in slots[r].
+// Decode: row r is one token of its own sequence, at positions[r] in slots[r] (no caller since
+// attn_decode_split does this itself; to go once a GPU run can check the change).
 // Queries go to q_out [rows][16][256]; the gates are not copied (the attention kernels read them
 // from qkv).
 
@@ -96,7 +97,6 @@ extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
                  bf16* __restrict__ q_out, int rows, float eps) {
     const int unit_id = blockIdx.x * PREP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = unit_id / PREP_UNITS, unit = unit_id % PREP_UNITS;
-    if (positions && unit < N_QHEADS + N_KVHEADS) prefetch_l1((unit < N_QHEADS ? q_norm : k_norm) + 8 * lane);
     pdl_wait();
     pdl_launch_dependents();
     if (row >= rows) return;
@@ -383,8 +383,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     // wait: those rows were written by earlier passes, and no kernel of this pass writes any of
     // them (the step's own row pos is written by this kernel, below). The rest go out after the
     // wait and the append.
+    auto older_than_pos = [&](int j) { return min(k0 + (j + 1) * DEC_TILE, k1) <= pos; };
     int issued = 0;
-    for (; early && issued < DEC_STAGES - 1 && issued < ntiles && min(k0 + (issued + 1) * DEC_TILE, k1) <= pos; ++issued) {
+    for (; early && issued < DEC_STAGES - 1 && issued < ntiles && older_than_pos(issued); ++issued) {
         load_kv(issued, issued);
         cp_async_commit();
     }
@@ -560,8 +561,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// attn_combine: grid (16 heads, 4 quarters of the head's dims, rows), 256 threads. Merges the partial results of one (row, head)
-// over the key chunks that hold keys it sees: with M = max m_s and w_s = exp2(m_s − M),
+// attn_combine: grid (16 heads, 4 quarters of the head's dims, rows), 256 threads. Merges the
+// partial results of one (row, head) over the key chunks that hold keys it sees: with M = max m_s and w_s = exp2(m_s − M),
 //   o = Σ w_s part_o_s / Σ w_s l_s,   out[row][256·h + d] = bf16(o[d] · sigmoid(gate[row][h][d])).
 // Decode (positions given): row b is a sequence at positions[b], chunks as split_chunk picks them
 // (with `chunk` passed as attn_decode_split's min_chunk).

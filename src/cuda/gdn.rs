@@ -314,12 +314,12 @@ impl GdnKernels {
     }
 
     /// [`Self::decode`] inside a forward pass: the kernel reads the recurrent state (and pulls its
-    /// conv state into L1) before its PDL wait, so the reads overlap the previous kernel. Safe only when no kernel that may still run
-    /// (PDL lets a kernel start while its predecessors finish) writes these states, which holds in
-    /// a pass: the only writers of a layer's states are that layer's GDN kernels, each sequence's
-    /// run once per pass, and every pass starts after host copies (slots, token ids), which no
-    /// kernel overlaps. Two decodes of the same layer back to back (as the kernel tests do) would
-    /// race: they use [`Self::decode`].
+    /// conv state into L1) before its PDL wait, so the reads overlap the previous kernel. Safe
+    /// only when no kernel that may still run (PDL lets a kernel start while its predecessors
+    /// finish) writes these states, which holds in a pass: the only writers of a layer's states
+    /// are that layer's GDN kernels, each sequence's run once per pass, and every pass starts
+    /// after host copies (slots, token ids), which no kernel overlaps. Two decodes of the same
+    /// layer back to back (as the kernel tests do) would race: they use [`Self::decode`].
     #[allow(clippy::too_many_arguments)]
     pub fn decode_in_pass(
         &self,
