@@ -36,9 +36,8 @@
 // Lane l holds dims 8l .. 8l+7 of its head as one 16-byte vector. The rotated dims 0..63 are on
 // lanes 0..7, and the RoPE partner of dim j < 32 (dim j + 32) is on lane l + 4.
 //
-// Rows are tokens. Prefill: `positions` is null, row r is position start + r of sequence `slot0`.
-// Decode: row r is one token of its own sequence, at positions[r] in slots[r] (no caller since
-// attn_decode_split does this itself; to go once a GPU run can check the change).
+// Prefill only (decode does this inside attn_decode_split): row r is position start + r of the
+// sequence in `slot`.
 // Queries go to q_out [rows][16][256]; the gates are not copied (the attention kernels read them
 // from qkv).
 
@@ -93,15 +92,13 @@ __device__ __forceinline__ uint4 norm_rope_lane(const bf16* x, const float* __re
 extern "C" __global__ void __launch_bounds__(32 * PREP_WARPS)
     attn_prepare(const bf16* __restrict__ qkv, const float* __restrict__ q_norm,
                  const float* __restrict__ k_norm, const __grid_constant__ RopeFreqs rope, const KvCacheArgs c,
-                 const int* __restrict__ slots, const int* __restrict__ positions, int slot0, int start,
-                 bf16* __restrict__ q_out, int rows, float eps) {
+                 int slot, int start, bf16* __restrict__ q_out, int rows, float eps) {
     const int unit_id = blockIdx.x * PREP_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row = unit_id / PREP_UNITS, unit = unit_id % PREP_UNITS;
     pdl_wait();
     pdl_launch_dependents();
     if (row >= rows) return;
-    const int slot = positions ? slots[row] : slot0;
-    const int pos = positions ? positions[row] : start + row;
+    const int pos = start + row;
     const bool cached = in_cache(c, slot, pos);
     const bf16* src = qkv + (u64)row * QKV_STRIDE;
 

@@ -482,7 +482,6 @@ impl AttentionKernels {
 
         let stream = &*self.stream;
         let (c, _guards) = cache.args(stream, layer);
-        let null = 0u64; // no device slots/positions: prefill passes them as scalars
         let pf_cfg = LaunchConfig {
             grid_dim: (t.div_ceil(PF_TOKENS) as u32, KV_HEADS as u32, splits as u32),
             block_dim: (PF_THREADS as u32, 1, 1),
@@ -500,8 +499,6 @@ impl AttentionKernels {
                 k_norm,
                 &self.rope,
                 &c,
-                &null,
-                &null,
                 &slot,
                 &start,
                 &mut ws.q,
@@ -545,6 +542,7 @@ impl AttentionKernels {
                 &mut ws.part_ml
             )?;
             if splits > 1 {
+                let null = 0u64; // no device slots/positions: prefill passes them as scalars
                 launch!(
                     stream,
                     &self.combine,
