@@ -986,6 +986,85 @@ fn gemv_residual_equals_norm_then_gemv() {
     }
 }
 
+/// The router's top-k kernel against a plain reference: 256 experts (and 16) plus the shared
+/// gate, 8 of them chosen by probability, the lowest index among equal logits (rows with many
+/// repeated values and all-negative rows included), weights renormalised over the chosen, the
+/// shared expert's weight sigmoid(gate).
+#[test]
+fn router_topk_matches_reference() {
+    let dev = device();
+    let moe = MoeKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("router topk");
+    let (top, slots) = (8usize, 9usize);
+    for experts in [256usize, 16] {
+        let tokens = 12;
+        let mut logits: Vec<bf16> = rng.bf16s(tokens * (experts + 1), 3.0);
+        for t in 0..tokens {
+            let row = &mut logits[t * (experts + 1)..(t + 1) * (experts + 1)];
+            match t % 4 {
+                // Ties: a few values repeated over the whole row.
+                1 => row[..experts]
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, v)| *v = bf16::from_f32([0.5f32, -1.25, 2.0, 0.5][i % 4])),
+                // All negative.
+                2 => row[..experts]
+                    .iter_mut()
+                    .for_each(|v| *v = bf16::from_f32(-v.to_f32().abs() - 0.5)),
+                _ => {}
+            }
+        }
+        let dl = upload(s, &logits);
+        let (mut ids, mut weights) = (
+            upload(s, &vec![-1i32; tokens * slots]),
+            upload(s, &vec![-1.0f32; tokens * slots]),
+        );
+        moe.router_topk(
+            &dl.as_view(),
+            experts + 1,
+            experts,
+            top,
+            true,
+            &mut ids.as_view_mut(),
+            &mut weights.as_view_mut(),
+        )
+        .unwrap();
+        let (ids, weights) = (download(s, &ids), download(s, &weights));
+        for t in 0..tokens {
+            let row: Vec<f64> = logits[t * (experts + 1)..(t + 1) * (experts + 1)]
+                .iter()
+                .map(|v| v.to_f32() as f64)
+                .collect();
+            let mut order: Vec<usize> = (0..experts).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            let mx = row[order[0]];
+            let p: Vec<f64> = order[..top].iter().map(|&e| (row[e] - mx).exp()).collect();
+            let chosen: f64 = p.iter().sum();
+            let what = format!("{experts} experts, token {t}");
+            let got_ids: Vec<usize> = ids[t * slots..t * slots + top]
+                .iter()
+                .map(|&i| i as usize)
+                .collect();
+            assert_eq!(got_ids, order[..top], "{what}: ids");
+            assert_eq!(ids[t * slots + top], experts as i32, "{what}: shared id");
+            for r in 0..top {
+                let (got, want) = (weights[t * slots + r] as f64, p[r] / chosen);
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.max(1e-3),
+                    "{what}: weight {r}: {got} vs {want}"
+                );
+            }
+            let gate = 1.0 / (1.0 + (-row[experts]).exp());
+            let got = weights[t * slots + top] as f64;
+            assert!(
+                (got - gate).abs() <= 1e-6,
+                "{what}: shared weight {got} vs {gate}"
+            );
+        }
+    }
+}
+
 /// The router's top-k in the last block of its GEMV (`then_topk`, decode with LILY_FUSED_TOPK=1)
 /// picks the same experts with the same weights, bit for bit, as the top-k kernel on the same
 /// logits: the router's shape (256 experts + the shared gate, Q8), 1, 3 and 8 tokens, three launches
