@@ -91,8 +91,18 @@ run)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$summary"
     failed=0
     # GPU_CHECK_TESTS=none skips the test binaries, the trials and generate (e.g. a second call
-    # that only benchmarks); a comma-separated list runs only those binaries.
-    tests="${GPU_CHECK_TESTS:-all}"
+    # that only benchmarks); a list (commas or spaces) runs only those binaries, and a name with no
+    # binary is a failure, not a silent skip.
+    tests="$(echo "${GPU_CHECK_TESTS:-all}" | tr -s ' ' ',' | sed 's/^,//; s/,$//')"
+    if [[ "$tests" != all && "$tests" != none ]]; then
+        for name in ${tests//,/ }; do
+            if [[ ! -x "$dir/$name" ]]; then
+                echo "gpu-check: no test binary $name in $dir" >&2
+                echo "$name: FAIL (no such test binary)" >> "$summary"
+                failed=1
+            fi
+        done
+    fi
     for bin in "$dir"/cuda_*; do
         [[ -f "$bin" && -x "$bin" ]] || continue
         name="$(basename "$bin")"
