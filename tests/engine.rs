@@ -307,29 +307,34 @@ fn collect_cached(
 #[test]
 fn batches_within_a_token_budget_match_each_run_alone() {
     // Many sequences at once, small chunks and a batch budget smaller than all of them: decode
-    // steps and prefill chunks of different sequences share batches.
+    // steps and prefill chunks of different sequences share batches. With a budget of 3
+    // (`--batch-tokens 3`) the chunks shrink to the budget too.
     let w = weights();
-    let engine = Engine::start(
-        Box::new(CpuBackend::new(w.clone())),
-        EngineOptions {
+    let mut rng = rand::rng();
+    for budget in [12, 3] {
+        let options = EngineOptions {
             prefill_chunk: 5,
-            batch_tokens: 12,
             max_sequences: 8,
             ..EngineOptions::default()
-        },
-    );
-    let mut rng = rand::rng();
-    let prompts: Vec<Vec<u32>> = (0..10)
-        .map(|_| random_tokens(rng.random_range(1..40)))
-        .collect();
-    let receivers: Vec<_> = prompts
-        .iter()
-        .map(|p| engine.submit(greedy(p.clone(), 6, None)))
-        .collect();
-    for (p, rx) in prompts.iter().zip(receivers) {
-        let (ids, reason, err) = collect(rx);
-        assert_eq!((err, reason), (None, Some(FinishReason::Length)));
-        assert_eq!(ids, alone(&w, p, 6), "prompt {p:?}");
+        }
+        .with_batch_tokens(budget);
+        assert_eq!(
+            (options.batch_tokens, options.prefill_chunk),
+            (budget, budget.min(5))
+        );
+        let engine = Engine::start(Box::new(CpuBackend::new(w.clone())), options);
+        let prompts: Vec<Vec<u32>> = (0..10)
+            .map(|_| random_tokens(rng.random_range(1..40)))
+            .collect();
+        let receivers: Vec<_> = prompts
+            .iter()
+            .map(|p| engine.submit(greedy(p.clone(), 6, None)))
+            .collect();
+        for (p, rx) in prompts.iter().zip(receivers) {
+            let (ids, reason, err) = collect(rx);
+            assert_eq!((err, reason), (None, Some(FinishReason::Length)));
+            assert_eq!(ids, alone(&w, p, 6), "budget {budget}, prompt {p:?}");
+        }
     }
 }
 

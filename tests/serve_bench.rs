@@ -55,3 +55,39 @@ fn the_serve_benchmark_runs_small_on_the_cpu() {
     let md = to_markdown(&options, &report);
     assert_eq!(md.matches("\n| 4 | 194 |").count(), 1, "{md}");
 }
+
+/// `--batch-tokens` on the command line: a small budget runs (batches of prompt chunks and decode
+/// steps of at most 32 tokens), 0 is refused with a clear error.
+#[test]
+fn the_command_line_takes_a_batch_token_budget() {
+    let run = |budget: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_lily"))
+            .args(["bench", "--serve", "--synthetic", "tiny", "--device", "cpu"])
+            .args([
+                "--streams",
+                "3",
+                "--prompt-tokens",
+                "40",
+                "--output-tokens",
+                "4",
+            ])
+            .args(["--turns", "2", "--conversation-tokens", "120"])
+            .args(["--decode-streams", "2", "--batch-tokens", budget])
+            .output()
+            .expect("lily runs")
+    };
+    let ok = run("32");
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("concurrent streams"));
+    let refused = run("0");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--batch-tokens must be at least 1"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}

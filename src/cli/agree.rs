@@ -157,7 +157,7 @@ fn device_side(args: &AgreeArgs) -> anyhow::Result<(String, agree::DeviceRun)> {
     let gpu = super::device::GpuOptions {
         slots: Some(1),
         batch_steps: Some(false),
-        timeline: false,
+        ..super::device::GpuOptions::default()
     };
     let mut backend = super::device::backend(&args.device, weights, context, gpu)?;
     let device = backend.device_name();

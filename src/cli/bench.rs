@@ -85,6 +85,9 @@ pub struct BenchArgs {
     /// default: the backend's (see `lily serve`).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub batch_steps: Option<bool>,
+    /// --serve: tokens one batch of steps may hold (see `lily serve --batch-tokens`).
+    #[arg(long)]
+    pub batch_tokens: Option<usize>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -93,9 +96,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let longest = (args.prompt_tokens.max(args.conversation_tokens)) + args.output_tokens;
         // The last turn's prompt can exceed the target by up to one turn's share.
         let longest = longest + args.conversation_tokens / args.turns.max(1) + 16;
+        anyhow::ensure!(
+            args.batch_tokens != Some(0),
+            "--batch-tokens must be at least 1"
+        );
         let gpu = GpuOptions {
             slots: Some(args.streams.max(args.decode_streams)),
             batch_steps: args.batch_steps,
+            pass_rows: args.batch_tokens,
             timeline: false,
         };
         (longest, gpu)
@@ -220,10 +228,16 @@ fn serve(backend: Box<dyn Backend>, args: &BenchArgs) -> anyhow::Result<()> {
         turns: args.turns,
         conversation_tokens: args.conversation_tokens,
         decode_streams: args.decode_streams,
-        engine: EngineOptions {
-            max_sequences: args.streams.max(args.decode_streams),
-            prefix_cache_bytes: args.prefix_cache_mb << 20,
-            ..EngineOptions::for_device(&backend.device_name())
+        engine: {
+            let engine = EngineOptions {
+                max_sequences: args.streams.max(args.decode_streams),
+                prefix_cache_bytes: args.prefix_cache_mb << 20,
+                ..EngineOptions::for_device(&backend.device_name())
+            };
+            match args.batch_tokens {
+                Some(tokens) => engine.with_batch_tokens(tokens),
+                None => engine,
+            }
         },
     };
     eprintln!("device: {}; in-process engine", backend.device_name());

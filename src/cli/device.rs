@@ -32,6 +32,8 @@ pub struct GpuOptions {
     pub slots: Option<usize>,
     /// The steps of several sequences run as shared passes (default: the backend's).
     pub batch_steps: Option<bool>,
+    /// Rows one shared pass may hold, at least (default: the backend's, one prefill chunk).
+    pub pass_rows: Option<usize>,
     /// The decode kernels built with the timeline's stamps (`lily bench --timeline`).
     pub timeline: bool,
 }
@@ -43,6 +45,9 @@ pub fn cuda_options(max_context: usize, gpu: GpuOptions) -> lily::cuda::forward:
         max_context,
         max_sequences: gpu.slots.unwrap_or(defaults.max_sequences),
         batch_steps: gpu.batch_steps.unwrap_or(defaults.batch_steps),
+        prefill_chunk: gpu.pass_rows.map_or(defaults.prefill_chunk, |rows| {
+            rows.max(defaults.prefill_chunk)
+        }),
         ..defaults
     }
 }

@@ -60,6 +60,12 @@ pub struct ServeArgs {
     /// false`: one after another). Default: on.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub batch_steps: Option<bool>,
+    /// Tokens one batch of steps may hold: every decode step, then prompt chunks up to this many
+    /// in all (each prompt chunk at most this long). More: higher throughput when many prompts
+    /// arrive; fewer: the streams decoding beside them wait less per token. Default: 4096 on a
+    /// GPU, 2048 on the CPU.
+    #[arg(long)]
+    pub batch_tokens: Option<usize>,
     /// Test only: reply from this script instead of running a model.
     #[arg(long, hide = true)]
     pub scripted_tokens: Option<PathBuf>,
@@ -88,10 +94,24 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let device = super::device::resolve(args.device.as_deref());
     let device_name = device.clone();
     anyhow::ensure!(args.max_sequences > 0, "--max-sequences must be at least 1");
+    anyhow::ensure!(
+        args.batch_tokens != Some(0),
+        "--batch-tokens must be at least 1"
+    );
     let gpu = super::device::GpuOptions {
         slots: Some(args.max_sequences),
         batch_steps: args.batch_steps,
+        pass_rows: args.batch_tokens,
         timeline: false,
+    };
+    let engine = EngineOptions {
+        prefix_cache_bytes: args.prefix_cache_mb << 20,
+        memory_budget: args.state_memory_mb.map(|mb| mb << 20),
+        ..EngineOptions::for_device(&device_name)
+    };
+    let engine = match args.batch_tokens {
+        Some(tokens) => engine.with_batch_tokens(tokens),
+        None => engine,
     };
     server::run(ServeOptions {
         source,
@@ -108,10 +128,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_in_flight: args.max_in_flight,
         scripted: args.scripted_tokens,
         shutdown_grace: Duration::from_secs_f64(args.shutdown_grace),
-        engine: EngineOptions {
-            prefix_cache_bytes: args.prefix_cache_mb << 20,
-            memory_budget: args.state_memory_mb.map(|mb| mb << 20),
-            ..EngineOptions::for_device(&device_name)
-        },
+        engine,
     })
 }

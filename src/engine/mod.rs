@@ -114,6 +114,18 @@ pub struct EngineOptions {
 }
 
 impl EngineOptions {
+    /// Batches of up to `tokens` tokens (`--batch-tokens`): decode steps and prompt chunks in
+    /// all, each sequence's chunk no longer than the batch. More tokens per batch: more prompts
+    /// share each pass's weights (throughput); fewer: the streams decoding beside them wait less.
+    pub fn with_batch_tokens(self, tokens: usize) -> Self {
+        let tokens = tokens.max(1);
+        EngineOptions {
+            batch_tokens: tokens,
+            prefill_chunk: self.prefill_chunk.min(tokens),
+            ..self
+        }
+    }
+
     /// The defaults for a backend on `device` (`cpu`, `cuda...`): the GPU's prefill GEMMs want
     /// long chunks (each expert then sees ~chunk/32 rows; bench/NOTES.md v1.3), the CPU reference
     /// keeps short ones for fair interleaving.
