@@ -7,7 +7,7 @@ use clap::Args;
 
 use std::sync::Arc;
 
-use lily::engine::EngineOptions;
+use lily::engine::{EngineOptions, GPU_BATCH_TOKENS};
 use lily::server::{self, ModelSource, ServeOptions, DEMO_MODEL_NAME};
 
 #[derive(Args)]
@@ -62,7 +62,7 @@ pub struct ServeArgs {
     pub batch_steps: Option<bool>,
     /// Tokens one batch of steps may hold: every decode step, then prompt chunks up to this many
     /// in all (each prompt chunk at most this long). More: higher throughput when many prompts
-    /// arrive; fewer: the streams decoding beside them wait less per token. Default: 4096 on a
+    /// arrive; fewer: the streams decoding beside them wait less per token. Default: 8192 on a
     /// GPU, 2048 on the CPU.
     #[arg(long)]
     pub batch_tokens: Option<usize>,
@@ -101,7 +101,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let gpu = super::device::GpuOptions {
         slots: Some(args.max_sequences),
         batch_steps: args.batch_steps,
-        pass_rows: args.batch_tokens,
+        pass_rows: Some(args.batch_tokens.unwrap_or(GPU_BATCH_TOKENS)),
         timeline: false,
     };
     let engine = EngineOptions {
