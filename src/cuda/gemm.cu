@@ -183,8 +183,10 @@ struct Job {
 };
 
 // GATHER: the slots come from the table at a.ids; kernels of their own, so that the other
-// launches' code carries no branch for it.
-template <int F, bool GATHER>
+// launches' code carries no branch for it. MULTI: launches of several tokens (x staged at once,
+// below), also kernels of their own: every edit of the one-token kernel's code measured has cost
+// one-token decode 0.6–3.8 % (bench/NOTES.md v1.55), so that kernel stays exactly as it was.
+template <int F, bool GATHER, bool MULTI>
 __device__ void gemv(const GemvArgs& a) {
     using T = Fmt<F>;
     using S = Slot<F>;
@@ -356,6 +358,21 @@ __device__ void gemv(const GemvArgs& a) {
         auto x_row = [&](int tok) { return GATHER ? a.x + (i64)gather[tok] * x_width : x + (i64)tok * x_width; };
         const int vec_per_tok = K / 8, total = ntok * vec_per_tok;
         const int steps = (total + blockDim.x - 1) / blockDim.x;
+        // Several tokens: the loads below would be L2 round trips in turn, up to 16 of them for 8
+        // tokens of K = 4,096 (the compiler does not overlap the steps). Plain x (no SwiGLU, no
+        // residual input) is copied into the stage all at once instead (cp.async holds no
+        // registers), where the loop below reads it back and rearranges it in place: each thread
+        // handles the vectors it copied itself. The wait also covers the ring's first batches.
+        const bool direct = MULTI && !a.swiglu && !res_x && steps > 1;
+        if (direct) {
+            const u32 xstage_s = smem_u32(xstage);
+            for (int i = threadIdx.x; i < total; i += blockDim.x) {
+                const int tok = i / vec_per_tok, v = i % vec_per_tok;
+                cp_async16(xstage_s + tok * stage_tok + v * 16, reinterpret_cast<const uint4*>(x_row(tok)) + v);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
         for (int s = 0; s < steps; ++s) {
             const int i = s * blockDim.x + threadIdx.x;
             const bool ok = i < total;
@@ -366,6 +383,8 @@ __device__ void gemv(const GemvArgs& a) {
                 xv = swiglu8(__ldg(gu + v), __ldg(gu + vec_per_tok + v));
             } else if (ok && res_x) {
                 xv = reinterpret_cast<const uint4*>(res_x + tok * K)[v];
+            } else if (ok && direct) {
+                xv = reinterpret_cast<const uint4*>(xstage + tok * stage_tok)[v];
             } else if (ok) {
                 xv = __ldg(reinterpret_cast<const uint4*>(x_row(tok)) + v);
             }
@@ -531,9 +550,12 @@ __device__ void gemv(const GemvArgs& a) {
 
 // Blocks have at most 256 threads (gemm.rs); saying so lets ptxas give each thread the registers it
 // needs (without it, ptxas plans for 1024 threads and spills).
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4(const GemvArgs a) { gemv<Q4, false>(a); }
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8(const GemvArgs a) { gemv<Q8, false>(a); }
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16(const GemvArgs a) { gemv<BF16, false>(a); }
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_gathered(const GemvArgs a) { gemv<Q4, true>(a); }
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_gathered(const GemvArgs a) { gemv<Q8, true>(a); }
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_gathered(const GemvArgs a) { gemv<BF16, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4(const GemvArgs a) { gemv<Q4, false, false>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8(const GemvArgs a) { gemv<Q8, false, false>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16(const GemvArgs a) { gemv<BF16, false, false>(a); }
+// Launches of several tokens on 4-bit weights (batched decode passes: row chunks, expert slots).
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_multi(const GemvArgs a) { gemv<Q4, false, true>(a); }
+// Gathered slots (passes of 2–64 rows) hold up to 8 tokens each.
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_gathered(const GemvArgs a) { gemv<Q4, true, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_gathered(const GemvArgs a) { gemv<Q8, true, false>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_gathered(const GemvArgs a) { gemv<BF16, true, false>(a); }

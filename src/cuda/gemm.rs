@@ -163,6 +163,8 @@ pub struct GemvShape {
 pub struct GemvKernels {
     stream: Arc<CudaStream>,
     q4: CudaFunction,
+    /// The 4-bit kernel for launches of several tokens (gemm.cu: x staged at once).
+    q4_multi: CudaFunction,
     q8: CudaFunction,
     bf16: CudaFunction,
     /// The same for gathered slots ([`SlotInput::Gathered`]), as their own kernels.
@@ -225,6 +227,7 @@ impl GemvKernels {
             Ok(f)
         };
         let (q4, q8, bf16) = (load("gemv_q4")?, load("gemv_q8")?, load("gemv_bf16")?);
+        let q4_multi = load("gemv_q4_multi")?;
         let gathered = [
             load("gemv_q4_gathered")?,
             load("gemv_q8_gathered")?,
@@ -270,6 +273,7 @@ impl GemvKernels {
         Ok(Self {
             stream: dev.stream().clone(),
             q4,
+            q4_multi,
             q8,
             bf16,
             gathered,
@@ -737,6 +741,7 @@ impl GemvKernels {
             topk_counter: topk.map_or(0, |t| t.counter),
         };
         let func = match (format, gathered) {
+            (Format::Q4, false) if ntok > 1 => &self.q4_multi,
             (Format::Q4, false) => &self.q4,
             (Format::Q8, false) => &self.q8,
             (Format::Bf16, false) => &self.bf16,
