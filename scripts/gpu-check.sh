@@ -28,8 +28,10 @@
 # step's (ncu-prefill.txt, ncu-decode.txt in logs.tar, with the other quants' and the A/B runs'
 # tables: at most 8 files come back from a call; GPU_CHECK_NCU_KINDS=decode: only the decode step's);
 # GPU_CHECK_NCU_SOURCE=REGEX adds the per-instruction (SASS) stall samples of the first
-# GPU_CHECK_NCU_SOURCE_COUNT (default 1) launches of a 4K prefill whose kernel names match
-# (ncu-source.csv in logs.tar);
+# GPU_CHECK_NCU_SOURCE_COUNT (default 1) launches, after GPU_CHECK_NCU_SOURCE_SKIP (default 0),
+# whose kernel names match, in a 4K prefill and 4 decode steps (ncu-source.csv in logs.tar);
+# GPU_CHECK_NCU_SOURCE_BENCH replaces that bench's `--contexts 4096` (e.g. "--contexts 1024
+# --profile --profile-batch 8" for the kernels of 8-row decode passes);
 # GPU_CHECK_SERVE_AB="VAR=VALUE ..." reruns `bench --serve` with each setting;
 # GPU_CHECK_TESTS=none (or a list of binaries) runs no (or only those) test binaries. The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
@@ -255,15 +257,18 @@ PY
     if [[ -n "${GPU_CHECK_NCU_SOURCE:-}" && -x "$dir/lily" ]]; then
         # Where each kernel's warps wait, instruction by instruction: the source page of the
         # SourceCounters section (sampled stall reasons per SASS line), as CSV.
-        echo "=== ncu source ($GPU_CHECK_NCU_SOURCE, 4K prefill)"
+        echo "=== ncu source ($GPU_CHECK_NCU_SOURCE, bench ${GPU_CHECK_NCU_SOURCE_BENCH:---contexts 4096})"
         ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
         if [[ -z "$ncu_bin" ]]; then
             echo "ncu: not found" >> "$summary"
         else
+            # shellcheck disable=SC2086
             timeout 300 "$ncu_bin" --clock-control none --kernel-name regex:"$GPU_CHECK_NCU_SOURCE" \
+                --launch-skip "${GPU_CHECK_NCU_SOURCE_SKIP:-0}" \
                 --launch-count "${GPU_CHECK_NCU_SOURCE_COUNT:-1}" --section SourceCounters --section WarpStateStats \
                 --page source --print-source sass --csv \
-                "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda --contexts 4096 \
+                "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+                ${GPU_CHECK_NCU_SOURCE_BENCH:---contexts 4096} \
                 --decode-steps 4 --rounds 1 > "$logs/ncu-source.csv" 2>&1
             echo "ncu source: exit $? ($(wc -l < "$logs/ncu-source.csv") lines)" >> "$summary"
         fi
