@@ -24,8 +24,8 @@
 //   bf16), so Q8 needs no other instructions than Q4. Its magic sum is 128·(1 + 16) per column.
 // * x is staged once per block in shared memory, already permuted into the order the mma operands
 //   need, with the per-group sums Σx. The first batches' copies are issued before that staging,
-//   so their DRAM latency overlaps it. Launches of several tokens (the *_multi and gathered
-//   kernels) first copy all of x into the stage at once and rearrange it there.
+//   so their DRAM latency overlaps it. Launches of several 4-bit tokens (gemv_q4_multi and the
+//   4-bit gathered kernel) first copy all of x into the stage at once and rearrange it there.
 // * Blocks are persistent (about one wave of them): each loops over rounds of tiles, and each
 //   warp's copy pipeline runs on across round boundaries.
 // * Short matrices need more warps than they have tiles: then several warps split K for one tile
