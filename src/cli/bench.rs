@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 
 use lily::bench::{self, BenchOptions};
 use lily::checkpoint;
-use lily::engine::{EngineOptions, GPU_BATCH_TOKENS};
+use lily::engine::EngineOptions;
 use lily::model::Backend;
 use lily::serve_bench::{self, ServeBenchOptions};
 
@@ -103,7 +103,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let gpu = GpuOptions {
             slots: Some(args.streams.max(args.decode_streams)),
             batch_steps: args.batch_steps,
-            pass_rows: Some(args.batch_tokens.unwrap_or(GPU_BATCH_TOKENS)),
+            // The GPU's passes hold one batch of the engine's (serve() below).
+            pass_rows: Some(
+                args.batch_tokens
+                    .unwrap_or(EngineOptions::for_device(&device).batch_tokens),
+            ),
             timeline: false,
         };
         (longest, gpu)

@@ -7,7 +7,7 @@ use clap::Args;
 
 use std::sync::Arc;
 
-use lily::engine::{EngineOptions, GPU_BATCH_TOKENS};
+use lily::engine::EngineOptions;
 use lily::server::{self, ModelSource, ServeOptions, DEMO_MODEL_NAME};
 
 #[derive(Args)]
@@ -98,12 +98,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.batch_tokens != Some(0),
         "--batch-tokens must be at least 1"
     );
-    let gpu = super::device::GpuOptions {
-        slots: Some(args.max_sequences),
-        batch_steps: args.batch_steps,
-        pass_rows: Some(args.batch_tokens.unwrap_or(GPU_BATCH_TOKENS)),
-        timeline: false,
-    };
     let engine = EngineOptions {
         prefix_cache_bytes: args.prefix_cache_mb << 20,
         memory_budget: args.state_memory_mb.map(|mb| mb << 20),
@@ -112,6 +106,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let engine = match args.batch_tokens {
         Some(tokens) => engine.with_batch_tokens(tokens),
         None => engine,
+    };
+    // The GPU's passes hold one batch of the engine's.
+    let gpu = super::device::GpuOptions {
+        slots: Some(args.max_sequences),
+        batch_steps: args.batch_steps,
+        pass_rows: Some(engine.batch_tokens),
+        timeline: false,
     };
     server::run(ServeOptions {
         source,
