@@ -512,6 +512,8 @@ fn gemv_matches_reference() {
         (4, 248_320, 2048, 1),
         (8, 256, 2048, 1),
         (8, 256, 2048, 6),
+        (8, 2048, 4096, 8),
+        (8, 2048, 4096, 3),
         (8, 1, 2048, 1),
         (16, 8192, 2048, 1),
         (16, 2048, 4096, 4),
@@ -672,7 +674,8 @@ fn cpu_slot_table(ids: &[i32], per_token: usize, experts: usize) -> Vec<(i32, Ve
 /// grouping, and gate‖up (x at the tokens' rows) then down (x at the pairs' rows through SwiGLU)
 /// give every (token, expert) pair its product. Routings: 40 tokens over 16 experts + a shared
 /// one (experts with more than 8 tokens, so several slots), 9 tokens, and 64 tokens all on the
-/// same 4 experts and the shared one (every expert 8 slots).
+/// same 4 experts and the shared one (every expert 8 slots). Weights in 4 bits, and for the first
+/// routing in 8 bits and bf16 too (checkpoints of those formats run the same passes).
 #[test]
 fn gemv_gathered_slots_match_reference() {
     let dev = device();
@@ -684,13 +687,20 @@ fn gemv_gathered_slots_match_reference() {
     let mut rng = Rng::new("gemv gathered");
     let (experts, top_k) = (16, 4);
     let per_token = top_k + 1;
-    let gate_up = HostMatrices::random(&mut rng, 4, experts + 1, 1024, 2048);
-    let down = HostMatrices::random(&mut rng, 4, experts + 1, 2048, 512);
-    let (dgu, ddown) = (
-        DeviceMatrices::upload(s, &gate_up),
-        DeviceMatrices::upload(s, &down),
-    );
-    for (t, same) in [(40, false), (9, false), (64, true)] {
+    for (bits, t, same) in [
+        (4, 40, false),
+        (4, 9, false),
+        (4, 64, true),
+        (8, 40, false),
+        (16, 40, false),
+    ] {
+        let gate_up = HostMatrices::random(&mut rng, bits, experts + 1, 1024, 2048);
+        let down = HostMatrices::random(&mut rng, bits, experts + 1, 2048, 512);
+        let (dgu, ddown) = (
+            DeviceMatrices::upload(s, &gate_up),
+            DeviceMatrices::upload(s, &down),
+        );
+        let name = format_name(bits);
         let mut ids = Vec::new();
         for _ in 0..t {
             let mut chosen: Vec<i32> = Vec::new();
@@ -760,7 +770,7 @@ fn gemv_gathered_slots_match_reference() {
             tol.extend(e);
         }
         check_gemv(
-            &format!("gathered gate_up, {t} tokens"),
+            &format!("gathered gate_up {name}, {t} tokens"),
             &download(s, &gu),
             &want,
             &tol,
@@ -791,7 +801,7 @@ fn gemv_gathered_slots_match_reference() {
             tol.extend(e);
         }
         check_gemv(
-            &format!("gathered down, {t} tokens"),
+            &format!("gathered down {name}, {t} tokens"),
             &download(s, &y),
             &want,
             &tol,

@@ -24,8 +24,8 @@
 //   bf16), so Q8 needs no other instructions than Q4. Its magic sum is 128·(1 + 16) per column.
 // * x is staged once per block in shared memory, already permuted into the order the mma operands
 //   need, with the per-group sums Σx. The first batches' copies are issued before that staging,
-//   so their DRAM latency overlaps it. Launches of several 4-bit tokens (gemv_q4_multi and the
-//   4-bit gathered kernel) first copy all of x into the stage at once and rearrange it there.
+//   so their DRAM latency overlaps it. Launches of several tokens (the *_multi and *_gathered
+//   kernels) first copy all of x into the stage at once and rearrange it there.
 // * Blocks are persistent (about one wave of them): each loops over rounds of tiles, and each
 //   warp's copy pipeline runs on across round boundaries.
 // * Short matrices need more warps than they have tiles: then several warps split K for one tile
@@ -364,12 +364,17 @@ __device__ void gemv(const GemvArgs& a) {
         // residual input) is copied into the stage all at once instead (cp.async holds no
         // registers), where the loop below reads it back and rearranges it in place: each thread
         // handles the vectors it copied itself. The wait also covers the ring's first batches.
+        // Q8's staged row is twice x (two words per x pair), so x goes into its upper half: the
+        // writes of vector v, bytes [32v, 32v + 32), reach only copies of vectors u ≤ v (at
+        // 2K + 16u), read in the same step or before; a barrier keeps each step's reads before its
+        // writes.
         const bool direct = MULTI && !a.swiglu && !res_x && steps > 1;
+        const int x_at = F == Q8 ? 2 * K : 0;
         if (direct) {
             const u32 xstage_s = smem_u32(xstage);
             for (int i = threadIdx.x; i < total; i += blockDim.x) {
                 const int tok = i / vec_per_tok, v = i % vec_per_tok;
-                cp_async16(xstage_s + tok * stage_tok + v * 16, reinterpret_cast<const uint4*>(x_row(tok)) + v);
+                cp_async16(xstage_s + tok * stage_tok + x_at + v * 16, reinterpret_cast<const uint4*>(x_row(tok)) + v);
             }
             cp_async_commit();
             cp_async_wait<0>();
@@ -385,9 +390,12 @@ __device__ void gemv(const GemvArgs& a) {
             } else if (ok && res_x) {
                 xv = reinterpret_cast<const uint4*>(res_x + tok * K)[v];
             } else if (ok && direct) {
-                xv = reinterpret_cast<const uint4*>(xstage + tok * stage_tok)[v];
+                xv = reinterpret_cast<const uint4*>(xstage + tok * stage_tok + x_at)[v];
             } else if (ok) {
                 xv = __ldg(reinterpret_cast<const uint4*>(x_row(tok)) + v);
+            }
+            if constexpr (F == Q8 && MULTI) {
+                if (direct) __syncthreads();  // `direct` is the same for the whole block
             }
             uint4* dst = reinterpret_cast<uint4*>(xstage + tok * stage_tok);
             if (ok) {
@@ -554,9 +562,11 @@ __device__ void gemv(const GemvArgs& a) {
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4(const GemvArgs a) { gemv<Q4, false, false>(a); }
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8(const GemvArgs a) { gemv<Q8, false, false>(a); }
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16(const GemvArgs a) { gemv<BF16, false, false>(a); }
-// Launches of several tokens on 4-bit weights (batched decode passes: row chunks, expert slots).
+// Launches of several tokens (batched decode passes: row chunks, expert slots).
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_multi(const GemvArgs a) { gemv<Q4, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_multi(const GemvArgs a) { gemv<Q8, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_multi(const GemvArgs a) { gemv<BF16, false, true>(a); }
 // Gathered slots (passes of 2–64 rows) hold up to 8 tokens each.
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_gathered(const GemvArgs a) { gemv<Q4, true, true>(a); }
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_gathered(const GemvArgs a) { gemv<Q8, true, false>(a); }
-extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_gathered(const GemvArgs a) { gemv<BF16, true, false>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_gathered(const GemvArgs a) { gemv<Q8, true, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_gathered(const GemvArgs a) { gemv<BF16, true, true>(a); }

@@ -73,6 +73,7 @@ struct GemvArgs {
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
 unsafe impl KernelValue for GemvArgs {}
 
+/// In the order of `GemvKernels`' kernel arrays.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Format {
     Q4,
@@ -162,12 +163,10 @@ pub struct GemvShape {
 
 pub struct GemvKernels {
     stream: Arc<CudaStream>,
-    q4: CudaFunction,
-    /// The 4-bit kernel for launches of several tokens (gemm.cu: x staged at once).
-    q4_multi: CudaFunction,
-    q8: CudaFunction,
-    bf16: CudaFunction,
-    /// The same for gathered slots ([`SlotInput::Gathered`]), as their own kernels.
+    /// The kernels by format (Q4, Q8, bf16): for one token, for several (gemm.cu: x staged at
+    /// once), and for gathered slots ([`SlotInput::Gathered`]).
+    one_token: [CudaFunction; 3],
+    multi: [CudaFunction; 3],
     gathered: [CudaFunction; 3],
     max_shared: usize,
     sm_count: usize,
@@ -226,8 +225,12 @@ impl GemvKernels {
             max_shared = max_shared.min(room);
             Ok(f)
         };
-        let (q4, q8, bf16) = (load("gemv_q4")?, load("gemv_q8")?, load("gemv_bf16")?);
-        let q4_multi = load("gemv_q4_multi")?;
+        let one_token = [load("gemv_q4")?, load("gemv_q8")?, load("gemv_bf16")?];
+        let multi = [
+            load("gemv_q4_multi")?,
+            load("gemv_q8_multi")?,
+            load("gemv_bf16_multi")?,
+        ];
         let gathered = [
             load("gemv_q4_gathered")?,
             load("gemv_q8_gathered")?,
@@ -272,10 +275,8 @@ impl GemvKernels {
         };
         Ok(Self {
             stream: dev.stream().clone(),
-            q4,
-            q4_multi,
-            q8,
-            bf16,
+            one_token,
+            multi,
             gathered,
             max_shared,
             sm_count,
@@ -740,15 +741,14 @@ impl GemvKernels {
             topk_weights: topk.map_or(0, |t| t.weights),
             topk_counter: topk.map_or(0, |t| t.counter),
         };
-        let func = match (format, gathered) {
-            (Format::Q4, false) if ntok > 1 => &self.q4_multi,
-            (Format::Q4, false) => &self.q4,
-            (Format::Q8, false) => &self.q8,
-            (Format::Bf16, false) => &self.bf16,
-            (Format::Q4, true) => &self.gathered[0],
-            (Format::Q8, true) => &self.gathered[1],
-            (Format::Bf16, true) => &self.gathered[2],
+        let kernels = if gathered {
+            &self.gathered
+        } else if ntok > 1 {
+            &self.multi
+        } else {
+            &self.one_token
         };
+        let func = &kernels[format as usize];
         // Persistent blocks: about as many as fit on the GPU at once, each taking the same number
         // of rounds (a round: tiles_per_block tiles), so that none is left with an extra one.
         let threads = 32 * (warps_per_tile * tiles_per_block) as u32;
