@@ -321,6 +321,9 @@ fn batched_steps_equal_one_by_one() {
     let mut alone = gpu_backend(&weights, n, false);
     let ways: Vec<Option<DeviceSampling>> = (0..n).map(|s| way(s, vocab)).collect();
     let bad_draw = way(3, vocab).expect("top-1 sampling");
+    // The decode graphs of every batch size are captured up front, as the engine has them
+    // captured: the steps below replay graphs made before any sequence existed.
+    batched.prepare_decode(n + 1).unwrap();
     for seq in 0..n as u64 {
         batched.create_sequence(seq).unwrap();
         alone.create_sequence(seq).unwrap();

@@ -536,6 +536,71 @@ fn random_load_with_cancellations_ends_at_baseline() {
     assert!(live.lock().unwrap().snapshots.is_empty());
 }
 
+/// The CPU backend, logging when decode is readied and sequences are made; readying fails if
+/// asked to.
+struct Readied {
+    inner: CpuBackend,
+    log: Arc<Mutex<Vec<String>>>,
+    fail: bool,
+}
+
+impl Backend for Readied {
+    fn config(&self) -> &lily::config::ModelConfig {
+        self.inner.config()
+    }
+    fn device_name(&self) -> String {
+        "readied cpu".into()
+    }
+    fn prepare_decode(&mut self, max_batch: usize) -> anyhow::Result<()> {
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("prepare {max_batch}"));
+        anyhow::ensure!(!self.fail, "no graphs today");
+        Ok(())
+    }
+    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.log.lock().unwrap().push("create".into());
+        self.inner.create_sequence(seq)
+    }
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.inner.free_sequence(seq)
+    }
+    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.inner.forward(seq, tokens)
+    }
+}
+
+/// The engine readies decode passes for its most sequences once, before its first request (the
+/// CUDA backend captures their graphs then); a backend that fails to still serves.
+#[test]
+fn decode_is_readied_before_the_first_request() {
+    let w = weights();
+    for fail in [false, true] {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let backend = Readied {
+            inner: CpuBackend::new(w.clone()),
+            log: log.clone(),
+            fail,
+        };
+        let (engine, thread) = Engine::spawn(
+            Box::new(backend),
+            EngineOptions {
+                max_sequences: 5,
+                ..EngineOptions::default()
+            },
+        );
+        let prompt = random_tokens(9);
+        let (ids, reason, error) = collect(engine.submit(greedy(prompt.clone(), 4, None)));
+        assert_eq!(error, None, "readying failed: {fail}");
+        assert_eq!(reason, Some(FinishReason::Length));
+        assert_eq!(ids, alone(&w, &prompt, 4));
+        drop(engine);
+        thread.join().expect("the engine thread ends");
+        assert_eq!(*log.lock().unwrap(), ["prepare 5", "create"]);
+    }
+}
+
 #[test]
 fn a_request_larger_than_the_memory_budget_is_refused() {
     let w = weights();

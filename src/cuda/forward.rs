@@ -464,20 +464,7 @@ impl CudaBackend {
         if !pass.spans.is_empty() || !self.options.cuda_graphs || self.routing.is_some() {
             return self.body(&pass);
         }
-        // A decode pass reads its tokens, slots and positions from device memory, so one
-        // captured graph per batch size serves every step: ~600 launches become one.
-        if !self.decode_graphs.contains_key(&b) {
-            st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .during(|| "starting the decode graph capture".into())?;
-            let (captured, labels) = profile::label_launches(|| self.body(&pass));
-            let graph = st
-                .end_capture(sys::CUgraphInstantiate_flags(0))
-                .during(|| "capturing the decode graph".into());
-            captured?;
-            let graph = graph?
-                .ok_or_else(|| CudaError::Shape("the decode graph capture was empty".into()))?;
-            self.decode_graphs.insert(b, DecodeGraph(graph, labels));
-        }
+        self.capture_decode_graph(b)?;
         if let Some((_, replayed)) = &mut self.timeline {
             ensure!(
                 replayed.is_none_or(|r| r == b),
@@ -489,6 +476,53 @@ impl CudaBackend {
             .0
             .launch()
             .during(|| "replaying the decode graph".into())
+    }
+
+    /// Captures the decode pass of `b` rows as a graph, unless it has been. A decode pass reads
+    /// its tokens, slots and positions from device memory, so one captured graph per batch size
+    /// serves every step: ~600 launches become one.
+    fn capture_decode_graph(&mut self, b: usize) -> Result<()> {
+        if self.decode_graphs.contains_key(&b) {
+            return Ok(());
+        }
+        let pass = Pass {
+            spans: Vec::new(),
+            decode: b,
+        };
+        let st = self.dev.stream().clone();
+        st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .during(|| "starting the decode graph capture".into())?;
+        let (captured, labels) = profile::label_launches(|| self.body(&pass));
+        let graph = st
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .during(|| "capturing the decode graph".into());
+        captured?;
+        let graph =
+            graph?.ok_or_else(|| CudaError::Shape("the decode graph capture was empty".into()))?;
+        self.decode_graphs.insert(b, DecodeGraph(graph, labels));
+        Ok(())
+    }
+
+    /// Captures the decode graphs of 1 to `max_batch` rows (as many as one pass holds) before
+    /// serving, so that no step of a run pays a capture (≈ 3 ms each, bench/NOTES.md v1.57).
+    /// Nothing while passes run uncaptured (graphs off, op timing, a timeline, a routing trace).
+    fn capture_decode_graphs(&mut self, max_batch: usize) -> Result<()> {
+        if !self.options.cuda_graphs
+            || self.profile.is_some()
+            || self.timeline.is_some()
+            || self.routing.is_some()
+        {
+            return Ok(());
+        }
+        let most = if self.options.batch_steps {
+            max_batch.min(batch_rows(&self.options)).min(self.s.rows)
+        } else {
+            1
+        };
+        for b in 1..=most {
+            self.capture_decode_graph(b)?;
+        }
+        Ok(())
     }
 
     /// Every launch of one pass whose inputs are already in device memory; ends with the logits

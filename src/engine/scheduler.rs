@@ -110,6 +110,11 @@ impl EngineLoop {
     /// Serves requests until every sender is gone and the work is done; returns the backend
     /// with every sequence and snapshot freed.
     pub(super) fn run(mut self, rx: mpsc::Receiver<Submission>) -> Box<dyn Backend> {
+        if let Err(e) = self.backend.prepare_decode(self.options.max_sequences) {
+            tracing::warn!(
+                "readying decode passes failed (they are readied when first run): {e:#}"
+            );
+        }
         loop {
             // Block only when there is nothing to do.
             if self.running.is_empty() && self.waiting.is_empty() {

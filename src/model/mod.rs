@@ -112,6 +112,13 @@ pub trait Backend: Send {
             None => self.forward(step.seq, step.tokens).map(StepOutput::Logits),
         }
     }
+    /// Readies decode passes of up to `max_batch` sequences before the first request (the CUDA
+    /// backend captures their graphs, so that no step of a run pays a capture). Called once by
+    /// the engine; a failure is logged and serving goes on.
+    fn prepare_decode(&mut self, max_batch: usize) -> anyhow::Result<()> {
+        let _ = max_batch;
+        Ok(())
+    }
     /// Bytes of state a sequence of `tokens` tokens holds (recurrent state and KV entries):
     /// what admission by memory reserves for a request.
     fn sequence_bytes(&self, tokens: usize) -> u64 {

@@ -52,6 +52,9 @@ impl Backend for CudaBackend {
             self.free_slots.push(s.slot);
         }
     }
+    fn prepare_decode(&mut self, max_batch: usize) -> anyhow::Result<()> {
+        Ok(self.capture_decode_graphs(max_batch)?)
+    }
     fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
         self.step(seq, tokens)?;
         let vocab = self.model.config.vocab_size;
