@@ -232,6 +232,11 @@ fn long_chunks_through_cublas_match_cpu_with_and_without_kept_copies() {
 }
 
 fn q4_weights(seed: u64) -> Weights {
+    quantized_weights(seed, 4)
+}
+
+/// The test model quantised to MLX affine `bits` (group 64).
+fn quantized_weights(seed: u64, bits: u32) -> Weights {
     let bf16 = tempfile::tempdir().unwrap();
     let q4 = tempfile::tempdir().unwrap();
     synth::write_checkpoint(
@@ -247,7 +252,7 @@ fn q4_weights(seed: u64) -> Weights {
         bf16.path(),
         q4.path(),
         lily::quant::Affine {
-            bits: 4,
+            bits,
             group_size: 64,
         },
         false,
@@ -313,7 +318,17 @@ fn way(seq: usize, vocab: usize) -> Option<DeviceSampling> {
 /// [0, 1) in the same batch fail alone.
 #[test]
 fn batched_steps_equal_one_by_one() {
-    let weights = q4_weights(6);
+    batched_against_one_by_one(q4_weights(6));
+}
+
+/// The same with 8-bit weights (what GGUF and FP8 checkpoints run as): their kernels' shared
+/// memory differs (an 8-bit expert slot of 8 tokens needs a smaller block).
+#[test]
+fn batched_steps_equal_one_by_one_q8() {
+    batched_against_one_by_one(quantized_weights(6, 8));
+}
+
+fn batched_against_one_by_one(weights: Weights) {
     let vocab = weights.config.vocab_size;
     let n = 12;
     // Sequence n (batched only) takes a step with a bad draw every time.
