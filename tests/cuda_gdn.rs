@@ -447,12 +447,21 @@ fn config_of_the_real_model_is_supported() {
 }
 
 /// A batch of 4 decode rows over a pool of 5 slots (one row padding with slot −1), 6 steps from
-/// random non-zero states, inputs in the fused layout with a padded stride.
+/// random non-zero states, inputs in the fused layout with a padded stride; as one kernel and as
+/// the two of many sequences.
 #[test]
 fn decode_matches_reference() {
+    for split_rows in [usize::MAX, 1] {
+        decode_matches_reference_with(split_rows);
+    }
+}
+
+fn decode_matches_reference_with(split_rows: usize) {
     let dev = device();
     let stream = dev.stream().clone();
-    let kernels = GdnKernels::load(&dev).expect("load");
+    let mut kernels = GdnKernels::load(&dev).expect("load");
+    kernels.set_split_rows(split_rows);
+    let mut ws = GdnWorkspace::new(&stream, 4).expect("workspace");
     let mut rng = rng("decode_matches_reference");
     let layer = HostLayer::random(&mut rng);
     let dl = DevLayer::upload(&stream, &layer);
@@ -478,6 +487,7 @@ fn decode_matches_reference() {
                 &slots_dev.slice(..),
                 &mut pools.ssm.slice_mut(..),
                 &mut pools.conv.slice_mut(..),
+                Some(&mut ws),
                 &mut y.slice_mut(..),
             )
             .expect("decode");
@@ -525,7 +535,10 @@ fn decode_matches_reference() {
             );
         }
     }
-    println!("decode: y max relative error {max_rel:.2e}, state max error / scale {max_state:.2e}");
+    println!(
+        "decode (two kernels from {split_rows} rows): y max relative error {max_rel:.2e}, \
+         state max error / scale {max_state:.2e}"
+    );
 }
 
 /// Prefill of T tokens from a random state vs the CPU's chunked form, for T around chunk edges and
@@ -606,6 +619,7 @@ fn prefill_then_decode_matches_decode_only() {
                         &slot0.slice(..),
                         &mut pools.ssm.slice_mut(..),
                         &mut pools.conv.slice_mut(..),
+                        None,
                         &mut y.slice_mut(i * VALUE_DIM..(i + 1) * VALUE_DIM),
                     )
                     .expect("decode");
@@ -713,12 +727,14 @@ fn zero_clears_listed_slots() {
 
 /// `decode_in_pass` (the state read before the PDL wait, as forward passes run it) gives the same
 /// bits as `decode`, for 3 sequences in a pool of 4 (the launch comes after a host sync here, so
-/// nothing can still be writing the state; forward.rs's passes guarantee that by their order).
+/// nothing can still be writing the state; forward.rs's passes guarantee that by their order);
+/// and the two kernels of many sequences give the same bits as the one, either way.
 #[test]
 fn decode_in_pass_equals_decode() {
     let dev = device();
     let stream = dev.stream().clone();
-    let kernels = GdnKernels::load(&dev).expect("load");
+    let mut kernels = GdnKernels::load(&dev).expect("load");
+    let mut ws = GdnWorkspace::new(&stream, 3).expect("workspace");
     let mut rng = rng("decode_in_pass");
     let dl = DevLayer::upload(&stream, &HostLayer::random(&mut rng));
     let states: Vec<HostState> = (0..4).map(|_| HostState::random(&mut rng)).collect();
@@ -726,7 +742,14 @@ fn decode_in_pass_equals_decode() {
     let dx = DevInputs::upload(&stream, &x);
     let slots = stream.clone_htod(&[2i32, 0, 3]).expect("upload");
     let mut outs = Vec::new();
-    for in_pass in [false, true] {
+    let ways = [
+        (false, usize::MAX),
+        (true, usize::MAX),
+        (false, 1),
+        (true, 1),
+    ];
+    for (in_pass, split_rows) in ways {
+        kernels.set_split_rows(split_rows);
         let mut pools = DevPools::upload(&stream, &states);
         let mut y = stream
             .clone_htod(&vec![bf16::ZERO; 3 * VALUE_DIM])
@@ -735,10 +758,27 @@ fn decode_in_pass_equals_decode() {
         let (w, inputs) = (dl.weights(), dx.inputs());
         let (mut ssm, mut conv) = (pools.ssm.slice_mut(..), pools.conv.slice_mut(..));
         let mut yv = y.slice_mut(..);
+        let ws = Some(&mut ws);
         if in_pass {
-            kernels.decode_in_pass(&w, &inputs, &slots.slice(..), &mut ssm, &mut conv, &mut yv)
+            kernels.decode_in_pass(
+                &w,
+                &inputs,
+                &slots.slice(..),
+                &mut ssm,
+                &mut conv,
+                ws,
+                &mut yv,
+            )
         } else {
-            kernels.decode(&w, &inputs, &slots.slice(..), &mut ssm, &mut conv, &mut yv)
+            kernels.decode(
+                &w,
+                &inputs,
+                &slots.slice(..),
+                &mut ssm,
+                &mut conv,
+                ws,
+                &mut yv,
+            )
         }
         .expect("decode");
         let y: Vec<u16> = download(&stream, &y).iter().map(|v| v.to_bits()).collect();
@@ -754,8 +794,11 @@ fn decode_in_pass_equals_decode() {
             .collect();
         outs.push((y, state));
     }
-    assert!(outs[0].0 == outs[1].0, "outputs differ");
-    assert!(outs[0].1 == outs[1].1, "states differ");
+    for (i, (in_pass, split_rows)) in ways.iter().enumerate().skip(1) {
+        let what = format!("in pass {in_pass}, two kernels from {split_rows} rows");
+        assert!(outs[0].0 == outs[i].0, "{what}: outputs differ");
+        assert!(outs[0].1 == outs[i].1, "{what}: states differ");
+    }
 }
 
 #[test]
@@ -786,6 +829,7 @@ fn rejects_bad_arguments() {
             &slots.slice(..),
             &mut pools.ssm.slice_mut(..),
             &mut pools.conv.slice_mut(..),
+            None,
             &mut y.slice_mut(..2 * VALUE_DIM + 1)
         )
         .is_err());
@@ -797,6 +841,7 @@ fn rejects_bad_arguments() {
             &slots.slice(..),
             &mut pools.ssm.slice_mut(4..),
             &mut pools.conv.slice_mut(..),
+            None,
             &mut y.slice_mut(..2 * VALUE_DIM)
         )
         .is_err());
@@ -808,6 +853,7 @@ fn rejects_bad_arguments() {
             &slots.slice(..1),
             &mut pools.ssm.slice_mut(..),
             &mut pools.conv.slice_mut(..),
+            None,
             &mut y.slice_mut(1..VALUE_DIM + 1)
         )
         .is_err());
@@ -821,6 +867,7 @@ fn rejects_bad_arguments() {
             &slots.slice(..),
             &mut pools.ssm.slice_mut(..),
             &mut pools.conv.slice_mut(..),
+            None,
             &mut y.slice_mut(..2 * VALUE_DIM)
         )
         .is_err());
@@ -836,6 +883,7 @@ fn rejects_bad_arguments() {
             &slots.slice(..1),
             &mut pools.ssm.slice_mut(..),
             &mut pools.conv.slice_mut(..),
+            None,
             &mut y.slice_mut(..VALUE_DIM)
         )
         .is_err());
@@ -900,8 +948,9 @@ fn median_ms(dev: &CudaDevice, runs: usize, mut body: impl FnMut()) -> f32 {
     times[runs / 2]
 }
 
-/// The decode step of all 30 GDN layers (one CUDA graph of 30 launches), for batches of 1 and 8
-/// sequences, and a 4096-token prefill of one layer. Prints; asserts nothing about speed.
+/// The decode step of all 30 GDN layers (one CUDA graph of 30 launches, or 60 as two kernels),
+/// for batches of 1, 8 and 64 sequences, and a 4096-token prefill of one layer. Prints; asserts
+/// nothing about speed.
 #[test]
 fn timing() {
     const LAYERS: usize = 30;
@@ -912,7 +961,15 @@ fn timing() {
     let layers: Vec<DevLayer> = (0..LAYERS)
         .map(|_| DevLayer::upload(&stream, &HostLayer::random(&mut rng)))
         .collect();
-    for batch in [1usize, 8] {
+    let mut dws = GdnWorkspace::new(&stream, 64).expect("workspace");
+    for (batch, split_rows) in [
+        (1usize, usize::MAX),
+        (8, usize::MAX),
+        (8, 1),
+        (64, usize::MAX),
+        (64, 1),
+    ] {
+        kernels.set_split_rows(split_rows);
         let states: Vec<HostState> = (0..batch).map(|_| HostState::random(&mut rng)).collect();
         let mut pools: Vec<DevPools> = (0..LAYERS)
             .map(|_| DevPools::upload(&stream, &states))
@@ -942,6 +999,7 @@ fn timing() {
                         &slots.slice(..),
                         &mut p.ssm.slice_mut(..),
                         &mut p.conv.slice_mut(..),
+                        Some(&mut dws),
                         &mut y.slice_mut(..),
                     )
                     .expect("decode");
@@ -957,7 +1015,8 @@ fn timing() {
         let ms = median_ms(&dev, 50, || graph.launch().expect("graph"));
         let bytes = (LAYERS * batch * 2 * SSM_STATE_LEN * 4) as f64;
         println!(
-            "decode, {LAYERS} layers, batch {batch}: {:.1} µs per step ({:.2} µs per layer), {:.0} GB/s of fp32 state read + written",
+            "decode, {LAYERS} layers, batch {batch}{}: {:.1} µs per step ({:.2} µs per layer), {:.0} GB/s of fp32 state read + written",
+            if batch >= split_rows { " as two kernels" } else { "" },
             ms * 1e3,
             ms * 1e3 / LAYERS as f32,
             bytes / (ms as f64 * 1e-3) / 1e9

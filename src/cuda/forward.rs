@@ -627,6 +627,7 @@ impl CudaBackend {
                             &s.slots.slice(..b),
                             &mut self.ssm[gdn_i].as_view_mut(),
                             &mut self.conv[gdn_i].as_view_mut(),
+                            Some(&mut self.gdn_ws),
                             &mut s.mixed.slice_mut(d * vd..t * vd),
                         )?;
                     }

@@ -18,6 +18,8 @@
 //
 // Kernels:
 //   gdn_decode          one token for each of B sequences (state pools addressed by slot ids)
+//   gdn_decode_prep     the same for many sequences, in two kernels: conv, norms and gates,
+//   gdn_decode_state      then the state's update and the gated norm
 //   gdn_prefill_qk      prefill, per (chunk of 64, key head): conv and norms of q, k; gates
 //   gdn_prefill_prep    prefill, per (chunk of 64, value head): conv of v, WY form
 //   gdn_prefill_state   prefill, per (value head, 32 dv columns): the state carried over chunks
@@ -357,6 +359,233 @@ gdn_decode(const GdnArgs p) {
     }
     const float rinv = rsqrtf((norm_part[0] + norm_part[1] + norm_part[2] + norm_part[3]) / GDN_DV + p.eps);
     if (tid < 8) {  // row group 0: one thread per column quad
+        const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.x));
+        const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.y));
+        const float zf[4] = {z01.x, z01.y, z23.x, z23.y};
+        const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+        float yv[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) yv[j] = bf16_round(wv[j] * bf16_round(ob[j] * rinv)) * silu(zf[j]);
+        const bf162 y01 = __floats2bfloat162_rn(yv[0], yv[1]), y23 = __floats2bfloat162_rn(yv[2], yv[3]);
+        uint2 out;
+        out.x = *reinterpret_cast<const u32*>(&y01);
+        out.y = *reinterpret_cast<const u32*>(&y23);
+        *reinterpret_cast<uint2*>(p.y + (i64)seq * GDN_VALUE_DIM + col) = out;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode of many sequences in two kernels (gdn.rs picks them for large batches). A gdn_decode
+// block's rate is its chain between the state's load and its store (the inputs read after the PDL
+// wait, the conv, two cluster exchanges, two block reductions), not DRAM: the same state traffic
+// alone runs at 3.6 TB/s where gdn_decode reaches 2.1 (bench/NOTES.md v1.58). So what needs no
+// state — conv, SiLU, the norms of q and k, k·q, β and α — is done once per (sequence, key head)
+// by gdn_decode_prep, into the prefill workspace (ws_q: q·rq, ws_kn: k·rk, ws_u: v, ws_beta: β,
+// ws_g: α, all [B][heads][128] or [B][heads]; ws_w: k·q [B][16]); gdn_decode_state then loads the
+// state, reads those from L2 and has one exchange left (the gated norm's Σo² over a head's 4
+// slices). Every value is computed by the same operations in the same order as gdn_decode, so
+// both paths give the same bits.
+
+// Grid (16 key heads, B), 128 threads: thread t convolves 4 of the key head's 512 channels' sets
+// of 8 (q 128 ‖ k 128 ‖ v of its 2 value heads 256: 64 sets) ... as 64 sets over threads 0..63.
+extern "C" __global__ void __launch_bounds__(DEC_THREADS) gdn_decode_prep(const GdnArgs p) {
+    __shared__ float q_s[GDN_DK], k_s[GDN_DK];
+    __shared__ float sums[3][DEC_THREADS / 32];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int kh = blockIdx.x, seq = blockIdx.y;
+    const int slot = p.slots[seq];
+    if (slot < 0 || slot >= p.n_slots) return;
+    pdl_wait();
+    pdl_launch_dependents();
+    // Sets 0..15: q channels kh·128 + 8i; 16..31: k; 32..63: v of value heads 2kh, 2kh + 1.
+    if (tid < 64) {
+        const int ch = tid < 16   ? kh * GDN_DK + tid * 8
+                       : tid < 32 ? GDN_KEY_DIM + kh * GDN_DK + (tid - 16) * 8
+                                  : 2 * GDN_KEY_DIM + 2 * kh * GDN_DV + (tid - 32) * 8;
+        uint4* hist = reinterpret_cast<uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE + ch);
+        const uint4 h0 = hist[0];
+        const uint4 h1 = hist[GDN_CONV_DIM / 8];
+        const uint4 h2 = hist[2 * GDN_CONV_DIM / 8];
+        const uint4 xn = *reinterpret_cast<const uint4*>(p.qkv + seq * p.qkv_stride + ch);
+        float4 w[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = reinterpret_cast<const float4*>(p.conv_w)[ch + j];
+        float f0[8], f1[8], f2[8], f3[8], res[8];
+        unpack8(h0, f0);
+        unpack8(h1, f1);
+        unpack8(h2, f2);
+        unpack8(xn, f3);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            float acc = w[j].x * f0[j];
+            acc += w[j].y * f1[j];
+            acc += w[j].z * f2[j];
+            acc += w[j].w * f3[j];
+            res[j] = silu(acc);
+        }
+        if (tid < 16) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) q_s[tid * 8 + j] = res[j];
+        } else if (tid < 32) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) k_s[(tid - 16) * 8 + j] = res[j];
+        } else {
+            float* v = p.ws_u + ((i64)seq * GDN_VALUE_HEADS + 2 * kh) * GDN_DV + (tid - 32) * 8;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = res[j];
+        }
+        hist[0] = h1;  // the conv state shifted by one row
+        hist[GDN_CONV_DIM / 8] = h2;
+        hist[2 * GDN_CONV_DIM / 8] = xn;
+    }
+    if (tid < 2) {  // the gates of value heads 2kh + tid
+        const int hv = 2 * kh + tid;
+        const float b_raw = bf(p.b[seq * p.b_stride + hv]), a_raw = bf(p.a[seq * p.a_stride + hv]);
+        p.ws_beta[seq * GDN_VALUE_HEADS + hv] = sigmoidf_(b_raw);
+        p.ws_g[seq * GDN_VALUE_HEADS + hv] = expf(gdn_decay(p.a_log[hv], p.dt_bias[hv], a_raw));
+    }
+    __syncthreads();
+    // l2 norms of q and k (q also scaled by 1/√dk), and k·q of the normalised vectors.
+    {
+        const float qv = q_s[tid], kv = k_s[tid];
+        const float a0 = warp_sum(qv * qv), a1 = warp_sum(kv * kv), a2 = warp_sum(qv * kv);
+        if (lane == 0) {
+            sums[0][warp] = a0;
+            sums[1][warp] = a1;
+            sums[2][warp] = a2;
+        }
+    }
+    __syncthreads();
+    float qq = 0.0f, kk = 0.0f, qk = 0.0f;
+#pragma unroll
+    for (int w = 0; w < DEC_THREADS / 32; ++w) {
+        qq += sums[0][w];
+        kk += sums[1][w];
+        qk += sums[2][w];
+    }
+    const float rq = rsqrtf(qq + L2NORM_EPS) * rsqrtf((float)GDN_DK);
+    const float rk = rsqrtf(kk + L2NORM_EPS);
+    const i64 at = ((i64)seq * GDN_KEY_HEADS + kh) * GDN_DK + tid;
+    p.ws_q[at] = q_s[tid] * rq;
+    p.ws_kn[at] = k_s[tid] * rk;
+    if (tid == 0) p.ws_w[seq * GDN_KEY_HEADS + kh] = qk * rq * rk;
+}
+
+// Grid (128, B), clusters of the 4 blocks of one value head; block, thread and state slice as in
+// gdn_decode.
+extern "C" __global__ void __cluster_dims__(DEC_SLICES, 1, 1) __launch_bounds__(DEC_THREADS)
+gdn_decode_state(const GdnArgs p) {
+    __shared__ float q_s[GDN_DK], k_s[GDN_DK];  // q·rq and k·rk of key head kh
+    __shared__ float v_s[DEC_COLS];
+    __shared__ float red[2][DEC_THREADS / 32][DEC_COLS];
+    __shared__ float norm_part[DEC_SLICES];
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int hv = blockIdx.x / DEC_SLICES, kh = hv / 2;
+    const int rank = blockIdx.x % DEC_SLICES, v0 = rank * DEC_COLS;
+    const int seq = blockIdx.y;
+    const int slot = p.slots[seq];
+    if (slot < 0 || slot >= p.n_slots) return;  // the whole cluster (one sequence) leaves
+
+    cluster_arrive_relaxed();  // waited on before the remote store
+
+    const int c = tid % 8, r = tid / 8;
+    float* S = p.ssm + (i64)slot * GDN_SEQ_STATE + (i64)hv * GDN_HEAD_STATE + v0 + 4 * c;
+    float4 s[8];
+    auto load_state = [&] {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = *reinterpret_cast<const float4*>(S + (r + 16 * i) * GDN_DV);
+    };
+    if (p.state_early) {  // as in gdn_decode (gdn.rs decode_in_pass)
+        load_state();
+        if (tid < 8) prefetch_l1(p.norm_w + v0 + 4 * c);
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+    if (!p.state_early) load_state();
+    const int col = hv * GDN_DV + v0 + 4 * c;
+    uint2 z4 = make_uint2(0u, 0u);
+    float4 w4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (tid < 8) {
+        z4 = *reinterpret_cast<const uint2*>(p.z + seq * p.z_stride + col);
+        w4 = *reinterpret_cast<const float4*>(p.norm_w + v0 + 4 * c);
+    }
+    const i64 qk_at = ((i64)seq * GDN_KEY_HEADS + kh) * GDN_DK + tid;
+    q_s[tid] = __ldcg(p.ws_q + qk_at);
+    k_s[tid] = __ldcg(p.ws_kn + qk_at);
+    if (tid < DEC_COLS) v_s[tid] = __ldcg(p.ws_u + ((i64)seq * GDN_VALUE_HEADS + hv) * GDN_DV + v0 + tid);
+    const float beta = __ldcg(p.ws_beta + seq * GDN_VALUE_HEADS + hv);
+    const float alpha = __ldcg(p.ws_g + seq * GDN_VALUE_HEADS + hv);
+    const float kq = __ldcg(p.ws_w + seq * GDN_KEY_HEADS + kh);
+    __syncthreads();
+
+    // From here as gdn_decode: partial Sᵀk and Sᵀq over this thread's 8 rows, for its 4 columns.
+    float kd[8], qd[8], sk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        kd[i] = k_s[r + 16 * i];
+        qd[i] = q_s[r + 16 * i];
+        const float sv[4] = {s[i].x, s[i].y, s[i].z, s[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            sk[j] += sv[j] * kd[i];
+            sq[j] += sv[j] * qd[i];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int off = 8; off < 32; off *= 2) {
+            sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], off);
+            sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], off);
+        }
+    }
+    if (lane < 8) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            red[0][warp][4 * c + j] = sk[j];
+            red[1][warp][4 * c + j] = sq[j];
+        }
+    }
+    __syncthreads();
+
+    float delta[4], o[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float u = 0.0f, pq = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DEC_THREADS / 32; ++w) {
+            u += red[0][w][4 * c + j];
+            pq += red[1][w][4 * c + j];
+        }
+        delta[j] = beta * (v_s[4 * c + j] - alpha * u);
+        o[j] = alpha * pq + delta[j] * kq;
+    }
+
+    // Σo² of the bf16-rounded o over this block's 32 columns, pushed to the 4 blocks of the head.
+    float ob[4], ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        ob[j] = bf16_round(o[j]);
+        ss += ob[j] * ob[j];
+    }
+#pragma unroll
+    for (int off = 1; off < 8; off *= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    cluster_wait();  // every block of the cluster has started
+    if (tid < DEC_SLICES) st_cluster(&norm_part[rank], tid, ss);
+    cluster_sync();  // norm_part complete; no remote access after this
+
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float4 n;
+        n.x = alpha * s[i].x + kd[i] * delta[0];
+        n.y = alpha * s[i].y + kd[i] * delta[1];
+        n.z = alpha * s[i].z + kd[i] * delta[2];
+        n.w = alpha * s[i].w + kd[i] * delta[3];
+        *reinterpret_cast<float4*>(S + (r + 16 * i) * GDN_DV) = n;
+    }
+    const float rinv = rsqrtf((norm_part[0] + norm_part[1] + norm_part[2] + norm_part[3]) / GDN_DV + p.eps);
+    if (tid < 8) {
         const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.x));
         const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.y));
         const float zf[4] = {z01.x, z01.y, z23.x, z23.y};

@@ -22,8 +22,8 @@ use half::bf16;
 
 use super::pdl::KernelValue;
 use super::{
-    addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaFunction, CudaSlice,
-    CudaStream, CudaView, CudaViewMut, Result,
+    addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaError, CudaFunction,
+    CudaSlice, CudaStream, CudaView, CudaViewMut, Result,
 };
 use crate::config::ModelConfig;
 
@@ -265,7 +265,17 @@ pub struct GdnKernels {
     conv_update: CudaFunction,
     /// `decode_in_pass` reads the state before the PDL wait (unless `LILY_EARLY_READS=0`).
     early_state: bool,
+    /// Decode of many sequences in two kernels (gdn.cu): conv, norms and gates, then the state.
+    decode_prep: CudaFunction,
+    decode_state: CudaFunction,
+    /// The fewest sequences a decode runs as the two kernels (given a workspace to hold their
+    /// intermediates); `LILY_GDN_SPLIT_ROWS` sets it (0: never).
+    split_rows: usize,
 }
+
+/// Decodes of this many sequences or more run as two kernels: one sequence's decode is one
+/// kernel's latency, where the second launch would cost more than the shorter chain saves.
+const SPLIT_ROWS: usize = 2;
 
 impl GdnKernels {
     pub fn load(dev: &CudaDevice) -> Result<Self> {
@@ -287,7 +297,26 @@ impl GdnKernels {
             use_out_tf32: std::env::var("LILY_GDN_OUT_TF32").is_ok_and(|v| v == "1"),
             conv_update: dev.function("gdn", "gdn_conv_update")?,
             early_state: super::gemm::early_reads(),
+            decode_prep: dev.function("gdn", "gdn_decode_prep")?,
+            decode_state: dev.function("gdn", "gdn_decode_state")?,
+            split_rows: match std::env::var("LILY_GDN_SPLIT_ROWS") {
+                Err(_) => SPLIT_ROWS,
+                Ok(v) => match v.parse::<usize>() {
+                    Ok(0) => usize::MAX,
+                    Ok(n) => n,
+                    Err(_) => {
+                        return Err(CudaError::Shape(format!(
+                            "LILY_GDN_SPLIT_ROWS={v}: expected a count (0: never)"
+                        )))
+                    }
+                },
+            },
         })
+    }
+
+    /// Sets the fewest sequences a decode runs as two kernels (usize::MAX: never).
+    pub fn set_split_rows(&mut self, rows: usize) {
+        self.split_rows = rows;
     }
 
     /// Runs prefill's output kernel with its products in plain tf32 (or in 3xTF32); off unless
@@ -301,6 +330,9 @@ impl GdnKernels {
     /// `conv` (`[n_slots][CONV_STATE_LEN]`), and writes row i of `y` (`[slots.len()][4096]`, the
     /// input of out_proj). A slot id outside `0..n_slots` (read on the device) skips its sequence,
     /// leaving its row of `y` untouched. Two sequences of one launch must not share a slot.
+    /// With a workspace for at least `slots.len()` tokens, a batch of many sequences runs as two
+    /// kernels that keep their intermediates there (same results, bit for bit).
+    #[allow(clippy::too_many_arguments)]
     pub fn decode(
         &self,
         w: &GdnWeights,
@@ -308,9 +340,10 @@ impl GdnKernels {
         slots: &CudaView<i32>,
         ssm: &mut CudaViewMut<f32>,
         conv: &mut CudaViewMut<bf16>,
+        ws: Option<&mut GdnWorkspace>,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
-        self.decode_with(w, x, slots, ssm, conv, y, false)
+        self.decode_with(w, x, slots, ssm, conv, ws, y, false)
     }
 
     /// [`Self::decode`] inside a forward pass: the kernel reads the recurrent state (and pulls its
@@ -328,9 +361,10 @@ impl GdnKernels {
         slots: &CudaView<i32>,
         ssm: &mut CudaViewMut<f32>,
         conv: &mut CudaViewMut<bf16>,
+        ws: Option<&mut GdnWorkspace>,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
-        self.decode_with(w, x, slots, ssm, conv, y, self.early_state)
+        self.decode_with(w, x, slots, ssm, conv, ws, y, self.early_state)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -341,6 +375,7 @@ impl GdnKernels {
         slots: &CudaView<i32>,
         ssm: &mut CudaViewMut<f32>,
         conv: &mut CudaViewMut<bf16>,
+        ws: Option<&mut GdnWorkspace>,
         y: &mut CudaViewMut<bf16>,
         state_early: bool,
     ) -> Result<()> {
@@ -376,9 +411,31 @@ impl GdnKernels {
             block_dim: (DEC_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: the checks above and in common_args bound every index the kernel forms; slot ids
-        // are range-checked on the device.
-        unsafe { launch!(self.stream, &self.decode, cfg, &args) }
+        let ws = ws.filter(|ws| batch >= self.split_rows && batch <= ws.max_tokens);
+        let Some(ws) = ws else {
+            // SAFETY: the checks above and in common_args bound every index the kernel forms;
+            // slot ids are range-checked on the device.
+            return unsafe { launch!(self.stream, &self.decode, cfg, &args) };
+        };
+        // The intermediates, [batch][heads][128] or [batch][heads] each (gdn.cu), fit in the
+        // prefill's buffers of max_tokens ≥ batch tokens.
+        let (ws_w, _w) = ws.w.device_ptr_mut(stream);
+        let (ws_u, _u) = ws.u.device_ptr_mut(stream);
+        let (ws_q, _q) = ws.q_norm.device_ptr_mut(stream);
+        let (ws_kn, _kn) = ws.k_norm.device_ptr_mut(stream);
+        let (ws_beta, _b) = ws.beta.device_ptr_mut(stream);
+        let (ws_g, _g) = ws.g.device_ptr_mut(stream);
+        (args.ws_w, args.ws_u) = (ws_w, ws_u);
+        (args.ws_q, args.ws_kn, args.ws_beta, args.ws_g) = (ws_q, ws_kn, ws_beta, ws_g);
+        let prep = LaunchConfig {
+            grid_dim: (KEY_HEADS as u32, batch as u32, 1),
+            ..cfg
+        };
+        // SAFETY: as above; the workspace holds batch ≤ max_tokens tokens' intermediates.
+        unsafe {
+            launch!(self.stream, &self.decode_prep, prep, &args)?;
+            launch!(self.stream, &self.decode_state, cfg, &args)
+        }
     }
 
     /// Prefill of `tokens` tokens of one sequence through one GDN layer: rows 0..tokens of `x`,
