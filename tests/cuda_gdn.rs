@@ -949,7 +949,7 @@ fn median_ms(dev: &CudaDevice, runs: usize, mut body: impl FnMut()) -> f32 {
 }
 
 /// The decode step of all 30 GDN layers (one CUDA graph of 30 launches, or 60 as two kernels),
-/// for batches of 1, 8 and 64 sequences, and a 4096-token prefill of one layer. Prints; asserts
+/// for batches of 1, 2, 4, 8 and 64 sequences, and a 4096-token prefill of one layer. Prints; asserts
 /// nothing about speed.
 #[test]
 fn timing() {
@@ -964,6 +964,10 @@ fn timing() {
     let mut dws = GdnWorkspace::new(&stream, 64).expect("workspace");
     for (batch, split_rows) in [
         (1usize, usize::MAX),
+        (2, usize::MAX),
+        (2, 1),
+        (4, usize::MAX),
+        (4, 1),
         (8, usize::MAX),
         (8, 1),
         (64, usize::MAX),
