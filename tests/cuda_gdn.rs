@@ -758,28 +758,22 @@ fn decode_in_pass_equals_decode() {
         let (w, inputs) = (dl.weights(), dx.inputs());
         let (mut ssm, mut conv) = (pools.ssm.slice_mut(..), pools.conv.slice_mut(..));
         let mut yv = y.slice_mut(..);
-        let ws = Some(&mut ws);
-        if in_pass {
-            kernels.decode_in_pass(
-                &w,
-                &inputs,
-                &slots.slice(..),
-                &mut ssm,
-                &mut conv,
-                ws,
-                &mut yv,
-            )
+        let decode = if in_pass {
+            GdnKernels::decode_in_pass
         } else {
-            kernels.decode(
-                &w,
-                &inputs,
-                &slots.slice(..),
-                &mut ssm,
-                &mut conv,
-                ws,
-                &mut yv,
-            )
-        }
+            GdnKernels::decode
+        };
+        let slots = slots.slice(..);
+        decode(
+            &kernels,
+            &w,
+            &inputs,
+            &slots,
+            &mut ssm,
+            &mut conv,
+            Some(&mut ws),
+            &mut yv,
+        )
         .expect("decode");
         let y: Vec<u16> = download(&stream, &y).iter().map(|v| v.to_bits()).collect();
         let state: Vec<(Vec<u32>, Vec<u16>)> = pools

@@ -461,7 +461,7 @@ impl CudaBackend {
             self.profile = Some(timing);
             return timed;
         }
-        if !pass.spans.is_empty() || !self.options.cuda_graphs || self.routing.is_some() {
+        if !pass.spans.is_empty() || self.decodes_uncaptured() {
             return self.body(&pass);
         }
         self.capture_decode_graph(b)?;
@@ -503,19 +503,21 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Decode passes run launch by launch: graphs off, op timing, or a routing trace.
+    fn decodes_uncaptured(&self) -> bool {
+        !self.options.cuda_graphs || self.profile.is_some() || self.routing.is_some()
+    }
+
     /// Captures the decode graphs of 1 to `max_batch` rows (as many as one pass holds) before
     /// serving, so that no step of a run pays a capture (≈ 3 ms each, bench/NOTES.md v1.57).
-    /// Nothing while passes run uncaptured (graphs off, op timing, a timeline, a routing trace).
+    /// Nothing while passes run uncaptured, or while a timeline's stamped kernels are installed
+    /// (graphs captured then would keep them).
     fn capture_decode_graphs(&mut self, max_batch: usize) -> Result<()> {
-        if !self.options.cuda_graphs
-            || self.profile.is_some()
-            || self.timeline.is_some()
-            || self.routing.is_some()
-        {
+        if self.decodes_uncaptured() || self.timeline.is_some() {
             return Ok(());
         }
         let most = if self.options.batch_steps {
-            max_batch.min(batch_rows(&self.options)).min(self.s.rows)
+            max_batch.min(batch_rows(&self.options))
         } else {
             1
         };

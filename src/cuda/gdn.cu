@@ -128,6 +128,170 @@ __device__ __forceinline__ void st_cluster(float* local, u32 rank, float v) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Pieces of a decode step, shared by gdn_decode and the two kernels of many sequences (which must
+// give the same bits: the same operations in the same order).
+
+// Conv + SiLU of the 8 channels from `ch` of sequence `seq` (its conv state at `slot`). The old
+// history rows h1, h2 and the new row xn are returned for the state's shift (shift_conv_state),
+// which comes once nothing reads the old rows any more.
+__device__ __forceinline__ uint4* conv8_silu(const GdnArgs& p, int slot, int seq, int ch, uint4& h1, uint4& h2,
+                                             uint4& xn, float res[8]) {
+    uint4* hist = reinterpret_cast<uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE + ch);
+    const uint4 h0 = hist[0];
+    h1 = hist[GDN_CONV_DIM / 8];
+    h2 = hist[2 * GDN_CONV_DIM / 8];
+    xn = *reinterpret_cast<const uint4*>(p.qkv + seq * p.qkv_stride + ch);
+    float4 w[8];  // all loads before the first store to shared memory, which could alias them
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] = reinterpret_cast<const float4*>(p.conv_w)[ch + j];
+    float f0[8], f1[8], f2[8], f3[8];
+    unpack8(h0, f0);
+    unpack8(h1, f1);
+    unpack8(h2, f2);
+    unpack8(xn, f3);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        float acc = w[j].x * f0[j];
+        acc += w[j].y * f1[j];
+        acc += w[j].z * f2[j];
+        acc += w[j].w * f3[j];
+        res[j] = silu(acc);
+    }
+    return hist;
+}
+
+__device__ __forceinline__ void shift_conv_state(uint4* hist, uint4 h1, uint4 h2, uint4 xn) {
+    hist[0] = h1;
+    hist[GDN_CONV_DIM / 8] = h2;
+    hist[2 * GDN_CONV_DIM / 8] = xn;
+}
+
+// The l2 norms of one key head's q and k (q also scaled by 1/√dk) as factors rq, rk, and the dot
+// product of the raw q and k: thread t of 128 takes q_s[t], k_s[t]; `sums` is [3][4] scratch.
+__device__ __forceinline__ void qk_norms(const float* q_s, const float* k_s, float (*sums)[DEC_THREADS / 32],
+                                         float& rq, float& rk, float& qk) {
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    {
+        const float qv = q_s[tid], kv = k_s[tid];
+        const float a0 = warp_sum(qv * qv), a1 = warp_sum(kv * kv), a2 = warp_sum(qv * kv);
+        if (lane == 0) {
+            sums[0][warp] = a0;
+            sums[1][warp] = a1;
+            sums[2][warp] = a2;
+        }
+    }
+    __syncthreads();
+    float qq = 0.0f, kk = 0.0f;
+    qk = 0.0f;
+#pragma unroll
+    for (int w = 0; w < DEC_THREADS / 32; ++w) {
+        qq += sums[0][w];
+        kk += sums[1][w];
+        qk += sums[2][w];
+    }
+    rq = rsqrtf(qq + L2NORM_EPS) * rsqrtf((float)GDN_DK);
+    rk = rsqrtf(kk + L2NORM_EPS);
+}
+
+// One block's slice against its key head's k·rk and q·rq (k_s, q_s times rk, rq): Sᵀk and Sᵀq of
+// the old state, the thread's 8 rows and 4 columns summed over the block's 128 rows (red:
+// [2][4][32] scratch), then for its 4 columns δ = β (v − α Sᵀk) and o = α Sᵀq + δ (k·q). kd: the
+// thread's rows of k·rk, for the update (store_state).
+__device__ __forceinline__ void slice_step(const float4 s[8], const float* k_s, const float* q_s, float rk, float rq,
+                                           const float* v_s, float beta, float alpha, float kq,
+                                           float (*red)[DEC_THREADS / 32][DEC_COLS], float kd[8], float delta[4],
+                                           float o[4]) {
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, c = tid % 8, r = tid / 8;
+    float qd[8], sk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        kd[i] = k_s[r + 16 * i] * rk;
+        qd[i] = q_s[r + 16 * i] * rq;
+        const float sv[4] = {s[i].x, s[i].y, s[i].z, s[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            sk[j] += sv[j] * kd[i];
+            sq[j] += sv[j] * qd[i];
+        }
+    }
+    // Over the 4 row groups of the warp (lane bits 3, 4), then the 4 warps through shared memory.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int off = 8; off < 32; off *= 2) {
+            sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], off);
+            sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], off);
+        }
+    }
+    if (lane < 8) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            red[0][warp][4 * c + j] = sk[j];
+            red[1][warp][4 * c + j] = sq[j];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float u = 0.0f, pq = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DEC_THREADS / 32; ++w) {
+            u += red[0][w][4 * c + j];
+            pq += red[1][w][4 * c + j];
+        }
+        delta[j] = beta * (v_s[4 * c + j] - alpha * u);
+        o[j] = alpha * pq + delta[j] * kq;
+    }
+}
+
+// The gated RMSNorm's part of a block: o rounded to bf16 (as the reference rounds it) into ob, and
+// Σob² over the block's 32 columns (lane bits 0..2 are the column quads).
+__device__ __forceinline__ float rounded_square_sum(const float o[4], float ob[4]) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        ob[j] = bf16_round(o[j]);
+        ss += ob[j] * ob[j];
+    }
+#pragma unroll
+    for (int off = 1; off < 8; off *= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    return ss;
+}
+
+// S' = α S + k δᵀ for the thread's 8 rows (at S, row pitch 128) and 4 columns.
+__device__ __forceinline__ void store_state(float* S, const float4 s[8], const float kd[8], float alpha,
+                                            const float delta[4]) {
+    const int r = threadIdx.x / 8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float4 n;
+        n.x = alpha * s[i].x + kd[i] * delta[0];
+        n.y = alpha * s[i].y + kd[i] * delta[1];
+        n.z = alpha * s[i].z + kd[i] * delta[2];
+        n.w = alpha * s[i].w + kd[i] * delta[3];
+        *reinterpret_cast<float4*>(S + (r + 16 * i) * GDN_DV) = n;
+    }
+}
+
+// The gated norm's output of 4 columns (row group 0's threads): w · (o · rinv) · silu(z), rounded
+// as the reference rounds, to y at `col` of row `seq`.
+__device__ __forceinline__ void write_gated(const GdnArgs& p, int seq, int col, uint2 z4, float4 w4, const float ob[4],
+                                            float rinv) {
+    const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.x));
+    const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.y));
+    const float zf[4] = {z01.x, z01.y, z23.x, z23.y};
+    const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+    float yv[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) yv[j] = bf16_round(wv[j] * bf16_round(ob[j] * rinv)) * silu(zf[j]);
+    const bf162 y01 = __floats2bfloat162_rn(yv[0], yv[1]), y23 = __floats2bfloat162_rn(yv[2], yv[3]);
+    uint2 out;
+    out.x = *reinterpret_cast<const u32*>(&y01);
+    out.y = *reinterpret_cast<const u32*>(&y23);
+    *reinterpret_cast<uint2*>(p.y + (i64)seq * GDN_VALUE_DIM + col) = out;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Decode: one token for each of B sequences. Grid (128, B), clusters of 8 blocks along x.
 //
 // Each block owns one value head hv and 32 of its dv columns: that slice of the state (128 × 32
@@ -157,7 +321,7 @@ gdn_decode(const GdnArgs p) {
     __shared__ float sums[3][DEC_THREADS / 32];
     __shared__ float norm_part[DEC_SLICES];
 
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int tid = threadIdx.x;
     // Clusters tile the grid along x, so the rank in the cluster is blockIdx.x % 8.
     const int rank = blockIdx.x % DEC_CLUSTER;
     const int kh = blockIdx.x / DEC_CLUSTER;
@@ -222,29 +386,9 @@ gdn_decode(const GdnArgs p) {
     uint4* hist = nullptr;
     uint4 h1, h2, xn;
     if (tid < 8) {
-        const int ch = channel();
         float* out = tid < 2 ? qk_mine + tid * 8 : tid < 4 ? qk_mine + 16 + (tid - 2) * 8 : v_s + (tid - 4) * 8;
-        hist = reinterpret_cast<uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE + ch);
-        const uint4 h0 = hist[0];
-        h1 = hist[GDN_CONV_DIM / 8];
-        h2 = hist[2 * GDN_CONV_DIM / 8];
-        xn = *reinterpret_cast<const uint4*>(p.qkv + seq * p.qkv_stride + ch);
-        float4 w[8];  // all loads before the first store to shared memory, which could alias them
-#pragma unroll
-        for (int j = 0; j < 8; ++j) w[j] = reinterpret_cast<const float4*>(p.conv_w)[ch + j];
-        float f0[8], f1[8], f2[8], f3[8], res[8];
-        unpack8(h0, f0);
-        unpack8(h1, f1);
-        unpack8(h2, f2);
-        unpack8(xn, f3);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            float acc = w[j].x * f0[j];
-            acc += w[j].y * f1[j];
-            acc += w[j].z * f2[j];
-            acc += w[j].w * f3[j];
-            res[j] = silu(acc);
-        }
+        float res[8];
+        hist = conv8_silu(p, slot, seq, channel(), h1, h2, xn, res);
 #pragma unroll
         for (int j = 0; j < 8; ++j) out[j] = res[j];
     }
@@ -260,118 +404,29 @@ gdn_decode(const GdnArgs p) {
     cluster_sync();  // phase 1: q_s and k_s are complete in every block
 
     // l2 norms of q and k (q also scaled by 1/√dk), and k·q of the normalised vectors.
-    {
-        const float qv = q_s[tid], kv = k_s[tid];
-        const float a0 = warp_sum(qv * qv), a1 = warp_sum(kv * kv), a2 = warp_sum(qv * kv);
-        if (lane == 0) {
-            sums[0][warp] = a0;
-            sums[1][warp] = a1;
-            sums[2][warp] = a2;
-        }
-    }
-    __syncthreads();
-    float qq = 0.0f, kk = 0.0f, qk = 0.0f;
-#pragma unroll
-    for (int w = 0; w < DEC_THREADS / 32; ++w) {
-        qq += sums[0][w];
-        kk += sums[1][w];
-        qk += sums[2][w];
-    }
-    const float rq = rsqrtf(qq + L2NORM_EPS) * rsqrtf((float)GDN_DK);
-    const float rk = rsqrtf(kk + L2NORM_EPS);
+    float rq, rk, qk;
+    qk_norms(q_s, k_s, sums, rq, rk, qk);
     const float kq = qk * rq * rk;
 
     const float beta = sigmoidf_(b_raw);
     const float alpha = expf(gdn_decay(a_log, dt_bias, a_raw));
 
-    // Partial Sᵀk and Sᵀq over this thread's 8 rows, for its 4 columns.
-    float kd[8], qd[8], sk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        kd[i] = k_s[r + 16 * i] * rk;
-        qd[i] = q_s[r + 16 * i] * rq;
-        const float sv[4] = {s[i].x, s[i].y, s[i].z, s[i].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            sk[j] += sv[j] * kd[i];
-            sq[j] += sv[j] * qd[i];
-        }
-    }
-    // Over the 4 row groups of the warp (lane bits 3, 4), then the 4 warps through shared memory.
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-        for (int off = 8; off < 32; off *= 2) {
-            sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], off);
-            sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], off);
-        }
-    }
-    if (lane < 8) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            red[0][warp][4 * c + j] = sk[j];
-            red[1][warp][4 * c + j] = sq[j];
-        }
-    }
-    __syncthreads();
+    float kd[8], delta[4], o[4];
+    slice_step(s, k_s, q_s, rk, rq, v_s, beta, alpha, kq, red, kd, delta, o);
 
-    float delta[4], o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        float u = 0.0f, pq = 0.0f;
-#pragma unroll
-        for (int w = 0; w < DEC_THREADS / 32; ++w) {
-            u += red[0][w][4 * c + j];
-            pq += red[1][w][4 * c + j];
-        }
-        delta[j] = beta * (v_s[4 * c + j] - alpha * u);
-        o[j] = alpha * pq + delta[j] * kq;
-    }
-
-    // Gated RMSNorm of the head: Σo² of the bf16-rounded o over this block's 32 columns (lane bits
-    // 0..2 are the column quads), pushed to the 4 blocks of the value head.
-    float ob[4], ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        ob[j] = bf16_round(o[j]);
-        ss += ob[j] * ob[j];
-    }
-#pragma unroll
-    for (int off = 1; off < 8; off *= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    // Gated RMSNorm of the head: Σo² of the bf16-rounded o over this block's 32 columns, pushed to
+    // the 4 blocks of the value head.
+    float ob[4];
+    const float ss = rounded_square_sum(o, ob);
     if (tid < DEC_SLICES) st_cluster(&norm_part[rank % DEC_SLICES], (rank / DEC_SLICES) * DEC_SLICES + tid, ss);
     cluster_sync();  // phase 2: norm_part complete; no remote access after this
 
     // Global stores only now: a cluster barrier's release fence waits for every earlier store of
     // the thread, and none of these is needed before the end.
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        float4 n;
-        n.x = alpha * s[i].x + kd[i] * delta[0];
-        n.y = alpha * s[i].y + kd[i] * delta[1];
-        n.z = alpha * s[i].z + kd[i] * delta[2];
-        n.w = alpha * s[i].w + kd[i] * delta[3];
-        *reinterpret_cast<float4*>(S + (r + 16 * i) * GDN_DV) = n;
-    }
-    if (tid < 8) {  // the conv state shifted by one row
-        hist[0] = h1;
-        hist[GDN_CONV_DIM / 8] = h2;
-        hist[2 * GDN_CONV_DIM / 8] = xn;
-    }
+    store_state(S, s, kd, alpha, delta);
+    if (tid < 8) shift_conv_state(hist, h1, h2, xn);
     const float rinv = rsqrtf((norm_part[0] + norm_part[1] + norm_part[2] + norm_part[3]) / GDN_DV + p.eps);
-    if (tid < 8) {  // row group 0: one thread per column quad
-        const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.x));
-        const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.y));
-        const float zf[4] = {z01.x, z01.y, z23.x, z23.y};
-        const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
-        float yv[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) yv[j] = bf16_round(wv[j] * bf16_round(ob[j] * rinv)) * silu(zf[j]);
-        const bf162 y01 = __floats2bfloat162_rn(yv[0], yv[1]), y23 = __floats2bfloat162_rn(yv[2], yv[3]);
-        uint2 out;
-        out.x = *reinterpret_cast<const u32*>(&y01);
-        out.y = *reinterpret_cast<const u32*>(&y23);
-        *reinterpret_cast<uint2*>(p.y + (i64)seq * GDN_VALUE_DIM + col) = out;
-    }
+    if (tid < 8) write_gated(p, seq, col, z4, w4, ob, rinv);  // row group 0: one thread per column quad
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -383,15 +438,15 @@ gdn_decode(const GdnArgs p) {
 // by gdn_decode_prep, into the prefill workspace (ws_q: q·rq, ws_kn: k·rk, ws_u: v, ws_beta: β,
 // ws_g: α, all [B][heads][128] or [B][heads]; ws_w: k·q [B][16]); gdn_decode_state then loads the
 // state, reads those from L2 and has one exchange left (the gated norm's Σo² over a head's 4
-// slices). Every value is computed by the same operations in the same order as gdn_decode, so
-// both paths give the same bits.
+// slices). Both paths run the same pieces (above) in the same order, so they give the same bits
+// (cuda_gdn checks).
 
-// Grid (16 key heads, B), 128 threads: thread t convolves 4 of the key head's 512 channels' sets
-// of 8 (q 128 ‖ k 128 ‖ v of its 2 value heads 256: 64 sets) ... as 64 sets over threads 0..63.
+// Grid (16 key heads, B), 128 threads: threads 0..63 convolve one set of 8 each of the key head's
+// 512 channels (q 128 ‖ k 128 ‖ v of its two value heads 256); all 128 then take the norms.
 extern "C" __global__ void __launch_bounds__(DEC_THREADS) gdn_decode_prep(const GdnArgs p) {
     __shared__ float q_s[GDN_DK], k_s[GDN_DK];
     __shared__ float sums[3][DEC_THREADS / 32];
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int tid = threadIdx.x;
     const int kh = blockIdx.x, seq = blockIdx.y;
     const int slot = p.slots[seq];
     if (slot < 0 || slot >= p.n_slots) return;
@@ -402,41 +457,15 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) gdn_decode_prep(const 
         const int ch = tid < 16   ? kh * GDN_DK + tid * 8
                        : tid < 32 ? GDN_KEY_DIM + kh * GDN_DK + (tid - 16) * 8
                                   : 2 * GDN_KEY_DIM + 2 * kh * GDN_DV + (tid - 32) * 8;
-        uint4* hist = reinterpret_cast<uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE + ch);
-        const uint4 h0 = hist[0];
-        const uint4 h1 = hist[GDN_CONV_DIM / 8];
-        const uint4 h2 = hist[2 * GDN_CONV_DIM / 8];
-        const uint4 xn = *reinterpret_cast<const uint4*>(p.qkv + seq * p.qkv_stride + ch);
-        float4 w[8];
+        uint4 h1, h2, xn;
+        float res[8];
+        uint4* hist = conv8_silu(p, slot, seq, ch, h1, h2, xn, res);
+        float* out = tid < 16   ? q_s + tid * 8
+                     : tid < 32 ? k_s + (tid - 16) * 8
+                                : p.ws_u + ((i64)seq * GDN_VALUE_HEADS + 2 * kh) * GDN_DV + (tid - 32) * 8;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) w[j] = reinterpret_cast<const float4*>(p.conv_w)[ch + j];
-        float f0[8], f1[8], f2[8], f3[8], res[8];
-        unpack8(h0, f0);
-        unpack8(h1, f1);
-        unpack8(h2, f2);
-        unpack8(xn, f3);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            float acc = w[j].x * f0[j];
-            acc += w[j].y * f1[j];
-            acc += w[j].z * f2[j];
-            acc += w[j].w * f3[j];
-            res[j] = silu(acc);
-        }
-        if (tid < 16) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) q_s[tid * 8 + j] = res[j];
-        } else if (tid < 32) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) k_s[(tid - 16) * 8 + j] = res[j];
-        } else {
-            float* v = p.ws_u + ((i64)seq * GDN_VALUE_HEADS + 2 * kh) * GDN_DV + (tid - 32) * 8;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = res[j];
-        }
-        hist[0] = h1;  // the conv state shifted by one row
-        hist[GDN_CONV_DIM / 8] = h2;
-        hist[2 * GDN_CONV_DIM / 8] = xn;
+        for (int j = 0; j < 8; ++j) out[j] = res[j];
+        shift_conv_state(hist, h1, h2, xn);
     }
     if (tid < 2) {  // the gates of value heads 2kh + tid
         const int hv = 2 * kh + tid;
@@ -445,26 +474,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) gdn_decode_prep(const 
         p.ws_g[seq * GDN_VALUE_HEADS + hv] = expf(gdn_decay(p.a_log[hv], p.dt_bias[hv], a_raw));
     }
     __syncthreads();
-    // l2 norms of q and k (q also scaled by 1/√dk), and k·q of the normalised vectors.
-    {
-        const float qv = q_s[tid], kv = k_s[tid];
-        const float a0 = warp_sum(qv * qv), a1 = warp_sum(kv * kv), a2 = warp_sum(qv * kv);
-        if (lane == 0) {
-            sums[0][warp] = a0;
-            sums[1][warp] = a1;
-            sums[2][warp] = a2;
-        }
-    }
-    __syncthreads();
-    float qq = 0.0f, kk = 0.0f, qk = 0.0f;
-#pragma unroll
-    for (int w = 0; w < DEC_THREADS / 32; ++w) {
-        qq += sums[0][w];
-        kk += sums[1][w];
-        qk += sums[2][w];
-    }
-    const float rq = rsqrtf(qq + L2NORM_EPS) * rsqrtf((float)GDN_DK);
-    const float rk = rsqrtf(kk + L2NORM_EPS);
+    float rq, rk, qk;
+    qk_norms(q_s, k_s, sums, rq, rk, qk);
     const i64 at = ((i64)seq * GDN_KEY_HEADS + kh) * GDN_DK + tid;
     p.ws_q[at] = q_s[tid] * rq;
     p.ws_kn[at] = k_s[tid] * rk;
@@ -480,7 +491,7 @@ gdn_decode_state(const GdnArgs p) {
     __shared__ float red[2][DEC_THREADS / 32][DEC_COLS];
     __shared__ float norm_part[DEC_SLICES];
 
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int tid = threadIdx.x;
     const int hv = blockIdx.x / DEC_SLICES, kh = hv / 2;
     const int rank = blockIdx.x % DEC_SLICES, v0 = rank * DEC_COLS;
     const int seq = blockIdx.y;
@@ -519,86 +530,18 @@ gdn_decode_state(const GdnArgs p) {
     const float kq = __ldcg(p.ws_w + seq * GDN_KEY_HEADS + kh);
     __syncthreads();
 
-    // From here as gdn_decode: partial Sᵀk and Sᵀq over this thread's 8 rows, for its 4 columns.
-    float kd[8], qd[8], sk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        kd[i] = k_s[r + 16 * i];
-        qd[i] = q_s[r + 16 * i];
-        const float sv[4] = {s[i].x, s[i].y, s[i].z, s[i].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            sk[j] += sv[j] * kd[i];
-            sq[j] += sv[j] * qd[i];
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-        for (int off = 8; off < 32; off *= 2) {
-            sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], off);
-            sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], off);
-        }
-    }
-    if (lane < 8) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            red[0][warp][4 * c + j] = sk[j];
-            red[1][warp][4 * c + j] = sq[j];
-        }
-    }
-    __syncthreads();
-
-    float delta[4], o[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        float u = 0.0f, pq = 0.0f;
-#pragma unroll
-        for (int w = 0; w < DEC_THREADS / 32; ++w) {
-            u += red[0][w][4 * c + j];
-            pq += red[1][w][4 * c + j];
-        }
-        delta[j] = beta * (v_s[4 * c + j] - alpha * u);
-        o[j] = alpha * pq + delta[j] * kq;
-    }
-
-    // Σo² of the bf16-rounded o over this block's 32 columns, pushed to the 4 blocks of the head.
-    float ob[4], ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        ob[j] = bf16_round(o[j]);
-        ss += ob[j] * ob[j];
-    }
-#pragma unroll
-    for (int off = 1; off < 8; off *= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    // From here as gdn_decode (k_s and q_s hold k·rk and q·rq already).
+    float kd[8], delta[4], o[4];
+    slice_step(s, k_s, q_s, 1.0f, 1.0f, v_s, beta, alpha, kq, red, kd, delta, o);
+    float ob[4];
+    const float ss = rounded_square_sum(o, ob);
     cluster_wait();  // every block of the cluster has started
     if (tid < DEC_SLICES) st_cluster(&norm_part[rank], tid, ss);
     cluster_sync();  // norm_part complete; no remote access after this
 
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        float4 n;
-        n.x = alpha * s[i].x + kd[i] * delta[0];
-        n.y = alpha * s[i].y + kd[i] * delta[1];
-        n.z = alpha * s[i].z + kd[i] * delta[2];
-        n.w = alpha * s[i].w + kd[i] * delta[3];
-        *reinterpret_cast<float4*>(S + (r + 16 * i) * GDN_DV) = n;
-    }
+    store_state(S, s, kd, alpha, delta);
     const float rinv = rsqrtf((norm_part[0] + norm_part[1] + norm_part[2] + norm_part[3]) / GDN_DV + p.eps);
-    if (tid < 8) {
-        const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.x));
-        const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&z4.y));
-        const float zf[4] = {z01.x, z01.y, z23.x, z23.y};
-        const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
-        float yv[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) yv[j] = bf16_round(wv[j] * bf16_round(ob[j] * rinv)) * silu(zf[j]);
-        const bf162 y01 = __floats2bfloat162_rn(yv[0], yv[1]), y23 = __floats2bfloat162_rn(yv[2], yv[3]);
-        uint2 out;
-        out.x = *reinterpret_cast<const u32*>(&y01);
-        out.y = *reinterpret_cast<const u32*>(&y23);
-        *reinterpret_cast<uint2*>(p.y + (i64)seq * GDN_VALUE_DIM + col) = out;
-    }
+    if (tid < 8) write_gated(p, seq, col, z4, w4, ob, rinv);
 }
 
 // ---------------------------------------------------------------------------------------------

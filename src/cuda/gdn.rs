@@ -211,6 +211,21 @@ impl GdnWorkspace {
     pub fn max_tokens(&self) -> usize {
         self.max_tokens
     }
+
+    /// Points `args`' workspace fields at these buffers; the guards must live until the launch
+    /// is queued.
+    fn bind<'a>(&'a mut self, stream: &'a CudaStream, args: &mut GdnArgs) -> [SyncOnDrop<'a>; 7] {
+        let (w, gw) = self.w.device_ptr_mut(stream);
+        let (u, gu) = self.u.device_ptr_mut(stream);
+        let (h, gh) = self.h.device_ptr_mut(stream);
+        let (q, gq) = self.q_norm.device_ptr_mut(stream);
+        let (kn, gkn) = self.k_norm.device_ptr_mut(stream);
+        let (beta, gb) = self.beta.device_ptr_mut(stream);
+        let (g, gg) = self.g.device_ptr_mut(stream);
+        (args.ws_w, args.ws_u, args.ws_h) = (w, u, h);
+        (args.ws_q, args.ws_kn, args.ws_beta, args.ws_g) = (q, kn, beta, g);
+        [gw, gu, gh, gq, gkn, gb, gg]
+    }
 }
 
 /// Kernel arguments, field for field the `GdnArgs` struct of gdn.cu.
@@ -420,14 +435,7 @@ impl GdnKernels {
         };
         // The intermediates, [batch][heads][128] or [batch][heads] each (gdn.cu), fit in the
         // prefill's buffers of max_tokens ≥ batch tokens.
-        let (ws_w, _w) = ws.w.device_ptr_mut(stream);
-        let (ws_u, _u) = ws.u.device_ptr_mut(stream);
-        let (ws_q, _q) = ws.q_norm.device_ptr_mut(stream);
-        let (ws_kn, _kn) = ws.k_norm.device_ptr_mut(stream);
-        let (ws_beta, _b) = ws.beta.device_ptr_mut(stream);
-        let (ws_g, _g) = ws.g.device_ptr_mut(stream);
-        (args.ws_w, args.ws_u) = (ws_w, ws_u);
-        (args.ws_q, args.ws_kn, args.ws_beta, args.ws_g) = (ws_q, ws_kn, ws_beta, ws_g);
+        let _ws = ws.bind(stream, &mut args);
         let prep = LaunchConfig {
             grid_dim: (KEY_HEADS as u32, batch as u32, 1),
             ..cfg
@@ -481,18 +489,10 @@ impl GdnKernels {
         let (ssm_ptr, _s) = ssm.device_ptr_mut(stream);
         let (conv_ptr, _c) = conv.device_ptr_mut(stream);
         let (y_ptr, _y) = y.device_ptr_mut(stream);
-        let (ws_w, _w) = ws.w.device_ptr_mut(stream);
-        let (ws_u, _u) = ws.u.device_ptr_mut(stream);
-        let (ws_h, _h) = ws.h.device_ptr_mut(stream);
-        let (ws_q, _q) = ws.q_norm.device_ptr_mut(stream);
-        let (ws_kn, _kn) = ws.k_norm.device_ptr_mut(stream);
-        let (ws_beta, _b) = ws.beta.device_ptr_mut(stream);
-        let (ws_g, _g) = ws.g.device_ptr_mut(stream);
+        let _ws = ws.bind(stream, &mut args);
         args.ssm = ssm_ptr;
         args.conv_state = conv_ptr;
         args.y = y_ptr;
-        (args.ws_w, args.ws_u, args.ws_h) = (ws_w, ws_u, ws_h);
-        (args.ws_q, args.ws_kn, args.ws_beta, args.ws_g) = (ws_q, ws_kn, ws_beta, ws_g);
         args.n_slots = 1;
 
         let chunks = tokens.div_ceil(CHUNK) as u32;
