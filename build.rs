@@ -33,7 +33,18 @@ const NVCC_FLAGS: &[&str] = &[
 
 /// Modules built a second time with the decode timeline's stamps (`-DLILY_TIMELINE`, common.cuh),
 /// embedded as `<name>+timeline`: the kernels of a decode step (src/cuda/timeline.rs).
-const TIMELINE_MODULES: &[&str] = &["attention", "embed", "gdn", "gemm", "moe", "norm", "sample"];
+const TIMELINE_MODULES: &[&str] = &[
+    "attention",
+    "dense",
+    "embed",
+    "gdn",
+    "gemm",
+    "gemm_prefill",
+    "gemm_wgmma",
+    "moe",
+    "norm",
+    "sample",
+];
 
 fn build_kernels() -> Result<(), String> {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());

@@ -205,25 +205,9 @@ pub fn profile_batched_decode(
             let prompt = synthetic_prompt(context, vocab, (context + i) as u64);
             next.push(backend.forward_greedy(seq, &prompt)?);
         }
-        let greedy = DeviceSampling::greedy(vocab);
         backend.take_op_times();
         for _ in 0..steps {
-            let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
-            let batch: Vec<Step> = seqs
-                .iter()
-                .zip(&tokens)
-                .map(|(&seq, token)| Step {
-                    seq,
-                    tokens: token,
-                    sample: Some((&greedy, 0.0)),
-                })
-                .collect();
-            for (slot, out) in backend.forward_batch(&batch).into_iter().enumerate() {
-                next[slot] = match out? {
-                    StepOutput::Token(t) => t,
-                    StepOutput::Logits(l) => crate::model::argmax(&l),
-                };
-            }
+            batched_greedy_step(backend, &seqs, &mut next)?;
         }
         Ok(backend.take_op_times())
     };
@@ -232,6 +216,33 @@ pub fn profile_batched_decode(
         backend.free_sequence(seq);
     }
     ops
+}
+
+/// One decode step of every sequence of `seqs` in one batch, each fed its token of `next` and
+/// given back its greedy next token there (picked on the device where the backend can).
+pub fn batched_greedy_step(
+    backend: &mut dyn Backend,
+    seqs: &[SeqId],
+    next: &mut [u32],
+) -> anyhow::Result<()> {
+    let greedy = DeviceSampling::greedy(backend.config().vocab_size);
+    let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+    let batch: Vec<Step> = seqs
+        .iter()
+        .zip(&tokens)
+        .map(|(&seq, token)| Step {
+            seq,
+            tokens: token,
+            sample: Some((&greedy, 0.0)),
+        })
+        .collect();
+    for (slot, out) in backend.forward_batch(&batch).into_iter().enumerate() {
+        next[slot] = match out? {
+            StepOutput::Token(t) => t,
+            StepOutput::Logits(l) => crate::model::argmax(&l),
+        };
+    }
+    Ok(())
 }
 
 /// One shared pass of `prompts` new prompts of `prompt_len` tokens each, with and without

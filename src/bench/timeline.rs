@@ -2,38 +2,47 @@
 //! kernel (see the CUDA backend's timeline.rs for how it is measured). Beside `--profile`, whose
 //! events between kernels undo the overlap it would measure.
 
-use super::{median, synthetic_prompt};
+use super::{batched_greedy_step, median, synthetic_prompt};
 use crate::model::{Backend, DecodeTimeline, SeqId};
 
-/// One prefill of `context` tokens, then `steps` greedy decode steps under a timeline (after one
-/// step that captures the graph); None where the backend cannot take a timeline.
+/// `batch` sequences each prefill `context` tokens, then `steps` greedy decode steps of all of
+/// them in one pass each (one sequence: its own steps) under a timeline, after one step that
+/// captures the graph; None where the backend cannot take a timeline.
 pub fn decode_timeline(
     backend: &mut dyn Backend,
     context: usize,
     steps: usize,
+    batch: usize,
 ) -> anyhow::Result<Option<DecodeTimeline>> {
-    let seq: SeqId = 1 << 46;
-    backend.create_sequence(seq)?;
-    let mut run = || -> anyhow::Result<Option<DecodeTimeline>> {
-        let prompt = synthetic_prompt(context, backend.config().vocab_size, context as u64);
-        let mut next = backend.forward_greedy(seq, &prompt)?;
-        next = backend.forward_greedy(seq, &[next])?;
+    let seqs: Vec<SeqId> = (0..batch.max(1) as SeqId).map(|i| (1 << 46) + i).collect();
+    let vocab = backend.config().vocab_size;
+    let run = |backend: &mut dyn Backend| -> anyhow::Result<Option<DecodeTimeline>> {
+        let mut next = Vec::with_capacity(seqs.len());
+        for (i, &seq) in seqs.iter().enumerate() {
+            backend.create_sequence(seq)?;
+            let prompt = synthetic_prompt(context, vocab, (context + i) as u64);
+            next.push(backend.forward_greedy(seq, &prompt)?);
+        }
+        let mut step = |backend: &mut dyn Backend| match &seqs[..] {
+            [seq] => {
+                next[0] = backend.forward_greedy(*seq, &[next[0]])?;
+                Ok(())
+            }
+            _ => batched_greedy_step(backend, &seqs, &mut next),
+        };
+        step(backend)?;
         if !backend.start_timeline()? {
             return Ok(None);
         }
-        let mut decode = || -> anyhow::Result<()> {
-            for _ in 0..steps {
-                next = backend.forward_greedy(seq, &[next])?;
-            }
-            Ok(())
-        };
-        let decoded = decode();
+        let decoded = (0..steps).try_for_each(|_| step(backend));
         let timeline = backend.stop_timeline();
         decoded?;
         timeline
     };
-    let out = run();
-    backend.free_sequence(seq);
+    let out = run(backend);
+    for &seq in &seqs {
+        backend.free_sequence(seq);
+    }
     out
 }
 
@@ -42,11 +51,16 @@ pub fn decode_timeline(
 /// repeats to the first attention layer), each the median over the steps of its gap to the next
 /// launch and of how long it waited for its predecessor (about 0: it was late, its launch or
 /// its own work before the wait on the step's critical path).
-pub fn to_markdown(context: usize, t: &DecodeTimeline, first_launches: usize) -> String {
+pub fn to_markdown(
+    context: usize,
+    batch: usize,
+    t: &DecodeTimeline,
+    first_launches: usize,
+) -> String {
     let steps = t.steps.max(1) as f64;
     let total: f64 = t.ops.iter().map(|o| o.ms).sum::<f64>() * 1e3 / steps;
     let mut s = format!(
-        "### context {context}: {total:.0} µs per decode step in its CUDA graph, {} steps (from each kernel's start after its wait to the next kernel's; the last launch, the argmax, left out)\n\n",
+        "### context {context}, {batch} sequences per step: {total:.0} µs per decode step in its CUDA graph, {} steps (from each kernel's start after its wait to the next kernel's; the last launch, the argmax, left out)\n\n",
         t.steps
     );
     let mut table = |title: &str, key: fn(&crate::model::OpTime) -> String| {

@@ -56,6 +56,9 @@ pub struct BenchArgs {
     /// only; writes timeline.md with --out).
     #[arg(long, conflicts_with_all = ["serve", "profile"])]
     pub timeline: bool,
+    /// --timeline: sequences per decode step (each prefills its own prompt of the context).
+    #[arg(long, default_value_t = 1, requires = "timeline")]
+    pub timeline_batch: usize,
     /// Measure the engine under load instead: concurrent streams, a multi-turn conversation
     /// with and without the prefix cache, decode speed per stream (the flags below).
     #[arg(long)]
@@ -113,10 +116,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         (longest, gpu)
     } else {
         let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps + 16;
-        // --profile also times decode steps of --profile-batch sequences at once.
-        let slots = args
-            .profile
-            .then_some(args.profile_batch.max(1).max(8 + args.profile_mixed));
+        // --profile also times decode steps of --profile-batch sequences at once,
+        // --timeline: as many as its steps hold.
+        let slots = if args.profile {
+            Some(args.profile_batch.max(1).max(8 + args.profile_mixed))
+        } else {
+            args.timeline.then_some(args.timeline_batch.max(1))
+        };
         (
             longest,
             GpuOptions {
@@ -152,11 +158,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         backend.stop_timeline()?;
         let mut md = String::new();
         for &context in &args.contexts {
-            let t = bench::timeline::decode_timeline(backend.as_mut(), context, args.decode_steps)?
-                .ok_or_else(|| {
-                    anyhow::anyhow!("--timeline: {} cannot take one", backend.device_name())
-                })?;
-            let part = bench::timeline::to_markdown(context, &t, 48);
+            let batch = args.timeline_batch.max(1);
+            let t = bench::timeline::decode_timeline(
+                backend.as_mut(),
+                context,
+                args.decode_steps,
+                batch,
+            )?
+            .ok_or_else(|| {
+                anyhow::anyhow!("--timeline: {} cannot take one", backend.device_name())
+            })?;
+            let part = bench::timeline::to_markdown(context, batch, &t, 48);
             eprintln!("{}", part.lines().next().unwrap_or(""));
             md += &part;
         }

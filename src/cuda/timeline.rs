@@ -9,7 +9,8 @@
 //! (`CudaDevice::new_with`): the plain kernels carry no trace of it. A kernel's wait returns once
 //! the kernel before it has finished and its writes are visible, so the gap between two
 //! consecutive stamps is what the first kernel cost the step: its work after the wait, its slowest
-//! block, and the hand-over to the next one. The labels of the launches come from the graph's
+//! block, and the hand-over to the next one (and any cuBLAS product launched after it: those carry
+//! no stamps, so their time shows in the launch before them). The labels of the launches come from the graph's
 //! capture (profile.rs `label_launches`); reading the stamps is `model::timeline`, device-free.
 
 use cudarc::driver::{CudaSlice, DevicePtr};
