@@ -54,7 +54,8 @@ constexpr int TILE_ROWS = 16;
 constexpr int MAX_TOKENS = 8;  // mma N
 constexpr int BATCH = 4;       // iterations whose loads are issued together
 
-constexpr int STAGES = 4;      // batches a warp has in flight (copied ahead into shared memory)
+constexpr int STAGES = 4;      // batches a warp has in flight (copied ahead into shared memory) ...
+constexpr int GATHERED_STAGES = 3;  // ... in the gathered kernels: two blocks fit an SM (see gemv)
 constexpr int SLOT_WORDS = 2 + 2 * MAX_TOKENS;  // a gathered slot: {matrix, tokens, x rows[8], y rows[8]}
 constexpr int L2_AHEAD = 6;    // byte ranges a launch can pull into L2 for the kernels after it
 
@@ -191,6 +192,11 @@ template <int F, bool GATHER, bool MULTI>
 __device__ void gemv(const GemvArgs& a) {
     using T = Fmt<F>;
     using S = Slot<F>;
+    // Batches in flight per warp. A gathered launch (2–64 rows of experts, 10–100 µs) holds one
+    // slot's x for up to 8 tokens beside its rings: with three batches a warp, two 8-warp blocks
+    // share an SM where one did with four, and the SM's warps hide each other's latency (the
+    // one-token loop issues from 2 warps per scheduler, 34–46 % of its slots, NOTES v1.60).
+    constexpr int RING = GATHER ? GATHERED_STAGES : STAGES;
     constexpr bool QUANT = S::QUANT;
     const int K = a.cols;
     const int iters = K / T::COLS, ngroups = K / 64;
@@ -259,7 +265,7 @@ __device__ void gemv(const GemvArgs& a) {
     //   staged x  [ntok][words_per_row · STAGE + 16]  (+16: consecutive tokens on other banks)
     //   xsum      [ngroups][MAX_TOKENS] fp32          (quantised formats)
     //   red       [2][warps][MAX_TOKENS · 16] fp32    (only when kw > 1; two, alternating by round)
-    //   ring      [warps][STAGES] Slot<F>             (each warp's batches in flight)
+    //   ring      [warps][RING] Slot<F>               (each warp's batches in flight)
     //   residual  [ntok][K] bf16 x, [K] bf16 sums, [warps] fp32   (only with a residual input)
     extern __shared__ __align__(16) unsigned char smem[];
     const int warps = blockDim.x / 32;
@@ -268,7 +274,7 @@ __device__ void gemv(const GemvArgs& a) {
     float* xsum = reinterpret_cast<float*>(smem + a.ntok * stage_tok);  // laid out for the launch's ntok
     float* red = xsum + (QUANT ? ngroups * MAX_TOKENS : 0);
     unsigned char* ring = reinterpret_cast<unsigned char*>(red + (kw > 1 ? 2 * warps * MAX_TOKENS * TILE_ROWS : 0));
-    ring += warp * STAGES * S::BYTES;
+    ring += warp * RING * S::BYTES;
 
     // Copies job j (the one at `next_copy`) into its ring slot: 16 rows × BATCH iterations, each
     // lane 16 contiguous bytes per instruction (so each instruction moves whole lines): piece p of
@@ -298,7 +304,7 @@ __device__ void gemv(const GemvArgs& a) {
     aim(next_copy.round);
     auto issue = [&](int j) {
         if (j < jobs) {
-            const u32 slot = (j % STAGES) * S::BYTES;
+            const u32 slot = (j % RING) * S::BYTES;
             const int it0 = it_begin + next_copy.batch * BATCH;
             const int col = it0 * 4 * T::WORDS;  // in words
 #pragma unroll
@@ -310,7 +316,7 @@ __device__ void gemv(const GemvArgs& a) {
         cp_async_commit();
     };
     // The first batches' copies go out before x is staged, so their DRAM latency overlaps it.
-    for (int j = 0; j < STAGES - 1; ++j) issue(j);
+    for (int j = 0; j < RING - 1; ++j) issue(j);
     // L2 ahead: the next kernels' weights, this block's share of each range, as bulk prefetches
     // of ≤ 4 KB (16-byte multiples, as the host guarantees), issued right after the block's own
     // first copies: they stream in beside this kernel's weights and the next GEMVs (which follow
@@ -331,7 +337,7 @@ __device__ void gemv(const GemvArgs& a) {
     // stream, exactly as the residual_rmsnorm kernel would have made it.
     bf16* res_x = nullptr;
     if (a.res_h) {
-        res_x = reinterpret_cast<bf16*>(ring + (warps - warp) * STAGES * S::BYTES);  // after the rings
+        res_x = reinterpret_cast<bf16*>(ring + (warps - warp) * RING * S::BYTES);  // after the rings
         bf16* res_sum = res_x + ntok * K;
         float* warp_ss = reinterpret_cast<float*>(res_sum + K);
         const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
@@ -439,14 +445,14 @@ __device__ void gemv(const GemvArgs& a) {
     auto y_row = [&](int n) { return GATHER ? a.y + (i64)gather[MAX_TOKENS + n] * a.rows : y + (i64)n * a.rows; };
     Job job{(int)blockIdx.x, 0};
     for (int j = 0; j < jobs; ++j, advance(job)) {
-        // Job j's copies are done once at most STAGES - 2 newer groups are pending; the warp
+        // Job j's copies are done once at most RING - 2 newer groups are pending; the warp
         // barrier makes every lane's copies visible to all. Then the slot read in the previous
-        // job is free, and the copy of job j + STAGES - 1 can go into it.
-        cp_async_wait<STAGES - 2>();
+        // job is free, and the copy of job j + RING - 1 can go into it.
+        cp_async_wait<RING - 2>();
         __syncwarp();
         if (j == 0) timeline_mark(timeline, 2);  // the first batch in shared memory
-        issue(j + STAGES - 1);
-        const unsigned char* cur = ring + (j % STAGES) * S::BYTES;
+        issue(j + RING - 1);
+        const unsigned char* cur = ring + (j % RING) * S::BYTES;
         const int it0 = it_begin + job.batch * BATCH;
         uint2 sc0, sc8, bi0, bi8;  // 4 groups' scales and biases of rows g, g+8
         if constexpr (QUANT) {

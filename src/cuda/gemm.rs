@@ -25,8 +25,10 @@ pub const GROUP: usize = 64;
 const TILE_ROWS: usize = 16;
 /// Iterations a warp copies into shared memory at once (BATCH in gemm.cu) ...
 const BATCH: usize = 4;
-/// ... and how many such batches each warp has in flight (STAGES in gemm.cu).
+/// ... and how many such batches each warp has in flight (STAGES in gemm.cu), three in the
+/// gathered kernels (GATHERED_STAGES: two blocks per SM, bench/NOTES.md v1.61).
 const STAGES: usize = 4;
+const GATHERED_STAGES: usize = 3;
 
 /// Kernel arguments, field for field the `GemvArgs` struct of gemm.cu.
 #[repr(C)]
@@ -435,7 +437,8 @@ impl GemvKernels {
         let mut shape = self.shape(w, slots);
         let format = format_of(w);
         while shape.tiles_per_block > 1
-            && shared_bytes(format, w.cols, MAX_TOKENS, shape, false) > self.max_shared
+            && shared_bytes(format, w.cols, MAX_TOKENS, shape, false, GATHERED_STAGES)
+                > self.max_shared
         {
             shape.tiles_per_block /= 2;
         }
@@ -455,7 +458,7 @@ impl GemvKernels {
         let (format, shape) = (format_of(w), self.shape(w, 1));
         (1..=MAX_TOKENS)
             .rev()
-            .find(|&n| shared_bytes(format, w.cols, n, shape, residual) <= self.max_shared)
+            .find(|&n| shared_bytes(format, w.cols, n, shape, residual, STAGES) <= self.max_shared)
     }
 
     /// `y = W · x` for matrix 0 of `w` with x made from `input` (see [`ResidualInput`]) for its
@@ -685,7 +688,8 @@ impl GemvKernels {
         // y is written one bf16 at a time, so it may start anywhere (a pass of more rows than
         // one launch holds splits its output at row multiples of any width).
         ensure_aligned(x, &self.stream, "gemv x")?;
-        let shared_bytes = shared_bytes(format, w.cols, ntok, shape, residual.is_some());
+        let stages = if gathered { GATHERED_STAGES } else { STAGES };
+        let shared_bytes = shared_bytes(format, w.cols, ntok, shape, residual.is_some(), stages);
         ensure!(
             shared_bytes <= self.max_shared,
             "gemv: {shared_bytes} bytes of shared memory needed (cols {}, {ntok} tokens), the GPU allows {}",
@@ -832,13 +836,15 @@ struct ResidualRaw {
     eps: f32,
 }
 
-/// Dynamic shared memory of one block; the layout is described in gemm.cu.
+/// Dynamic shared memory of one block with rings of `stages` batches per warp; the layout is
+/// described in gemm.cu.
 fn shared_bytes(
     format: Format,
     cols: usize,
     ntok: usize,
     shape: GemvShape,
     residual: bool,
+    stages: usize,
 ) -> usize {
     let words_per_row = cols * format.bits() / 32;
     let staged_x = ntok * (words_per_row * format.stage_bytes_per_word() + 16);
@@ -853,7 +859,7 @@ fn shared_bytes(
     } else {
         0
     };
-    let ring = warps * STAGES * format.slot_bytes();
+    let ring = warps * stages * format.slot_bytes();
     // A residual input: the rows of x and one row of sums in bf16, a float per warp.
     let residual = if residual {
         (ntok + 1) * cols * 2 + warps * 4
