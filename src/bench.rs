@@ -196,15 +196,9 @@ pub fn profile_batched_decode(
     context: usize,
     steps: usize,
 ) -> anyhow::Result<Vec<OpTime>> {
-    let vocab = backend.config().vocab_size;
     let seqs: Vec<SeqId> = (0..batch as SeqId).map(|i| first - i).collect();
     let run = |backend: &mut dyn Backend| -> anyhow::Result<Vec<OpTime>> {
-        let mut next = Vec::with_capacity(seqs.len());
-        for (i, &seq) in seqs.iter().enumerate() {
-            backend.create_sequence(seq)?;
-            let prompt = synthetic_prompt(context, vocab, (context + i) as u64);
-            next.push(backend.forward_greedy(seq, &prompt)?);
-        }
+        let mut next = start_sequences(backend, &seqs, context)?;
         backend.take_op_times();
         for _ in 0..steps {
             batched_greedy_step(backend, &seqs, &mut next)?;
@@ -216,6 +210,23 @@ pub fn profile_batched_decode(
         backend.free_sequence(seq);
     }
     ops
+}
+
+/// Creates each sequence of `seqs` and runs its own synthetic prompt of `context` tokens (seeded
+/// by its place); returns each one's greedy next token. The caller frees them.
+pub fn start_sequences(
+    backend: &mut dyn Backend,
+    seqs: &[SeqId],
+    context: usize,
+) -> anyhow::Result<Vec<u32>> {
+    let vocab = backend.config().vocab_size;
+    let mut next = Vec::with_capacity(seqs.len());
+    for (i, &seq) in seqs.iter().enumerate() {
+        backend.create_sequence(seq)?;
+        let prompt = synthetic_prompt(context, vocab, (context + i) as u64);
+        next.push(backend.forward_greedy(seq, &prompt)?);
+    }
+    Ok(next)
 }
 
 /// One decode step of every sequence of `seqs` in one batch, each fed its token of `next` and

@@ -2,7 +2,7 @@
 //! kernel (see the CUDA backend's timeline.rs for how it is measured). Beside `--profile`, whose
 //! events between kernels undo the overlap it would measure.
 
-use super::{batched_greedy_step, median, synthetic_prompt};
+use super::{batched_greedy_step, median, start_sequences};
 use crate::model::{Backend, DecodeTimeline, SeqId};
 
 /// `batch` sequences each prefill `context` tokens, then `steps` greedy decode steps of all of
@@ -15,14 +15,8 @@ pub fn decode_timeline(
     batch: usize,
 ) -> anyhow::Result<Option<DecodeTimeline>> {
     let seqs: Vec<SeqId> = (0..batch.max(1) as SeqId).map(|i| (1 << 46) + i).collect();
-    let vocab = backend.config().vocab_size;
     let run = |backend: &mut dyn Backend| -> anyhow::Result<Option<DecodeTimeline>> {
-        let mut next = Vec::with_capacity(seqs.len());
-        for (i, &seq) in seqs.iter().enumerate() {
-            backend.create_sequence(seq)?;
-            let prompt = synthetic_prompt(context, vocab, (context + i) as u64);
-            next.push(backend.forward_greedy(seq, &prompt)?);
-        }
+        let mut next = start_sequences(backend, &seqs, context)?;
         let mut step = |backend: &mut dyn Backend| match &seqs[..] {
             [seq] => {
                 next[0] = backend.forward_greedy(*seq, &[next[0]])?;

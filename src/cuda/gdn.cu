@@ -1378,7 +1378,6 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
     // Gated RMSNorm per row (as in gdn_decode), a warp per row, lane l on columns 4l..4l+3;
     // written for the real rows only.
     const float4 w4 = *reinterpret_cast<const float4*>(p.norm_w + 4 * lane);
-    const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
     const int col = hv * GDN_DV + 4 * lane;
     constexpr int NORM_ROWS = CHUNK / (PF_THREADS / 32);  // rows per warp
     uint2 zrow[NORM_ROWS];  // the gate inputs of the warp's rows, loaded before any is needed
@@ -1394,19 +1393,7 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
         const float ob[4] = {bf16_round(o4.x), bf16_round(o4.y), bf16_round(o4.z), bf16_round(o4.w)};
         const float rinv = rsqrtf(warp_sum(ob[0] * ob[0] + ob[1] * ob[1] + ob[2] * ob[2] + ob[3] * ob[3]) / GDN_DV + p.eps);
         const int tok = t0 + r;
-        if (tok >= p.rows) continue;
-        const uint2 zw = zrow[i];
-        const float2 z01 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&zw.x));
-        const float2 z23 = __bfloat1622float2(*reinterpret_cast<const bf162*>(&zw.y));
-        const float zf[4] = {z01.x, z01.y, z23.x, z23.y};
-        float yv[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) yv[j] = bf16_round(wv[j] * bf16_round(ob[j] * rinv)) * silu(zf[j]);
-        const bf162 y01 = __floats2bfloat162_rn(yv[0], yv[1]), y23 = __floats2bfloat162_rn(yv[2], yv[3]);
-        uint2 out;
-        out.x = *reinterpret_cast<const u32*>(&y01);
-        out.y = *reinterpret_cast<const u32*>(&y23);
-        *reinterpret_cast<uint2*>(p.y + (i64)tok * GDN_VALUE_DIM + col) = out;
+        if (tok < p.rows) write_gated(p, tok, col, zrow[i], w4, ob, rinv);
     }
 }
 
