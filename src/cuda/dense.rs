@@ -48,9 +48,15 @@ pub struct DenseGemm {
     scratch: CudaSlice<bf16>,
     /// bf16 copies of matrices, rows padded, by the device address of their weights (see the top).
     kept: HashMap<u64, CudaSlice<bf16>>,
-    /// Outputs of padded matrices, grown on demand.
+    /// Outputs of padded matrices, grown on demand (never while a graph is captured).
     padded: Option<CudaSlice<bf16>>,
+    /// cuBLAS's workspace, set on the handle so that a product captured in a decode graph
+    /// allocates nothing.
+    _workspace: CudaSlice<u8>,
 }
+
+/// Bytes of cuBLAS's workspace (what its Hopper kernels ask for at most, per NVIDIA's docs).
+const WORKSPACE_BYTES: usize = 32 << 20;
 
 impl DenseGemm {
     /// `max_values`: the most values (rows × cols) of a matrix this will multiply without a kept
@@ -62,6 +68,18 @@ impl DenseGemm {
         let scratch = stream
             .alloc_zeros::<bf16>(max_values.max(8))
             .during(|| format!("{max_values} values of dequantisation scratch"))?;
+        let workspace = stream
+            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .during(|| "cuBLAS's workspace".into())?;
+        let ptr = workspace.device_ptr(&stream).0;
+        // SAFETY: the handle and the buffer live as long as `Self`, which keeps both.
+        let status = unsafe {
+            blas::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, WORKSPACE_BYTES)
+        };
+        ensure!(
+            status == blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
+            "setting cuBLAS's workspace: {status:?}"
+        );
         Ok(Self {
             dequant: dev.function("dense", "dequant_affine")?,
             unpad: dev.function("dense", "dense_unpad")?,
@@ -70,6 +88,7 @@ impl DenseGemm {
             scratch,
             kept: HashMap::new(),
             padded: None,
+            _workspace: workspace,
         })
     }
 
@@ -89,6 +108,29 @@ impl DenseGemm {
         to_bf16(&self.stream, &self.dequant, w, &mut copy)?;
         self.kept.insert(key, copy);
         Ok(n * 2)
+    }
+
+    /// Room for `values` of padded output, allocated now if there is less: a product captured
+    /// in a decode graph must find it there (allocating while the stream is captured fails).
+    pub fn reserve_padded(&mut self, values: usize) -> Result<()> {
+        if self.padded.as_ref().is_some_and(|p| p.len() >= values) {
+            return Ok(());
+        }
+        let capturing = self
+            .stream
+            .capture_status()
+            .map_err(|e| CudaError::Shape(format!("reading the stream's capture status: {e}")))?;
+        ensure!(
+            capturing == cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+            "dense gemm: {values} values of padded output not reserved before a graph capture"
+        );
+        self.padded = None; // freed before the larger one is allocated
+        self.padded = Some(
+            self.stream
+                .alloc_zeros::<bf16>(values)
+                .during(|| format!("{values} values of padded GEMM output"))?,
+        );
+        Ok(())
     }
 
     /// Bytes of the kept copies.
@@ -165,15 +207,8 @@ impl DenseGemm {
         let yp = if y_pitch == pitch {
             y.device_ptr_mut(stream).0
         } else {
-            if self.padded.as_ref().is_none_or(|p| p.len() < t * pitch) {
-                self.padded = None; // freed before the larger one is allocated
-                self.padded = Some(
-                    self.stream
-                        .alloc_zeros::<bf16>(t * pitch)
-                        .during(|| format!("{t}×{pitch} values of padded GEMM output"))?,
-                );
-            }
-            let padded = self.padded.as_mut().expect("allocated above");
+            self.reserve_padded(t * pitch)?;
+            let padded = self.padded.as_mut().expect("reserved above");
             padded.device_ptr_mut(stream).0
         };
         let (alpha, beta) = (1.0f32, 0.0f32);

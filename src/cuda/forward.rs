@@ -74,6 +74,10 @@ pub struct CudaOptions {
     /// the weights have the model's MLX layout. Off unless `LILY_MOE_PERSISTENT=1` (measured:
     /// decode 3.7 % slower, bench/NOTES.md v1.41).
     pub persistent_moe: bool,
+    /// Dense products of at least this many rows run through cuBLAS on the kept bf16 copies
+    /// (dense.rs) instead of our 4-bit kernels; `LILY_CUBLAS_FROM_ROWS` sets it (default
+    /// [`dense::MIN_TOKENS`]).
+    pub cublas_from_rows: usize,
 }
 
 impl Default for CudaOptions {
@@ -87,6 +91,11 @@ impl Default for CudaOptions {
             fused_norms: std::env::var("LILY_FUSED_NORMS").is_ok_and(|v| v == "1"),
             keep_dense_bf16: std::env::var("LILY_DENSE_CACHE").map_or(true, |v| v != "0"),
             persistent_moe: std::env::var("LILY_MOE_PERSISTENT").is_ok_and(|v| v == "1"),
+            cublas_from_rows: std::env::var("LILY_CUBLAS_FROM_ROWS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(dense::MIN_TOKENS)
+                .max(1),
         }
     }
 }
@@ -105,6 +114,8 @@ struct Kernels {
     attn: AttentionKernels,
     /// An FP8 checkpoint's prefill products, when some matrix keeps its FP8 form (forward/fp8.rs).
     fp8: Option<fp8::Fp8Path>,
+    /// `CudaOptions::cublas_from_rows`.
+    cublas_from_rows: usize,
 }
 
 /// Activation buffers for a pass of up to `rows` rows, allocated once.
@@ -258,7 +269,7 @@ impl CudaBackend {
             norm: NormKernels::load(&dev)?,
             gemv: GemvKernels::load(&dev)?,
             gemm: GemmKernels::load(&dev)?,
-            dense: dense_gemm(&dev, &model, options.keep_dense_bf16)?,
+            dense: dense_gemm(&dev, &model, &options)?,
             embed: EmbedKernels::load(&dev)?,
             moe: MoeKernels::load(&dev)?,
             moe_decode: if options.persistent_moe {
@@ -270,6 +281,7 @@ impl CudaBackend {
             gdn: GdnKernels::load(&dev)?,
             attn: AttentionKernels::load(&dev, &c)?,
             fp8: None,
+            cublas_from_rows: options.cublas_from_rows,
         };
         let rows = options.prefill_chunk.max(batch_rows(&options)).max(1);
         let batch = batch_rows(&options);
@@ -811,8 +823,8 @@ fn record_routing(
     Ok(())
 }
 
-/// The most rows of one decode pass: every sequence slot, below the rows where the dense
-/// projections would switch to cuBLAS (whose graph capture we do not rely on).
+/// The most rows of one decode pass: every sequence slot, below the rows where prefill chunks
+/// switch to cuBLAS by default.
 fn batch_rows(options: &CudaOptions) -> usize {
     options.max_sequences.clamp(1, dense::MIN_TOKENS - 1)
 }
@@ -831,14 +843,25 @@ fn dense_matrices(m: &CudaModel) -> impl Iterator<Item = &DeviceMatrices> {
     })
 }
 
-/// The cuBLAS path, with bf16 copies of the model's dense matrices kept (`keep`) or scratch room
-/// to dequantise the largest one per product.
-fn dense_gemm(dev: &CudaDevice, m: &CudaModel, keep: bool) -> Result<DenseGemm> {
+/// The cuBLAS path, with bf16 copies of the model's dense matrices kept (`keep_dense_bf16`) or
+/// scratch room to dequantise the largest one per product; where decode passes take it
+/// (`cublas_from_rows`), the padded output their graphs will need is reserved now.
+fn dense_gemm(dev: &CudaDevice, m: &CudaModel, options: &CudaOptions) -> Result<DenseGemm> {
+    let keep = options.keep_dense_bf16;
     let largest = dense_matrices(m)
         .map(|w| w.rows.next_multiple_of(8) * w.cols)
         .max()
         .unwrap_or(0);
     let mut dense = DenseGemm::new(dev, if keep { 0 } else { largest })?;
+    let batch = batch_rows(options);
+    if options.cublas_from_rows <= batch {
+        let unaligned = dense_matrices(m)
+            .filter(|w| w.rows % 8 != 0)
+            .map(|w| dense::padded_rows(w.rows))
+            .max()
+            .unwrap_or(0);
+        dense.reserve_padded(batch * unaligned)?;
+    }
     if keep {
         for w in dense_matrices(m) {
             dense.keep(&w.view())?;

@@ -139,5 +139,5 @@ fn fp8_dense(k: &Kernels, w: &DeviceMatrices, t: usize) -> bool {
 
 /// Whether `gemv_rows` multiplies `w` for `t` rows through cuBLAS (dense.rs).
 fn cublas(k: &Kernels, w: &DeviceMatrices, t: usize) -> bool {
-    !fp8_dense(k, w, t) && t >= dense::MIN_TOKENS && GemmKernels::supports(&w.view())
+    !fp8_dense(k, w, t) && t >= k.cublas_from_rows && GemmKernels::supports(&w.view())
 }
