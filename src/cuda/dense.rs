@@ -133,6 +133,11 @@ impl DenseGemm {
         Ok(())
     }
 
+    /// Whether a bf16 copy of `w` is kept (products with it need no dequantising).
+    pub fn keeps(&self, w: &Matrices) -> bool {
+        self.kept.contains_key(&address(w, &self.stream))
+    }
+
     /// Bytes of the kept copies.
     pub fn kept_bytes(&self) -> usize {
         self.kept.values().map(|c| c.len() * 2).sum()

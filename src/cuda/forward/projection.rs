@@ -137,7 +137,12 @@ fn fp8_dense(k: &Kernels, w: &DeviceMatrices, t: usize) -> bool {
     t >= fp8::FROM_ROWS && w.fp8.is_some() && k.fp8.as_ref().is_some_and(|p| p.dense)
 }
 
-/// Whether `gemv_rows` multiplies `w` for `t` rows through cuBLAS (dense.rs).
+/// Whether `gemv_rows` multiplies `w` for `t` rows through cuBLAS (dense.rs): long chunks, or
+/// passes of `cublas_from_rows` rows or more where a bf16 copy of `w` is kept (passes that short
+/// are captured in decode graphs, where nothing may be dequantised into scratch).
 fn cublas(k: &Kernels, w: &DeviceMatrices, t: usize) -> bool {
-    !fp8_dense(k, w, t) && t >= k.cublas_from_rows && GemmKernels::supports(&w.view())
+    let view = w.view();
+    !fp8_dense(k, w, t)
+        && GemmKernels::supports(&view)
+        && (t >= dense::MIN_TOKENS || (t >= k.cublas_from_rows && k.dense.keeps(&view)))
 }
