@@ -249,7 +249,7 @@ impl DenseGemm {
             )
         }
         .map_err(|e| CudaError::Shape(format!("cuBLAS GEMM [{t}×{cols}]·[{rows}×{cols}]ᵀ: {e}")))?;
-        super::profile::after_launch(stream, "dense cublas")?;
+        super::profile::after_launch(stream, super::profile::CUBLAS)?;
         if y_pitch != pitch {
             let padded = self.padded.as_ref().expect("allocated above");
             let cfg = LaunchConfig {

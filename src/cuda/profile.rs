@@ -146,6 +146,9 @@ pub(crate) fn section(stream: &CudaStream, name: &'static str) -> Result<()> {
     })
 }
 
+/// The label of a cuBLAS product (dense.rs): a launch with no timeline stamp.
+pub(crate) const CUBLAS: &str = "dense cublas";
+
 /// Called by `launch!` after each launch: the time until this event is the kernel's.
 pub(crate) fn after_launch(stream: &CudaStream, kernel: &'static str) -> Result<()> {
     LABELS.with_borrow_mut(|l| {

@@ -130,6 +130,28 @@ pub fn per_launch(
     })
 }
 
+/// The labels of the launches that stamp, from a graph's launch labels where those of `unstamped`
+/// kernels (a library's, e.g. cuBLAS's, which have no timeline build) take no stamp: such a launch
+/// runs inside the gap of the stamped launch before it, which is then labelled with the
+/// unstamped launch's section and both kernels ("cublas after norm"), since the library's product
+/// is most of that gap.
+pub fn stamped_labels(
+    labels: &[(&'static str, String)],
+    unstamped: impl Fn(&str) -> bool,
+) -> Vec<(&'static str, String)> {
+    let mut out: Vec<(&'static str, String)> = Vec::with_capacity(labels.len());
+    for (section, kernel) in labels {
+        match out.last_mut() {
+            Some(last) if unstamped(kernel) => {
+                *last = (*section, format!("{kernel} after {}", last.1));
+            }
+            _ if unstamped(kernel) => {} // nothing stamped before it: its time is not seen
+            _ => out.push((*section, kernel.clone())),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,6 +198,31 @@ mod tests {
         assert_eq!((in_proj.calls, (in_proj.ms * 1e3).round()), (2, 4.0));
         assert_eq!(t.ops[0].section, "gdn mixer", "largest first");
         assert_eq!(t.ops.iter().map(|o| o.calls).sum::<u64>(), 6);
+    }
+
+    #[test]
+    fn unstamped_launches_fold_into_the_launch_before() {
+        let labels = vec![
+            ("norms", "rmsnorm".to_string()),
+            ("gdn in_proj", "cublas".to_string()),
+            ("gdn mixer", "gdn".to_string()),
+            ("gdn out_proj", "cublas".to_string()),
+            ("gdn out_proj", "unpad".to_string()),
+        ];
+        let stamped = stamped_labels(&labels, |k| k == "cublas");
+        assert_eq!(
+            stamped,
+            [
+                ("gdn in_proj", "cublas after rmsnorm".to_string()),
+                ("gdn out_proj", "cublas after gdn".to_string()),
+                ("gdn out_proj", "unpad".to_string()),
+            ]
+        );
+        // Four replays of those three stamped launches make a timeline.
+        let stamps: Vec<Stamp> = (0..4u64)
+            .flat_map(|r| [(0, 1), (1_000, 97), (3_000, 32)].map(|(t, g)| stamp(r * 10_000 + t, g)))
+            .collect();
+        assert_eq!(per_launch(&stamps, &stamped).unwrap().steps, 4);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use half::bf16;
 use super::{batch_rows, CudaBackend, DecodeRow, Sequence};
 use crate::config::ModelConfig;
 use crate::cuda::gdn;
-use crate::cuda::profile::OpProfile;
+use crate::cuda::profile::{self, OpProfile};
 use crate::cuda::sample::SampleKernels;
 use crate::cuda::snapshot::StatePools;
 use crate::cuda::timeline::Timeline;
@@ -187,8 +187,10 @@ impl Backend for CudaBackend {
         let Some(batch) = batch else {
             return Ok(None);
         };
-        let labels = &self.decode_graphs[&batch].1;
-        Ok(Some(crate::model::timeline::per_launch(&stamps, labels)?))
+        use crate::model::timeline::{per_launch, stamped_labels};
+        // cuBLAS's kernels (batched passes' dense products, forward/projection.rs) do not stamp.
+        let labels = stamped_labels(&self.decode_graphs[&batch].1, |k| k == profile::CUBLAS);
+        Ok(Some(per_launch(&stamps, &labels)?))
     }
     fn trace_routing(&mut self) -> bool {
         self.routing = Some(RoutingTrace::new(self.model.layers.len()));
