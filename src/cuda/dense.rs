@@ -1,4 +1,4 @@
-//! Dense projections of long prefill chunks through cuBLAS: an MLX affine weight matrix is
+//! Dense projections of prefill chunks and batched passes through cuBLAS: an MLX affine weight matrix is
 //! dequantised into a bf16 scratch matrix (dense.cu), then one cuBLAS bf16 GEMM with fp32
 //! accumulation computes `y = x · Wᵀ`. For thousands of rows cuBLAS's Hopper kernels (wgmma, TMA)
 //! run far above our mma.sync GEMM (gemm_prefill.rs), and writing a layer's 25M dequantised values
@@ -10,7 +10,11 @@
 //! The dequantised copies of the model's dense matrices (GDN and attention projections, routers:
 //! ≈ 2.6 GB at the full shape) are kept from the backend's start ([`DenseGemm::keep`]), so a prefill
 //! chunk multiplies without first dequantising ≈ 2.3 ms of weights per 4K chunk (bench/NOTES.md
-//! v1.34); `LILY_DENSE_CACHE=0` (CudaOptions) dequantises per product into one scratch matrix instead.
+//! v1.34), and passes of 9+ rows (batched decode steps) use them too (forward/projection.rs):
+//! `LILY_DENSE_CACHE=0` (CudaOptions) dequantises per product into one scratch matrix instead, and
+//! then only chunks of [`MIN_TOKENS`] rows or more take this path. Products of batched passes are
+//! captured in decode graphs, so the handle has a workspace of its own and the padded output
+//! (below) is reserved before any capture.
 //!
 //! cuBLAS runs a slow kernel for a row count that is no multiple of 8 (the router with the shared
 //! expert's gate, 257 rows: ≈ 0.10 ms at 4096 tokens against ≈ 0.02 for 256 rows, at either output
@@ -31,7 +35,8 @@ use super::{
     CudaViewMut, Result,
 };
 
-/// Chunks of at least this many tokens take the cuBLAS path (forward.rs).
+/// Chunks of at least this many tokens take the cuBLAS path whether or not a bf16 copy of the
+/// matrix is kept (forward/projection.rs).
 pub const MIN_TOKENS: usize = 512;
 
 /// The rows a matrix is multiplied with: its own, zero rows appended to a multiple of 8.

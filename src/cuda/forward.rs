@@ -75,8 +75,8 @@ pub struct CudaOptions {
     /// decode 3.7 % slower, bench/NOTES.md v1.41).
     pub persistent_moe: bool,
     /// Dense products of at least this many rows run through cuBLAS on the kept bf16 copies
-    /// (dense.rs) instead of our 4-bit kernels; `LILY_CUBLAS_FROM_ROWS` sets it (default
-    /// [`dense::MIN_TOKENS`]).
+    /// (dense.rs) instead of our 4-bit kernels (forward/projection.rs says why); default: more
+    /// rows than one GEMV launch takes; `LILY_CUBLAS_FROM_ROWS` sets it.
     pub cublas_from_rows: usize,
 }
 
@@ -94,7 +94,7 @@ impl Default for CudaOptions {
             cublas_from_rows: std::env::var("LILY_CUBLAS_FROM_ROWS")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .unwrap_or(dense::MIN_TOKENS)
+                .unwrap_or(MAX_TOKENS + 1)
                 .max(1),
         }
     }
@@ -823,8 +823,8 @@ fn record_routing(
     Ok(())
 }
 
-/// The most rows of one decode pass: every sequence slot, below the rows where prefill chunks
-/// switch to cuBLAS by default.
+/// The most rows of one decode pass: every sequence slot, below the rows where products take
+/// cuBLAS even on matrices without a kept bf16 copy (whose dequantising has no room in a graph).
 fn batch_rows(options: &CudaOptions) -> usize {
     options.max_sequences.clamp(1, dense::MIN_TOKENS - 1)
 }

@@ -52,10 +52,16 @@ pub(super) fn first_projection(
 }
 
 /// `y = W · x` for `t` rows: an FP8 checkpoint's matrix in its FP8 form for long passes
-/// with `LILY_FP8_DENSE=1` (forward/fp8.rs), cuBLAS on dequantised weights for long chunks (dense.rs), GEMV row
-/// chunks in one launch for more rows than one GEMV takes up to a few dozen (matrices of ≤ 4,096
-/// rows), our tensor-core GEMM for more than 8, else (or for weights it does not take) GEMVs of
-/// as many tokens per launch as fit in shared memory (≤ 8).
+/// with `LILY_FP8_DENSE=1` (forward/fp8.rs); cuBLAS on the kept bf16 copy of the matrix (the
+/// mixers' projections and the routers, dense.rs) for more rows than one GEMV launch takes, and
+/// on dequantised weights for long chunks; else GEMV row chunks in one launch for up to a few dozen
+/// rows (matrices of ≤ 4,096 rows), our tensor-core GEMM for more than 8, or GEMVs of as many tokens
+/// per launch as fit in shared memory (≤ 8).
+///
+/// Why cuBLAS from 9 rows: at 16–64 rows our 4-bit GEMM streams in_proj at ≈ 0.5 TB/s (49 tiles of
+/// 256 weight rows) and the row chunks read out_proj once per 8 rows, while cuBLAS reads the bf16
+/// copy (4× the bytes) at ≈ 2.5–3 TB/s: in the 64-row step in_proj 28 → 19 µs, q‖k‖v 29 → 20,
+/// o_proj 19 → 8 (bench/NOTES.md v1.63). At 8 rows and fewer the 4-bit GEMV is faster.
 pub(super) fn gemv_rows(
     k: &mut Kernels,
     w: &DeviceMatrices,
