@@ -119,7 +119,7 @@ run)
         echo "$name: $status in $((SECONDS - start)) s" >> "$summary"
     done
     # Settings under trial (off by default until they pass here): the whole model again with each.
-    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA_STAGED_STORES=0 LILY_GDN_OUT_TF32=1 LILY_ATTN_WGMMA=0 LILY_DENSE_CACHE=0 LILY_WGMMA=0 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1 LILY_GATHERED_ROWS=0-0 LILY_ROW_CHUNKS_MAX=0 LILY_GDN_SPLIT_ROWS=0}; do
+    for trial in ${GPU_CHECK_TRIALS-LILY_WGMMA_STAGED_STORES=0 LILY_GDN_OUT_TF32=1 LILY_ATTN_WGMMA=0 LILY_DENSE_CACHE=0 LILY_WGMMA=0 LILY_FUSED_NORMS=1 LILY_L2_AHEAD=1 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1 LILY_GATHERED_ROWS=0-0 LILY_ROW_CHUNKS_MAX=0 LILY_GDN_SPLIT_ROWS=0 LILY_CUBLAS_FROM_ROWS=512}; do
         [[ -x "$dir/cuda_forward" && "$tests" != none && "$trial" != none ]] || break
         echo "=== cuda_forward ($trial)"
         start=$SECONDS

@@ -437,6 +437,60 @@ fn batched_against_one_by_one(weights: Weights) {
     );
 }
 
+/// Passes of more rows than one GEMV launch takes (9+) multiply the mixers' projections and the
+/// routers through cuBLAS on the kept bf16 copies (forward/projection.rs); 8 rows keep the 4-bit
+/// GEMVs. Seen in the op timing's kernel names; the results against one-by-one passes are
+/// `batched_steps_equal_one_by_one`'s (its passes of 12+ rows take this path).
+#[test]
+fn passes_of_nine_rows_or_more_take_cublas() {
+    let weights = q4_weights(8);
+    let sections_on_cublas = |rows: usize| -> Vec<String> {
+        let mut b = gpu_backend(&weights, rows, true);
+        assert!(b.set_op_timing(true));
+        for seq in 0..rows as u64 {
+            b.create_sequence(seq).unwrap();
+        }
+        let tokens: Vec<Vec<u32>> = (0..rows).map(|s| prompt(1, 40 + s as u32)).collect();
+        let steps: Vec<Step> = (0..rows)
+            .map(|s| Step {
+                seq: s as u64,
+                tokens: &tokens[s],
+                sample: None,
+            })
+            .collect();
+        for out in b.forward_batch(&steps) {
+            out.unwrap();
+        }
+        let mut sections: Vec<String> = b
+            .take_op_times()
+            .into_iter()
+            .filter(|o| o.kernel == "dense cublas")
+            .map(|o| o.section)
+            .collect();
+        sections.sort();
+        sections.dedup();
+        sections
+    };
+    // Settings under trial (gpu-check) may move the threshold or drop the kept copies.
+    let options = CudaOptions::default();
+    if std::env::var("LILY_CUBLAS_FROM_ROWS").is_err() {
+        assert_eq!(options.cublas_from_rows, 9, "the default threshold");
+    }
+    let expected: &[&str] = if options.keep_dense_bf16 && options.cublas_from_rows <= 9 {
+        &[
+            "attn o_proj",
+            "attn qkv",
+            "gdn in_proj",
+            "gdn out_proj",
+            "moe router",
+        ]
+    } else {
+        &[]
+    };
+    assert_eq!(sections_on_cublas(8), Vec::<String>::new());
+    assert_eq!(sections_on_cublas(9), expected);
+}
+
 /// Op timing (`lily bench --profile`) changes no result: a timed backend's logits after a
 /// prompt (two chunks) and 8 decode steps (uncaptured while timed) equal an untimed one's bit for
 /// bit; the times name the sections of the pass, are finite and positive, and sum to no more

@@ -78,9 +78,8 @@ impl DenseGemm {
             .during(|| "cuBLAS's workspace".into())?;
         let ptr = workspace.device_ptr(&stream).0;
         // SAFETY: the handle and the buffer live as long as `Self`, which keeps both.
-        let status = unsafe {
-            blas::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, WORKSPACE_BYTES)
-        };
+        let status =
+            unsafe { blas::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, WORKSPACE_BYTES) };
         ensure!(
             status == blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
             "setting cuBLAS's workspace: {status:?}"
