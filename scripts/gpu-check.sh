@@ -234,7 +234,7 @@ PY
         # decode step's kernels after it (each GEMV, GDN step, attention split and combine, norm,
         # top-k; ncu-decode.txt). Each kernel runs alone under ncu: its time without the neighbours
         # that PDL would overlap. Sections print their details too (the warp stall reasons).
-        ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+        ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
         for what in ${GPU_CHECK_NCU_KINDS:-prefill decode}; do
             echo "=== ncu ($what kernels, 4K)"
             if [[ -z "$ncu_bin" ]]; then echo "ncu: not found" >> "$summary"; break; fi
@@ -258,7 +258,7 @@ PY
         # Where each kernel's warps wait, instruction by instruction: the source page of the
         # SourceCounters section (sampled stall reasons per SASS line), as CSV.
         echo "=== ncu source ($GPU_CHECK_NCU_SOURCE, bench ${GPU_CHECK_NCU_SOURCE_BENCH:---contexts 4096})"
-        ncu_bin="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+        ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
         if [[ -z "$ncu_bin" ]]; then
             echo "ncu: not found" >> "$summary"
         else
