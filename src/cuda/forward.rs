@@ -844,25 +844,25 @@ fn dense_matrices(m: &CudaModel) -> impl Iterator<Item = &DeviceMatrices> {
 }
 
 /// The cuBLAS path, with bf16 copies of the model's dense matrices kept (`keep_dense_bf16`) or
-/// scratch room to dequantise the largest one per product; where decode passes take it
-/// (`cublas_from_rows`), the padded output their graphs will need is reserved now.
+/// scratch room to dequantise the largest one per product; where decode passes take it (kept
+/// copies, `cublas_from_rows`), the padded output their graphs will need is reserved now.
 fn dense_gemm(dev: &CudaDevice, m: &CudaModel, options: &CudaOptions) -> Result<DenseGemm> {
     let keep = options.keep_dense_bf16;
     let largest = dense_matrices(m)
-        .map(|w| w.rows.next_multiple_of(8) * w.cols)
+        .map(|w| dense::padded_rows(w.rows) * w.cols)
         .max()
         .unwrap_or(0);
     let mut dense = DenseGemm::new(dev, if keep { 0 } else { largest })?;
-    let batch = batch_rows(options);
-    if options.cublas_from_rows <= batch {
-        let unaligned = dense_matrices(m)
-            .filter(|w| w.rows % 8 != 0)
-            .map(|w| dense::padded_rows(w.rows))
-            .max()
-            .unwrap_or(0);
-        dense.reserve_padded(batch * unaligned)?;
-    }
     if keep {
+        let batch = batch_rows(options);
+        if options.cublas_from_rows <= batch {
+            let unaligned = dense_matrices(m)
+                .filter(|w| w.rows % 8 != 0)
+                .map(|w| dense::padded_rows(w.rows))
+                .max()
+                .unwrap_or(0);
+            dense.reserve_padded(batch * unaligned)?;
+        }
         for w in dense_matrices(m) {
             dense.keep(&w.view())?;
         }
