@@ -127,9 +127,9 @@ struct GemvArgs {
     // weights, before this kernel's own wait.
     int ids_ready;
     // Router top-k in the last block (topk_k > 0; the router's GEMV, one slot, y = [ntok][E + 1]):
-    // the block that finishes last ranks each token's logits (router_topk_row, with the shared
-    // expert) into topk_ids / topk_weights [ntok][k + 1]; topk_counter counts finished blocks and
-    // is left at 0 for the next launch.
+    // the block that finishes last ranks each token's logits (moe.cuh's
+    // router_topk_row_by_probability, with the shared expert) into topk_ids / topk_weights
+    // [ntok][k + 1]; topk_counter counts finished blocks and is left at 0 for the next launch.
     int topk_k;
     int topk_experts;
     int* topk_ids;
@@ -553,7 +553,7 @@ __device__ void gemv(const GemvArgs& a) {
             __threadfence();
             const int slots = a.topk_k + 1;
             for (int n = warp; n < ntok; n += blockDim.x / 32)
-                router_topk_row(a.y + (i64)n * a.rows, a.topk_experts, a.topk_k, 1, a.topk_ids + n * slots,
+                router_topk_row_by_probability(a.y + (i64)n * a.rows, a.topk_experts, a.topk_k, 1, a.topk_ids + n * slots,
                                 a.topk_weights + n * slots);
             if (threadIdx.x == 0) *a.topk_counter = 0u;
         }
