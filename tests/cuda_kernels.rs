@@ -1075,8 +1075,9 @@ fn router_topk_matches_reference() {
 }
 
 /// The router's top-k in the last block of its GEMV (`then_topk`, decode with LILY_FUSED_TOPK=1)
-/// picks the same experts with the same weights, bit for bit, as the top-k kernel on the same
-/// logits: the router's shape (256 experts + the shared gate, Q8), 1, 3 and 8 tokens, three launches
+/// picks the same experts as the top-k kernel on the same logits, with the same weights to a few
+/// ulps (the GEMV keeps the top-k's older form, which divides by the full softmax sum first;
+/// moe.cuh): the router's shape (256 experts + the shared gate, Q8), 1, 3 and 8 tokens, three launches
 /// in a row (each must leave its counter at zero for the next), and a 16-expert router.
 #[test]
 fn router_gemv_with_fused_topk_equals_the_topk_kernel() {
@@ -1165,12 +1166,16 @@ fn router_gemv_with_fused_topk_equals_the_topk_kernel() {
                 "{what}: weights at pitch {pitch}"
             );
             assert_eq!(download(s, &ids), download(s, &want_ids), "{what}: ids");
-            let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-            assert_eq!(
-                bits(download(s, &weights)),
-                bits(download(s, &want_weights)),
-                "{what}: weights"
-            );
+            for (i, (got, want)) in download(s, &weights)
+                .into_iter()
+                .zip(download(s, &want_weights))
+                .enumerate()
+            {
+                assert!(
+                    (got - want).abs() <= 4e-7 * want.abs(),
+                    "{what}: weight {i}: {got} against {want}"
+                );
+            }
             assert_eq!(
                 download(s, &counter),
                 vec![0u32],
