@@ -14,10 +14,10 @@
 
 // One warp: the top `k` of `experts` router logits of `row` (k ≤ 16; the largest, the lowest index
 // among equals) and their softmax weights renormalised over the k: the full softmax's denominator
-// cancels, w_i = e^(l_i − l_max) / Σ_top e^(l_j − l_max). With `shared` set, as below. Each round is
+// cancels, w_i = e^(l_i − l_max) / Σ_top e^(l_j − l_max). `shared`: as for the form below. Each round is
 // one unsigned max over the warp (redux) of per-logit keys: the bf16 bits made order-preserving
 // (negative: all bits flipped; positive: the sign bit set) above 0xFFFF − index. The form below
-// ranked probabilities with two reductions and a division per round: ≈ 2.9 µs of a token's top-k
+// ranked probabilities with two reductions and a division per round: 2.9 µs for a token against 1.4
 // (bench/NOTES.md v1.65).
 __device__ __forceinline__ void router_topk_row(const bf16* __restrict__ row, int experts, int k, int shared,
                                                 int* __restrict__ ids, float* __restrict__ weights) {
