@@ -601,7 +601,9 @@ fn timeline_stamps_every_launch_of_the_decode_graph() {
     let per_step = t.launches.len() + 1;
     let calls: u64 = t.ops.iter().map(|o| o.calls).sum();
     assert_eq!(calls as usize, steps * (per_step - 1));
-    assert!(per_step > 40, "{per_step} launches per step");
+    // The 4-layer test model's step is 42 launches, 38 with the top-k in the router's GEMV
+    // (LILY_FUSED_TOPK=1, one launch fewer per layer).
+    assert!(per_step > 32, "{per_step} launches per step");
     let sum_us: f64 = t.ops.iter().map(|o| o.ms).sum::<f64>() * 1e3;
     assert!(
         sum_us > 0.0 && sum_us < wall,
