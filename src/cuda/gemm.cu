@@ -553,8 +553,8 @@ __device__ void gemv(const GemvArgs& a) {
             __threadfence();
             const int slots = a.topk_k + 1;
             for (int n = warp; n < ntok; n += blockDim.x / 32)
-                router_topk_row_by_probability(a.y + (i64)n * a.rows, a.topk_experts, a.topk_k, 1, a.topk_ids + n * slots,
-                                a.topk_weights + n * slots);
+                router_topk_row_by_probability(a.y + (i64)n * a.rows, a.topk_experts, a.topk_k, 1,
+                                               a.topk_ids + n * slots, a.topk_weights + n * slots);
             if (threadIdx.x == 0) *a.topk_counter = 0u;
         }
     }

@@ -4,7 +4,8 @@
 // kernel, whose speed has moved with any edit of their source (bench/NOTES.md v1.55, v1.65), so
 // it stays as it was. Both pick the same experts (the largest logits, the lowest index among equals)
 // except where the old form's probabilities underflow to equal zeros, with the same weights to
-// rounding.
+// rounding. (Their shared-expert slot is written out in each on purpose: a helper for it moved the
+// GEMV kernels' register allocation.)
 #pragma once
 #include "common.cuh"
 
