@@ -869,6 +869,69 @@ fn gemv_launch_hints_change_nothing() {
     }
 }
 
+/// One token's routed gate‖up (`then_routed_gate_up`, after a sync here: x and the ids are final):
+/// its x staged before the PDL wait, its blocks spread (`routed_gate_up_shape`), against the plain
+/// one-token kernel in the same shape (a shape's K split sets the sums' order; how many blocks
+/// share the tiles does not): the same bits, for the three formats, the real width (2,048) and the
+/// test model's (512), nine slots sharing one x as the experts' gate‖up launch has them.
+#[test]
+fn routed_gate_up_equals_the_plain_kernel() {
+    let dev = device();
+    let k = GemvKernels::load(&dev).unwrap();
+    let s = dev.stream();
+    let mut rng = Rng::new("gemv routed gate up");
+    let (experts, slots) = (16, 9);
+    for bits in [4, 8, 16] {
+        for (rows, cols) in [(1024, 2048), (256, 512)] {
+            let ids: Vec<i32> = (0..slots).map(|_| rng.below(experts) as i32).collect();
+            let dids = upload(s, &ids);
+            let w = DeviceMatrices::upload(
+                s,
+                &HostMatrices::random(&mut rng, bits, experts, rows, cols),
+            );
+            let x = upload(s, &rng.bf16s(cols, 1.0));
+            let shape = k.routed_gate_up_shape(&w.view(), slots);
+            let run = |routed: bool| {
+                let mut y = poisoned(s, slots * rows);
+                s.synchronize().unwrap();
+                if routed {
+                    k.then_routed_gate_up();
+                }
+                k.gemv_slots_shaped(
+                    &w.view(),
+                    Some(&dids.as_view()),
+                    slots,
+                    &x.as_view(),
+                    SlotInput::PerGroup(slots),
+                    1,
+                    &mut y.as_view_mut(),
+                    shape,
+                )
+                .unwrap();
+                download(s, &y)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<u16>>()
+            };
+            let launched = k.x_early_launches();
+            let (plain, routed) = (run(false), run(true));
+            assert_eq!(
+                k.x_early_launches(),
+                launched + 1,
+                "{bits}-bit {rows}×{cols}: the x_early kernel did not run"
+            );
+            assert!(
+                plain.iter().all(|&b| !bf16::from_bits(b).is_nan()),
+                "{bits}-bit {rows}×{cols}: the plain kernel left rows unwritten"
+            );
+            assert!(
+                plain == routed,
+                "{bits}-bit {rows}×{cols}: the routed launch changed the products"
+            );
+        }
+    }
+}
+
 /// The GEMV that makes its own input (`gemv_residual`: residual add, MoE combine and norm inside,
 /// the decode path of forward/residual.rs) against the two kernels it replaces, residual_rmsnorm
 /// then gemv: the same bits in y, in the new residual stream and in the normalised rows. Shapes:

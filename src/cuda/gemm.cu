@@ -179,6 +179,38 @@ __device__ __forceinline__ float bf16_at(uint2 v, int k) {
     return __uint_as_float(k % 2 ? w & 0xFFFF0000u : w << 16);
 }
 
+// Vector v (columns 8v..8v+7) of one token's x into its staged row, in the order the mma operands
+// need, and for the quantised formats its group's Σx into xsum (all lanes of the warp take part:
+// the sum is a shuffle over 8 lanes; `ok` false: a lane past the end, nothing stored).
+template <int F>
+__device__ __forceinline__ void stage_x_vec(uint4 xv, unsigned char* stage_row, float* xsum, int tok, int v, bool ok) {
+    uint4* dst = reinterpret_cast<uint4*>(stage_row);
+    if (ok) {
+        if constexpr (F == Q4) {
+            // One word covers columns 8v..8v+7; pairs {0,4}, {1,5}, {2,6}, {3,7}.
+            dst[v] = make_uint4(perm(xv.x, xv.z, 0x5410), perm(xv.x, xv.z, 0x7632), perm(xv.y, xv.w, 0x5410),
+                                perm(xv.y, xv.w, 0x7632));
+        } else if constexpr (F == Q8) {
+            // Two words (columns 8v..8v+3, 8v+4..8v+7); per word {x0,x2}, 16·{x0,x2}, {x1,x3}, 16·{x1,x3}.
+            const u32 p02 = perm(xv.x, xv.y, 0x5410), p13 = perm(xv.x, xv.y, 0x7632);
+            const u32 p46 = perm(xv.z, xv.w, 0x5410), p57 = perm(xv.z, xv.w, 0x7632);
+            dst[2 * v] = make_uint4(p02, times16(p02), p13, times16(p13));
+            dst[2 * v + 1] = make_uint4(p46, times16(p46), p57, times16(p57));
+        } else {
+            dst[v] = xv;  // bf16 pairs are already in column order
+        }
+    }
+    if constexpr (F != BF16) {
+        float f[8];
+        unpack8(xv, f);
+        float sum = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+        if (ok && v % 8 == 0) xsum[(v / 8) * MAX_TOKENS + tok] = sum;
+    }
+}
+
 // Where a warp is: which round (a group of tiles_per_block tiles) and which of its batches.
 struct Job {
     int round, batch;
@@ -188,7 +220,7 @@ struct Job {
 // launches' code carries no branch for it. MULTI: launches of several tokens (x staged at once,
 // below), also kernels of their own: every edit of the one-token kernel's code measured has cost
 // one-token decode 0.6–3.8 % (bench/NOTES.md v1.55), so that kernel stays exactly as it was.
-template <int F, bool GATHER, bool MULTI>
+template <int F, bool GATHER, bool MULTI, bool X_EARLY = false>
 __device__ void gemv(const GemvArgs& a) {
     using T = Fmt<F>;
     using S = Slot<F>;
@@ -206,6 +238,26 @@ __device__ void gemv(const GemvArgs& a) {
     const int g = lane / 4, t = lane % 4;
     const int tile_in_round = warp / kw, kwarp = warp % kw;
     const int slot_id = blockIdx.y;
+    if constexpr (X_EARLY) {
+        // One token's routed experts' gate‖up (gemm.rs, then_routed_gate_up): its x, the post-mixer
+        // norm's output, was final before this kernel started (the top-k before it starts its
+        // dependents after its own wait, which returned once the router's GEMV had finished, and
+        // that GEMV waited for the norm), so it is staged here, before the wait for the ids,
+        // instead of after the ids and the first copies (≈ 2 µs of the launch, NOTES v1.50).
+        // Through L2 (__ldcg): an SM's L1 may hold an earlier layer's x at this address.
+        extern __shared__ __align__(16) unsigned char smem[];
+        float* xsum = reinterpret_cast<float*>(smem + words_per_row * T::STAGE + 16);  // one token
+        const uint4* x = reinterpret_cast<const uint4*>(a.x + (slot_id / a.slots_per_x) * a.x_slot_stride);
+        for (int v0 = 0; v0 < K / 8; v0 += blockDim.x) {
+            const int v = v0 + threadIdx.x;
+            const bool ok = v < K / 8;
+            stage_x_vec<F>(ok ? __ldcg(x + v) : make_uint4(0, 0, 0, 0), smem, xsum, 0, v, ok);
+        }
+        if constexpr (QUANT) {
+            for (int i = threadIdx.x; i < ngroups * MAX_TOKENS; i += blockDim.x)
+                if (i % MAX_TOKENS != 0) xsum[i] = 0.0f;
+        }
+    }
     // PDL (common.cuh): a fixed matrix can be streamed in before the previous kernel is done; the
     // expert of a slot is known only once the router's ids are written (or were, see ids_ready).
     const bool ids_wait = a.ids && !a.ids_ready;
@@ -358,8 +410,8 @@ __device__ void gemv(const GemvArgs& a) {
 
     // Stage x: each thread takes 8 columns (one uint4) per step. 8 consecutive threads cover one
     // group of 64, so Σx of a group is a shuffle over 8 lanes; all lanes run the same number of
-    // steps so the shuffle never sees an inactive lane.
-    {
+    // steps so the shuffle never sees an inactive lane. (X_EARLY: done before the wait.)
+    if constexpr (!X_EARLY) {
         const bf16* x = a.x + (slot_id / a.slots_per_x) * a.x_slot_stride;
         const int x_width = a.swiglu ? 2 * K : K;
         auto x_row = [&](int tok) { return GATHER ? a.x + (i64)gather[tok] * x_width : x + (i64)tok * x_width; };
@@ -403,31 +455,7 @@ __device__ void gemv(const GemvArgs& a) {
             if constexpr (F == Q8 && MULTI) {
                 if (direct) __syncthreads();  // `direct` is the same for the whole block
             }
-            uint4* dst = reinterpret_cast<uint4*>(xstage + tok * stage_tok);
-            if (ok) {
-                if constexpr (F == Q4) {
-                    // One word covers columns 8v..8v+7; pairs {0,4}, {1,5}, {2,6}, {3,7}.
-                    dst[v] = make_uint4(perm(xv.x, xv.z, 0x5410), perm(xv.x, xv.z, 0x7632),
-                                        perm(xv.y, xv.w, 0x5410), perm(xv.y, xv.w, 0x7632));
-                } else if constexpr (F == Q8) {
-                    // Two words (columns 8v..8v+3, 8v+4..8v+7); per word {x0,x2}, 16·{x0,x2}, {x1,x3}, 16·{x1,x3}.
-                    const u32 p02 = perm(xv.x, xv.y, 0x5410), p13 = perm(xv.x, xv.y, 0x7632);
-                    const u32 p46 = perm(xv.z, xv.w, 0x5410), p57 = perm(xv.z, xv.w, 0x7632);
-                    dst[2 * v] = make_uint4(p02, times16(p02), p13, times16(p13));
-                    dst[2 * v + 1] = make_uint4(p46, times16(p46), p57, times16(p57));
-                } else {
-                    dst[v] = xv;  // bf16 pairs are already in column order
-                }
-            }
-            if constexpr (QUANT) {
-                float f[8];
-                unpack8(xv, f);
-                float sum = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
-                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-                if (ok && v % 8 == 0) xsum[(v / 8) * MAX_TOKENS + tok] = sum;
-            }
+            stage_x_vec<F>(xv, xstage + tok * stage_tok, xsum, tok, v, ok);
         }
         if constexpr (QUANT) {
             for (int i = threadIdx.x; i < ngroups * MAX_TOKENS; i += blockDim.x)
@@ -568,6 +596,10 @@ __device__ void gemv(const GemvArgs& a) {
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4(const GemvArgs a) { gemv<Q4, false, false>(a); }
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8(const GemvArgs a) { gemv<Q8, false, false>(a); }
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16(const GemvArgs a) { gemv<BF16, false, false>(a); }
+// One token's routed experts' gate‖up, x staged before the PDL wait (X_EARLY above).
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_x_early(const GemvArgs a) { gemv<Q4, false, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_x_early(const GemvArgs a) { gemv<Q8, false, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_x_early(const GemvArgs a) { gemv<BF16, false, false, true>(a); }
 // Launches of several tokens (batched decode passes: row chunks, expert slots).
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_multi(const GemvArgs a) { gemv<Q4, false, true>(a); }
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_multi(const GemvArgs a) { gemv<Q8, false, true>(a); }

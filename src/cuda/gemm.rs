@@ -170,12 +170,19 @@ pub struct GemvKernels {
     one_token: [CudaFunction; 3],
     multi: [CudaFunction; 3],
     gathered: [CudaFunction; 3],
+    /// One token's routed gate‖up with its x staged before the PDL wait
+    /// ([`Self::then_routed_gate_up`]).
+    x_early: [CudaFunction; 3],
     max_shared: usize,
     sm_count: usize,
     /// What the next launch pulls into L2 ([`GemvKernels::then_prefetch`]).
     ahead: Cell<L2Ahead>,
     /// The next launch's ids are final before its PDL wait ([`GemvKernels::then_ids_ready`]).
     ids_ready: Cell<bool>,
+    /// The next launch is one token's routed gate‖up ([`GemvKernels::then_routed_gate_up`]).
+    routed_gate_up: Cell<bool>,
+    /// Launches of the x_early kernels so far (for tests: that they ran).
+    x_early_launches: Cell<usize>,
     /// The next launch ends with the router's top-k ([`GemvKernels::then_topk`]).
     topk: Cell<Option<FusedTopK>>,
     /// `LILY_FUSED_TOPK=1`: decode folds the router's top-k into its GEMV (off by default: it
@@ -183,6 +190,15 @@ pub struct GemvKernels {
     fused_topk: bool,
     /// Early reads before the PDL wait are on unless `LILY_EARLY_READS=0` (for A/B runs).
     early_reads: bool,
+    /// One token's routed experts (bench/NOTES.md v1.66: the three together +2.3–2.8 % decode
+    /// @4K, each alone a loss): the gate‖up stages its x before its wait unless `LILY_X_EARLY=0`,
+    /// and runs as 4-warp blocks with K split in two, up to `spread` (`LILY_GEMV_SPREAD`, 3;
+    /// 0: 8-warp blocks, one a SM) a SM ([`spread_shape`]); the down, whose ids are ready
+    /// before its wait, takes up to `down_per_sm` blocks a SM (`LILY_GEMV_DOWN_PER_SM`, 2), so
+    /// that each block holds its whole share of the weights in its ring before the wait.
+    x_early_enabled: bool,
+    spread: usize,
+    down_per_sm: usize,
     /// The prefetching is on with `LILY_L2_AHEAD=1` (off by default: 17 % slower decode on the
     /// H200, bench/NOTES.md v1.13).
     ahead_enabled: bool,
@@ -238,6 +254,11 @@ impl GemvKernels {
             load("gemv_q8_gathered")?,
             load("gemv_bf16_gathered")?,
         ];
+        let x_early = [
+            load("gemv_q4_x_early")?,
+            load("gemv_q8_x_early")?,
+            load("gemv_bf16_x_early")?,
+        ];
         let warps_per_sm = match std::env::var("LILY_GEMV_WARPS_PER_SM") {
             Err(_) => 4,
             Ok(v) => match v.parse() {
@@ -280,13 +301,38 @@ impl GemvKernels {
             one_token,
             multi,
             gathered,
+            x_early,
             max_shared,
             sm_count,
             ahead: Cell::default(),
             ids_ready: Cell::new(false),
+            routed_gate_up: Cell::new(false),
+            x_early_launches: Cell::new(0),
             topk: Cell::new(None),
             fused_topk: std::env::var("LILY_FUSED_TOPK").is_ok_and(|v| v == "1"),
             early_reads: early_reads(),
+            x_early_enabled: std::env::var("LILY_X_EARLY").map_or(true, |v| v != "0"),
+            down_per_sm: match std::env::var("LILY_GEMV_DOWN_PER_SM") {
+                Err(_) => 2,
+                Ok(v) => v
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=4).contains(n))
+                    .ok_or_else(|| {
+                        CudaError::Shape(format!("LILY_GEMV_DOWN_PER_SM={v}: expected 1 to 4"))
+                    })?,
+            },
+            spread: match std::env::var("LILY_GEMV_SPREAD") {
+                Err(_) => 3,
+                Ok(v) => match v.parse() {
+                    Ok(n @ (0 | 2 | 3 | 4)) => n,
+                    _ => {
+                        return Err(CudaError::Shape(format!(
+                            "LILY_GEMV_SPREAD={v}: expected 0, 2, 3 or 4"
+                        )))
+                    }
+                },
+            },
             ahead_enabled: std::env::var("LILY_L2_AHEAD").is_ok_and(|v| v == "1"),
             warps_per_sm,
             gathered_rows,
@@ -332,6 +378,32 @@ impl GemvKernels {
     /// finished): the experts' down after their gate‖up.
     pub fn then_ids_ready(&self) {
         self.ids_ready.set(self.early_reads);
+    }
+
+    /// The next launch (only that one) is one token's routed experts' gate‖up whose x was final
+    /// before the launch could start: its writer ran at least two launches before it and the
+    /// launch just before starts its dependents only after its own wait (the top-k kernel). Its
+    /// x is then staged before the PDL wait (the x_early kernels; `LILY_X_EARLY=0` or
+    /// `LILY_EARLY_READS=0`: not), and a shape of 4-warp blocks ([`Self::routed_gate_up_shape`])
+    /// takes up to `LILY_GEMV_SPREAD` of them a SM. Taken by one-token launches of a shared x
+    /// without a residual input; ignored by the others.
+    pub fn then_routed_gate_up(&self) {
+        self.routed_gate_up.set(true);
+    }
+
+    /// The launch shape of a routed gate‖up ([`Self::then_routed_gate_up`]) of `slots` slots.
+    pub fn routed_gate_up_shape(&self, w: &Matrices, slots: usize) -> GemvShape {
+        let shape = self.shape(w, slots);
+        if self.spread > 0 {
+            spread_shape(format_of(w), w, shape)
+        } else {
+            shape
+        }
+    }
+
+    /// How many launches took the x_early kernels so far ([`Self::then_routed_gate_up`]).
+    pub fn x_early_launches(&self) -> usize {
+        self.x_early_launches.get()
     }
 
     /// Whether decode should fold the router's top-k into its GEMV (`LILY_FUSED_TOPK=1`).
@@ -588,6 +660,12 @@ impl GemvKernels {
         let ids_ready = self.ids_ready.take();
         let topk = self.topk.take();
         let format = check_matrices(w)?;
+        let routed = self.routed_gate_up.take()
+            && ntok == 1
+            && matches!(input, SlotInput::Shared | SlotInput::PerGroup(_))
+            && residual.is_none()
+            && topk.is_none();
+        let x_early = routed && self.early_reads && self.x_early_enabled;
         if let Some(t) = &topk {
             ensure!(
                 slots == 1
@@ -758,6 +836,9 @@ impl GemvKernels {
             &self.gathered
         } else if ntok > 1 {
             &self.multi
+        } else if x_early {
+            self.x_early_launches.set(self.x_early_launches.get() + 1);
+            &self.x_early
         } else {
             &self.one_token
         };
@@ -772,9 +853,22 @@ impl GemvKernels {
         // which leaves room on every SM for the next kernel's block: with PDL (pdl.rs) that one is
         // scheduled early and streams its first weights while this one finishes (two blocks per
         // SM measured 2.8 % slower on the H200, NOTES v1.13). Big matrices (lm_head) take as many
-        // blocks as fit.
+        // blocks as fit. One token's routed experts differ (see `spread`): the gate‖up's 4-warp
+        // blocks up to `spread` a SM, the down's up to `down_per_sm`.
         let bytes = slots * w.rows * w.cols * format.bits() / 8;
-        let per_sm = if bytes < 64 << 20 { 1 } else { fit };
+        let routed_down = ids_ready
+            && ntok == 1
+            && matches!(input, SlotInput::PerSlotSwiGlu)
+            && residual.is_none();
+        let per_sm = if routed && warps_per_tile * tiles_per_block < MAX_WARPS {
+            self.spread.clamp(1, fit.max(1))
+        } else if routed_down {
+            self.down_per_sm.clamp(1, fit.max(1))
+        } else if bytes < 64 << 20 {
+            1
+        } else {
+            fit
+        };
         let rounds = w.rows.div_ceil(TILE_ROWS * tiles_per_block);
         let resident_per_slot = if gathered && self.gathered_blocks > 0 {
             self.gathered_blocks
@@ -811,6 +905,23 @@ impl GemvKernels {
             warps_per_tile,
             tiles_per_block: MAX_WARPS / warps_per_tile,
         }
+    }
+}
+
+/// The routed gate‖up's spread shape: one token's 9 slots of 64 tiles as 8-warp blocks of whole
+/// tiles, one a SM, run on 72 of 132 SMs, each streaming its warps' copies at ≈ 0.65 µs a batch.
+/// Halving each warp's K and the block to 4 warps makes 4× the blocks, several a SM, so every SM
+/// streams a share: the launch's loop 5.1 → 2.9 µs (bench/NOTES.md v1.66). Spreading the dense
+/// projections too made their loops faster and the kernels after them slower (no room left for
+/// their early blocks).
+fn spread_shape(format: Format, w: &Matrices, shape: GemvShape) -> GemvShape {
+    let kw = 2 * shape.warps_per_tile;
+    if kw > 4 || !splits_evenly(format, w.cols, kw) {
+        return shape;
+    }
+    GemvShape {
+        warps_per_tile: kw,
+        tiles_per_block: 4 / kw,
     }
 }
 

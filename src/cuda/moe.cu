@@ -5,6 +5,8 @@
 // values then padding (cuBLAS's aligned output, dense.rs); ids [T][k + shared] i32, weights f32.
 extern "C" __global__ void router_topk(const bf16* __restrict__ logits, int pitch, int tokens, int experts, int k,
                                        int shared, int* __restrict__ ids, float* __restrict__ weights) {
+    // Dependents start only after this wait: the experts' gate‖up after it reads its x (written
+    // two launches back) before its own wait (gemm.rs, then_routed_gate_up).
     pdl_wait();
     pdl_launch_dependents();
     const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;

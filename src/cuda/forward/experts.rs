@@ -197,14 +197,23 @@ pub(super) fn moe_experts(
             let pairs = row * slots..(row + n) * slots;
             let ids = s.expert_ids.slice(pairs.clone());
             k.gemv.then_prefetch(ahead.0);
-            k.gemv.gemv_slots(
-                &w.gate_up.view(),
+            let gate_up = w.gate_up.view();
+            let mut shape = k.gemv.shape(&gate_up, n * slots);
+            if t == 1 && !fused_topk {
+                // The top-k launch just before starts this one only after its own wait, by when
+                // the router's GEMV had finished, and with it (or before it) the writer of xn.
+                k.gemv.then_routed_gate_up();
+                shape = k.gemv.routed_gate_up_shape(&gate_up, slots);
+            }
+            k.gemv.gemv_slots_shaped(
+                &gate_up,
                 Some(&ids),
                 n * slots,
                 &s.xn.slice(row * hd..(row + n) * hd),
                 SlotInput::PerGroup(slots),
                 1,
                 &mut s.gu.slice_mut(..n * slots * 2 * inter),
+                shape,
             )?;
             if row + n == t {
                 k.gemv.then_prefetch(ahead.1);
