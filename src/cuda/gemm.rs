@@ -10,8 +10,8 @@ use half::bf16;
 
 use super::pdl::KernelValue;
 use super::{
-    addr, as_i32, ensure, ensure_aligned, launch, Context, CudaDevice, CudaError, CudaFunction,
-    CudaStream, CudaView, CudaViewMut, Result,
+    addr, as_i32, ensure, ensure_aligned, env_count, launch, Context, CudaDevice, CudaError,
+    CudaFunction, CudaStream, CudaView, CudaViewMut, Result,
 };
 
 mod inputs;
@@ -259,17 +259,10 @@ impl GemvKernels {
             load("gemv_q8_x_early")?,
             load("gemv_bf16_x_early")?,
         ];
-        let warps_per_sm = match std::env::var("LILY_GEMV_WARPS_PER_SM") {
-            Err(_) => 4,
-            Ok(v) => match v.parse() {
-                Ok(n @ (1 | 2 | 4 | 8 | 16 | 32)) => n,
-                _ => {
-                    return Err(CudaError::Shape(format!(
-                        "LILY_GEMV_WARPS_PER_SM={v}: expected 1, 2, 4, 8, 16 or 32"
-                    )))
-                }
-            },
-        };
+        let warps_per_sm = env_count("LILY_GEMV_WARPS_PER_SM", "1, 2, 4, 8, 16 or 32", |n| {
+            [1, 2, 4, 8, 16, 32].contains(&n)
+        })?
+        .unwrap_or(4);
         let gathered_rows = match std::env::var("LILY_GATHERED_ROWS") {
             Err(_) => GATHERED_ROWS,
             Ok(v) => match v.split_once('-').map(|(a, b)| (a.parse(), b.parse())) {
@@ -282,20 +275,16 @@ impl GemvKernels {
                 }
             },
         };
-        let row_chunks_max = match std::env::var("LILY_ROW_CHUNKS_MAX") {
-            Err(_) => GATHERED_ROWS.1,
-            Ok(v) => v.parse().map_err(|_| {
-                CudaError::Shape(format!(
-                    "LILY_ROW_CHUNKS_MAX={v}: expected a number of rows"
-                ))
-            })?,
-        };
-        let gathered_blocks = match std::env::var("LILY_GATHERED_BLOCKS") {
-            Err(_) => 0,
-            Ok(v) => v.parse().ok().filter(|&n| n >= 1).ok_or_else(|| {
-                CudaError::Shape(format!("LILY_GATHERED_BLOCKS={v}: expected a count ≥ 1"))
-            })?,
-        };
+        let row_chunks_max = env_count("LILY_ROW_CHUNKS_MAX", "a number of rows", |_| true)?
+            .unwrap_or(GATHERED_ROWS.1);
+        let gathered_blocks =
+            env_count("LILY_GATHERED_BLOCKS", "a count ≥ 1", |n| n >= 1)?.unwrap_or(0);
+        let down_per_sm =
+            env_count("LILY_GEMV_DOWN_PER_SM", "1 to 4", |n| (1..=4).contains(&n))?.unwrap_or(2);
+        let spread = env_count("LILY_GEMV_SPREAD", "0, 2, 3 or 4", |n| {
+            [0, 2, 3, 4].contains(&n)
+        })?
+        .unwrap_or(3);
         Ok(Self {
             stream: dev.stream().clone(),
             one_token,
@@ -312,27 +301,8 @@ impl GemvKernels {
             fused_topk: std::env::var("LILY_FUSED_TOPK").is_ok_and(|v| v == "1"),
             early_reads: early_reads(),
             x_early_enabled: std::env::var("LILY_X_EARLY").map_or(true, |v| v != "0"),
-            down_per_sm: match std::env::var("LILY_GEMV_DOWN_PER_SM") {
-                Err(_) => 2,
-                Ok(v) => v
-                    .parse()
-                    .ok()
-                    .filter(|n| (1..=4).contains(n))
-                    .ok_or_else(|| {
-                        CudaError::Shape(format!("LILY_GEMV_DOWN_PER_SM={v}: expected 1 to 4"))
-                    })?,
-            },
-            spread: match std::env::var("LILY_GEMV_SPREAD") {
-                Err(_) => 3,
-                Ok(v) => match v.parse() {
-                    Ok(n @ (0 | 2 | 3 | 4)) => n,
-                    _ => {
-                        return Err(CudaError::Shape(format!(
-                            "LILY_GEMV_SPREAD={v}: expected 0, 2, 3 or 4"
-                        )))
-                    }
-                },
-            },
+            down_per_sm,
+            spread,
             ahead_enabled: std::env::var("LILY_L2_AHEAD").is_ok_and(|v| v == "1"),
             warps_per_sm,
             gathered_rows,

@@ -20,8 +20,8 @@ use super::gemm::{Matrices, WeightData, GROUP};
 use super::moe::ExpertGroups;
 use super::pdl::KernelValue;
 use super::{
-    addr, as_i32, ensure, ensure_aligned, launch, CudaDevice, CudaError, CudaFunction, CudaStream,
-    CudaView, CudaViewMut, Result,
+    addr, as_i32, ensure, ensure_aligned, env_count, launch, CudaDevice, CudaError, CudaFunction,
+    CudaStream, CudaView, CudaViewMut, Result,
 };
 
 /// Rows (tokens, or an expert's rows) per block tile of the dense products.
@@ -181,7 +181,7 @@ impl GemmKernels {
             ])
         };
         let expert_tile_override =
-            env_rows("LILY_EXPERT_TILE_ROWS", "one of 16, 32, 64, 128", |r| {
+            env_count("LILY_EXPERT_TILE_ROWS", "one of 16, 32, 64, 128", |r| {
                 TILE_HEIGHTS.contains(&r) || r == WGMMA_TILE_ROWS
             })?;
         Ok(Self {
@@ -526,17 +526,6 @@ impl GemmKernels {
         // launches read positions < pairs and pair ids that the grouping kernels wrote.
         unsafe { launch!(self.stream, func, cfg, &args) }
     }
-}
-
-/// A row count from the environment variable `name` (A/B settings): `None` when unset, an error
-/// naming the variable when it is not a number that `valid` accepts.
-fn env_rows(name: &str, expected: &str, valid: impl Fn(usize) -> bool) -> Result<Option<usize>> {
-    let Ok(v) = std::env::var(name) else {
-        return Ok(None);
-    };
-    let rows = v.parse().ok().filter(|&r| valid(r));
-    ensure!(rows.is_some(), "{name}={v}: expected {expected}");
-    Ok(rows)
 }
 
 /// Rows of `x` for matrix `w` (x is `[rows][w.cols]`).

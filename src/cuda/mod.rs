@@ -148,6 +148,21 @@ pub(crate) fn as_i32(v: usize, what: &str) -> Result<i32> {
         .map_err(|_| CudaError::Shape(format!("{what} = {v} does not fit a kernel's int")))
 }
 
+/// A count from the environment variable `name` (A/B settings): `None` when unset, an error
+/// naming the variable when it is not a number that `valid` accepts.
+pub(crate) fn env_count(
+    name: &str,
+    expected: &str,
+    valid: impl Fn(usize) -> bool,
+) -> Result<Option<usize>> {
+    let Ok(v) = std::env::var(name) else {
+        return Ok(None);
+    };
+    let n = v.parse().ok().filter(|&n| valid(n));
+    ensure!(n.is_some(), "{name}={v}: expected {expected}");
+    Ok(n)
+}
+
 /// Where the GPU machine's image keeps libcuda and the CUDA 13 libraries (spec/TOOLCHAIN.md §10-11),
 /// for when they are not on the loader's path.
 const CUDA_LIB_DIRS: &[&str] = &[

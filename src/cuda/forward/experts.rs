@@ -198,13 +198,14 @@ pub(super) fn moe_experts(
             let ids = s.expert_ids.slice(pairs.clone());
             k.gemv.then_prefetch(ahead.0);
             let gate_up = w.gate_up.view();
-            let mut shape = k.gemv.shape(&gate_up, n * slots);
-            if t == 1 && !fused_topk {
+            let shape = if t == 1 && !fused_topk {
                 // The top-k launch just before starts this one only after its own wait, by when
                 // the router's GEMV had finished, and with it (or before it) the writer of xn.
                 k.gemv.then_routed_gate_up();
-                shape = k.gemv.routed_gate_up_shape(&gate_up, slots);
-            }
+                k.gemv.routed_gate_up_shape(&gate_up, slots)
+            } else {
+                k.gemv.shape(&gate_up, n * slots)
+            };
             k.gemv.gemv_slots_shaped(
                 &gate_up,
                 Some(&ids),
