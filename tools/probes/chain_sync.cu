@@ -106,7 +106,7 @@ static double per_kernel_us(int blocks, float* buf, unsigned* ready, const std::
     cudaGraphExec_t exec;
     if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
         printf("instantiate failed: %s\n", cudaGetErrorString(cudaGetLastError()));
-        return -1;
+        exit(1);  // no result to compare
     }
     cudaEvent_t a, b;
     cudaEventCreate(&a);
@@ -130,6 +130,8 @@ static double per_kernel_us(int blocks, float* buf, unsigned* ready, const std::
     std::sort(times.begin(), times.end());
     const cudaError_t err = cudaGetLastError();
     if (err) printf("error: %s\n", cudaGetErrorString(err));
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     cudaStreamDestroy(st);
