@@ -142,6 +142,7 @@ struct GemvArgs {
     // reader in residual_rmsnorm's order (rows of at most 2,048 values: one vector a thread).
     bf16* rout_h;
     float* rout_ss;
+    int rout_late;  // start the dependents (the router) after the tiles, not at the block's start
     // Norm in (the *_norm_in kernels: one token's router GEMV after a residual-out launch): x =
     // rmsnorm(nin_h) · nin_w made while staging, from the residual stream and its vectors' sums
     // of squares nin_ss [cols / 8]: the bits residual_rmsnorm would write. Block (0, 0) also
@@ -288,7 +289,7 @@ __device__ void gemv(const GemvArgs& a) {
         // layer's ids.
         asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
     }
-    pdl_launch_dependents();
+    if (!(RES_OUT && a.rout_late)) pdl_launch_dependents();
     // This slot's matrix and tokens; for gathered slots also the rows of x and y of each token
     // (gather[n] and gather[MAX_TOKENS + n]). A table slot without tokens has nothing to do.
     __shared__ int gather[2 * MAX_TOKENS];
@@ -457,8 +458,12 @@ __device__ void gemv(const GemvArgs& a) {
         // first vectors and the sums are loaded together (one L2 round trip), through L2: both
         // were written by the launch just before.
         const uint4* hvec = reinterpret_cast<const uint4*>(a.nin_h);
+        const float4* wvec = reinterpret_cast<const float4*>(a.nin_w);
         const int nvec = K / 8;
-        uint4 hv = threadIdx.x < nvec ? __ldcg(hvec + threadIdx.x) : make_uint4(0, 0, 0, 0);
+        const bool ok0 = threadIdx.x < nvec;
+        uint4 hv = ok0 ? __ldcg(hvec + threadIdx.x) : make_uint4(0, 0, 0, 0);
+        float4 w0 = ok0 ? wvec[2 * threadIdx.x] : make_float4(0, 0, 0, 0);  // the norm's weights,
+        float4 w1 = ok0 ? wvec[2 * threadIdx.x + 1] : make_float4(0, 0, 0, 0);  // with h
         constexpr int MAX_GROUPS = 8;  // 8 · 32 vectors: rows of up to 2,048 (the host checks)
         float part[MAX_GROUPS];
 #pragma unroll
@@ -471,8 +476,14 @@ __device__ void gemv(const GemvArgs& a) {
         for (int v0 = 0; v0 < nvec; v0 += blockDim.x) {
             const int v = v0 + threadIdx.x;
             const bool ok = v < nvec;
-            if (v0 > 0) hv = ok ? __ldcg(hvec + v) : make_uint4(0, 0, 0, 0);
-            const uint4 xv = ok ? norm_vec8(hv, a.nin_w, v, r) : make_uint4(0, 0, 0, 0);
+            if (v0 > 0 && ok) hv = __ldcg(hvec + v), w0 = wvec[2 * v], w1 = wvec[2 * v + 1];
+            // norm_vec8's arithmetic, on the weights loaded above.
+            float f[8];
+            unpack8(hv, f);
+            const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) f[i] = f[i] * r * wv[i];
+            const uint4 xv = ok ? pack8(f) : make_uint4(0, 0, 0, 0);
             if (ok && writer) reinterpret_cast<uint4*>(a.nin_x_out)[v] = xv;
             stage_x_vec<F>(xv, xstage, xsum, 0, v, ok);
         }
@@ -703,6 +714,7 @@ __device__ void gemv(const GemvArgs& a) {
         acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
     }
     cp_async_wait<0>();  // no copy may still be writing when the block's shared memory is reused
+    if (RES_OUT && a.rout_late) pdl_launch_dependents();
     timeline_mark(timeline, 3);  // this thread's tiles done
 
     if (a.topk_k > 0) {
