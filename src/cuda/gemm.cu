@@ -142,7 +142,8 @@ struct GemvArgs {
     // reader in residual_rmsnorm's order (rows of at most 2,048 values: one vector a thread).
     bf16* rout_h;
     float* rout_ss;
-    int rout_late;  // start the dependents (the router) after the tiles, not at the block's start
+    int rout_late;  // start the dependents (the router) at the block's start (0), after its tiles
+                    // (1), or as its last batch begins (2)
     // Norm in (the *_norm_in kernels: one token's router GEMV after a residual-out launch): x =
     // rmsnorm(nin_h) · nin_w made while staging, from the residual stream and its vectors' sums
     // of squares nin_ss [cols / 8]: the bits residual_rmsnorm would write. Block (0, 0) also
@@ -556,6 +557,7 @@ __device__ void gemv(const GemvArgs& a) {
         // Job j's copies are done once at most RING - 2 newer groups are pending; the warp
         // barrier makes every lane's copies visible to all. Then the slot read in the previous
         // job is free, and the copy of job j + RING - 1 can go into it.
+        if (RES_OUT && a.rout_late == 2 && j == jobs - 1) pdl_launch_dependents();
         cp_async_wait<RING - 2>();
         __syncwarp();
         if (j == 0) timeline_mark(timeline, 2);  // the first batch in shared memory
@@ -714,7 +716,7 @@ __device__ void gemv(const GemvArgs& a) {
         acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
     }
     cp_async_wait<0>();  // no copy may still be writing when the block's shared memory is reused
-    if (RES_OUT && a.rout_late) pdl_launch_dependents();
+    if (RES_OUT && a.rout_late == 1) pdl_launch_dependents();
     timeline_mark(timeline, 3);  // this thread's tiles done
 
     if (a.topk_k > 0) {

@@ -201,9 +201,9 @@ pub struct GemvKernels {
     residual_out: Cell<Option<ResidualOut>>,
     /// ... or makes its x as the norm after it ([`GemvKernels::then_norm_in`]).
     norm_in_next: Cell<Option<NormIn>>,
-    /// A residual-out launch starts its dependents (the router) only after its tiles, not at its
-    /// blocks' start: `LILY_NORM_IN_LATE=1` (a trial).
-    residual_out_late: bool,
+    /// When a residual-out launch starts its dependents (the router): at its blocks' start (0,
+    /// the default), after its tiles (`LILY_NORM_IN_LATE=1`) or as its last batch begins (`=2`).
+    residual_out_late: usize,
     /// `LILY_FUSED_TOPK=1`: decode folds the router's top-k into its GEMV (off by default: it
     /// passed its H200 tests but decoded 1 % slower, bench/NOTES.md v1.13).
     fused_topk: bool,
@@ -331,7 +331,8 @@ impl GemvKernels {
             topk: Cell::new(None),
             residual_out: Cell::new(None),
             norm_in_next: Cell::new(None),
-            residual_out_late: std::env::var("LILY_NORM_IN_LATE").is_ok_and(|v| v == "1"),
+            residual_out_late: env_count("LILY_NORM_IN_LATE", "0, 1 or 2", |n| n <= 2)?
+                .unwrap_or(0),
             fused_topk: std::env::var("LILY_FUSED_TOPK").is_ok_and(|v| v == "1"),
             early_reads: early_reads(),
             x_early_enabled: std::env::var("LILY_X_EARLY").map_or(true, |v| v != "0"),
@@ -897,7 +898,7 @@ impl GemvKernels {
             topk_counter: topk.map_or(0, |t| t.counter),
             rout_h: residual_out.map_or(0, |r| r.h),
             rout_ss: residual_out.map_or(0, |r| r.vec_ss),
-            rout_late: i32::from(self.residual_out_late),
+            rout_late: self.residual_out_late as i32,
             nin_h: norm_in.map_or(0, |n| n.h),
             nin_ss: norm_in.map_or(0, |n| n.vec_ss),
             nin_w: norm_in.map_or(0, |n| n.norm_w),
