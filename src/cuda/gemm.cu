@@ -410,21 +410,25 @@ __device__ void gemv(const GemvArgs& a) {
     // RES_OUT: the residual stream's rows of this block's first round, loaded now (final once the
     // wait returned: its writer ran three launches back) so that the epilogue does not wait for
     // them: kw = 1, rows g and g + 8 of the warp's tile in lanes t = 0; kw > 1, the epilogue's
-    // items (two at most, 256 threads apart) that are rows of token 0.
-    bf16 hpre[2];
+    // items (two at most, 256 threads apart) that are rows of token 0. Each in a 32-bit register
+    // of its own: two bf16 would be packed into one right after the loads, which waits for them.
+    u32 hpre0 = 0, hpre1 = 0;
     if constexpr (RES_OUT) {
+        const unsigned short* h16 = reinterpret_cast<const unsigned short*>(a.rout_h);
         const int round_row0 = blockIdx.x * tb * TILE_ROWS;
         if (kw == 1) {
             const int r = row0_of(blockIdx.x) + g;
-            if (t == 0 && r < a.rows) hpre[0] = __ldcg(a.rout_h + r), hpre[1] = __ldcg(a.rout_h + r + 8);
+            if (t == 0 && r < a.rows) hpre0 = __ldcg(h16 + r), hpre1 = __ldcg(h16 + r + 8);
         } else {
+#pragma unroll
             for (int it = 0; it < 2; ++it) {
                 const int i = it * blockDim.x + threadIdx.x, e = i % (MAX_TOKENS * TILE_ROWS);
                 const int r = round_row0 + i / (MAX_TOKENS * TILE_ROWS) * TILE_ROWS + e % TILE_ROWS;
-                if (i < tb * MAX_TOKENS * TILE_ROWS && e < TILE_ROWS && r < a.rows) hpre[it] = __ldcg(a.rout_h + r);
+                if (i < tb * MAX_TOKENS * TILE_ROWS && e < TILE_ROWS && r < a.rows) (it == 0 ? hpre0 : hpre1) = __ldcg(h16 + r);
             }
         }
     }
+    auto h_of = [](u32 bits) { return __ushort_as_bfloat16((unsigned short)bits); };
 
     // A residual input: each token row's x made here (into shared memory) from the residual
     // stream, exactly as the residual_rmsnorm kernel would have made it.
@@ -629,8 +633,8 @@ __device__ void gemv(const GemvArgs& a) {
             if (t == 0 && row0 + g < a.rows) {
                 const bool first = job.round == (int)blockIdx.x;
                 const bf16 y0 = __float2bfloat16_rn(acc[0]), y8 = __float2bfloat16_rn(acc[2]);
-                const bf16 h0 = first ? hpre[0] : __ldcg(a.rout_h + row0 + g);
-                const bf16 h8 = first ? hpre[1] : __ldcg(a.rout_h + row0 + g + 8);
+                const bf16 h0 = first ? h_of(hpre0) : __ldcg(a.rout_h + row0 + g);
+                const bf16 h8 = first ? h_of(hpre1) : __ldcg(a.rout_h + row0 + g + 8);
                 y_row(0)[row0 + g] = y0;
                 y_row(0)[row0 + g + 8] = y8;
                 hn0 = bf16_round(__bfloat162float(h0) + __bfloat162float(y0));
@@ -675,7 +679,7 @@ __device__ void gemv(const GemvArgs& a) {
                     float sum = 0.0f;
                     for (int w = 0; w < kw; ++w) sum += buf[(tl * kw + w) * ITEMS + e];
                     const bf16 yv = __float2bfloat16_rn(sum);
-                    const bf16 hv = first && it < 2 ? hpre[it] : __ldcg(a.rout_h + row);
+                    const bf16 hv = first && it < 2 ? h_of(it == 0 ? hpre0 : hpre1) : __ldcg(a.rout_h + row);
                     y_row(0)[row] = yv;
                     hn = bf16_round(__bfloat162float(hv) + __bfloat162float(yv));
                     a.rout_h[row] = __float2bfloat16_rn(hn);
