@@ -77,7 +77,8 @@ pub struct CudaOptions {
     /// One-token decode passes add each mixer's output to the residual stream in its output
     /// projection's GEMV, which leaves sums of squares from which the router's GEMV makes the
     /// post-mixer norm itself: that norm's launch saved, the same bits (gemm.cu, RES_OUT and
-    /// NORM_IN). `LILY_NORM_IN=1` turns it on (bench/NOTES.md v1.69).
+    /// NORM_IN). On by default (decode +0.7–0.9 % @4K, +1.6–2.3 % @32K on the H200, bench/NOTES.md
+    /// v1.69); `LILY_NORM_IN=0` turns it off.
     pub norm_in: bool,
     /// Dense products of at least this many rows run through cuBLAS on the kept bf16 copies
     /// (dense.rs) instead of our 4-bit kernels (forward/projection.rs says why); default: more
@@ -96,7 +97,7 @@ impl Default for CudaOptions {
             fused_norms: std::env::var("LILY_FUSED_NORMS").is_ok_and(|v| v == "1"),
             keep_dense_bf16: std::env::var("LILY_DENSE_CACHE").map_or(true, |v| v != "0"),
             persistent_moe: std::env::var("LILY_MOE_PERSISTENT").is_ok_and(|v| v == "1"),
-            norm_in: std::env::var("LILY_NORM_IN").is_ok_and(|v| v == "1"),
+            norm_in: std::env::var("LILY_NORM_IN").map_or(true, |v| v != "0"),
             cublas_from_rows: std::env::var("LILY_CUBLAS_FROM_ROWS")
                 .ok()
                 .and_then(|v| v.parse().ok())

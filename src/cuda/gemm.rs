@@ -201,8 +201,10 @@ pub struct GemvKernels {
     residual_out: Cell<Option<ResidualOut>>,
     /// ... or makes its x as the norm after it ([`GemvKernels::then_norm_in`]).
     norm_in_next: Cell<Option<NormIn>>,
-    /// When a residual-out launch starts its dependents (the router): at its blocks' start (0,
-    /// the default), after its tiles (`LILY_NORM_IN_LATE=1`) or as its last batch begins (`=2`).
+    /// When a residual-out launch starts its dependents (the router): as its last batch begins
+    /// (2, the default), at its blocks' start (`LILY_NORM_IN_LATE=0`: the router's blocks then
+    /// slow its own, and the norm-in lost 1.3–2.3 %) or after its tiles (`=1`: the router's
+    /// launch is then on the chain, −1 %; bench/NOTES.md v1.69).
     residual_out_late: usize,
     /// `LILY_FUSED_TOPK=1`: decode folds the router's top-k into its GEMV (off by default: it
     /// passed its H200 tests but decoded 1 % slower, bench/NOTES.md v1.13).
@@ -332,7 +334,7 @@ impl GemvKernels {
             residual_out: Cell::new(None),
             norm_in_next: Cell::new(None),
             residual_out_late: env_count("LILY_NORM_IN_LATE", "0, 1 or 2", |n| n <= 2)?
-                .unwrap_or(0),
+                .unwrap_or(2),
             fused_topk: std::env::var("LILY_FUSED_TOPK").is_ok_and(|v| v == "1"),
             early_reads: early_reads(),
             x_early_enabled: std::env::var("LILY_X_EARLY").map_or(true, |v| v != "0"),
