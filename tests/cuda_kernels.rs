@@ -20,8 +20,8 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaSlice, CudaStream};
 use half::bf16;
 use lily::cuda::gemm::{
-    FusedTopK, GemvKernels, GemvShape, L2Ahead, Matrices, ResidualInput, SlotInput, WeightData,
-    GROUP, MAX_TOKENS, SLOT_WORDS,
+    FusedTopK, GemvKernels, GemvShape, L2Ahead, Matrices, NormIn, ResidualInput, ResidualOut,
+    SlotInput, WeightData, GROUP, MAX_TOKENS, SLOT_WORDS,
 };
 use lily::cuda::moe::{max_gathered_slots, MoeKernels, SLOT_TOKENS};
 use lily::cuda::norm::NormKernels;
@@ -1056,6 +1056,153 @@ fn gemv_residual_equals_norm_then_gemv() {
                 .is_err());
         }
     }
+}
+
+/// One decode row's post-mixer residual add and norm split between the GEMVs on either side
+/// (forward.rs `norm_in`): the mixer's output projection adds its output to the residual stream
+/// and leaves each vector's sum of squares, the router's GEMV makes the norm from them. Its
+/// residual stream, normalised row and products must be the bits of the plain GEMV, the
+/// residual_rmsnorm kernel and the plain router GEMV. The shapes cover both epilogues (a warp
+/// per tile: K = 256; K split over warps, one and two rounds of items a block) and each format.
+#[test]
+fn residual_out_then_norm_in_equal_the_norm_kernel() {
+    let dev = device();
+    let (k, norm) = (
+        GemvKernels::load(&dev).unwrap(),
+        NormKernels::load(&dev).unwrap(),
+    );
+    let s = dev.stream();
+    let mut rng = Rng::new("residual out, norm in");
+    let bits_of = |v: Vec<bf16>| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+    // (output projection bits, its rows = hidden, its cols; router bits, router rows)
+    for (out_bits, hidden, cols, router_bits, router_rows) in [
+        (4, 2048, 4096, 8, 257),
+        (4, 2048, 512, 8, 257),
+        (4, 2048, 256, 4, 264),
+        (8, 1024, 4096, 8, 257),
+        (16, 2048, 1024, 16, 257),
+        (4, 256, 512, 8, 33),
+    ] {
+        let what = format!(
+            "{} [{hidden}×{cols}] then {} router [{router_rows}×{hidden}]",
+            format_name(out_bits),
+            format_name(router_bits)
+        );
+        let out = DeviceMatrices::upload(
+            s,
+            &HostMatrices::random(&mut rng, out_bits, 1, hidden, cols),
+        );
+        let router = DeviceMatrices::upload(
+            s,
+            &HostMatrices::random(&mut rng, router_bits, 1, router_rows, hidden),
+        );
+        let h = rng.bf16s(hidden, 8.0);
+        let o = upload(s, &rng.bf16s(cols, 1.0));
+        let w: Vec<f32> = (0..hidden).map(|_| 1.0 + 0.5 * rng.unit()).collect();
+        let dw = upload(s, &w);
+        // The plain kernels.
+        let (mut y_ref, mut h_ref, mut x_ref, mut logits_ref) = (
+            poisoned(s, hidden),
+            upload(s, &h),
+            poisoned(s, hidden),
+            poisoned(s, router_rows),
+        );
+        k.gemv(&out.view(), &o.as_view(), &mut y_ref.as_view_mut())
+            .unwrap();
+        norm.residual_rmsnorm(
+            &mut h_ref.as_view_mut(),
+            &y_ref.as_view(),
+            None,
+            &dw.as_view(),
+            &mut x_ref.as_view_mut(),
+            EPS,
+        )
+        .unwrap();
+        k.gemv(
+            &router.view(),
+            &x_ref.as_view(),
+            &mut logits_ref.as_view_mut(),
+        )
+        .unwrap();
+        // The split: residual out, then norm in.
+        let (mut y, mut hs, mut x, mut logits) = (
+            poisoned(s, hidden),
+            upload(s, &h),
+            poisoned(s, hidden),
+            poisoned(s, router_rows),
+        );
+        let mut vec_ss = upload(s, &vec![f32::NAN; hidden / 8]);
+        let res = ResidualOut::new(&mut hs.as_view_mut(), &mut vec_ss.as_view_mut(), s).unwrap();
+        k.then_residual_out(res);
+        k.gemv(&out.view(), &o.as_view(), &mut y.as_view_mut())
+            .unwrap();
+        k.ensure_taken("the output projection").unwrap();
+        let input = NormIn::new(
+            &hs.as_view(),
+            &vec_ss.as_view(),
+            &dw.as_view(),
+            EPS,
+            &mut x.as_view_mut(),
+            s,
+        )
+        .unwrap();
+        k.then_norm_in(input);
+        let x_shape = upload(s, &vec![bf16::NAN; hidden]); // not read: x is made from h
+        k.gemv(
+            &router.view(),
+            &x_shape.as_view(),
+            &mut logits.as_view_mut(),
+        )
+        .unwrap();
+        k.ensure_taken("the router").unwrap();
+        assert!(
+            bits_of(download(s, &y)) == bits_of(download(s, &y_ref)),
+            "{what}: products"
+        );
+        assert!(
+            bits_of(download(s, &hs)) == bits_of(download(s, &h_ref)),
+            "{what}: residual stream"
+        );
+        assert!(
+            bits_of(download(s, &x)) == bits_of(download(s, &x_ref)),
+            "{what}: normalised row"
+        );
+        assert!(
+            bits_of(download(s, &logits)) == bits_of(download(s, &logits_ref)),
+            "{what}: router products"
+        );
+    }
+    // Misuse is an error, not a wrong answer: two tokens, rows that are not whole tiles, and a
+    // setting no launch took.
+    let out = DeviceMatrices::upload(s, &HostMatrices::random(&mut rng, 4, 1, 2048, 512));
+    let (o2, mut y2) = (upload(s, &rng.bf16s(2 * 512, 1.0)), poisoned(s, 2 * 2048));
+    let (mut hs, mut vec_ss) = (
+        upload(s, &rng.bf16s(2048, 1.0)),
+        upload(s, &vec![0f32; 256]),
+    );
+    k.then_residual_out(
+        ResidualOut::new(&mut hs.as_view_mut(), &mut vec_ss.as_view_mut(), s).unwrap(),
+    );
+    assert!(k
+        .gemv(&out.view(), &o2.as_view(), &mut y2.as_view_mut())
+        .is_err());
+    let odd = DeviceMatrices::upload(s, &HostMatrices::random(&mut rng, 4, 1, 2040, 512));
+    let (o1, mut y1) = (upload(s, &rng.bf16s(512, 1.0)), poisoned(s, 2040));
+    let mut h_odd = upload(s, &rng.bf16s(2040, 1.0));
+    k.then_residual_out(
+        ResidualOut::new(&mut h_odd.as_view_mut(), &mut vec_ss.as_view_mut(), s).unwrap(),
+    );
+    assert!(k
+        .gemv(&odd.view(), &o1.as_view(), &mut y1.as_view_mut())
+        .is_err());
+    k.then_residual_out(
+        ResidualOut::new(&mut hs.as_view_mut(), &mut vec_ss.as_view_mut(), s).unwrap(),
+    );
+    assert!(k.ensure_taken("nothing").is_err());
+    assert!(
+        k.ensure_taken("nothing").is_ok(),
+        "cleared by the first check"
+    );
 }
 
 /// The router's top-k kernel against a plain reference: 256 experts (and 16) plus the shared

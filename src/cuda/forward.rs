@@ -27,7 +27,7 @@ use super::attention::{AttentionKernels, AttentionWorkspace, KvCache, QKV_WIDTH}
 use super::dense::{self, DenseGemm};
 use super::embed::EmbedKernels;
 use super::gdn::{self, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace};
-use super::gemm::{GemvKernels, L2Ahead, MAX_TOKENS, SLOT_WORDS};
+use super::gemm::{GemvKernels, L2Ahead, NormIn, ResidualOut, MAX_TOKENS, SLOT_WORDS};
 use super::gemm_prefill::{GemmKernels, MIN_TILE_ROWS};
 use super::model::{CudaModel, DeviceMixer};
 use super::moe::{max_gathered_slots, ExpertGroups, MoeKernels};
@@ -74,6 +74,12 @@ pub struct CudaOptions {
     /// the weights have the model's MLX layout. Off unless `LILY_MOE_PERSISTENT=1` (measured:
     /// decode 3.7 % slower, bench/NOTES.md v1.41).
     pub persistent_moe: bool,
+    /// One-token decode passes add each mixer's output to the residual stream in its output
+    /// projection's GEMV, which leaves sums of squares from which the router's GEMV makes the
+    /// post-mixer norm itself: that norm's launch saved, the same bits (gemm.cu, RES_OUT and
+    /// NORM_IN). On by default (decode +0.7–0.9 % @4K, +1.6–2.3 % @32K on the H200, bench/NOTES.md
+    /// v1.69); `LILY_NORM_IN=0` turns it off.
+    pub norm_in: bool,
     /// Dense products of at least this many rows run through cuBLAS on the kept bf16 copies
     /// (dense.rs) instead of our 4-bit kernels (forward/projection.rs says why); default: more
     /// rows than one GEMV launch takes; `LILY_CUBLAS_FROM_ROWS` sets it.
@@ -91,6 +97,7 @@ impl Default for CudaOptions {
             fused_norms: std::env::var("LILY_FUSED_NORMS").is_ok_and(|v| v == "1"),
             keep_dense_bf16: std::env::var("LILY_DENSE_CACHE").map_or(true, |v| v != "0"),
             persistent_moe: std::env::var("LILY_MOE_PERSISTENT").is_ok_and(|v| v == "1"),
+            norm_in: std::env::var("LILY_NORM_IN").map_or(true, |v| v != "0"),
             cublas_from_rows: std::env::var("LILY_CUBLAS_FROM_ROWS")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -157,6 +164,9 @@ struct Scratch {
     slots: CudaSlice<i32>,
     /// Blocks of the router's GEMV done, for its fused top-k (zero between launches).
     topk_counter: CudaSlice<u32>,
+    /// `[hidden / 8]`: one decode row's residual stream, each vector's sum of squares, left by
+    /// the mixer's output projection for the router (`CudaOptions::norm_in`).
+    vec_ss: CudaSlice<f32>,
     positions: CudaSlice<i32>,
 }
 
@@ -324,6 +334,7 @@ impl CudaBackend {
             next: alloc(&st, batch)?,
             slots: alloc(&st, batch)?,
             topk_counter: alloc(&st, 1)?,
+            vec_ss: alloc(&st, h.div_ceil(8))?,
             positions: alloc(&st, batch)?,
         };
         // An FP8 checkpoint's prefill: activations of up to `rows` rows of the widest FP8 matrix's
@@ -584,6 +595,26 @@ impl CudaBackend {
         // Decode passes of few rows fold the residual adds and norms into the GEMVs that read
         // them (forward/residual.rs); `stream` says where the residual stream is.
         let fused = t <= self.fused_rows;
+        // One decode row: the post-mixer residual add in the mixer's output projection, the norm
+        // in the router's GEMV (CudaOptions::norm_in). Both are plain one-token GEMV launches
+        // here (cuBLAS only from more rows), the experts' input xn written by the router.
+        let norm_in = self.options.norm_in
+            && t == 1
+            && b == 1
+            && !fused
+            && !k.gemv.fuses_topk()
+            && k.moe_decode.is_none()
+            && k.cublas_from_rows > 1
+            && hd % 16 == 0
+            && hd <= 2048;
+        let residual_out = |k: &Kernels, s: &mut Scratch| -> Result<()> {
+            if norm_in {
+                let out =
+                    ResidualOut::new(&mut s.h.slice_mut(..hd), &mut s.vec_ss.as_view_mut(), &st)?;
+                k.gemv.then_residual_out(out);
+            }
+            Ok(())
+        };
         let mut stream = ResidualStream::default();
         let slots = c.num_experts_per_tok + 1;
         let (mut gdn_i, mut attn_i) = (0, 0);
@@ -646,6 +677,7 @@ impl CudaBackend {
                         )?;
                     }
                     section("gdn out_proj")?;
+                    residual_out(k, s)?;
                     gemv_rows(
                         k,
                         out_proj,
@@ -696,6 +728,7 @@ impl CudaBackend {
                         )?;
                     }
                     section("attn o_proj")?;
+                    residual_out(k, s)?;
                     gemv_rows(
                         k,
                         o_proj,
@@ -707,8 +740,20 @@ impl CudaBackend {
                     attn_i += 1;
                 }
             }
-            // h += mixer output; m = norm(h) (fused: in the router's GEMV).
-            if !fused {
+            k.gemv.ensure_taken("the mixer's output projection")?;
+            // h += mixer output; m = norm(h) (fused: in the router's GEMV; norm_in: the add in the
+            // output projection just before, the norm in the router's GEMV).
+            if norm_in {
+                let input = NormIn::new(
+                    &s.h.slice(..hd),
+                    &s.vec_ss.as_view(),
+                    &layer.post_norm.as_view(),
+                    c.rms_norm_eps,
+                    &mut s.xn.slice_mut(..hd),
+                    &st,
+                )?;
+                k.gemv.then_norm_in(input);
+            } else if !fused {
                 section("norms")?;
                 k.norm.residual_rmsnorm(
                     &mut s.h.slice_mut(..t * hd),
@@ -727,6 +772,7 @@ impl CudaBackend {
             );
             let router_input = fused.then_some((&mut stream, &layer.post_norm));
             moe_experts(&c, k, &layer.moe, s, t, router_input, ahead, &section)?;
+            k.gemv.ensure_taken("the router")?;
             if let Some(trace) = self.routing.as_mut() {
                 record_routing(&c, &st, s, t, li, trace)?;
             }

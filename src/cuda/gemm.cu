@@ -135,6 +135,24 @@ struct GemvArgs {
     int* topk_ids;
     float* topk_weights;
     unsigned int* topk_counter;
+    // Residual out (the *_res_out kernels: one token's mixer output projection, out_proj or
+    // o_proj): each output row r is also added to the residual stream, rout_h[r] = bf16(rout_h[r] +
+    // y[r]) as residual_rmsnorm adds it, and the sum of squares of each vector of 8 new values
+    // (rows 8v..8v+7, in turn) goes to rout_ss[v], so that the norm after it can be made by its
+    // reader in residual_rmsnorm's order (rows of at most 2,048 values: one vector a thread).
+    bf16* rout_h;
+    float* rout_ss;
+    int rout_late;  // start the dependents (the router) at the block's start (0), after its tiles
+                    // (1), or as its last batch begins (2)
+    // Norm in (the *_norm_in kernels: one token's router GEMV after a residual-out launch): x =
+    // rmsnorm(nin_h) · nin_w made while staging, from the residual stream and its vectors' sums
+    // of squares nin_ss [cols / 8]: the bits residual_rmsnorm would write. Block (0, 0) also
+    // writes x to nin_x_out (the experts' input).
+    const bf16* nin_h;
+    const float* nin_ss;
+    const float* nin_w;
+    bf16* nin_x_out;
+    float nin_eps;
 };
 
 namespace {
@@ -220,7 +238,9 @@ struct Job {
 // launches' code carries no branch for it. MULTI: launches of several tokens (x staged at once,
 // below), also kernels of their own: every edit of the one-token kernel's code measured has cost
 // one-token decode 0.6–3.8 % (bench/NOTES.md v1.55), so that kernel stays exactly as it was.
-template <int F, bool GATHER, bool MULTI, bool X_EARLY = false>
+// RES_OUT, NORM_IN: one token's mixer output projection adding the residual, and the router's
+// GEMV normalising it (the arguments above; bench/NOTES.md v1.69), kernels of their own too.
+template <int F, bool GATHER, bool MULTI, bool X_EARLY = false, bool RES_OUT = false, bool NORM_IN = false>
 __device__ void gemv(const GemvArgs& a) {
     using T = Fmt<F>;
     using S = Slot<F>;
@@ -270,7 +290,7 @@ __device__ void gemv(const GemvArgs& a) {
         // layer's ids.
         asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
     }
-    pdl_launch_dependents();
+    if (!(RES_OUT && a.rout_late)) pdl_launch_dependents();
     // This slot's matrix and tokens; for gathered slots also the rows of x and y of each token
     // (gather[n] and gather[MAX_TOKENS + n]). A table slot without tokens has nothing to do.
     __shared__ int gather[2 * MAX_TOKENS];
@@ -383,7 +403,32 @@ __device__ void gemv(const GemvArgs& a) {
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(base + off), "r"((u32)min(4096ll, end - off))
                          : "memory");
     }
+    if constexpr (NORM_IN) {
+        for (int v = threadIdx.x; v < K / 8; v += blockDim.x) prefetch_l1(a.nin_w + 8 * v);
+    }
     if (!ids_wait) timeline = pdl_wait();
+    // RES_OUT: the residual stream's rows of this block's first round, loaded now (final once the
+    // wait returned: its writer ran three launches back) so that the epilogue does not wait for
+    // them: kw = 1, rows g and g + 8 of the warp's tile in lanes t = 0; kw > 1, the epilogue's
+    // items (two at most, 256 threads apart) that are rows of token 0. Each in a 32-bit register
+    // of its own: two bf16 would be packed into one right after the loads, which waits for them.
+    u32 hpre0 = 0, hpre1 = 0;
+    if constexpr (RES_OUT) {
+        const unsigned short* h16 = reinterpret_cast<const unsigned short*>(a.rout_h);
+        const int round_row0 = blockIdx.x * tb * TILE_ROWS;
+        if (kw == 1) {
+            const int r = row0_of(blockIdx.x) + g;
+            if (t == 0 && r < a.rows) hpre0 = __ldcg(h16 + r), hpre1 = __ldcg(h16 + r + 8);
+        } else {
+#pragma unroll
+            for (int it = 0; it < 2; ++it) {
+                const int i = it * blockDim.x + threadIdx.x, e = i % (MAX_TOKENS * TILE_ROWS);
+                const int r = round_row0 + i / (MAX_TOKENS * TILE_ROWS) * TILE_ROWS + e % TILE_ROWS;
+                if (i < tb * MAX_TOKENS * TILE_ROWS && e < TILE_ROWS && r < a.rows) (it == 0 ? hpre0 : hpre1) = __ldcg(h16 + r);
+            }
+        }
+    }
+    auto h_of = [](u32 bits) { return __ushort_as_bfloat16((unsigned short)bits); };
 
     // A residual input: each token row's x made here (into shared memory) from the residual
     // stream, exactly as the residual_rmsnorm kernel would have made it.
@@ -411,7 +456,47 @@ __device__ void gemv(const GemvArgs& a) {
     // Stage x: each thread takes 8 columns (one uint4) per step. 8 consecutive threads cover one
     // group of 64, so Σx of a group is a shuffle over 8 lanes; all lanes run the same number of
     // steps so the shuffle never sees an inactive lane. (X_EARLY: done before the wait.)
-    if constexpr (!X_EARLY) {
+    if constexpr (NORM_IN) {
+        // x = rmsnorm(h) · w of the one token, as residual_rmsnorm makes it (norm.cuh): there
+        // thread v sums vector v's squares, each warp its 32 threads' sums (warp_sum), and the
+        // block the warps' in turn; here every warp does all of that from the vectors' sums. h's
+        // first vectors and the sums are loaded together (one L2 round trip), through L2: both
+        // were written by the launch just before.
+        const uint4* hvec = reinterpret_cast<const uint4*>(a.nin_h);
+        const float4* wvec = reinterpret_cast<const float4*>(a.nin_w);
+        const int nvec = K / 8;
+        const bool ok0 = threadIdx.x < nvec;
+        uint4 hv = ok0 ? __ldcg(hvec + threadIdx.x) : make_uint4(0, 0, 0, 0);
+        float4 w0 = ok0 ? wvec[2 * threadIdx.x] : make_float4(0, 0, 0, 0);  // the norm's weights,
+        float4 w1 = ok0 ? wvec[2 * threadIdx.x + 1] : make_float4(0, 0, 0, 0);  // with h
+        constexpr int MAX_GROUPS = 8;  // 8 · 32 vectors: rows of up to 2,048 (the host checks)
+        float part[MAX_GROUPS];
+#pragma unroll
+        for (int w = 0; w < MAX_GROUPS; ++w) part[w] = 32 * w + lane < nvec ? __ldcg(a.nin_ss + 32 * w + lane) : 0.0f;
+        float q = 0.0f;
+#pragma unroll
+        for (int w = 0; w < MAX_GROUPS; ++w) q += warp_sum(part[w]);
+        const float r = rsqrtf(q / K + a.nin_eps);
+        const bool writer = blockIdx.x == 0 && blockIdx.y == 0 && a.nin_x_out;
+        for (int v0 = 0; v0 < nvec; v0 += blockDim.x) {
+            const int v = v0 + threadIdx.x;
+            const bool ok = v < nvec;
+            if (v0 > 0 && ok) hv = __ldcg(hvec + v), w0 = wvec[2 * v], w1 = wvec[2 * v + 1];
+            // norm_vec8's arithmetic, on the weights loaded above.
+            float f[8];
+            unpack8(hv, f);
+            const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) f[i] = f[i] * r * wv[i];
+            const uint4 xv = ok ? pack8(f) : make_uint4(0, 0, 0, 0);
+            if (ok && writer) reinterpret_cast<uint4*>(a.nin_x_out)[v] = xv;
+            stage_x_vec<F>(xv, xstage, xsum, 0, v, ok);
+        }
+        if constexpr (QUANT) {
+            for (int i = threadIdx.x; i < ngroups * MAX_TOKENS; i += blockDim.x)
+                if (i % MAX_TOKENS != 0) xsum[i] = 0.0f;
+        }
+    } else if constexpr (!X_EARLY) {
         const bf16* x = a.x + (slot_id / a.slots_per_x) * a.x_slot_stride;
         const int x_width = a.swiglu ? 2 * K : K;
         auto x_row = [&](int tok) { return GATHER ? a.x + (i64)gather[tok] * x_width : x + (i64)tok * x_width; };
@@ -476,6 +561,7 @@ __device__ void gemv(const GemvArgs& a) {
         // Job j's copies are done once at most RING - 2 newer groups are pending; the warp
         // barrier makes every lane's copies visible to all. Then the slot read in the previous
         // job is free, and the copy of job j + RING - 1 can go into it.
+        if (RES_OUT && a.rout_late == 2 && j == jobs - 1) pdl_launch_dependents();
         cp_async_wait<RING - 2>();
         __syncwarp();
         if (j == 0) timeline_mark(timeline, 2);  // the first batch in shared memory
@@ -539,12 +625,77 @@ __device__ void gemv(const GemvArgs& a) {
 
         // End of a round: this tile's outputs.
         const int row0 = row0_of(job.round);
-        if (kw == 1) {
+        if (kw == 1 && RES_OUT) {
+            // One token (lanes t = 0 hold rows g and g + 8): y, the residual stream, and the sums
+            // of squares of the tile's two vectors (rows 0..7, 8..15, each in turn, as
+            // residual_rmsnorm's threads sum theirs).
+            float hn0 = 0.0f, hn8 = 0.0f;
+            if (t == 0 && row0 + g < a.rows) {
+                const bool first = job.round == (int)blockIdx.x;
+                const bf16 y0 = __float2bfloat16_rn(acc[0]), y8 = __float2bfloat16_rn(acc[2]);
+                const bf16 h0 = first ? h_of(hpre0) : __ldcg(a.rout_h + row0 + g);
+                const bf16 h8 = first ? h_of(hpre1) : __ldcg(a.rout_h + row0 + g + 8);
+                y_row(0)[row0 + g] = y0;
+                y_row(0)[row0 + g + 8] = y8;
+                hn0 = bf16_round(__bfloat162float(h0) + __bfloat162float(y0));
+                hn8 = bf16_round(__bfloat162float(h8) + __bfloat162float(y8));
+                a.rout_h[row0 + g] = __float2bfloat16_rn(hn0);
+                a.rout_h[row0 + g + 8] = __float2bfloat16_rn(hn8);
+            }
+            float s0 = 0.0f, s8 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float u = __shfl_sync(0xffffffffu, hn0, 4 * j), w = __shfl_sync(0xffffffffu, hn8, 4 * j);
+                s0 = fmaf(u, u, s0);
+                s8 = fmaf(w, w, s8);
+            }
+            if (lane == 0 && row0 < a.rows) a.rout_ss[row0 / 8] = s0, a.rout_ss[row0 / 8 + 1] = s8;
+        } else if (kw == 1) {
             // The warp has the whole sum: store straight from the C fragment.
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int n = 2 * t + i % 2, row = row0 + g + 8 * (i / 2);
                 if (n < ntok && row < a.rows) y_row(n)[row] = __float2bfloat16_rn(acc[i]);
+            }
+        } else if (RES_OUT) {
+            // The K-slices summed as below, for the one token, then the residual stream and the
+            // sums of squares of each tile's two vectors (its 16 rows are lanes 0..15 of one
+            // warp), as for kw = 1.
+            float* buf = red + (job.round / gridDim.x % 2) * warps * MAX_TOKENS * TILE_ROWS;
+            float* mine = buf + warp * MAX_TOKENS * TILE_ROWS;
+            mine[(2 * t) * TILE_ROWS + g] = acc[0];
+            mine[(2 * t + 1) * TILE_ROWS + g] = acc[1];
+            mine[(2 * t) * TILE_ROWS + g + 8] = acc[2];
+            mine[(2 * t + 1) * TILE_ROWS + g + 8] = acc[3];
+            __syncthreads();
+            const int round_row0 = job.round * tb * TILE_ROWS;
+            const bool first = job.round == (int)blockIdx.x;
+            constexpr int ITEMS = MAX_TOKENS * TILE_ROWS;
+            for (int it = 0; it * (int)blockDim.x < tb * ITEMS; ++it) {
+                const int i = it * blockDim.x + threadIdx.x;
+                const int tl = i / ITEMS, e = i % ITEMS, row = round_row0 + tl * TILE_ROWS + e % TILE_ROWS;
+                float hn = 0.0f;
+                if (i < tb * ITEMS && e < TILE_ROWS && row < a.rows) {
+                    float sum = 0.0f;
+                    for (int w = 0; w < kw; ++w) sum += buf[(tl * kw + w) * ITEMS + e];
+                    const bf16 yv = __float2bfloat16_rn(sum);
+                    const bf16 hv = first && it < 2 ? h_of(it == 0 ? hpre0 : hpre1) : __ldcg(a.rout_h + row);
+                    y_row(0)[row] = yv;
+                    hn = bf16_round(__bfloat162float(hv) + __bfloat162float(yv));
+                    a.rout_h[row] = __float2bfloat16_rn(hn);
+                }
+                const int first_lane = i - lane;  // the warp's first item: a tile's row 0, or not
+                if (first_lane % ITEMS == 0 && first_lane < tb * ITEMS) {
+                    float s0 = 0.0f, s8 = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        const float u = __shfl_sync(0xffffffffu, hn, j), w = __shfl_sync(0xffffffffu, hn, 8 + j);
+                        s0 = fmaf(u, u, s0);
+                        s8 = fmaf(w, w, s8);
+                    }
+                    const int tile_row0 = round_row0 + tl * TILE_ROWS;
+                    if (lane == 0 && tile_row0 < a.rows) a.rout_ss[tile_row0 / 8] = s0, a.rout_ss[tile_row0 / 8 + 1] = s8;
+                }
             }
         } else {
             // Sum the K-slices through shared memory: red[parity][warp][token][row], then one
@@ -569,6 +720,7 @@ __device__ void gemv(const GemvArgs& a) {
         acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
     }
     cp_async_wait<0>();  // no copy may still be writing when the block's shared memory is reused
+    if (RES_OUT && a.rout_late == 1) pdl_launch_dependents();
     timeline_mark(timeline, 3);  // this thread's tiles done
 
     if (a.topk_k > 0) {
@@ -600,6 +752,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16(const GemvArgs a)
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_x_early(const GemvArgs a) { gemv<Q4, false, false, true>(a); }
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_x_early(const GemvArgs a) { gemv<Q8, false, false, true>(a); }
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_x_early(const GemvArgs a) { gemv<BF16, false, false, true>(a); }
+// One token's mixer output projection adding the residual (RES_OUT), and the router's GEMV after
+// it normalising the residual stream as it stages it (NORM_IN).
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_res_out(const GemvArgs a) { gemv<Q4, false, false, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_res_out(const GemvArgs a) { gemv<Q8, false, false, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_res_out(const GemvArgs a) { gemv<BF16, false, false, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_norm_in(const GemvArgs a) { gemv<Q4, false, false, false, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_norm_in(const GemvArgs a) { gemv<Q8, false, false, false, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_bf16_norm_in(const GemvArgs a) { gemv<BF16, false, false, false, false, true>(a); }
 // Launches of several tokens (batched decode passes: row chunks, expert slots).
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q4_multi(const GemvArgs a) { gemv<Q4, false, true>(a); }
 extern "C" __global__ void __launch_bounds__(256, 1) gemv_q8_multi(const GemvArgs a) { gemv<Q8, false, true>(a); }

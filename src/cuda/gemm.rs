@@ -15,7 +15,7 @@ use super::{
 };
 
 mod inputs;
-pub use inputs::{FusedTopK, L2Ahead, Matrices, ResidualInput, WeightData};
+pub use inputs::{FusedTopK, L2Ahead, Matrices, NormIn, ResidualInput, ResidualOut, WeightData};
 use inputs::{L2_AHEAD, MAX_TOP_K};
 
 /// Tokens one launch can take: the mma's N.
@@ -70,6 +70,14 @@ struct GemvArgs {
     topk_ids: u64,
     topk_weights: u64,
     topk_counter: u64,
+    rout_h: u64,
+    rout_ss: u64,
+    rout_late: i32,
+    nin_h: u64,
+    nin_ss: u64,
+    nin_w: u64,
+    nin_x_out: u64,
+    nin_eps: f32,
 }
 
 // SAFETY: plain integers, laid out as the C struct the kernel takes by value.
@@ -173,6 +181,10 @@ pub struct GemvKernels {
     /// One token's routed gate‖up with its x staged before the PDL wait
     /// ([`Self::then_routed_gate_up`]).
     x_early: [CudaFunction; 3],
+    /// One token's mixer output projection adding the residual, and the router's GEMV making
+    /// the norm after it ([`Self::then_residual_out`], [`Self::then_norm_in`]).
+    res_out: [CudaFunction; 3],
+    norm_in: [CudaFunction; 3],
     max_shared: usize,
     sm_count: usize,
     /// What the next launch pulls into L2 ([`GemvKernels::then_prefetch`]).
@@ -185,6 +197,15 @@ pub struct GemvKernels {
     x_early_launches: Cell<usize>,
     /// The next launch ends with the router's top-k ([`GemvKernels::then_topk`]).
     topk: Cell<Option<FusedTopK>>,
+    /// The next launch adds the residual ([`GemvKernels::then_residual_out`]) ...
+    residual_out: Cell<Option<ResidualOut>>,
+    /// ... or makes its x as the norm after it ([`GemvKernels::then_norm_in`]).
+    norm_in_next: Cell<Option<NormIn>>,
+    /// When a residual-out launch starts its dependents (the router): as its last batch begins
+    /// (2, the default), at its blocks' start (`LILY_NORM_IN_LATE=0`: the router's blocks then
+    /// slow its own, and the norm-in lost 1.3–2.3 %) or after its tiles (`=1`: the router's
+    /// launch is then on the chain, −1 %; bench/NOTES.md v1.69).
+    residual_out_late: usize,
     /// `LILY_FUSED_TOPK=1`: decode folds the router's top-k into its GEMV (off by default: it
     /// passed its H200 tests but decoded 1 % slower, bench/NOTES.md v1.13).
     fused_topk: bool,
@@ -259,6 +280,16 @@ impl GemvKernels {
             load("gemv_q8_x_early")?,
             load("gemv_bf16_x_early")?,
         ];
+        let res_out = [
+            load("gemv_q4_res_out")?,
+            load("gemv_q8_res_out")?,
+            load("gemv_bf16_res_out")?,
+        ];
+        let norm_in = [
+            load("gemv_q4_norm_in")?,
+            load("gemv_q8_norm_in")?,
+            load("gemv_bf16_norm_in")?,
+        ];
         let warps_per_sm = env_count("LILY_GEMV_WARPS_PER_SM", "1, 2, 4, 8, 16 or 32", |n| {
             [1, 2, 4, 8, 16, 32].contains(&n)
         })?
@@ -291,6 +322,8 @@ impl GemvKernels {
             multi,
             gathered,
             x_early,
+            res_out,
+            norm_in,
             max_shared,
             sm_count,
             ahead: Cell::default(),
@@ -298,6 +331,10 @@ impl GemvKernels {
             routed_gate_up: Cell::new(false),
             x_early_launches: Cell::new(0),
             topk: Cell::new(None),
+            residual_out: Cell::new(None),
+            norm_in_next: Cell::new(None),
+            residual_out_late: env_count("LILY_NORM_IN_LATE", "0, 1 or 2", |n| n <= 2)?
+                .unwrap_or(2),
             fused_topk: std::env::var("LILY_FUSED_TOPK").is_ok_and(|v| v == "1"),
             early_reads: early_reads(),
             x_early_enabled: std::env::var("LILY_X_EARLY").map_or(true, |v| v != "0"),
@@ -385,6 +422,32 @@ impl GemvKernels {
     /// router's top-k in its last block, for tokens whose logits it writes (see [`FusedTopK`]).
     pub fn then_topk(&self, topk: FusedTopK) {
         self.topk.set(Some(topk));
+    }
+
+    /// The next launch (only that one: one token's mixer output projection, a plain [`Self::gemv`]
+    /// of one slot) also adds its output to the residual stream and leaves the sums of squares
+    /// the router's GEMV after it makes its norm from ([`Self::then_norm_in`]). Its rows must be
+    /// whole vectors of 16 and at most 2,048 (the norm kernel's one vector a thread).
+    pub fn then_residual_out(&self, out: ResidualOut) {
+        self.residual_out.set(Some(out));
+    }
+
+    /// The next launch (only that one: one token's router, a plain [`Self::gemv`] of one slot)
+    /// makes its x from the residual stream and the sums a [`Self::then_residual_out`] launch left,
+    /// bit for bit as `NormKernels::residual_rmsnorm` would: the norm's own launch saved.
+    pub fn then_norm_in(&self, input: NormIn) {
+        self.norm_in_next.set(Some(input));
+    }
+
+    /// An error if a [`Self::then_residual_out`] or [`Self::then_norm_in`] was not taken by a
+    /// launch (`after`: the launch it was meant for); either way it is cleared.
+    pub fn ensure_taken(&self, after: &str) -> Result<()> {
+        let left = self.residual_out.take().is_some() || self.norm_in_next.take().is_some();
+        ensure!(
+            !left,
+            "gemv: a residual-out or norm-in setting was not taken by {after}"
+        );
+        Ok(())
     }
 
     /// Turns the L2 prefetching of [`Self::then_prefetch`] on or off (default: `LILY_L2_AHEAD=1`).
@@ -629,11 +692,45 @@ impl GemvKernels {
         let ahead = self.ahead.take();
         let ids_ready = self.ids_ready.take();
         let topk = self.topk.take();
+        let residual_out = self.residual_out.take();
+        let norm_in = self.norm_in_next.take();
         let format = check_matrices(w)?;
+        if residual_out.is_some() || norm_in.is_some() {
+            // One token, one slot of one matrix, a plain x: the only launches these kernels serve.
+            ensure!(
+                ntok == 1
+                    && slots == 1
+                    && ids.is_none()
+                    && matches!(input, SlotInput::Shared)
+                    && residual.is_none()
+                    && !(residual_out.is_some() && norm_in.is_some()),
+                "gemv: a residual-out or norm-in launch is one token's plain one-slot product"
+            );
+        }
+        if let Some(r) = &residual_out {
+            ensure!(
+                r.len == w.rows && w.rows % TILE_ROWS == 0 && w.rows <= 8 * RES_THREADS,
+                "gemv: a residual out of {} values over {} rows (whole tiles, at most {})",
+                r.len,
+                w.rows,
+                8 * RES_THREADS
+            );
+        }
+        if let Some(n) = &norm_in {
+            ensure!(
+                n.len == w.cols && w.cols <= 8 * RES_THREADS,
+                "gemv: a norm in of {} values over {} columns (at most {})",
+                n.len,
+                w.cols,
+                8 * RES_THREADS
+            );
+        }
         let routed = self.routed_gate_up.take()
             && ntok == 1
             && matches!(input, SlotInput::Shared | SlotInput::PerGroup(_))
             && residual.is_none()
+            && residual_out.is_none()
+            && norm_in.is_none()
             && topk.is_none();
         let x_early = routed && self.early_reads && self.x_early_enabled;
         if let Some(t) = &topk {
@@ -801,9 +898,21 @@ impl GemvKernels {
             topk_ids: topk.map_or(0, |t| t.ids),
             topk_weights: topk.map_or(0, |t| t.weights),
             topk_counter: topk.map_or(0, |t| t.counter),
+            rout_h: residual_out.map_or(0, |r| r.h),
+            rout_ss: residual_out.map_or(0, |r| r.vec_ss),
+            rout_late: self.residual_out_late as i32,
+            nin_h: norm_in.map_or(0, |n| n.h),
+            nin_ss: norm_in.map_or(0, |n| n.vec_ss),
+            nin_w: norm_in.map_or(0, |n| n.norm_w),
+            nin_x_out: norm_in.map_or(0, |n| n.x_out),
+            nin_eps: norm_in.map_or(0.0, |n| n.eps),
         };
         let kernels = if gathered {
             &self.gathered
+        } else if residual_out.is_some() {
+            &self.res_out
+        } else if norm_in.is_some() {
+            &self.norm_in
         } else if ntok > 1 {
             &self.multi
         } else if x_early {

@@ -1,6 +1,7 @@
 //! What the decode GEMVs (gemm.rs) take besides their x and y: the weight stacks, the byte ranges
 //! a launch pulls into L2 for the kernels after it, the router top-k folded into the router's
-//! GEMV, and the residual input made inside a GEMV.
+//! GEMV, the residual input made inside a GEMV, and the residual add and norm split between the
+//! GEMVs on either side of them (ResidualOut, NormIn).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, SyncOnDrop};
 use half::bf16;
@@ -206,4 +207,81 @@ pub struct ResidualInput<'a> {
     /// `[cols]`, the norm's effective weight.
     pub norm_w: CudaView<'a, f32>,
     pub eps: f32,
+}
+
+/// One token's mixer output projection (out_proj, o_proj) adding its output to the residual
+/// stream in its epilogue ([`GemvKernels::then_residual_out`](super::GemvKernels::then_residual_out)):
+/// `h[r] = bf16(h[r] + y[r])` in place, as `NormKernels::residual_rmsnorm` adds it, and the sum
+/// of squares of each vector of 8 new values into `vec_ss` `[rows / 8]`, from which the router's
+/// GEMV makes the norm ([`NormIn`]) in that kernel's order of sums.
+#[derive(Clone, Copy)]
+pub struct ResidualOut {
+    pub(super) h: u64,
+    pub(super) vec_ss: u64,
+    pub(super) len: usize,
+}
+
+impl ResidualOut {
+    /// Device addresses of the residual stream `h` (one token's row) and the sums `vec_ss`.
+    pub fn new(
+        h: &mut CudaViewMut<bf16>,
+        vec_ss: &mut CudaViewMut<f32>,
+        stream: &CudaStream,
+    ) -> Result<Self> {
+        ensure!(
+            vec_ss.len() * 8 >= h.len(),
+            "residual out: {} sums for a row of {}",
+            vec_ss.len(),
+            h.len()
+        );
+        let len = h.len();
+        Ok(ResidualOut {
+            h: h.device_ptr_mut(stream).0,
+            vec_ss: vec_ss.device_ptr_mut(stream).0,
+            len,
+        })
+    }
+}
+
+/// The router's GEMV input made while it stages it, after a [`ResidualOut`] launch
+/// ([`GemvKernels::then_norm_in`](super::GemvKernels::then_norm_in)): `x = rmsnorm(h) · norm_w`,
+/// the bits `NormKernels::residual_rmsnorm` would write, also written to `x_out` for the experts.
+#[derive(Clone, Copy)]
+pub struct NormIn {
+    pub(super) h: u64,
+    pub(super) vec_ss: u64,
+    pub(super) norm_w: u64,
+    pub(super) x_out: u64,
+    pub(super) eps: f32,
+    pub(super) len: usize,
+}
+
+impl NormIn {
+    /// Device addresses of the residual stream `h` (one token's row), the sums a [`ResidualOut`]
+    /// launch left in `vec_ss`, the norm's effective weight `norm_w` and the output `x_out`.
+    pub fn new(
+        h: &CudaView<bf16>,
+        vec_ss: &CudaView<f32>,
+        norm_w: &CudaView<f32>,
+        eps: f32,
+        x_out: &mut CudaViewMut<bf16>,
+        stream: &CudaStream,
+    ) -> Result<Self> {
+        let n = h.len();
+        ensure!(
+            vec_ss.len() * 8 >= n && norm_w.len() == n && x_out.len() == n,
+            "norm in: a row of {n}, {} sums, a norm weight of {}, x_out of {}",
+            vec_ss.len(),
+            norm_w.len(),
+            x_out.len()
+        );
+        Ok(NormIn {
+            h: h.device_ptr(stream).0,
+            vec_ss: vec_ss.device_ptr(stream).0,
+            norm_w: norm_w.device_ptr(stream).0,
+            x_out: x_out.device_ptr_mut(stream).0,
+            eps,
+            len: n,
+        })
+    }
 }
