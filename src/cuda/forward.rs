@@ -77,7 +77,7 @@ pub struct CudaOptions {
     /// One-token decode passes add each mixer's output to the residual stream in its output
     /// projection's GEMV, which leaves sums of squares from which the router's GEMV makes the
     /// post-mixer norm itself: that norm's launch saved, the same bits (gemm.cu, RES_OUT and
-    /// NORM_IN). On by default (decode +0.7–0.9 % @4K, +1.6–2.3 % @32K on the H200, bench/NOTES.md
+    /// NORM_IN). On by default (decode +0.7–1.0 % @4K, +1.6–2.8 % @32K on the H200, bench/NOTES.md
     /// v1.69); `LILY_NORM_IN=0` turns it off.
     pub norm_in: bool,
     /// Dense products of at least this many rows run through cuBLAS on the kept bf16 copies
