@@ -229,6 +229,18 @@ __device__ __forceinline__ void stage_x_vec(uint4 xv, unsigned char* stage_row, 
     }
 }
 
+// Σ v² over 8 lanes' values v (lanes first, first + stride, ...) in turn, as residual_rmsnorm's
+// threads sum a vector's squares (RES_OUT's tile sums); every lane of the warp must call it.
+__device__ __forceinline__ float lanes_sum_squares8(float v, int first, int stride) {
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float u = __shfl_sync(0xffffffffu, v, first + stride * j);
+        s = fmaf(u, u, s);
+    }
+    return s;
+}
+
 // Where a warp is: which round (a group of tiles_per_block tiles) and which of its batches.
 struct Job {
     int round, batch;
@@ -482,13 +494,7 @@ __device__ void gemv(const GemvArgs& a) {
             const int v = v0 + threadIdx.x;
             const bool ok = v < nvec;
             if (v0 > 0 && ok) hv = __ldcg(hvec + v), w0 = wvec[2 * v], w1 = wvec[2 * v + 1];
-            // norm_vec8's arithmetic, on the weights loaded above.
-            float f[8];
-            unpack8(hv, f);
-            const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-            for (int i = 0; i < 8; ++i) f[i] = f[i] * r * wv[i];
-            const uint4 xv = ok ? pack8(f) : make_uint4(0, 0, 0, 0);
+            const uint4 xv = ok ? norm_vec8(hv, w0, w1, r) : make_uint4(0, 0, 0, 0);
             if (ok && writer) reinterpret_cast<uint4*>(a.nin_x_out)[v] = xv;
             stage_x_vec<F>(xv, xstage, xsum, 0, v, ok);
         }
@@ -642,13 +648,7 @@ __device__ void gemv(const GemvArgs& a) {
                 a.rout_h[row0 + g] = __float2bfloat16_rn(hn0);
                 a.rout_h[row0 + g + 8] = __float2bfloat16_rn(hn8);
             }
-            float s0 = 0.0f, s8 = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float u = __shfl_sync(0xffffffffu, hn0, 4 * j), w = __shfl_sync(0xffffffffu, hn8, 4 * j);
-                s0 = fmaf(u, u, s0);
-                s8 = fmaf(w, w, s8);
-            }
+            const float s0 = lanes_sum_squares8(hn0, 0, 4), s8 = lanes_sum_squares8(hn8, 0, 4);
             if (lane == 0 && row0 < a.rows) a.rout_ss[row0 / 8] = s0, a.rout_ss[row0 / 8 + 1] = s8;
         } else if (kw == 1) {
             // The warp has the whole sum: store straight from the C fragment.
@@ -656,46 +656,6 @@ __device__ void gemv(const GemvArgs& a) {
             for (int i = 0; i < 4; ++i) {
                 const int n = 2 * t + i % 2, row = row0 + g + 8 * (i / 2);
                 if (n < ntok && row < a.rows) y_row(n)[row] = __float2bfloat16_rn(acc[i]);
-            }
-        } else if (RES_OUT) {
-            // The K-slices summed as below, for the one token, then the residual stream and the
-            // sums of squares of each tile's two vectors (its 16 rows are lanes 0..15 of one
-            // warp), as for kw = 1.
-            float* buf = red + (job.round / gridDim.x % 2) * warps * MAX_TOKENS * TILE_ROWS;
-            float* mine = buf + warp * MAX_TOKENS * TILE_ROWS;
-            mine[(2 * t) * TILE_ROWS + g] = acc[0];
-            mine[(2 * t + 1) * TILE_ROWS + g] = acc[1];
-            mine[(2 * t) * TILE_ROWS + g + 8] = acc[2];
-            mine[(2 * t + 1) * TILE_ROWS + g + 8] = acc[3];
-            __syncthreads();
-            const int round_row0 = job.round * tb * TILE_ROWS;
-            const bool first = job.round == (int)blockIdx.x;
-            constexpr int ITEMS = MAX_TOKENS * TILE_ROWS;
-            for (int it = 0; it * (int)blockDim.x < tb * ITEMS; ++it) {
-                const int i = it * blockDim.x + threadIdx.x;
-                const int tl = i / ITEMS, e = i % ITEMS, row = round_row0 + tl * TILE_ROWS + e % TILE_ROWS;
-                float hn = 0.0f;
-                if (i < tb * ITEMS && e < TILE_ROWS && row < a.rows) {
-                    float sum = 0.0f;
-                    for (int w = 0; w < kw; ++w) sum += buf[(tl * kw + w) * ITEMS + e];
-                    const bf16 yv = __float2bfloat16_rn(sum);
-                    const bf16 hv = first && it < 2 ? h_of(it == 0 ? hpre0 : hpre1) : __ldcg(a.rout_h + row);
-                    y_row(0)[row] = yv;
-                    hn = bf16_round(__bfloat162float(hv) + __bfloat162float(yv));
-                    a.rout_h[row] = __float2bfloat16_rn(hn);
-                }
-                const int first_lane = i - lane;  // the warp's first item: a tile's row 0, or not
-                if (first_lane % ITEMS == 0 && first_lane < tb * ITEMS) {
-                    float s0 = 0.0f, s8 = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        const float u = __shfl_sync(0xffffffffu, hn, j), w = __shfl_sync(0xffffffffu, hn, 8 + j);
-                        s0 = fmaf(u, u, s0);
-                        s8 = fmaf(w, w, s8);
-                    }
-                    const int tile_row0 = round_row0 + tl * TILE_ROWS;
-                    if (lane == 0 && tile_row0 < a.rows) a.rout_ss[tile_row0 / 8] = s0, a.rout_ss[tile_row0 / 8 + 1] = s8;
-                }
             }
         } else {
             // Sum the K-slices through shared memory: red[parity][warp][token][row], then one
@@ -708,13 +668,40 @@ __device__ void gemv(const GemvArgs& a) {
             mine[(2 * t + 1) * TILE_ROWS + g + 8] = acc[3];
             __syncthreads();
             const int round_row0 = job.round * tb * TILE_ROWS;
-            for (int i = threadIdx.x; i < tb * MAX_TOKENS * TILE_ROWS; i += blockDim.x) {
-                const int tl = i / (MAX_TOKENS * TILE_ROWS), e = i % (MAX_TOKENS * TILE_ROWS);
-                const int n = e / TILE_ROWS, row = round_row0 + tl * TILE_ROWS + e % TILE_ROWS;
-                if (n >= ntok || row >= a.rows) continue;
-                float sum = 0.0f;
-                for (int w = 0; w < kw; ++w) sum += buf[(tl * kw + w) * MAX_TOKENS * TILE_ROWS + e];
-                y_row(n)[row] = __float2bfloat16_rn(sum);
+            if constexpr (RES_OUT) {
+                // One token: its rows summed as below, then the residual stream and the sums of
+                // squares of each tile's two vectors (its 16 rows are lanes 0..15 of one warp).
+                const bool first = job.round == (int)blockIdx.x;
+                constexpr int ITEMS = MAX_TOKENS * TILE_ROWS;
+                for (int it = 0; it * (int)blockDim.x < tb * ITEMS; ++it) {
+                    const int i = it * blockDim.x + threadIdx.x;
+                    const int tl = i / ITEMS, e = i % ITEMS, row = round_row0 + tl * TILE_ROWS + e % TILE_ROWS;
+                    float hn = 0.0f;
+                    if (i < tb * ITEMS && e < TILE_ROWS && row < a.rows) {
+                        float sum = 0.0f;
+                        for (int w = 0; w < kw; ++w) sum += buf[(tl * kw + w) * ITEMS + e];
+                        const bf16 yv = __float2bfloat16_rn(sum);
+                        const bf16 hv = first && it < 2 ? h_of(it == 0 ? hpre0 : hpre1) : __ldcg(a.rout_h + row);
+                        y_row(0)[row] = yv;
+                        hn = bf16_round(__bfloat162float(hv) + __bfloat162float(yv));
+                        a.rout_h[row] = __float2bfloat16_rn(hn);
+                    }
+                    const int first_lane = i - lane;  // the warp's first item: a tile's row 0, or not
+                    if (first_lane % ITEMS == 0 && first_lane < tb * ITEMS) {
+                        const float s0 = lanes_sum_squares8(hn, 0, 1), s8 = lanes_sum_squares8(hn, 8, 1);
+                        const int tile_row0 = round_row0 + tl * TILE_ROWS;
+                        if (lane == 0 && tile_row0 < a.rows) a.rout_ss[tile_row0 / 8] = s0, a.rout_ss[tile_row0 / 8 + 1] = s8;
+                    }
+                }
+            } else {
+                for (int i = threadIdx.x; i < tb * MAX_TOKENS * TILE_ROWS; i += blockDim.x) {
+                    const int tl = i / (MAX_TOKENS * TILE_ROWS), e = i % (MAX_TOKENS * TILE_ROWS);
+                    const int n = e / TILE_ROWS, row = round_row0 + tl * TILE_ROWS + e % TILE_ROWS;
+                    if (n >= ntok || row >= a.rows) continue;
+                    float sum = 0.0f;
+                    for (int w = 0; w < kw; ++w) sum += buf[(tl * kw + w) * MAX_TOKENS * TILE_ROWS + e];
+                    y_row(n)[row] = __float2bfloat16_rn(sum);
+                }
             }
         }
         acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;

@@ -264,32 +264,20 @@ impl GemvKernels {
             max_shared = max_shared.min(room);
             Ok(f)
         };
-        let one_token = [load("gemv_q4")?, load("gemv_q8")?, load("gemv_bf16")?];
-        let multi = [
-            load("gemv_q4_multi")?,
-            load("gemv_q8_multi")?,
-            load("gemv_bf16_multi")?,
-        ];
-        let gathered = [
-            load("gemv_q4_gathered")?,
-            load("gemv_q8_gathered")?,
-            load("gemv_bf16_gathered")?,
-        ];
-        let x_early = [
-            load("gemv_q4_x_early")?,
-            load("gemv_q8_x_early")?,
-            load("gemv_bf16_x_early")?,
-        ];
-        let res_out = [
-            load("gemv_q4_res_out")?,
-            load("gemv_q8_res_out")?,
-            load("gemv_bf16_res_out")?,
-        ];
-        let norm_in = [
-            load("gemv_q4_norm_in")?,
-            load("gemv_q8_norm_in")?,
-            load("gemv_bf16_norm_in")?,
-        ];
+        // Each kind of kernel in the three formats (Format's order): gemv_q4{kind}, ...
+        let mut formats = |kind: &str| -> Result<[CudaFunction; 3]> {
+            Ok([
+                load(&format!("gemv_q4{kind}"))?,
+                load(&format!("gemv_q8{kind}"))?,
+                load(&format!("gemv_bf16{kind}"))?,
+            ])
+        };
+        let one_token = formats("")?;
+        let multi = formats("_multi")?;
+        let gathered = formats("_gathered")?;
+        let x_early = formats("_x_early")?;
+        let res_out = formats("_res_out")?;
+        let norm_in = formats("_norm_in")?;
         let warps_per_sm = env_count("LILY_GEMV_WARPS_PER_SM", "1, 2, 4, 8, 16 or 32", |n| {
             [1, 2, 4, 8, 16, 32].contains(&n)
         })?

@@ -10,17 +10,23 @@
 #pragma once
 #include "common.cuh"
 
-// The 8 values of vector v of a row, normalised: bf16(x · r · w) in the reference's order, for w
-// the norm's fp32 weights (rmsnorm in norm.cu and residual_rmsnorm_row below).
-__device__ __forceinline__ uint4 norm_vec8(uint4 x, const float* __restrict__ w, int v, float r) {
+// The 8 values of a vector normalised: bf16(x · r · w) in the reference's order, for w0, w1 the
+// norm's fp32 weights of those 8 columns (loaded by the caller: the router's GEMV loads them
+// beside x, gemm.cu NORM_IN).
+__device__ __forceinline__ uint4 norm_vec8(uint4 x, float4 w0, float4 w1, float r) {
     float f[8];
     unpack8(x, f);
-    const float4 w0 = reinterpret_cast<const float4*>(w)[2 * v];
-    const float4 w1 = reinterpret_cast<const float4*>(w)[2 * v + 1];
     const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = f[i] * r * wv[i];
     return pack8(f);
+}
+
+// The same for vector v of a row, its weights read from w (rmsnorm in norm.cu and
+// residual_rmsnorm_row below).
+__device__ __forceinline__ uint4 norm_vec8(uint4 x, const float* __restrict__ w, int v, float r) {
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    return norm_vec8(x, w4[2 * v], w4[2 * v + 1], r);
 }
 
 // MAX_PARTS: how many parts' loads are put in flight at once, before any is summed (the rest, if
