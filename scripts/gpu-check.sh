@@ -219,7 +219,7 @@ PY
     # A/B: the q4 sweep again at 4K and 32K (GPU_CHECK_AB_CONTEXTS) with one setting changed, once
     # per setting in GPU_CHECK_AB (default: each setting under trial on, the early reads off), into
     # $OUT/ab-<setting>; GPU_CHECK_AB=none skips it.
-    for ab in ${GPU_CHECK_AB-LILY_MOE_PERSISTENT=1 LILY_WGMMA_STAGED_STORES=0 LILY_GDN_OUT_TF32=1 LILY_ATTN_WGMMA=0 LILY_DENSE_CACHE=0 LILY_GEMV_WARPS_PER_SM=8 LILY_L2_AHEAD=1 LILY_WGMMA=0 LILY_FUSED_NORMS=1 LILY_EARLY_READS=0 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1 LILY_X_EARLY=0 LILY_GEMV_SPREAD=0 LILY_GEMV_DOWN_PER_SM=1 LILY_NORM_IN=0 LILY_GDN_DECODE_CARVEOUT=driver}; do
+    for ab in ${GPU_CHECK_AB-LILY_MOE_PERSISTENT=1 LILY_WGMMA_STAGED_STORES=0 LILY_GDN_OUT_TF32=1 LILY_ATTN_WGMMA=0 LILY_DENSE_CACHE=0 LILY_GEMV_WARPS_PER_SM=8 LILY_L2_AHEAD=1 LILY_WGMMA=0 LILY_FUSED_NORMS=1 LILY_EARLY_READS=0 LILY_ATTN_MIN_CHUNK=256 LILY_FUSED_TOPK=1 LILY_X_EARLY=0 LILY_GEMV_SPREAD=0 LILY_GEMV_DOWN_PER_SM=1 LILY_NORM_IN=0}; do
         [[ "$ab" != none && "$contexts" != none && -x "$dir/lily" ]] || break
         echo "=== bench (q4, $ab)"
         env "$ab" timeout 200 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \

@@ -293,27 +293,6 @@ pub struct GdnKernels {
 /// sequences 7.9 µs a layer as one kernel, 8.7 as two; 4: 12.6 and 12.2; 64: 120 and 99).
 const SPLIT_ROWS: usize = 4;
 
-/// The shared-memory carveout the one-sequence decode kernel asks for (a percentage of the most
-/// there can be), or `None` for the driver's own pick: 58 % (132 of 228 KB on the H200), which
-/// leaves a 124 KB L1 and room beside the kernel's blocks for the early blocks of the out_proj
-/// GEMV after it (≈ 114 KB). Measured against the driver's pick, decode +1.4 % @4K, +2.0 % @32K;
-/// 0 % (the most L1) −0.2 / +0.7 %; 100 % for every kernel −1.5 / −1.8 % (bench/NOTES.md v1.70).
-/// `LILY_GDN_DECODE_CARVEOUT=P` sets another, `=driver` none.
-const DECODE_CARVEOUT: u8 = 58;
-
-fn decode_carveout() -> Result<Option<u8>> {
-    match std::env::var("LILY_GDN_DECODE_CARVEOUT") {
-        Err(_) => Ok(Some(DECODE_CARVEOUT)),
-        Ok(v) if v == "driver" => Ok(None),
-        Ok(v) => match v.parse::<u8>() {
-            Ok(p) if p <= 100 => Ok(Some(p)),
-            _ => Err(CudaError::Shape(format!(
-                "LILY_GDN_DECODE_CARVEOUT={v}: expected a percentage, 0 to 100, or `driver`"
-            ))),
-        },
-    }
-}
-
 impl GdnKernels {
     pub fn load(dev: &CudaDevice) -> Result<Self> {
         // The prefill kernels keep whole 64-row tiles in shared memory: opt in above 48 KB.
@@ -324,13 +303,7 @@ impl GdnKernels {
         };
         Ok(Self {
             stream: dev.stream().clone(),
-            decode: {
-                let f = dev.function("gdn", "gdn_decode")?;
-                if let Some(percent) = decode_carveout()? {
-                    dev.prefer_shared_carveout(&f, "gdn_decode", percent)?;
-                }
-                f
-            },
+            decode: dev.function("gdn", "gdn_decode")?,
             zero: dev.function("gdn", "gdn_zero_state")?,
             qk: big("gdn_prefill_qk", QK_SMEM)?,
             prep: big("gdn_prefill_prep", PREP_SMEM)?,

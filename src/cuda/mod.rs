@@ -331,16 +331,6 @@ impl CudaDevice {
         f.set_attribute(attr, bytes as i32)
             .during(|| format!("shared memory limit of {name}"))
     }
-
-    /// Asks that SMs running `f` split their L1 / shared memory with `percent` % of the most
-    /// shared memory there can be as shared memory (a hint: the driver rounds it to a split the
-    /// SM has, and takes more where a launch needs more; without it, the driver picks per launch).
-    pub fn prefer_shared_carveout(&self, f: &CudaFunction, name: &str, percent: u8) -> Result<()> {
-        ensure!(percent <= 100, "{name}: a carveout of {percent} %");
-        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
-        f.set_attribute(attr, i32::from(percent))
-            .during(|| format!("shared memory carveout of {name}"))
-    }
 }
 
 /// Makes sure libcuda and libcublas can be dlopen()ed by name, as cudarc does it, before anything
