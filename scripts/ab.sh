@@ -14,7 +14,9 @@
 #                                          $OUT/ab.tar (every run's bench files and log).
 #
 # AB_CONTEXTS (default 4096,32768), AB_QUANT (q4), AB_RUNS (alternating runs, 2), AB_ROUNDS (rounds
-# per run, whose median the bench reports, 3) and AB_STEPS (decode steps, 32) set the runs.
+# per run, whose median the bench reports, 3), AB_STEPS (decode steps, 32) and AB_PAUSE_MS (idle ms
+# between each round's prefill and its decode: a decode-only check of a change that also moves
+# prefill; unset: no pause, and builds older than the flag still run) set the runs.
 # AB_MODE=serve runs `lily bench --serve` instead (gpu-check's settings, or AB_SERVE_ARGS): the
 # table then has the 64-stream total tok/s, the per-stream decode among 8 and the last turn's
 # cached time to first token.
@@ -68,9 +70,11 @@ run)
                     --quant "${AB_QUANT:-q4}" ${AB_SERVE_ARGS:---batch-steps --streams 64 --prompt-tokens 1024 --output-tokens 128} \
                     --out "$res/$tag" > "$res/$tag.log" 2>&1
             else
+                # shellcheck disable=SC2086
                 env "${setting[@]}" timeout 300 "$bins/lily-$name" bench --synthetic qwen3.6-35b-a3b --device cuda \
                     --quant "${AB_QUANT:-q4}" --contexts "${AB_CONTEXTS:-4096,32768}" --rounds "${AB_ROUNDS:-3}" \
-                    --decode-steps "${AB_STEPS:-32}" --out "$res/$tag" > "$res/$tag.log" 2>&1
+                    --decode-steps "${AB_STEPS:-32}" ${AB_PAUSE_MS:+--decode-pause-ms $AB_PAUSE_MS} \
+                    --out "$res/$tag" > "$res/$tag.log" 2>&1
             fi
             echo "$spec run $run: exit $?"
         done

@@ -19,6 +19,10 @@ pub struct BenchOptions {
     pub contexts: Vec<usize>,
     pub decode_steps: usize,
     pub rounds: usize,
+    /// An idle pause between each round's prefill and its decode steps, so that the decode is
+    /// measured apart from what the prefill leaves behind (clocks and power after a long prefill:
+    /// a change that slowed prefill once seemed to speed decode, bench/NOTES.md v1.70).
+    pub decode_pause: std::time::Duration,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -55,12 +59,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// One prefill of `context` tokens and `steps` decode steps; returns (prefill s, decode s).
+/// One prefill of `context` tokens, a `pause`, and `steps` decode steps; returns (prefill s,
+/// decode s).
 fn one_round(
     backend: &mut dyn Backend,
     seq: SeqId,
     context: usize,
     steps: usize,
+    pause: std::time::Duration,
 ) -> anyhow::Result<(f64, f64)> {
     let vocab = backend.config().vocab_size;
     let prompt = synthetic_prompt(context, vocab, context as u64);
@@ -68,6 +74,7 @@ fn one_round(
     let t0 = Instant::now();
     let mut next = backend.forward_greedy(seq, &prompt)?;
     let prefill = t0.elapsed().as_secs_f64();
+    std::thread::sleep(pause);
     let t1 = Instant::now();
     for _ in 0..steps {
         next = backend.forward_greedy(seq, &[next])?;
@@ -91,13 +98,25 @@ pub fn sweep(
         // graph capture and a library's first use of a shape (cuBLAS from 512 tokens on) stay
         // out of the numbers.
         seq += 1;
-        one_round(backend, seq, context, options.decode_steps.min(8))?;
+        one_round(
+            backend,
+            seq,
+            context,
+            options.decode_steps.min(8),
+            options.decode_pause,
+        )?;
         backend.reset_peak_memory();
         let mut prefills = Vec::new();
         let mut decodes = Vec::new();
         for _ in 0..options.rounds {
             seq += 1;
-            let (p, d) = one_round(backend, seq, context, options.decode_steps)?;
+            let (p, d) = one_round(
+                backend,
+                seq,
+                context,
+                options.decode_steps,
+                options.decode_pause,
+            )?;
             prefills.push(p);
             decodes.push(d);
         }

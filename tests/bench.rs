@@ -132,3 +132,33 @@ fn the_cpu_backend_has_no_op_timing() {
     let mut cpu = CpuBackend::new(weights);
     assert!(bench::profile(&mut cpu, &[16], 2, 8).unwrap().is_none());
 }
+
+/// `--decode-pause-ms` on the command line: a sweep with an idle pause between each round's
+/// prefill and its decode steps runs and reports its point; a pause that is not a number is
+/// refused with a clear error.
+#[test]
+fn the_sweep_takes_a_decode_pause() {
+    let run = |pause: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_lily"))
+            .args(["bench", "--synthetic", "tiny", "--device", "cpu"])
+            .args(["--contexts", "8", "--decode-steps", "2", "--rounds", "1"])
+            .args(["--decode-pause-ms", pause])
+            .output()
+            .expect("running lily bench")
+    };
+    let ok = run("20");
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(
+        ok.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert_eq!(stdout.matches("\n| 8 |").count(), 1, "{stdout}");
+    let bad = run("soon");
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("decode-pause-ms"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}

@@ -28,6 +28,10 @@ pub struct BenchArgs {
     pub decode_steps: usize,
     #[arg(long, default_value_t = 2)]
     pub rounds: usize,
+    /// Milliseconds of idle time between each round's prefill and its decode steps (0: none),
+    /// to measure decode apart from the prefill before it.
+    #[arg(long, default_value_t = 0)]
+    pub decode_pause_ms: u64,
     /// Weights of a synthetic model: bf16, or MLX-affine 4/8-bit (router and shared-expert gate
     /// 8-bit), or fp8 (as an FP8 checkpoint runs: 8-bit for decode, FP8 experts of their own
     /// random values for prefill). On the GPU they are generated in device memory.
@@ -183,6 +187,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         contexts: args.contexts.clone(),
         decode_steps: args.decode_steps,
         rounds: args.rounds,
+        decode_pause: std::time::Duration::from_millis(args.decode_pause_ms),
     };
     eprintln!(
         "device: {}; batch 1; {} decode steps; median of {} rounds",
