@@ -242,6 +242,9 @@ pub struct GemvKernels {
 /// The tallest matrix [`GemvKernels::chunks_rows`] runs as row chunks: out_proj, o_proj, the router.
 const ROW_CHUNKS_MAX_ROWS: usize = 4096;
 
+/// The one-token GEMVs' preferred shared-memory carveout, % (see `GemvKernels::load`).
+const GEMV_CARVEOUT: usize = 72;
+
 /// Default rows of a pass whose experts run as gathered GEMV slots: from 2 (one row keeps its
 /// (row, expert) slots, or the persistent MoE kernel) to a 64-stream decode step.
 const GATHERED_ROWS: (usize, usize) = (2, 64);
@@ -257,10 +260,25 @@ impl GemvKernels {
         // The limit only caps what a launch may ask for; launches size their rings to fit the
         // smallest room of the three.
         let mut max_shared = usize::MAX;
+        // The SMs' L1 / shared split the one-token GEMVs prefer (`LILY_GEMV_CARVEOUT`, % of the
+        // most shared memory; default 72 ≈ 164 KB): left to the driver, each launch gets the
+        // least that fits it, and the next kernel's early blocks may then not fit beside it.
+        // Measured with a 200 ms pause before each decode, so that no clock effect of prefill
+        // counts: decode +1.8 % @4K, +1.2 % @32K, prefill unchanged; 100 lost 1.7 %, 50 0.8 %.
+        // The batched kernels keep the driver's pick: at 72 % two gathered blocks no longer share
+        // an SM (8 streams −2.9 %; bench/NOTES.md v1.71).
+        let carveout = env_count("LILY_GEMV_CARVEOUT", "a percentage, 0 to 100", |p| p <= 100)?
+            .unwrap_or(GEMV_CARVEOUT);
         let mut load = |name: &str| -> Result<CudaFunction> {
             let f = dev.function("gemm", name)?;
             let room = dev.dynamic_shared_room(&f, name)?;
             dev.allow_dynamic_shared(&f, name, room)?;
+            if !name.ends_with("_multi") && !name.ends_with("_gathered") {
+                let attr =
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+                f.set_attribute(attr, carveout as i32)
+                    .during(|| format!("shared memory carveout of gemm::{name}"))?;
+            }
             max_shared = max_shared.min(room);
             Ok(f)
         };
