@@ -274,8 +274,19 @@ impl CudaDevice {
             .modules
             .get(module)
             .ok_or_else(|| CudaError::MissingModule(module.to_string()))?;
-        m.load_function(function)
-            .during(|| format!("loading kernel {module}::{function}"))
+        let f = m
+            .load_function(function)
+            .during(|| format!("loading kernel {module}::{function}"))?;
+        // `LILY_SMEM_CARVEOUT=P`: every kernel prefers P % of the SM's L1 / shared memory as
+        // shared memory (the driver otherwise picks per kernel; an SM runs blocks of kernels with
+        // different picks only after it has drained and been reconfigured).
+        if let Some(p) = env_count("LILY_SMEM_CARVEOUT", "a percentage, 0 to 100", |p| p <= 100)? {
+            let attr =
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+            f.set_attribute(attr, p as i32)
+                .during(|| format!("shared memory carveout of {module}::{function}"))?;
+        }
+        Ok(f)
     }
 
     /// The most shared memory one block may have, static and dynamic together (after opting in
