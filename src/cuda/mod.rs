@@ -279,8 +279,11 @@ impl CudaDevice {
             .during(|| format!("loading kernel {module}::{function}"))?;
         // `LILY_SMEM_CARVEOUT=P`: every kernel prefers P % of the SM's L1 / shared memory as
         // shared memory (the driver otherwise picks per kernel; an SM runs blocks of kernels with
-        // different picks only after it has drained and been reconfigured).
-        if let Some(p) = env_count("LILY_SMEM_CARVEOUT", "a percentage, 0 to 100", |p| p <= 100)? {
+        // different picks only after it has drained and been reconfigured);
+        // `LILY_SMEM_CARVEOUT_<MODULE>=P` (e.g. `_GDN`): that module's kernels only.
+        let percent = |name: &str| env_count(name, "a percentage, 0 to 100", |p| p <= 100);
+        let own = format!("LILY_SMEM_CARVEOUT_{}", module.to_uppercase());
+        if let Some(p) = percent(&own)?.or(percent("LILY_SMEM_CARVEOUT")?) {
             let attr =
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
             f.set_attribute(attr, p as i32)
