@@ -277,10 +277,11 @@ impl CudaDevice {
         let f = m
             .load_function(function)
             .during(|| format!("loading kernel {module}::{function}"))?;
-        // `LILY_SMEM_CARVEOUT=P`: every kernel prefers P % of the SM's L1 / shared memory as
-        // shared memory (the driver otherwise picks per kernel; an SM runs blocks of kernels with
-        // different picks only after it has drained and been reconfigured);
-        // `LILY_SMEM_CARVEOUT_<MODULE>=P` (e.g. `_GDN`): that module's kernels only.
+        // For A/Bs: `LILY_SMEM_CARVEOUT=P`, every kernel prefers P % of the SM's most shared
+        // memory as shared memory (else the driver picks per launch the least that fits, and the
+        // next kernel's early blocks may then not fit beside it: bench/NOTES.md v1.70–v1.71);
+        // `LILY_SMEM_CARVEOUT_<MODULE>=P` (e.g. `_NORM`, timeline builds included): that module's
+        // kernels only. The one-token GEMVs then take `LILY_GEMV_CARVEOUT` (gemm.rs).
         let percent = |name: &str| env_count(name, "a percentage, 0 to 100", |p| p <= 100);
         let own = format!("LILY_SMEM_CARVEOUT_{}", module.to_uppercase());
         if let Some(p) = percent(&own)?.or(percent("LILY_SMEM_CARVEOUT")?) {
