@@ -15,8 +15,9 @@
 #
 # AB_CONTEXTS (default 4096,32768), AB_QUANT (q4), AB_RUNS (alternating runs, 2), AB_ROUNDS (rounds
 # per run, whose median the bench reports, 3), AB_STEPS (decode steps, 32) and AB_PAUSE_MS (idle ms
-# between each round's prefill and its decode: a decode-only check of a change that also moves
-# prefill; unset: no pause, and builds older than the flag still run) set the runs.
+# between each round's prefill and its decode, default 200: a change that moves prefill moves the
+# clocks of the decode measured after it, bench/NOTES.md v1.70–v1.71; 0: no pause, as for builds
+# older than the flag, 4ef5892) set the runs.
 # AB_MODE=serve runs `lily bench --serve` instead (gpu-check's settings, or AB_SERVE_ARGS): the
 # table then has the 64-stream total tok/s, the per-stream decode among 8 and the last turn's
 # cached time to first token.
@@ -73,7 +74,7 @@ run)
                 # shellcheck disable=SC2086
                 env "${setting[@]}" timeout 300 "$bins/lily-$name" bench --synthetic qwen3.6-35b-a3b --device cuda \
                     --quant "${AB_QUANT:-q4}" --contexts "${AB_CONTEXTS:-4096,32768}" --rounds "${AB_ROUNDS:-3}" \
-                    --decode-steps "${AB_STEPS:-32}" ${AB_PAUSE_MS:+--decode-pause-ms $AB_PAUSE_MS} \
+                    --decode-steps "${AB_STEPS:-32}" $([[ "${AB_PAUSE_MS:-200}" != 0 ]] && echo "--decode-pause-ms ${AB_PAUSE_MS:-200}") \
                     --out "$res/$tag" > "$res/$tag.log" 2>&1
             fi
             echo "$spec run $run: exit $?"
