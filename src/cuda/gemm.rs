@@ -265,18 +265,25 @@ impl GemvKernels {
         // least that fits it, and the next kernel's early blocks may then not fit beside it.
         // Measured with a 200 ms pause before each decode, so that no clock effect of prefill
         // counts: decode +1.8 % @4K, +1.2 % @32K, prefill unchanged; 100 lost 1.7 %, 50 0.8 %.
-        // The batched kernels keep the driver's pick: at 72 % two gathered blocks no longer share
-        // an SM (8 streams −2.9 %; bench/NOTES.md v1.71).
-        let carveout = env_count("LILY_GEMV_CARVEOUT", "a percentage, 0 to 100", |p| p <= 100)?
-            .unwrap_or(GEMV_CARVEOUT);
+        // The batched kernels keep the driver's pick unless `LILY_GEMV_BATCHED_CARVEOUT` (for
+        // A/Bs): at 72 % two gathered blocks no longer share an SM (8 streams −2.9 %;
+        // bench/NOTES.md v1.71).
+        let percent = |name| env_count(name, "a percentage, 0 to 100", |p| p <= 100);
+        let one_token_carveout = percent("LILY_GEMV_CARVEOUT")?.unwrap_or(GEMV_CARVEOUT);
+        let batched = percent("LILY_GEMV_BATCHED_CARVEOUT")?;
         let mut load = |name: &str| -> Result<CudaFunction> {
             let f = dev.function("gemm", name)?;
             let room = dev.dynamic_shared_room(&f, name)?;
             dev.allow_dynamic_shared(&f, name, room)?;
-            if !name.ends_with("_multi") && !name.ends_with("_gathered") {
+            let carveout = if name.ends_with("_multi") || name.ends_with("_gathered") {
+                batched
+            } else {
+                Some(one_token_carveout)
+            };
+            if let Some(p) = carveout {
                 let attr =
                     sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
-                f.set_attribute(attr, carveout as i32)
+                f.set_attribute(attr, p as i32)
                     .during(|| format!("shared memory carveout of gemm::{name}"))?;
             }
             max_shared = max_shared.min(room);
