@@ -98,13 +98,8 @@ pub fn sweep(
         // graph capture and a library's first use of a shape (cuBLAS from 512 tokens on) stay
         // out of the numbers.
         seq += 1;
-        one_round(
-            backend,
-            seq,
-            context,
-            options.decode_steps.min(8),
-            options.decode_pause,
-        )?;
+        let no_pause = std::time::Duration::ZERO; // the warm-up measures nothing
+        one_round(backend, seq, context, options.decode_steps.min(8), no_pause)?;
         backend.reset_peak_memory();
         let mut prefills = Vec::new();
         let mut decodes = Vec::new();

@@ -10,8 +10,8 @@ use half::bf16;
 
 use super::pdl::KernelValue;
 use super::{
-    addr, as_i32, ensure, ensure_aligned, env_count, launch, Context, CudaDevice, CudaError,
-    CudaFunction, CudaStream, CudaView, CudaViewMut, Result,
+    addr, as_i32, ensure, ensure_aligned, env_count, env_percent, launch, prefer_carveout, Context,
+    CudaDevice, CudaError, CudaFunction, CudaStream, CudaView, CudaViewMut, Result,
 };
 
 mod inputs;
@@ -260,17 +260,14 @@ impl GemvKernels {
         // The limit only caps what a launch may ask for; launches size their rings to fit the
         // smallest room of the three.
         let mut max_shared = usize::MAX;
-        // The SMs' L1 / shared split the one-token GEMVs prefer (`LILY_GEMV_CARVEOUT`, % of the
-        // most shared memory; default 72 ≈ 164 KB): left to the driver, each launch gets the
-        // least that fits it, and the next kernel's early blocks may then not fit beside it.
-        // Measured with a 200 ms pause before each decode, so that no clock effect of prefill
+        // The one-token GEMVs' preferred carveout (`LILY_GEMV_CARVEOUT`, % of the most shared
+        // memory; default 72 ≈ 164 KB; see prefer_carveout). Measured with a 200 ms pause before each decode, so that no clock effect of prefill
         // counts: decode +1.4–1.8 % @4K, +1.2–1.5 % @32K, prefill unchanged; 100 lost 1.7 %, 50 0.8 %.
         // The batched kernels keep the driver's pick unless `LILY_GEMV_BATCHED_CARVEOUT` (for
         // A/Bs): at 72 % two gathered blocks no longer share an SM (8 streams −2.9 %;
         // bench/NOTES.md v1.71).
-        let percent = |name| env_count(name, "a percentage, 0 to 100", |p| p <= 100);
-        let one_token_carveout = percent("LILY_GEMV_CARVEOUT")?.unwrap_or(GEMV_CARVEOUT);
-        let batched = percent("LILY_GEMV_BATCHED_CARVEOUT")?;
+        let one_token_carveout = env_percent("LILY_GEMV_CARVEOUT")?.unwrap_or(GEMV_CARVEOUT);
+        let batched = env_percent("LILY_GEMV_BATCHED_CARVEOUT")?;
         let mut load = |name: &str| -> Result<CudaFunction> {
             let f = dev.function("gemm", name)?;
             let room = dev.dynamic_shared_room(&f, name)?;
@@ -281,10 +278,7 @@ impl GemvKernels {
                 Some(one_token_carveout)
             };
             if let Some(p) = carveout {
-                let attr =
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
-                f.set_attribute(attr, p as i32)
-                    .during(|| format!("shared memory carveout of gemm::{name}"))?;
+                prefer_carveout(&f, p, &format!("gemm::{name}"))?;
             }
             max_shared = max_shared.min(room);
             Ok(f)

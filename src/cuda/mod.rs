@@ -163,6 +163,20 @@ pub(crate) fn env_count(
     Ok(n)
 }
 
+/// A percentage from the environment variable `name` (a preferred carveout, below).
+pub(crate) fn env_percent(name: &str) -> Result<Option<usize>> {
+    env_count(name, "a percentage, 0 to 100", |p| p <= 100)
+}
+
+/// Kernel `f` prefers `percent` % of an SM's most shared memory as shared memory, the rest L1
+/// (unset, the driver picks per launch the least that fits it, and the next kernel's early
+/// blocks may then not fit beside it: bench/NOTES.md v1.70–v1.71). `what` names it in errors.
+pub(crate) fn prefer_carveout(f: &CudaFunction, percent: usize, what: &str) -> Result<()> {
+    let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+    f.set_attribute(attr, percent as i32)
+        .during(|| format!("shared memory carveout of {what}"))
+}
+
 /// Where the GPU machine's image keeps libcuda and the CUDA 13 libraries (spec/TOOLCHAIN.md §10-11),
 /// for when they are not on the loader's path.
 const CUDA_LIB_DIRS: &[&str] = &[
@@ -277,18 +291,13 @@ impl CudaDevice {
         let f = m
             .load_function(function)
             .during(|| format!("loading kernel {module}::{function}"))?;
-        // For A/Bs: `LILY_SMEM_CARVEOUT=P`, every kernel prefers P % of the SM's most shared
-        // memory as shared memory (else the driver picks per launch the least that fits, and the
-        // next kernel's early blocks may then not fit beside it: bench/NOTES.md v1.70–v1.71);
-        // `LILY_SMEM_CARVEOUT_<MODULE>=P` (e.g. `_NORM`, timeline builds included): that module's
-        // kernels only. The one-token GEMVs then take `LILY_GEMV_CARVEOUT` (gemm.rs).
-        let percent = |name: &str| env_count(name, "a percentage, 0 to 100", |p| p <= 100);
+        // For A/Bs: `LILY_SMEM_CARVEOUT=P`, every kernel's preferred carveout
+        // ([`prefer_carveout`]); `LILY_SMEM_CARVEOUT_<MODULE>=P` (e.g. `_NORM`, timeline builds
+        // included): that module's kernels only. The one-token GEMVs then take
+        // `LILY_GEMV_CARVEOUT` (gemm.rs).
         let own = format!("LILY_SMEM_CARVEOUT_{}", module.to_uppercase());
-        if let Some(p) = percent(&own)?.or(percent("LILY_SMEM_CARVEOUT")?) {
-            let attr =
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
-            f.set_attribute(attr, p as i32)
-                .during(|| format!("shared memory carveout of {module}::{function}"))?;
+        if let Some(p) = env_percent(&own)?.or(env_percent("LILY_SMEM_CARVEOUT")?) {
+            prefer_carveout(&f, p, &format!("{module}::{function}"))?;
         }
         Ok(f)
     }
