@@ -261,8 +261,9 @@ impl GemvKernels {
         // smallest room of the three.
         let mut max_shared = usize::MAX;
         // The one-token GEMVs' preferred carveout (`LILY_GEMV_CARVEOUT`, % of the most shared
-        // memory; default 72 ≈ 164 KB; see prefer_carveout). Measured with a 200 ms pause before each decode, so that no clock effect of prefill
-        // counts: decode +1.4–1.8 % @4K, +1.2–1.5 % @32K, prefill unchanged; 100 lost 1.7 %, 50 0.8 %.
+        // memory; default 72 ≈ 164 KB; see prefer_carveout). Measured with a 200 ms pause before
+        // each decode, so that no clock effect of prefill counts: decode +1.4–1.8 % @4K,
+        // +1.2–1.5 % @32K, prefill unchanged; 100 lost 1.7 %, 50 0.8 %.
         // The batched kernels keep the driver's pick unless `LILY_GEMV_BATCHED_CARVEOUT` (for
         // A/Bs): at 72 % two gathered blocks no longer share an SM (8 streams −2.9 %;
         // bench/NOTES.md v1.71).
