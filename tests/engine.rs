@@ -15,7 +15,9 @@ use lily::engine::{
     SampledToken,
 };
 use lily::model::cpu::{forward, Logits};
-use lily::model::{Backend, CpuBackend, SeqId, SequenceState, Snapshot, SnapshotId};
+use lily::model::{
+    Backend, CpuBackend, SeqId, SequenceState, Snapshot, SnapshotId, Step, StepOutput,
+};
 use lily::sampling::{DeviceSampling, Sampler, SamplingParams};
 use rand::RngExt;
 
@@ -336,6 +338,85 @@ fn batches_within_a_token_budget_match_each_run_alone() {
             assert_eq!(ids, alone(&w, p, 6), "budget {budget}, prompt {p:?}");
         }
     }
+}
+
+/// The CPU backend, recording the length of every step of every batch.
+struct Batches {
+    inner: CpuBackend,
+    batches: Arc<Mutex<Vec<Vec<usize>>>>,
+}
+
+impl Backend for Batches {
+    fn config(&self) -> &lily::config::ModelConfig {
+        self.inner.config()
+    }
+    fn device_name(&self) -> String {
+        "batch-recording cpu".into()
+    }
+    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.inner.create_sequence(seq)
+    }
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.inner.free_sequence(seq)
+    }
+    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.inner.forward(seq, tokens)
+    }
+    fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
+        let lens = steps.iter().map(|s| s.tokens.len()).collect();
+        self.batches.lock().unwrap().push(lens);
+        self.inner.forward_batch(steps)
+    }
+}
+
+#[test]
+fn decode_steps_ride_beside_the_prompt_budget() {
+    // Two short prompts decode while two long ones read theirs: batches hold the whole budget
+    // of prompt tokens (two chunks of 8) beside the decode steps.
+    let w = weights();
+    let (budget, sequences) = (16, 4);
+    let options = EngineOptions {
+        prefill_chunk: 8,
+        max_sequences: sequences,
+        ..EngineOptions::default()
+    }
+    .with_batch_tokens(budget);
+    assert_eq!(options.pass_rows(), budget + sequences);
+    let batches = Arc::new(Mutex::new(Vec::new()));
+    let backend = Batches {
+        inner: CpuBackend::new(w.clone()),
+        batches: batches.clone(),
+    };
+    let engine = Engine::start(Box::new(backend), options);
+    let prompts: Vec<(Vec<u32>, usize)> = vec![
+        (random_tokens(5), 20),
+        (random_tokens(5), 20),
+        (random_tokens(60), 2),
+        (random_tokens(60), 2),
+    ];
+    let receivers: Vec<_> = prompts
+        .iter()
+        .map(|(p, n)| engine.submit(greedy(p.clone(), *n, None)))
+        .collect();
+    for ((p, n), rx) in prompts.iter().zip(receivers) {
+        let (ids, reason, err) = collect(rx);
+        assert_eq!((err, reason), (None, Some(FinishReason::Length)));
+        assert_eq!(ids, alone(&w, p, *n), "prompt {p:?}");
+    }
+    let batches = batches.lock().unwrap();
+    for b in batches.iter() {
+        let rows: usize = b.iter().sum();
+        let prompt: usize = b.iter().filter(|&&l| l > 1).sum();
+        assert!(rows <= budget + sequences, "a batch of {rows} rows: {b:?}");
+        assert!(prompt <= budget, "{prompt} prompt tokens in a batch: {b:?}");
+    }
+    let full_beside_decode = |b: &&Vec<usize>| {
+        b.iter().filter(|&&l| l > 1).sum::<usize>() == budget && b.iter().sum::<usize>() > budget
+    };
+    assert!(
+        batches.iter().any(|b| full_beside_decode(&b)),
+        "no batch held the whole budget beside decode steps: {batches:?}"
+    );
 }
 
 #[test]

@@ -92,7 +92,8 @@ pub struct BenchArgs {
     /// default: the backend's (see `lily serve`).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub batch_steps: Option<bool>,
-    /// --serve: tokens one batch of steps may hold (see `lily serve --batch-tokens`).
+    /// --serve: prompt tokens one batch of steps may hold beside its decode steps (see `lily
+    /// serve --batch-tokens`).
     #[arg(long)]
     pub batch_tokens: Option<usize>,
 }
@@ -110,10 +111,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let gpu = GpuOptions {
             slots: Some(args.streams.max(args.decode_streams)),
             batch_steps: args.batch_steps,
-            // The GPU's passes hold one batch of the engine's (serve() below).
+            // The GPU's passes hold one batch of the engine's (serve() below): its prompt
+            // tokens and a decode row for every stream.
             pass_rows: Some(
                 args.batch_tokens
-                    .unwrap_or(EngineOptions::for_device(&device).batch_tokens),
+                    .unwrap_or(EngineOptions::for_device(&device).batch_tokens)
+                    + args.streams.max(args.decode_streams),
             ),
             timeline: false,
         };

@@ -60,8 +60,8 @@ pub struct ServeArgs {
     /// false`: one after another). Default: on.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub batch_steps: Option<bool>,
-    /// Tokens one batch of steps may hold: every decode step, then prompt chunks up to this many
-    /// in all (each prompt chunk at most this long). More: higher throughput when many prompts
+    /// Prompt tokens one batch of steps may hold beside its decode steps (one per decoding
+    /// sequence): prompt chunks up to this many in all, each at most this long. More: higher throughput when many prompts
     /// arrive; fewer: the streams decoding beside them wait less per token. Default: 8192 on a
     /// GPU, 2048 on the CPU.
     #[arg(long)]
@@ -98,10 +98,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         args.batch_tokens != Some(0),
         "--batch-tokens must be at least 1"
     );
+    let defaults = EngineOptions::for_device(&device_name);
     let engine = EngineOptions {
+        // A GPU holds this many sequences' state (its slots); the CPU backend has no slots.
+        max_sequences: if device_name.starts_with("cuda") {
+            args.max_sequences
+        } else {
+            defaults.max_sequences
+        },
         prefix_cache_bytes: args.prefix_cache_mb << 20,
         memory_budget: args.state_memory_mb.map(|mb| mb << 20),
-        ..EngineOptions::for_device(&device_name)
+        ..defaults
     };
     let engine = match args.batch_tokens {
         Some(tokens) => engine.with_batch_tokens(tokens),
@@ -111,7 +118,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let gpu = super::device::GpuOptions {
         slots: Some(args.max_sequences),
         batch_steps: args.batch_steps,
-        pass_rows: Some(engine.batch_tokens),
+        pass_rows: Some(engine.pass_rows()),
         timeline: false,
     };
     server::run(ServeOptions {

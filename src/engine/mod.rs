@@ -93,7 +93,7 @@ pub enum Event {
     Error(String),
 }
 
-/// Tokens of one batch of steps on a GPU by default: two prompt chunks of 4,096 besides the
+/// Prompt tokens of one batch of steps on a GPU by default: two chunks of 4,096 besides the
 /// decode rows. On the H200 at 64 streams of 1K prompts it gave 3.5 % more throughput than 4,096
 /// (16,384: 7 %, at the price of longer waits for the streams decoding beside a burst of
 /// prompts); the same as vLLM's default for its server on large GPUs (bench/NOTES.md v1.55).
@@ -103,8 +103,9 @@ pub const GPU_BATCH_TOKENS: usize = 8192;
 pub struct EngineOptions {
     /// Prompt tokens processed per step of one sequence.
     pub prefill_chunk: usize,
-    /// Tokens per batch: every decode step, then prefill chunks up to this many tokens in all
-    /// (at least one chunk per batch, so prompts always advance).
+    /// Prompt tokens per batch, beside a decode step for every sequence that decodes: prefill
+    /// chunks up to this many tokens in all (at least one chunk per batch, so prompts always
+    /// advance). A batch holds up to [`pass_rows`](Self::pass_rows) rows.
     pub batch_tokens: usize,
     /// Sequences holding state at once; more requests wait in a queue.
     pub max_sequences: usize,
@@ -120,9 +121,15 @@ pub struct EngineOptions {
 }
 
 impl EngineOptions {
-    /// Batches of up to `tokens` tokens (`--batch-tokens`): decode steps and prompt chunks in
-    /// all, each sequence's chunk no longer than the batch. More tokens per batch: more prompts
-    /// share each pass's weights (throughput); fewer: the streams decoding beside them wait less.
+    /// The most rows (tokens) one batch can hold: its prompt tokens and a decode step for every
+    /// sequence. A GPU backend's passes are sized to it, so that a batch is one pass.
+    pub fn pass_rows(&self) -> usize {
+        self.batch_tokens + self.max_sequences
+    }
+
+    /// Batches of up to `tokens` prompt tokens (`--batch-tokens`) beside the decode steps, each
+    /// sequence's chunk no longer than the batch. More tokens per batch: more prompts share
+    /// each pass's weights (throughput); fewer: the streams decoding beside them wait less.
     pub fn with_batch_tokens(self, tokens: usize) -> Self {
         let tokens = tokens.max(1);
         EngineOptions {

@@ -11,9 +11,9 @@
 //! 3. sampling: every sequence with logits waiting picks its next token and sends it (or sends
 //!    the token the backend sampled, see [`DeviceSampler`](super::DeviceSampler));
 //! 4. one batch through `Backend::forward_batch`: a decode step for each sequence that sampled
-//!    and goes on, and prefill chunks of sequences still reading their prompt, taken
-//!    round-robin from where the previous batch stopped, up to `batch_tokens` (at least one
-//!    chunk per batch), so every prompt advances. A step whose token the request's device
+//!    and goes on, and beside them prefill chunks of sequences still reading their prompt,
+//!    taken round-robin from where the previous batch stopped, up to `batch_tokens` prompt
+//!    tokens (at least one chunk per batch), so every prompt advances. A step whose token the request's device
 //!    sampler can pick brings back the token instead of the logits;
 //! 5. states worth keeping are saved in the prefix cache: every `snapshot_interval` prompt
 //!    tokens, before the prompt's last token (the prefill stops there for it), and at the end
@@ -433,13 +433,16 @@ impl EngineLoop {
     }
 
     /// Adds prefill chunks to `work`, round-robin over the sequences still reading their prompt,
-    /// within the batch's token budget.
+    /// within the batch's budget of prompt tokens. The decode steps already in `work` ride
+    /// beside it: were they counted, the last prompt tokens of a burst would spill into one more
+    /// pass of a few hundred tokens, which reads every expert's weights all the same (a 38 ms
+    /// pass for 204 prompt tokens at 64 streams, bench/NOTES.md v1.72).
     fn plan_prefill(&mut self, work: &mut Vec<(usize, Work)>) {
         let n = self.running.len();
         if n == 0 {
             return;
         }
-        let mut budget = self.options.batch_tokens.saturating_sub(work.len());
+        let mut budget = self.options.batch_tokens;
         let mut planned_any = false;
         let start = self.prefill_turn % n;
         for k in 0..n {
