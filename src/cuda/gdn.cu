@@ -28,6 +28,7 @@
 //   gdn_conv_update     prefill: the conv state after the last token
 //   gdn_zero_state      zero the states of some slots
 #include "common.cuh"
+#include "wgmma.cuh"
 
 #define GDN_DK 128
 #define GDN_DV 128
@@ -1068,35 +1069,66 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_prep(con
     }
 }
 
-// Dynamic shared memory of gdn_prefill_state (bytes): two buffers of W, k, U and G, Vn's lo parts,
-// S as hi and lo parts, and K̃'s row factors.
-#define STATE_SMEM \
-    ((2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + CHUNK) + CHUNK * SPITCH + 2 * GDN_DK * SPITCH + CHUNK) * 4)
+// The swizzled operands of gdn_prefill_state's products (wgmma.cuh's 128-byte swizzle, K-major):
+// a matrix of `rows` rows (the N side) by K fp32 values is stored as K / 32 blocks of rows × 128
+// bytes one after another, row n of a block holding k = 32b .. 32b + 31, 16-byte chunk c at
+// chunk c ^ (n % 8). Byte offset of element (n, k):
+__device__ __forceinline__ u32 swizzled_offset(int n, int k, int rows) {
+    return (u32)((k / 32) * rows * 128 + n * 128 + ((((k % 32) / 4) ^ (n % 8)) << 4) + (k % 4) * 4);
+}
+// The descriptor of rows n0 .. of such a matrix at k-step k0 (a multiple of 8; n0 a multiple of 8).
+__device__ __forceinline__ u64 swizzled_desc(u32 base, int n0, int k0, int rows) {
+    return smem_desc(base + (k0 / 32) * rows * 128 + n0 * 128 + (k0 % 32) * 4);
+}
+// Stores x split into tf32 hi and lo parts at element (n, k) of two such matrices.
+__device__ __forceinline__ void store_split_swizzled(unsigned char* hi, unsigned char* lo, int n, int k, int rows, float x) {
+    u32 h, l;
+    split_tf32(x, h, l);
+    const u32 at = swizzled_offset(n, k, rows);
+    *reinterpret_cast<u32*>(hi + at) = h;
+    *reinterpret_cast<u32*>(lo + at) = l;
+}
 
-// Grid (4 column slices, 32 value heads), 256 threads; sequential over the chunks. The block's
-// state slice S[128 d][32 v] stays in the accumulators of the tensor-core products: warp w holds rows
-// 16w..16w+15 as 4 tiles of 16 × 8 (C-fragment layout), and a copy in shared memory feeds W·S.
-// The B operands (S, then Vn) are stored split (tf32 hi and lo parts, split_tf32) by the thread that
-// made each value: split once instead of once per warp that reads it (4× for S, 8× for Vn).
+// Dynamic shared memory of gdn_prefill_state (bytes): slack to align to 1024, Sᵀ and Vnᵀ split
+// (hi and lo parts, swizzled), two buffers of W, k, U and G, K̃'s row factors.
+#define ST_SWIZZLED (2 * ST_COLS * GDN_DK * 4 + 2 * ST_COLS * CHUNK * 4)
+#define XPITCH 24  // W·S's halves exchanged between the warpgroups: 16 columns and padding
+#define STATE_SMEM \
+    (1024 + ST_SWIZZLED + (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + CHUNK) + CHUNK + 2 * CHUNK * XPITCH) * 4)
+
+// Grid (4 column slices, 32 value heads), 256 threads = 2 warpgroups; sequential over the chunks.
+// The block's state slice S[128 d][32 v] stays in the accumulators of the tensor-core products:
+// warp w holds rows 16w..16w+15 (warpgroup w / 4 the rows 64(w / 4)..+63 of an m64n32 product).
+// Both products are wgmma in 3xTF32 (fp32 accuracy: the state is carried over thousands of
+// tokens), the A operand split in registers, the B operand kept split in shared memory by the
+// thread that made each value (Sᵀ and Vnᵀ, K-major as tf32 products need):
+//   Vn = U − W·S               m64n32 per warpgroup over its half of k = 128 dk, the halves
+//                              summed through shared memory (a chain of 24 products, not 48)
+//   S ← e^(G_last) S + K̃ᵀ·Vn   m64n32 per warpgroup (its 64 of the 128 rows), k = 64 chunk rows
+// Measured against the mma.sync form it replaced: 0.271 → 0.232 ms a 4K-token layer on the H200
+// (bench/NOTES.md v1.73); the kernel is bound by its chain per chunk (barriers, the products'
+// waits, the copies' issue), not by a pipe.
 // The next chunk's W, k, U and G are prefetched with cp.async while the current one is computed.
 // K̃ = k e^(G_last − G) is made here from gdn_prefill_qk's k (rows scaled as the A fragments are
-// loaded), not read from a copy per value head that gdn_prefill_prep wrote: 32 KB less written
-// and read per (chunk, head), the same values bit for bit.
-// Both products use 3xTF32 (fp32 accuracy): the state is carried over thousands of tokens.
+// loaded), not read from a copy per value head that gdn_prefill_prep wrote.
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(const GdnArgs p) {
     pdl_wait();
     pdl_launch_dependents();
-    extern __shared__ float4 smem4[];
-    float* W_s = reinterpret_cast<float*>(smem4);  // [2][64][PITCH]
-    float* K_s = W_s + 2 * CHUNK * PITCH;            // [2][64][VPITCH]
-    float* U_s = K_s + 2 * CHUNK * VPITCH;           // [2][64][SPITCH], U then Vn's hi parts
-    u32* Vlo_s = reinterpret_cast<u32*>(U_s + 2 * CHUNK * SPITCH);  // [64][SPITCH], Vn's lo parts
-    u32* Shi_s = Vlo_s + CHUNK * SPITCH;                             // [128][SPITCH], S's hi parts
-    u32* Slo_s = Shi_s + GDN_DK * SPITCH;                            // [128][SPITCH], S's lo parts
-    float* G_s = reinterpret_cast<float*>(Slo_s + GDN_DK * SPITCH);  // [2][64], G
-    float* F_s = G_s + 2 * CHUNK;                                    // [64], e^(G_last − G_r)
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 raw = smem_u32(smem_raw), base = (raw + 1023) & ~1023u;
+    unsigned char* Shi = smem_raw + (base - raw);  // Sᵀ [32 v][128 dk], hi parts
+    unsigned char* Slo = Shi + ST_COLS * GDN_DK * 4;
+    unsigned char* Vhi = Slo + ST_COLS * GDN_DK * 4;  // Vnᵀ [32 v][64 rows], hi parts
+    unsigned char* Vlo = Vhi + ST_COLS * CHUNK * 4;
+    const u32 shi_a = smem_u32(Shi), slo_a = smem_u32(Slo), vhi_a = smem_u32(Vhi), vlo_a = smem_u32(Vlo);
+    float* W_s = reinterpret_cast<float*>(Shi + ST_SWIZZLED);  // [2][64][PITCH]
+    float* K_s = W_s + 2 * CHUNK * PITCH;                       // [2][64][VPITCH]
+    float* U_s = K_s + 2 * CHUNK * VPITCH;                      // [2][64][SPITCH]
+    float* G_s = U_s + 2 * CHUNK * SPITCH;                      // [2][64], G
+    float* F_s = G_s + 2 * CHUNK;                               // [64], e^(G_last − G_r)
+    float* X_s = F_s + CHUNK;                                   // [2][64][XPITCH], W·S's halves
     const int hv = blockIdx.y, kh = hv / 2, v0 = blockIdx.x * ST_COLS, tid = threadIdx.x;
-    const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
+    const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4, wg = warp / 4, wr = warp % 4;
     const int nc = (p.rows + CHUNK - 1) / CHUNK;
 
     // Copies chunk c's W, k (whole), U (this slice) and G into buffer `buf`: 8 + 8 + 2 vectors per
@@ -1108,15 +1140,16 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     constexpr i64 CHUNK_STRIDE = (i64)GDN_VALUE_HEADS * CHUNK * GDN_DK;  // floats between chunks' tiles
     constexpr i64 KEY_CHUNK_STRIDE = (i64)GDN_KEY_HEADS * CHUNK * GDN_DK;
     static_assert(CHUNK * ST_COLS / 4 == 2 * PF_THREADS, "two U vectors per thread");
+    static_assert(PF_THREADS == 256 && ST_COLS == 32 && CHUNK == 64 && GDN_DK == 128, "the wgmma shapes below");
     const int cr = tid / 32, cd = 4 * (tid % 32), ur = tid / 8, uv = 4 * (tid % 8);
     const float* w_src = p.ws_w + (i64)hv * CHUNK * GDN_DK + cr * GDN_DK + cd;
     const float* k_src = p.ws_kn + (i64)kh * CHUNK * GDN_DK + cr * GDN_DK + cd;
     const float* u_src = p.ws_u + (i64)hv * CHUNK * GDN_DK + ur * GDN_DV + v0 + uv;
     const float* g_src = p.ws_g + (i64)hv * CHUNK + 4 * (tid % 16);
-    const u32 w_dst = (u32)__cvta_generic_to_shared(W_s + cr * PITCH + cd);
-    const u32 k_dst = (u32)__cvta_generic_to_shared(K_s + cr * VPITCH + cd);
-    const u32 u_dst = (u32)__cvta_generic_to_shared(U_s + ur * SPITCH + uv);
-    const u32 g_dst = (u32)__cvta_generic_to_shared(G_s + 4 * (tid % 16));
+    const u32 w_dst = smem_u32(W_s + cr * PITCH + cd);
+    const u32 k_dst = smem_u32(K_s + cr * VPITCH + cd);
+    const u32 u_dst = smem_u32(U_s + ur * SPITCH + uv);
+    const u32 g_dst = smem_u32(G_s + 4 * (tid % 16));
     auto prefetch = [&](int c, int buf) {
         const i64 at = c * CHUNK_STRIDE, key_at = c * KEY_CHUNK_STRIDE;
 #pragma unroll
@@ -1131,33 +1164,40 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
     prefetch(0, 0);
     cp_async_commit();
 
-    // S[d][v] for d = 16·warp + g (+8), v = 8j + 2t (+1): s[j] = {S[d][v], S[d][v+1], S[d+8][v], S[d+8][v+1]}.
+    // S[d][v] for d = 16·warp + g (+8), v = 8j + 2t (+1): s[4j + 2h + e] = S[d0 + g + 8h][8j + 2t + e],
+    // the accumulator layout of an m64n32 product.
     const int d0 = 16 * warp;
     float* state = p.ssm + (i64)hv * GDN_HEAD_STATE + v0;
-    float s[4][4];
+    float s[16];
+    // Sᵀ from the accumulators, split, for the next W·S (visible to the tensor cores after a barrier).
+    auto store_state = [&]() {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                store_split_swizzled(Shi, Slo, 8 * j + 2 * t + e % 2, d0 + g + 8 * (e / 2), ST_COLS, s[4 * j + e]);
+        fence_async_shared();
+    };
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int d = d0 + g + 8 * h, v = 8 * j + 2 * t;
-            const float2 x = *reinterpret_cast<const float2*>(state + d * GDN_DV + v);
-            s[j][2 * h] = x.x;
-            s[j][2 * h + 1] = x.y;
-            store_split(Shi_s + d * SPITCH + v, Slo_s + d * SPITCH + v, x.x, x.y);
+            const float2 x = *reinterpret_cast<const float2*>(state + (d0 + g + 8 * h) * GDN_DV + 8 * j + 2 * t);
+            s[4 * j + 2 * h] = x.x;
+            s[4 * j + 2 * h + 1] = x.y;
         }
+    store_state();
 
-    // Vn tiles of warp w: rows 16(w/2).., columns 16(w%2) + 8j, j < 2.
-    const int vm0 = 16 * (warp / 2), vn0 = 16 * (warp % 2);
 #pragma unroll 1
     for (int c = 0; c < nc; ++c) {
         const int buf = c % 2;
         if (c + 1 < nc) prefetch(c + 1, buf ^ 1);
         cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning chunk c
         cp_async_wait_1();
-        __syncthreads();  // chunk c's buffers (everyone's copies) and S are ready
+        __syncthreads();  // chunk c's buffers (everyone's copies) and Sᵀ are ready
         const float* W = W_s + buf * CHUNK * PITCH;
         const float* K = K_s + buf * CHUNK * VPITCH;
-        float* U = U_s + buf * CHUNK * SPITCH;
+        const float* U = U_s + buf * CHUNK * SPITCH;
         const i64 tile = ((i64)c * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
         // e^(G_last) and K̃'s row factors. Padded rows have g = 0, so G_last = G[63] is the last
         // real row's G. F_s is read after the next barrier (the previous chunk's reads are done).
@@ -1172,78 +1212,104 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
                 *reinterpret_cast<float2*>(h + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
-                    make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
+                    make_float2(s[4 * j + 2 * hh], s[4 * j + 2 * hh + 1]);
 
-        // Vn = U − W·S, accumulated onto U with −W as the A operand.
+        // Vn = U − W·S, with −W as the A operand: warpgroup wg sums k = 64wg .. 64wg + 63 for all
+        // 32 columns (rows 16wr + g (+8), columns 8j + 2t (+1): acc[4j + 2h + e]), warpgroup 0's
+        // onto U; each then hands the other the half of the columns the other owns (16wg ..
+        // 16wg + 15 are warpgroup wg's), through X_s, and adds the half it got to its own.
         {
-            float acc[2][4];
+            float acc[16];
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[j][e] = U[(vm0 + g + 8 * (e / 2)) * SPITCH + vn0 + 8 * j + 2 * t + e % 2];
-#pragma unroll 4
-            for (int k0 = 0; k0 < GDN_DK; k0 += 8) {
-                u32 ahi[4], alo[4];
-                load_a_split(ahi, alo, W, PITCH, 1, vm0, k0, g, t, true);
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    u32 bhi[2], blo[2];
-                    load_b_presplit(bhi, blo, Shi_s, Slo_s, SPITCH, 1, k0, vn0 + 8 * j, g, t);
-                    mma_3xtf32(acc[j], ahi, alo, bhi, blo);
-                }
-            }
-            // Each value goes back to the U element it started from (no other thread reads those
-            // before the barrier) and to the workspace for gdn_prefill_out.
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
+            for (int j = 0; j < 4; ++j)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const int r = vm0 + g + 8 * hh, v = vn0 + 8 * j + 2 * t;
-                    const float2 x = make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
-                    store_split(reinterpret_cast<u32*>(U + r * SPITCH + v), Vlo_s + r * SPITCH + v, x.x, x.y);
+                    const float2 u = wg == 0 ? *reinterpret_cast<const float2*>(U + (16 * wr + g + 8 * hh) * SPITCH + 8 * j + 2 * t)
+                                             : make_float2(0.0f, 0.0f);
+                    acc[4 * j + 2 * hh] = u.x;
+                    acc[4 * j + 2 * hh + 1] = u.y;
+                }
+            constexpr int KS = GDN_DK / 16;  // k-steps per warpgroup
+            u32 ahi[KS][4], alo[KS][4];
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) load_a_split(ahi[ks], alo[ks], W, PITCH, 1, 16 * wr, 64 * wg + 8 * ks, g, t, true);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+                const int k0 = 64 * wg + 8 * ks;
+                wgmma_tf32_k8<32>(acc, alo[ks], swizzled_desc(shi_a, 0, k0, ST_COLS));
+                wgmma_tf32_k8<32>(acc, ahi[ks], swizzled_desc(slo_a, 0, k0, ST_COLS));
+                wgmma_tf32_k8<32>(acc, ahi[ks], swizzled_desc(shi_a, 0, k0, ST_COLS));
+            }
+            wgmma_commit();
+            fence_accumulators<32>(acc);
+            wgmma_wait<0>();
+            fence_accumulators<32>(acc);
+            // The other warpgroup's columns to X_s[wg], then ours from X_s[1 − wg]: the sum is
+            // warpgroup 0's part plus warpgroup 1's in either order (the same bits).
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = 16 * wr + g + 8 * hh, i = 4 * jj + 2 * hh;  // accumulator i: column tile jj
+                    *reinterpret_cast<float2*>(X_s + (wg * CHUNK + r) * XPITCH + 8 * jj + 2 * t) =
+                        wg == 0 ? make_float2(acc[8 + i], acc[8 + i + 1]) : make_float2(acc[i], acc[i + 1]);
+                }
+            __syncthreads();  // both halves handed over
+            // Vnᵀ split for K̃ᵀ·Vn, and Vn to the workspace for gdn_prefill_out.
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = 16 * wr + g + 8 * hh, v = 16 * wg + 8 * jj + 2 * t, i = 4 * jj + 2 * hh;
+                    const float2 o = *reinterpret_cast<const float2*>(X_s + ((1 - wg) * CHUNK + r) * XPITCH + 8 * jj + 2 * t);
+                    const float2 m = wg == 0 ? make_float2(acc[i], acc[i + 1]) : make_float2(acc[8 + i], acc[8 + i + 1]);
+                    const float2 x = make_float2(m.x + o.x, m.y + o.y);
+                    store_split_swizzled(Vhi, Vlo, v, r, ST_COLS, x.x);
+                    store_split_swizzled(Vhi, Vlo, v + 1, r, ST_COLS, x.y);
                     *reinterpret_cast<float2*>(p.ws_u + tile + r * GDN_DV + v0 + v) = x;
                 }
+            fence_async_shared();
         }
-        __syncthreads();  // Vn complete; S reads done
+        __syncthreads();  // Vnᵀ complete; every W·S read of Sᵀ done
 
         // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) = k[r][d] · F[r]), B = Vn.
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 16; ++i) s[i] *= decay;
+        {
+            u32 ahi[CHUNK / 8][4], alo[CHUNK / 8][4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] *= decay;
-#pragma unroll 2
-        for (int k0 = 0; k0 < CHUNK; k0 += 8) {
-            u32 ahi[4], alo[4];
-            {
+            for (int ks = 0; ks < CHUNK / 8; ++ks) {
+                const int k0 = 8 * ks;
                 float a[4];
                 load_a(a, K, 1, VPITCH, d0, k0, g, t);  // a[0], a[1] from row k0 + t; a[2], a[3] from k0 + t + 4
                 const float f0 = F_s[k0 + t], f1 = F_s[k0 + t + 4];
-                split_tf32(a[0] * f0, ahi[0], alo[0]);
-                split_tf32(a[1] * f0, ahi[1], alo[1]);
-                split_tf32(a[2] * f1, ahi[2], alo[2]);
-                split_tf32(a[3] * f1, ahi[3], alo[3]);
+                split_tf32(a[0] * f0, ahi[ks][0], alo[ks][0]);
+                split_tf32(a[1] * f0, ahi[ks][1], alo[ks][1]);
+                split_tf32(a[2] * f1, ahi[ks][2], alo[ks][2]);
+                split_tf32(a[3] * f1, ahi[ks][3], alo[ks][3]);
             }
+            wgmma_fence();
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                u32 bhi[2], blo[2];
-                load_b_presplit(bhi, blo, reinterpret_cast<const u32*>(U), Vlo_s, SPITCH, 1, k0, 8 * j, g, t);
-                mma_3xtf32(s[j], ahi, alo, bhi, blo);
+            for (int ks = 0; ks < CHUNK / 8; ++ks) {
+                wgmma_tf32_k8<32>(s, alo[ks], swizzled_desc(vhi_a, 0, 8 * ks, ST_COLS));
+                wgmma_tf32_k8<32>(s, ahi[ks], swizzled_desc(vlo_a, 0, 8 * ks, ST_COLS));
+                wgmma_tf32_k8<32>(s, ahi[ks], swizzled_desc(vhi_a, 0, 8 * ks, ST_COLS));
             }
+            wgmma_commit();
+            fence_accumulators<32>(s);
+            wgmma_wait<0>();
+            fence_accumulators<32>(s);
         }
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-                store_split(Shi_s + (d0 + g + 8 * hh) * SPITCH + 8 * j + 2 * t, Slo_s + (d0 + g + 8 * hh) * SPITCH + 8 * j + 2 * t,
-                            s[j][2 * hh], s[j][2 * hh + 1]);
-        __syncthreads();  // S updated; this chunk's buffers free for the prefetch of chunk c + 2
+        store_state();
+        __syncthreads();  // Sᵀ updated; this chunk's buffers free for the prefetch of chunk c + 2
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
             *reinterpret_cast<float2*>(state + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
-                make_float2(s[j][2 * hh], s[j][2 * hh + 1]);
+                make_float2(s[4 * j + 2 * hh], s[4 * j + 2 * hh + 1]);
 }
 
 // Dynamic shared memory of gdn_prefill_out (bytes): q, k/Vn, A, a 32-row slab of S, G.

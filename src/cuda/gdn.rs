@@ -60,11 +60,11 @@ const QK_SMEM: usize = 2 * (CHUNK + 3) * 256 * 2;
 /// one's rows while it computes this one. 16 × 16 blocks fill the 132 SMs twice.
 const QK_GROUPS: u32 = 16;
 const PREP_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4;
-const STATE_SMEM: usize = (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + CHUNK)
-    + CHUNK * SPITCH
-    + 2 * HEAD_DIM * SPITCH
-    + CHUNK)
-    * 4;
+/// gdn_prefill_state: slack to align to 1024 bytes, Sᵀ and Vnᵀ split for its products (hi and lo
+/// parts), two buffers of W, k, U and G, K̃'s row factors.
+const STATE_SMEM: usize = 1024
+    + 2 * ST_COLS * (HEAD_DIM + CHUNK) * 4
+    + (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + CHUNK) + CHUNK + 2 * CHUNK * 24) * 4;
 const OUT_SMEM: usize = (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4;
 
 /// Checks that a model's GDN layers have the shapes these kernels are compiled for.

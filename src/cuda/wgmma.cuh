@@ -1,6 +1,7 @@
 // Hopper's warpgroup matrix products (wgmma) as the kernels use them (gemm_wgmma.cu,
-// attention_wgmma.cu): shared-memory descriptors of the 128-byte-swizzled layout, the fences and
-// commit/wait of the asynchronous products, and the product shapes used (bf16 or e4m3 in, fp32 out).
+// attention_wgmma.cu, gdn.cu): shared-memory descriptors of the 128-byte-swizzled layout, the fences
+// and commit/wait of the asynchronous products, and the product shapes used (bf16, e4m3 or tf32 in,
+// fp32 out).
 //
 // Shared-memory operands are stored in rows of 128 bytes (64 bf16), 16-byte chunk c of row r at
 // r·128 + ((c ^ r%8) << 4) from a 1024-byte-aligned start: the 128-byte swizzle, which both a
@@ -149,6 +150,26 @@ template <> __device__ __forceinline__ void wgmma_fp8_k32<128>(float* d, u64 des
         "%64, %65, p, 1, 1;\n}\n"
         : WGMMA_D64
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// d += A·B in tf32 for A = 64 rows × 8 in registers (a: each warp's 16 rows as the mma.m16n8k8
+// tf32 A fragment) and B = 8 × N from shared memory, K-major (32-bit operands have no transposed
+// form); d holds N / 2 accumulators. A tf32 operand is read as its top 19 bits.
+template <int N> __device__ __forceinline__ void wgmma_tf32_k8(float* d, const u32 a[4], u64 desc_b);
+template <> __device__ __forceinline__ void wgmma_tf32_k8<16>(float* d, const u32 a[4], u64 desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+                 : WGMMA_D8(0)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+template <> __device__ __forceinline__ void wgmma_tf32_k8<32>(float* d, const u32 a[4], u64 desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+                 : WGMMA_D8(0), WGMMA_D8(8)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
 }  // namespace
