@@ -81,7 +81,7 @@ struct GdnArgs {
     // Prefill scratch (see gdn_prefill_prep), nc = ceil(rows / 64) chunks:
     float* ws_w;      // [nc][32][64][128]  W  = T·(β k e^G)
     float* ws_u;      // [nc][32][64][128]  U  = T·(β v), replaced by Vn = U − W·S by gdn_prefill_state
-    float* ws_h;      // [nc][32][128][128] the state at the start of each chunk
+    float* ws_h;      // [nc][32][128 dv][128 dk] the state at the start of each chunk, transposed (Sᵀ)
     float* ws_q;      // [nc][16][64][128]  q after conv, SiLU, l2 norm, times 1/√dk (gdn_prefill_qk)
     float* ws_kn;     // [nc][16][64][128]  k after conv, SiLU, l2 norm
     float* ws_beta;   // [nc][32][64]       β
@@ -570,7 +570,7 @@ extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
 //                      solve (I + L)·[U | W] = [β v | β k e^G]
 //   gdn_prefill_state  (head, 32 columns) sequential over chunks, the state S in registers:
 //                      Vn = U − W·S;  S ← e^(G_last) S + K̃ᵀ Vn  with K̃ = k e^(G_last − G)
-//                      (writes each chunk's starting S)
+//                      (writes each chunk's starting S, as Sᵀ: the operand layout of gdn_prefill_out)
 //   gdn_prefill_out    (chunk, head) in parallel:  O = (q e^G)·S_chunk + (q kᵀ ⊙ e^(G_r − G_s))_(s≤r)·Vn,
 //                      then the gated RMSNorm
 //   gdn_conv_update    the conv state after the last token (last: the others read the old one)
@@ -1105,9 +1105,9 @@ __device__ __forceinline__ void store_split_swizzled(unsigned char* hi, unsigned
 //   Vn = U − W·S               m64n32 per warpgroup over its half of k = 128 dk, the halves
 //                              summed through shared memory (a chain of 24 products, not 48)
 //   S ← e^(G_last) S + K̃ᵀ·Vn   m64n32 per warpgroup (its 64 of the 128 rows), k = 64 chunk rows
-// Measured against the mma.sync form it replaced: 0.271 → 0.232 ms a 4K-token layer on the H200
-// (bench/NOTES.md v1.73); the kernel is bound by its chain per chunk (barriers, the products'
-// waits, the copies' issue), not by a pipe.
+// Measured against the mma.sync form it replaced: 0.271 → 0.216 ms a 4K-token layer on the H200
+// (bench/NOTES.md v1.73, with ws_h written from the split copy as whole rows); the kernel is bound
+// by its chain per chunk (barriers, the products' waits, the copies' issue), not by a pipe.
 // The next chunk's W, k, U and G are prefetched with cp.async while the current one is computed.
 // K̃ = k e^(G_last − G) is made here from gdn_prefill_qk's k (rows scaled as the A fragments are
 // loaded), not read from a copy per value head that gdn_prefill_prep wrote.
@@ -1205,14 +1205,19 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
         const float decay = expf(G[CHUNK - 1]);
         if (tid < CHUNK) F_s[tid] = expf(G[CHUNK - 1] - G[tid]);
 
-        // The state at the start of chunk c, for gdn_prefill_out.
-        float* h = p.ws_h + ((i64)c * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE + v0;
+        // The state at the start of chunk c for gdn_prefill_out, as Sᵀ (the K-major operand its
+        // products read) from the split copy: hi + lo is the value exactly (split_tf32). Thread
+        // (row tid / 8, chunk tid % 8) writes 16 bytes of each 128-byte block of its row.
+        {
+            const int v = tid / 8, c8 = tid % 8;
+            float* h = p.ws_h + ((i64)c * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE + (i64)(v0 + v) * GDN_DK + 4 * c8;
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh)
-                *reinterpret_cast<float2*>(h + (d0 + g + 8 * hh) * GDN_DV + 8 * j + 2 * t) =
-                    make_float2(s[4 * j + 2 * hh], s[4 * j + 2 * hh + 1]);
+            for (int kb = 0; kb < GDN_DK / 32; ++kb) {
+                const u32 at = swizzled_offset(v, 32 * kb + 4 * c8, ST_COLS);
+                const float4 hi = *reinterpret_cast<const float4*>(Shi + at), lo = *reinterpret_cast<const float4*>(Slo + at);
+                *reinterpret_cast<float4*>(h + 32 * kb) = make_float4(hi.x + lo.x, hi.y + lo.y, hi.z + lo.z, hi.w + lo.w);
+            }
+        }
 
         // Vn = U − W·S, with −W as the A operand: warpgroup wg sums k = 64wg .. 64wg + 63 for all
         // 32 columns (rows 16wr + g (+8), columns 8j + 2t (+1): acc[4j + 2h + e]), warpgroup 0's
@@ -1312,26 +1317,39 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
                 make_float2(s[4 * j + 2 * hh], s[4 * j + 2 * hh + 1]);
 }
 
-// Dynamic shared memory of gdn_prefill_out (bytes): q, k/Vn, A, a 32-row slab of S, G.
-#define OUT_SMEM ((CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4)
+// Dynamic shared memory of gdn_prefill_out (bytes): slack to align to 1024, A (then a 32-row slab
+// of Sᵀ, split), q, k/Vn, G.
+#define OUT_SLAB (2 * GDN_DV * 32 * 4)
+#define OUT_SMEM (1024 + OUT_SLAB + (CHUNK * PITCH + CHUNK * VPITCH + CHUNK) * 4)
+static_assert(CHUNK * LPITCH * 4 <= OUT_SLAB, "A fits where the slabs go");
 
-// Grid (chunks, 32 value heads), 256 threads. The products run on the tensor cores in PASSES products
-// (mma_passes): gdn_prefill_out in 3xTF32 (prefill then agrees with decode as closely as fp32
-// allows); gdn_prefill_out_tf32 in plain tf32, a third of the products and none of the remainders,
-// at noise of ~1e-3 of a head's rms in the outputs, 1/3 of their bf16 rounding (the reference's
-// chunked kernels take these products in bf16; under trial, bench/NOTES.md v1.37). Warp w computes
-// rows 16(w/2)..+15 of the chunk's outputs, columns 64(w%2)..+63; the outputs go through shared
-// memory to the gated norm, a warp per row.
+// Grid (chunks, 32 value heads), 256 threads = 2 warpgroups, two blocks per SM. The products run
+// on the tensor cores in PASSES products: gdn_prefill_out in 3xTF32 (prefill then agrees with
+// decode as closely as fp32 allows); gdn_prefill_out_tf32 in plain tf32, a third of the products
+// and none of the remainders, at noise of ~1e-3 of a head's rms in the outputs, 1/3 of their bf16
+// rounding (the reference's chunked kernels take these products in bf16; under trial,
+// bench/NOTES.md v1.37). Warp w computes rows 16(w % 4)..+15 of the chunk's outputs, columns
+// 64(w / 4)..+63 (warpgroup w / 4's half of an m64n128 product):
+//   A = (q kᵀ ⊙ e^(G_r − G_s))_(s≤r)      mma.sync, the lower triangle's tiles only
+//   O = A·Vn                               mma.sync, A's rows m0.. are zero past column m0 + 15
+//     + (q e^G)·S_chunk                    wgmma (m64n64k8 per warpgroup), S streamed through
+//                                          shared memory 32 dk at a time as Sᵀ split into tf32
+//                                          hi and lo parts (the K-major B operand), q e^G split
+//                                          in registers
+// The outputs go through shared memory to the gated norm, a warp per row.
 template <int PASSES>
-__device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
-    float* q_s = smem;                              // [64][PITCH]: q, then q e^G, then the outputs
-    float* kv_s = q_s + CHUNK * PITCH;              // [64][PITCH] k, then [64][VPITCH] Vn
-    float* A_s = kv_s + CHUNK * VPITCH;             // [64][LPITCH]
-    float* H_s = A_s + CHUNK * LPITCH;              // [32][VPITCH]: 32 rows of the chunk's starting state
-    float* G_s = H_s + 32 * VPITCH;
+__device__ __forceinline__ void prefill_out(const GdnArgs& p) {
+    extern __shared__ __align__(1024) unsigned char out_smem[];
+    const u32 raw = smem_u32(out_smem), base = (raw + 1023) & ~1023u;
+    unsigned char* slab = out_smem + (base - raw);  // [128 dv][32 dk] hi parts, then lo parts (swizzled)
+    float* A_s = reinterpret_cast<float*>(slab);    // [64][LPITCH], until the slabs
+    float* q_s = reinterpret_cast<float*>(slab + OUT_SLAB);  // [64][PITCH]: q, then q e^G, then the outputs
+    float* kv_s = q_s + CHUNK * PITCH;                        // [64][PITCH] k, then [64][VPITCH] Vn
+    float* G_s = kv_s + CHUNK * VPITCH;
+    const u32 slab_hi = smem_u32(slab), slab_lo = slab_hi + OUT_SLAB / 2;
     const int chunk = blockIdx.x, hv = blockIdx.y, kh = hv / 2, t0 = chunk * CHUNK, tid = threadIdx.x;
-    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-    const int m0 = 16 * (warp / 2);
+    const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, wg = warp / 4;
+    const int m0 = 16 * (warp % 4), n_base = 64 * wg;
 
     // q, k and G from gdn_prefill_qk.
     const i64 qk_tile = ((i64)chunk * GDN_KEY_HEADS + kh) * CHUNK * GDN_DK;
@@ -1361,6 +1379,17 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
     }
     __syncthreads();  // q and k no longer read as they are
 
+    // The chunk's starting state Sᵀ, a slab of 32 dk at a time: thread (row tid / 8 + 32u, chunk
+    // tid % 8) holds 16 bytes of each slab's rows, loaded into registers a slab ahead.
+    const float* hsrc = p.ws_h + ((i64)chunk * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE + (tid / 8) * GDN_DK + 4 * (tid % 8);
+    constexpr int SLAB_VECS = GDN_DV * 32 / 4 / PF_THREADS;  // float4 per thread per slab
+    float4 held[SLAB_VECS];
+    auto load_slab = [&](int d0) {
+#pragma unroll
+        for (int u = 0; u < SLAB_VECS; ++u) held[u] = *reinterpret_cast<const float4*>(hsrc + 32 * u * GDN_DK + d0);
+    };
+    load_slab(0);
+
     const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
 #pragma unroll
     for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
@@ -1375,52 +1404,15 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
         *qr = q;
         *reinterpret_cast<float4*>(kv_s + r * VPITCH + d) = reinterpret_cast<const float4*>(p.ws_u + tile)[e];
     }
+    __syncthreads();  // q e^G and Vn in place
 
-    const int n_base = 64 * (warp % 2);
-    float acc[8][4];
+    // d[4j + e] = O[m0 + g + 8(e / 2)][n_base + 8j + 2t + e % 2], the accumulator layout of both
+    // the mma.sync tiles and the warpgroup's m64n64 product.
+    float acc[32];
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+    for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
 
-    // The inter-chunk part (q e^G)·S_chunk, S streamed through shared memory 32 rows at a time;
-    // each slab's loads are issued into registers before the previous slab's products, so their
-    // latency hides behind them.
-    const float* hsrc = p.ws_h + ((i64)chunk * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE;
-    constexpr int SLAB_VECS = 32 * GDN_DV / 4 / PF_THREADS;  // float4 per thread per slab
-    float4 slab[SLAB_VECS];
-    auto load_slab = [&](int d0) {
-#pragma unroll
-        for (int u = 0; u < SLAB_VECS; ++u) {
-            const int e = tid + u * PF_THREADS, r = e / (GDN_DV / 4), v = (e % (GDN_DV / 4)) * 4;
-            slab[u] = *reinterpret_cast<const float4*>(hsrc + (d0 + r) * GDN_DV + v);
-        }
-    };
-    load_slab(0);
-#pragma unroll 1
-    for (int d0 = 0; d0 < GDN_DK; d0 += 32) {
-#pragma unroll
-        for (int u = 0; u < SLAB_VECS; ++u) {
-            const int e = tid + u * PF_THREADS, r = e / (GDN_DV / 4), v = (e % (GDN_DV / 4)) * 4;
-            *reinterpret_cast<float4*>(H_s + r * VPITCH + v) = slab[u];
-        }
-        __syncthreads();  // the slab (and, the first time, q e^G and Vn) are in place
-        if (d0 + 32 < GDN_DK) load_slab(d0 + 32);
-#pragma unroll 2
-        for (int k0 = 0; k0 < 32; k0 += 8) {
-            u32 ahi[4], alo[4];
-            load_a_split(ahi, alo, q_s, PITCH, 1, m0, d0 + k0, g, t);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                u32 bhi[2], blo[2];
-                load_b_split(bhi, blo, H_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
-                mma_passes<PASSES>(acc[j], ahi, alo, bhi, blo);
-            }
-        }
-        __syncthreads();  // H_s free for the next slab
-    }
-
-    // The intra-chunk part A·Vn; A's rows m0..m0+15 are zero past column m0 + 15.
+    // The intra-chunk part A·Vn.
 #pragma unroll 1
     for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
         u32 ahi[4], alo[4];
@@ -1429,8 +1421,45 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
         for (int j = 0; j < 8; ++j) {
             u32 bhi[2], blo[2];
             load_b_split(bhi, blo, kv_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
-            mma_passes<PASSES>(acc[j], ahi, alo, bhi, blo);
+            mma_passes<PASSES>(&acc[4 * j], ahi, alo, bhi, blo);
         }
+    }
+
+    // The inter-chunk part (q e^G)·S_chunk.
+#pragma unroll 1
+    for (int d0 = 0; d0 < GDN_DK; d0 += 32) {
+        __syncthreads();  // A, or the previous slab, no longer read
+#pragma unroll
+        for (int u = 0; u < SLAB_VECS; ++u) {
+            const int v = tid / 8 + 32 * u, c8 = tid % 8;
+            const u32 at = swizzled_offset(v, 4 * c8, GDN_DV);
+            uint4 hi, lo;
+            split_tf32(held[u].x, hi.x, lo.x);
+            split_tf32(held[u].y, hi.y, lo.y);
+            split_tf32(held[u].z, hi.z, lo.z);
+            split_tf32(held[u].w, hi.w, lo.w);
+            *reinterpret_cast<uint4*>(slab + at) = hi;
+            if constexpr (PASSES == 3) *reinterpret_cast<uint4*>(slab + OUT_SLAB / 2 + at) = lo;
+        }
+        fence_async_shared();
+        __syncthreads();  // the slab in place for the tensor cores
+        if (d0 + 32 < GDN_DK) load_slab(d0 + 32);
+        u32 ahi[4][4], alo[4][4];
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) load_a_split(ahi[ks], alo[ks], q_s, PITCH, 1, m0, d0 + 8 * ks, g, t);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+            if constexpr (PASSES == 3) {
+                wgmma_tf32_k8<64>(acc, alo[ks], swizzled_desc(slab_hi, n_base, 8 * ks, GDN_DV));
+                wgmma_tf32_k8<64>(acc, ahi[ks], swizzled_desc(slab_lo, n_base, 8 * ks, GDN_DV));
+            }
+            wgmma_tf32_k8<64>(acc, ahi[ks], swizzled_desc(slab_hi, n_base, 8 * ks, GDN_DV));
+        }
+        wgmma_commit();
+        fence_accumulators<64>(acc);
+        wgmma_wait<0>();
+        fence_accumulators<64>(acc);
     }
     __syncthreads();  // every warp is done with q_s, which takes the outputs now
 #pragma unroll
@@ -1438,7 +1467,7 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
             *reinterpret_cast<float2*>(q_s + (m0 + g + 8 * hh) * PITCH + n_base + 8 * j + 2 * t) =
-                make_float2(acc[j][2 * hh], acc[j][2 * hh + 1]);
+                make_float2(acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1]);
     __syncthreads();
 
     // Gated RMSNorm per row (as in gdn_decode), a warp per row, lane l on columns 4l..4l+3;
@@ -1466,14 +1495,12 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p, float* smem) {
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out(const GdnArgs p) {
     pdl_wait();
     pdl_launch_dependents();
-    extern __shared__ float4 smem4[];
-    prefill_out<3>(p, reinterpret_cast<float*>(smem4));
+    prefill_out<3>(p);
 }
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out_tf32(const GdnArgs p) {
     pdl_wait();
     pdl_launch_dependents();
-    extern __shared__ float4 smem4[];
-    prefill_out<1>(p, reinterpret_cast<float*>(smem4));
+    prefill_out<1>(p);
 }
 
 // The conv state after T = p.rows tokens: the last 3 rows of (old state ‖ inputs). One thread per

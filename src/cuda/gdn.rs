@@ -65,7 +65,9 @@ const PREP_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4;
 const STATE_SMEM: usize = 1024
     + 2 * ST_COLS * (HEAD_DIM + CHUNK) * 4
     + (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + CHUNK) + CHUNK + 2 * CHUNK * 24) * 4;
-const OUT_SMEM: usize = (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * LPITCH + 32 * VPITCH + CHUNK) * 4;
+/// gdn_prefill_out: slack to align to 1024 bytes, A or a slab of Sᵀ split (hi and lo parts of 128
+/// rows × 32 values), q, k/Vn, G.
+const OUT_SMEM: usize = 1024 + 2 * HEAD_DIM * 32 * 4 + (CHUNK * PITCH + CHUNK * VPITCH + CHUNK) * 4;
 
 /// Checks that a model's GDN layers have the shapes these kernels are compiled for.
 pub fn check_config(c: &ModelConfig) -> Result<()> {

@@ -172,4 +172,12 @@ template <> __device__ __forceinline__ void wgmma_tf32_k8<32>(float* d, const u3
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+template <> __device__ __forceinline__ void wgmma_tf32_k8<64>(float* d, const u32 a[4], u64 desc_b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " WGMMA_REGS32 ", "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+                 : WGMMA_D32
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
 }  // namespace
