@@ -673,7 +673,8 @@ fn cpu_slot_table(ids: &[i32], per_token: usize, experts: usize) -> Vec<(i32, Ve
 /// grouping, and gate‖up (x at the tokens' rows) then down (x at the pairs' rows through SwiGLU)
 /// give every (token, expert) pair its product. Routings: 40 tokens over 16 experts + a shared
 /// one (experts with more than 8 tokens, so several slots), 9 tokens, and 64 tokens all on the
-/// same 4 experts and the shared one (every expert 8 slots). Weights in 4 bits, and for the first
+/// same 4 experts and the shared one (every expert 8 slots), and 200 tokens (a short prompt's
+/// chunk: the shared expert's 25 slots). Weights in 4 bits, and for the first
 /// routing in 8 bits and bf16 too (checkpoints of those formats run the same passes).
 #[test]
 fn gemv_gathered_slots_match_reference() {
@@ -690,6 +691,7 @@ fn gemv_gathered_slots_match_reference() {
         (4, 40, false),
         (4, 9, false),
         (4, 64, true),
+        (4, 200, false),
         (8, 40, false),
         (16, 40, false),
     ] {

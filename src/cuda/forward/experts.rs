@@ -1,6 +1,6 @@
 //! The MoE block's experts in a pass: the router and its top-k, then the grouped expert GEMMs
 //! (rows sorted by expert on the device, tiles as tall as the rows each expert sees) for long
-//! passes, the decode GEMVs over gathered slots (each expert's rows, up to 8 a slot) for 2 to 64
+//! passes, the decode GEMVs over gathered slots (each expert's rows, up to 8 a slot) for 2 to 256
 //! rows, or the decode GEMVs over every (row, expert) slot for one row (or by setting).
 
 use cudarc::driver::CudaSlice;
