@@ -80,7 +80,7 @@ struct GdnArgs {
     bf16* y;
     // Prefill scratch (see gdn_prefill_prep), nc = ceil(rows / 64) chunks:
     float* ws_w;      // [nc][32][64][128]  W  = T·(β k e^G)
-    float* ws_u;      // [nc][32][64][128]  U  = T·(β v), replaced by Vn = U − W·S by gdn_prefill_state
+    float* ws_u;      // [nc][32][64][128]  U  = T·(β v), replaced by Vnᵀ (Vn = U − W·S) by gdn_prefill_state
     float* ws_h;      // [nc][32][128 dv][128 dk] the state at the start of each chunk, transposed (Sᵀ)
     float* ws_q;      // [nc][16][64][128]  q after conv, SiLU, l2 norm, times 1/√dk (gdn_prefill_qk)
     float* ws_kn;     // [nc][16][64][128]  k after conv, SiLU, l2 norm
@@ -570,7 +570,8 @@ extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
 //                      solve (I + L)·[U | W] = [β v | β k e^G]
 //   gdn_prefill_state  (head, 32 columns) sequential over chunks, the state S in registers:
 //                      Vn = U − W·S;  S ← e^(G_last) S + K̃ᵀ Vn  with K̃ = k e^(G_last − G)
-//                      (writes each chunk's starting S, as Sᵀ: the operand layout of gdn_prefill_out)
+//                      (writes each chunk's starting S as Sᵀ, and Vn as Vnᵀ in its slice of the
+//                      U tile: the operand layouts of gdn_prefill_out)
 //   gdn_prefill_out    (chunk, head) in parallel:  O = (q e^G)·S_chunk + (q kᵀ ⊙ e^(G_r − G_s))_(s≤r)·Vn,
 //                      then the gated RMSNorm
 //   gdn_conv_update    the conv state after the last token (last: the others read the old one)
@@ -1261,7 +1262,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
                         wg == 0 ? make_float2(acc[8 + i], acc[8 + i + 1]) : make_float2(acc[i], acc[i + 1]);
                 }
             __syncthreads();  // both halves handed over
-            // Vnᵀ split for K̃ᵀ·Vn, and Vn to the workspace for gdn_prefill_out.
+            // Vnᵀ split for K̃ᵀ·Vn (and, after the barrier, for gdn_prefill_out).
 #pragma unroll
             for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
@@ -1272,11 +1273,23 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) gdn_prefill_state(co
                     const float2 x = make_float2(m.x + o.x, m.y + o.y);
                     store_split_swizzled(Vhi, Vlo, v, r, ST_COLS, x.x);
                     store_split_swizzled(Vhi, Vlo, v + 1, r, ST_COLS, x.y);
-                    *reinterpret_cast<float2*>(p.ws_u + tile + r * GDN_DV + v0 + v) = x;
                 }
             fence_async_shared();
         }
         __syncthreads();  // Vnᵀ complete; every W·S read of Sᵀ done
+
+        // Vn for gdn_prefill_out, as Vnᵀ in this block's own slice of the U tile (read a chunk
+        // ago, by the prefetch, and by no other block): row v0 + j's 64 values at
+        // (2j + r / 32)·128 + v0 + r % 32, so a slab of 32 rows r of Vnᵀ row v is 128 contiguous
+        // bytes. From the split copy (hi + lo is the value exactly), 16 bytes a thread twice.
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int i = tid + PF_THREADS * u, j = i / 16, kb = i % 16 / 8, c8 = i % 8;
+            const u32 at = swizzled_offset(j, 32 * kb + 4 * c8, ST_COLS);
+            const float4 hi = *reinterpret_cast<const float4*>(Vhi + at), lo = *reinterpret_cast<const float4*>(Vlo + at);
+            *reinterpret_cast<float4*>(p.ws_u + tile + (2 * j + kb) * GDN_DV + v0 + 4 * c8) =
+                make_float4(hi.x + lo.x, hi.y + lo.y, hi.z + lo.z, hi.w + lo.w);
+        }
 
         // S ← e^(G_last) S + K̃ᵀ Vn: A = K̃ᵀ (element (d, r) = k[r][d] · F[r]), B = Vn.
 #pragma unroll
@@ -1331,20 +1344,21 @@ static_assert(CHUNK * LPITCH * 4 <= OUT_SLAB, "A fits where the slabs go");
 // bench/NOTES.md v1.37). Warp w computes rows 16(w % 4)..+15 of the chunk's outputs, columns
 // 64(w / 4)..+63 (warpgroup w / 4's half of an m64n128 product):
 //   A = (q kᵀ ⊙ e^(G_r − G_s))_(s≤r)      mma.sync, the lower triangle's tiles only
-//   O = A·Vn                               mma.sync, A's rows m0.. are zero past column m0 + 15
-//     + (q e^G)·S_chunk                    wgmma (m64n64k8 per warpgroup), S streamed through
-//                                          shared memory 32 dk at a time as Sᵀ split into tf32
-//                                          hi and lo parts (the K-major B operand), q e^G split
-//                                          in registers
+//   O = A·Vn + (q e^G)·S_chunk             wgmma (m64n64k8 per warpgroup) over k = 64 + 128: Vnᵀ
+//                                          and Sᵀ streamed through shared memory 32 k at a time
+//                                          (six slabs), split into tf32 hi and lo parts (the
+//                                          K-major B operand); A and q e^G split in registers
+// (bench/NOTES.md v1.73: 0.218 ms a 4K-token layer on mma.sync, 0.184 now; the plain-tf32 variant
+// has ptxas serialise its products within a slab, which costs it little.)
 // The outputs go through shared memory to the gated norm, a warp per row.
 template <int PASSES>
 __device__ __forceinline__ void prefill_out(const GdnArgs& p) {
     extern __shared__ __align__(1024) unsigned char out_smem[];
     const u32 raw = smem_u32(out_smem), base = (raw + 1023) & ~1023u;
     unsigned char* slab = out_smem + (base - raw);  // [128 dv][32 dk] hi parts, then lo parts (swizzled)
-    float* A_s = reinterpret_cast<float*>(slab);    // [64][LPITCH], until the slabs
     float* q_s = reinterpret_cast<float*>(slab + OUT_SLAB);  // [64][PITCH]: q, then q e^G, then the outputs
-    float* kv_s = q_s + CHUNK * PITCH;                        // [64][PITCH] k, then [64][VPITCH] Vn
+    float* kv_s = q_s + CHUNK * PITCH;                        // [64][PITCH] k
+    float* A_s = kv_s;                                        // [64][LPITCH] A, once k is read
     float* G_s = kv_s + CHUNK * VPITCH;
     const u32 slab_hi = smem_u32(slab), slab_lo = slab_hi + OUT_SLAB / 2;
     const int chunk = blockIdx.x, hv = blockIdx.y, kh = hv / 2, t0 = chunk * CHUNK, tid = threadIdx.x;
@@ -1360,13 +1374,15 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p) {
     cp_async_wait_0();
     __syncthreads();
 
-    // A[r][s] = (q_r·k_s) e^(G_r − G_s) for s ≤ r, else 0, in the tiles of tri_tiles; A·Vn reads
-    // the columns up to its row block's last row only, so the tiles right of that are never written.
+    // A[r][s] = (q_r·k_s) e^(G_r − G_s) for s ≤ r, in the tiles of tri_tiles, written into k's
+    // room once every warp is done with k. The tiles right of the diagonal are never written: the
+    // A fragments below read them as zeros.
     {
         int am0, j0, count;
         tri_tiles(warp, am0, j0, count);
         float acc[TRI_MAX][4];
         rows_dot_tiles<PASSES>(q_s, kv_s, am0, j0, count, acc);
+        __syncthreads();  // k no longer read
 #pragma unroll
         for (int j = 0; j < TRI_MAX; ++j) {
             if (j >= count) continue;
@@ -1377,20 +1393,25 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p) {
             }
         }
     }
-    __syncthreads();  // q and k no longer read as they are
 
-    // The chunk's starting state Sᵀ, a slab of 32 dk at a time: thread (row tid / 8 + 32u, chunk
-    // tid % 8) holds 16 bytes of each slab's rows, loaded into registers a slab ahead.
+    // The B operand in six slabs of 128 rows (dv) × 32 (k), each loaded into registers a slab
+    // ahead: thread (row tid / 8 + 32u, chunk tid % 8) holds 16 bytes of each row. Slabs 0, 1:
+    // Vnᵀ's rows 0..31 and 32..63 (the state kernel's layout in the U tile: row v's 64 values at
+    // (2(v % 32) + r / 32)·128 + 32(v / 32) + r % 32); slabs 2..5: Sᵀ, 32 dk each.
+    const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
+    const float* vsrc = p.ws_u + tile + 2 * (tid / 8) * GDN_DV + 4 * (tid % 8);
     const float* hsrc = p.ws_h + ((i64)chunk * GDN_VALUE_HEADS + hv) * GDN_HEAD_STATE + (tid / 8) * GDN_DK + 4 * (tid % 8);
     constexpr int SLAB_VECS = GDN_DV * 32 / 4 / PF_THREADS;  // float4 per thread per slab
+    constexpr int SLABS = CHUNK / 32 + GDN_DK / 32;
     float4 held[SLAB_VECS];
-    auto load_slab = [&](int d0) {
+    auto load_slab = [&](int sl) {
 #pragma unroll
-        for (int u = 0; u < SLAB_VECS; ++u) held[u] = *reinterpret_cast<const float4*>(hsrc + 32 * u * GDN_DK + d0);
+        for (int u = 0; u < SLAB_VECS; ++u)
+            held[u] = sl < CHUNK / 32 ? *reinterpret_cast<const float4*>(vsrc + sl * GDN_DV + 32 * u)
+                                      : *reinterpret_cast<const float4*>(hsrc + 32 * u * GDN_DK + 32 * (sl - CHUNK / 32));
     };
     load_slab(0);
 
-    const i64 tile = ((i64)chunk * GDN_VALUE_HEADS + hv) * CHUNK * GDN_DK;
 #pragma unroll
     for (int e = tid; e < CHUNK * GDN_DK / 4; e += PF_THREADS) {
         const int r = e / (GDN_DK / 4), d = (e % (GDN_DK / 4)) * 4;
@@ -1402,33 +1423,16 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p) {
         q.z *= f;
         q.w *= f;
         *qr = q;
-        *reinterpret_cast<float4*>(kv_s + r * VPITCH + d) = reinterpret_cast<const float4*>(p.ws_u + tile)[e];
     }
-    __syncthreads();  // q e^G and Vn in place
 
-    // d[4j + e] = O[m0 + g + 8(e / 2)][n_base + 8j + 2t + e % 2], the accumulator layout of both
-    // the mma.sync tiles and the warpgroup's m64n64 product.
+    // d[4j + e] = O[m0 + g + 8(e / 2)][n_base + 8j + 2t + e % 2], the accumulator layout of the
+    // warpgroup's m64n64 products: O = A·Vn (slabs 0, 1) + (q e^G)·S_chunk (slabs 2..5).
     float acc[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
-
-    // The intra-chunk part A·Vn.
 #pragma unroll 1
-    for (int k0 = 0; k0 < m0 + 16; k0 += 8) {
-        u32 ahi[4], alo[4];
-        load_a_split(ahi, alo, A_s, LPITCH, 1, m0, k0, g, t);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            u32 bhi[2], blo[2];
-            load_b_split(bhi, blo, kv_s, VPITCH, 1, k0, n_base + 8 * j, g, t);
-            mma_passes<PASSES>(&acc[4 * j], ahi, alo, bhi, blo);
-        }
-    }
-
-    // The inter-chunk part (q e^G)·S_chunk.
-#pragma unroll 1
-    for (int d0 = 0; d0 < GDN_DK; d0 += 32) {
-        __syncthreads();  // A, or the previous slab, no longer read
+    for (int sl = 0; sl < SLABS; ++sl) {
+        __syncthreads();  // the previous slab no longer read (the first time: A and q e^G in place)
 #pragma unroll
         for (int u = 0; u < SLAB_VECS; ++u) {
             const int v = tid / 8 + 32 * u, c8 = tid % 8;
@@ -1443,10 +1447,27 @@ __device__ __forceinline__ void prefill_out(const GdnArgs& p) {
         }
         fence_async_shared();
         __syncthreads();  // the slab in place for the tensor cores
-        if (d0 + 32 < GDN_DK) load_slab(d0 + 32);
+        if (sl + 1 < SLABS) load_slab(sl + 1);
         u32 ahi[4][4], alo[4][4];
+        if (sl < CHUNK / 32) {
+            // A's rows m0.., columns 32sl + 8ks..: zero right of the diagonal.
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) load_a_split(ahi[ks], alo[ks], q_s, PITCH, 1, m0, d0 + 8 * ks, g, t);
+            for (int ks = 0; ks < 4; ++ks) {
+                const int k0 = 32 * sl + 8 * ks;
+                float a[4];
+                load_a(a, A_s, LPITCH, 1, m0, k0, g, t);
+                a[0] = k0 + t <= m0 + g ? a[0] : 0.0f;
+                a[1] = k0 + t <= m0 + g + 8 ? a[1] : 0.0f;
+                a[2] = k0 + t + 4 <= m0 + g ? a[2] : 0.0f;
+                a[3] = k0 + t + 4 <= m0 + g + 8 ? a[3] : 0.0f;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) split_tf32(a[e], ahi[ks][e], alo[ks][e]);
+            }
+        } else {
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks)
+                load_a_split(ahi[ks], alo[ks], q_s, PITCH, 1, m0, 32 * (sl - CHUNK / 32) + 8 * ks, g, t);
+        }
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
