@@ -107,7 +107,12 @@ pub(super) fn moe_experts(
             &mut s.expert_weights.slice_mut(..t * slots),
         )?;
     }
-    if k.gemv.gathers_experts(t) {
+    // An FP8 checkpoint's passes of FROM_ROWS rows or more keep its FP8 products (below), as
+    // before the gathered slots reached 256 rows: those beat its Q8 conversion's GEMMs from 72
+    // rows on (fp8.rs); against the gathered slots at 65–256 rows they are not measured yet.
+    let fp8_experts =
+        t >= fp8::FROM_ROWS && k.fp8.is_some() && w.gate_up.fp8.is_some() && w.down.fp8.is_some();
+    if k.gemv.gathers_experts(t) && !fp8_experts {
         section("moe experts")?;
         // Each expert's rows as slots of up to 8 tokens: its weights read once for all of them.
         // routed[token][slot] as below; gate‖up per (token, slot) pair in s.gu.
