@@ -111,13 +111,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let gpu = GpuOptions {
             slots: Some(args.streams.max(args.decode_streams)),
             batch_steps: args.batch_steps,
-            // The GPU's passes hold one batch of the engine's (serve() below): its prompt
-            // tokens and a decode row for every stream.
-            pass_rows: Some(
-                args.batch_tokens
-                    .unwrap_or(EngineOptions::for_device(&device).batch_tokens)
-                    + args.streams.max(args.decode_streams),
-            ),
+            // The GPU's passes hold one batch of the engine's (serve() below).
+            pass_rows: Some(serve_engine(&args, &device).pass_rows()),
             timeline: false,
         };
         (longest, gpu)
@@ -244,6 +239,19 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The engine's options for `--serve` on `device`: a sequence for every stream.
+fn serve_engine(args: &BenchArgs, device: &str) -> EngineOptions {
+    let engine = EngineOptions {
+        max_sequences: args.streams.max(args.decode_streams),
+        prefix_cache_bytes: args.prefix_cache_mb << 20,
+        ..EngineOptions::for_device(device)
+    };
+    match args.batch_tokens {
+        Some(tokens) => engine.with_batch_tokens(tokens),
+        None => engine,
+    }
+}
+
 fn serve(backend: Box<dyn Backend>, args: &BenchArgs) -> anyhow::Result<()> {
     let options = ServeBenchOptions {
         streams: args.streams,
@@ -252,17 +260,7 @@ fn serve(backend: Box<dyn Backend>, args: &BenchArgs) -> anyhow::Result<()> {
         turns: args.turns,
         conversation_tokens: args.conversation_tokens,
         decode_streams: args.decode_streams,
-        engine: {
-            let engine = EngineOptions {
-                max_sequences: args.streams.max(args.decode_streams),
-                prefix_cache_bytes: args.prefix_cache_mb << 20,
-                ..EngineOptions::for_device(&backend.device_name())
-            };
-            match args.batch_tokens {
-                Some(tokens) => engine.with_batch_tokens(tokens),
-                None => engine,
-            }
-        },
+        engine: serve_engine(args, &backend.device_name()),
     };
     eprintln!("device: {}; in-process engine", backend.device_name());
     let (report, _) = serve_bench::run(backend, &options, |line| eprintln!("{line}"))?;

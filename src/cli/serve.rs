@@ -61,9 +61,9 @@ pub struct ServeArgs {
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub batch_steps: Option<bool>,
     /// Prompt tokens one batch of steps may hold beside its decode steps (one per decoding
-    /// sequence): prompt chunks up to this many in all, each at most this long. More: higher throughput when many prompts
-    /// arrive; fewer: the streams decoding beside them wait less per token. Default: 8192 on a
-    /// GPU, 2048 on the CPU.
+    /// sequence): prompt chunks up to this many in all, each at most this long. More: higher
+    /// throughput when many prompts arrive; fewer: the streams decoding beside them wait less per
+    /// token. Default: 8192 on a GPU, 2048 on the CPU.
     #[arg(long)]
     pub batch_tokens: Option<usize>,
     /// Test only: reply from this script instead of running a model.

@@ -664,27 +664,9 @@ __device__ __forceinline__ void load_b_split(u32 hi[2], u32 lo[2], const float* 
     split_tf32(v[0], hi[0], lo[0]);
     split_tf32(v[1], hi[1], lo[1]);
 }
-// The B fragment of the tile at (k0, n0) of a matrix kept split in shared memory (hi and lo parts
-// in two arrays of the same layout): loads, no splitting.
-__device__ __forceinline__ void load_b_presplit(u32 hi[2], u32 lo[2], const u32* xhi, const u32* xlo, int ks, int ns, int k0,
-                                                int n0, int g, int t) {
-    const int i0 = (k0 + t) * ks + (n0 + g) * ns, i1 = (k0 + t + 4) * ks + (n0 + g) * ns;
-    hi[0] = xhi[i0];
-    hi[1] = xhi[i1];
-    lo[0] = xlo[i0];
-    lo[1] = xlo[i1];
-}
-// Two adjacent values x0, x1 stored split: hi parts at hi[0..1], lo parts at lo[0..1] (8-byte aligned).
-__device__ __forceinline__ void store_split(u32* hi, u32* lo, float x0, float x1) {
-    uint2 h, l;
-    split_tf32(x0, h.x, l.x);
-    split_tf32(x1, h.y, l.y);
-    *reinterpret_cast<uint2*>(hi) = h;
-    *reinterpret_cast<uint2*>(lo) = l;
-}
-
 // Rows of 128 values read as the k × n operand B of an mma: a pitch of 8 (mod 32) floats spreads
-// the lanes' (row t, column g) reads over all banks. For 32-column slices: 40.
+// the lanes' (row t, column g) reads over all banks. SPITCH: gdn_prefill_state's rows of a 32-column
+// slice of U.
 #define VPITCH 136
 #define SPITCH 40
 

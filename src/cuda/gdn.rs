@@ -54,6 +54,7 @@ const PITCH: usize = 132;
 const LPITCH: usize = 68;
 const VPITCH: usize = 136;
 const SPITCH: usize = 40;
+const XPITCH: usize = 24;
 /// gdn_prefill_qk: two buffers of a chunk's 67 input rows of q ‖ k (256 bf16 each).
 const QK_SMEM: usize = 2 * (CHUNK + 3) * 256 * 2;
 /// gdn_prefill_qk's blocks per key head: each walks every QK_GROUPS-th chunk, copying the next
@@ -61,12 +62,13 @@ const QK_SMEM: usize = 2 * (CHUNK + 3) * 256 * 2;
 const QK_GROUPS: u32 = 16;
 const PREP_SMEM: usize = (2 * CHUNK * PITCH + CHUNK * LPITCH + 2 * CHUNK) * 4;
 /// gdn_prefill_state: slack to align to 1024 bytes, Sᵀ and Vnᵀ split for its products (hi and lo
-/// parts), two buffers of W, k, U and G, K̃'s row factors.
+/// parts), two buffers of W, k, U and G, K̃'s row factors, W·S's halves exchanged.
 const STATE_SMEM: usize = 1024
     + 2 * ST_COLS * (HEAD_DIM + CHUNK) * 4
-    + (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + CHUNK) + CHUNK + 2 * CHUNK * 24) * 4;
-/// gdn_prefill_out: slack to align to 1024 bytes, A or a slab of Sᵀ split (hi and lo parts of 128
-/// rows × 32 values), q, k/Vn, G.
+    + (2 * (CHUNK * PITCH + CHUNK * VPITCH + CHUNK * SPITCH + CHUNK) + CHUNK + 2 * CHUNK * XPITCH)
+        * 4;
+/// gdn_prefill_out: slack to align to 1024 bytes, a slab of Vnᵀ or Sᵀ split (hi and lo parts of 128
+/// rows × 32 values), q, k then A, G.
 const OUT_SMEM: usize = 1024 + 2 * HEAD_DIM * 32 * 4 + (CHUNK * PITCH + CHUNK * VPITCH + CHUNK) * 4;
 
 /// Checks that a model's GDN layers have the shapes these kernels are compiled for.

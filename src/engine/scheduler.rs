@@ -13,8 +13,8 @@
 //! 4. one batch through `Backend::forward_batch`: a decode step for each sequence that sampled
 //!    and goes on, and beside them prefill chunks of sequences still reading their prompt,
 //!    taken round-robin from where the previous batch stopped, up to `batch_tokens` prompt
-//!    tokens (at least one chunk per batch), so every prompt advances. A step whose token the request's device
-//!    sampler can pick brings back the token instead of the logits;
+//!    tokens (at least one chunk per batch), so every prompt advances. A step whose token the
+//!    request's device sampler can pick brings back the token instead of the logits;
 //! 5. states worth keeping are saved in the prefix cache: every `snapshot_interval` prompt
 //!    tokens, before the prompt's last token (the prefill stops there for it), and at the end
 //!    of the turn.

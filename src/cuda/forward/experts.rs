@@ -147,7 +147,7 @@ pub(super) fn moe_experts(
         && GemmKernels::supports(&w.gate_up.view())
         && GemmKernels::supports(&w.down.view());
     section("moe experts")?;
-    if t >= fp8::FROM_ROWS {
+    if fp8_experts {
         if let (Some(path), Some(gate_up), Some(down)) = (&mut k.fp8, &w.gate_up.fp8, &w.down.fp8) {
             // An FP8 checkpoint's prefill: its experts as they ship, on the FP8 tensor cores.
             k.moe.group_by_expert(
