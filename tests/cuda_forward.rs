@@ -231,6 +231,43 @@ fn long_chunks_through_cublas_match_cpu_with_and_without_kept_copies() {
     );
 }
 
+/// A prompt longer than the default chunk (8,192 tokens: the GDN prefill kernels walk 128 chunks of
+/// one span, the experts' groupings see ~2K rows each) gives the logits of the same prompt in
+/// chunks of 4,096, and of the CPU.
+#[test]
+fn one_default_chunk_of_8192_tokens_matches_shorter_chunks_and_cpu() {
+    let weights = q4_weights(7);
+    let p = prompt(8300, 5);
+    let logits = |chunk: Option<usize>| {
+        let dev = CudaDevice::new(0).expect("a CUDA GPU");
+        let model = CudaModel::upload(&dev, &weights).unwrap();
+        let defaults = CudaOptions::default();
+        let options = CudaOptions {
+            max_sequences: 1,
+            max_context: 8704,
+            prefill_chunk: chunk.unwrap_or(defaults.prefill_chunk),
+            ..defaults
+        };
+        let mut gpu = CudaBackend::new(dev, model, options).unwrap();
+        gpu.create_sequence(0).unwrap();
+        gpu.forward(0, &p).unwrap()
+    };
+    assert_eq!(CudaOptions::default().prefill_chunk, 8192);
+    let (long, short) = (logits(None), logits(Some(4096)));
+    let mut cpu = CpuBackend::new(weights);
+    cpu.create_sequence(0).unwrap();
+    let c = cpu.forward(0, &p).unwrap();
+    let (err_long, err_short) = (rel(&long, &c), rel(&short, &c));
+    println!(
+        "q4, 8,300 tokens: logits rel. error {err_long:.2e} in chunks of 8,192, {err_short:.2e} of 4,096 (vs each other {:.2e})",
+        rel(&long, &short)
+    );
+    assert!(
+        err_long <= TOLERANCE && err_short <= TOLERANCE,
+        "logits differ from the CPU's by {err_long:.2e} / {err_short:.2e} > {TOLERANCE:e}"
+    );
+}
+
 fn q4_weights(seed: u64) -> Weights {
     quantized_weights(seed, 4)
 }
