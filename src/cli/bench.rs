@@ -51,8 +51,8 @@ pub struct BenchArgs {
     /// --profile: sequences per step of its batched decode steps (at contexts up to 4K; 1: none).
     #[arg(long, default_value_t = bench::PROFILE_BATCH)]
     pub profile_batch: usize,
-    /// --profile: also one pass of 4 prompts (4,096 rows in all, as the server's) with this many
-    /// decode rows riding along, against the prompts alone (0: not).
+    /// --profile: also one pass of 4 prompts (4,096 rows in all, half a serving pass) with this
+    /// many decode rows riding along, against the prompts alone (0: not).
     #[arg(long, default_value_t = 0)]
     pub profile_mixed: usize,
     /// Instead of the sweep, a timeline of the decode steps at every context: each kernel's
@@ -220,7 +220,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let mut md = bench::profile_markdown(&profile);
                 if args.profile_mixed > 0 {
                     backend.set_op_timing(true);
-                    // The server's passes hold at most 4,096 rows: the prompts make room.
+                    // The pass holds 4,096 rows in all: the prompts make room.
                     let rows = args.profile_mixed.min(2048);
                     let (prompts, len) = (4, 1024 - rows.div_ceil(4));
                     let (alone, mixed) =
