@@ -53,9 +53,8 @@ pub struct CudaOptions {
     /// Tokens per sequence (KV cache capacity).
     pub max_context: usize,
     /// Prompt tokens per forward chunk. Long chunks keep the tensor cores busy (each expert sees
-    /// ~chunk/32 rows); the workspaces grow with it (~100 KiB per token). 8,192 by default:
-    /// prefill +3.0 / +2.0 / +1.3 % at 8K / 32K / 128K over 4,096 for 0.7 GB more memory on the
-    /// H200 (bench/NOTES.md v1.74).
+    /// ~chunk/32 rows); the workspaces grow with it (~100 KiB per token). Default: the engine's
+    /// [`GPU_PREFILL_CHUNK`](crate::engine::GPU_PREFILL_CHUNK).
     pub prefill_chunk: usize,
     /// Replay decode steps from captured CUDA graphs (one per batch size).
     pub cuda_graphs: bool,
@@ -93,7 +92,7 @@ impl Default for CudaOptions {
         CudaOptions {
             max_sequences: 4,
             max_context: 32768,
-            prefill_chunk: 8192,
+            prefill_chunk: crate::engine::GPU_PREFILL_CHUNK,
             cuda_graphs: true,
             batch_steps: true,
             fused_norms: std::env::var("LILY_FUSED_NORMS").is_ok_and(|v| v == "1"),

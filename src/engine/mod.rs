@@ -93,6 +93,12 @@ pub enum Event {
     Error(String),
 }
 
+/// Prompt tokens of one prefill chunk on a GPU by default, for the engine's steps and the CUDA
+/// backend's own chunks alike: each expert then sees ~chunk/32 rows (bench/NOTES.md v1.3); 8,192
+/// rather than 4,096 gave prefill +3.0 / +2.0 / +1.3 % at 8K / 32K / 128K for 0.7 GB more memory
+/// on the H200 (v1.74).
+pub const GPU_PREFILL_CHUNK: usize = 8192;
+
 /// Prompt tokens of one batch of steps on a GPU by default: one prompt's chunk of 8,192 or the
 /// chunks of several shorter prompts, besides the decode rows. On the H200 at 64 streams of 1K
 /// prompts it gave 3.5 % more throughput than 4,096 (16,384: 7 %, at the price of longer waits
@@ -141,13 +147,12 @@ impl EngineOptions {
     }
 
     /// The defaults for a backend on `device` (`cpu`, `cuda...`): the GPU's prefill GEMMs want
-    /// long chunks (each expert then sees ~chunk/32 rows; bench/NOTES.md v1.3; 8,192 rather than
-    /// 4,096: prefill +2–3 % at 8K–32K, v1.74) and batches as long ([`GPU_BATCH_TOKENS`]); the
-    /// CPU reference keeps short ones for fair interleaving.
+    /// long chunks ([`GPU_PREFILL_CHUNK`]) and batches as long ([`GPU_BATCH_TOKENS`]); the CPU
+    /// reference keeps short ones for fair interleaving.
     pub fn for_device(device: &str) -> Self {
         if device.starts_with("cuda") {
             EngineOptions {
-                prefill_chunk: 8192,
+                prefill_chunk: GPU_PREFILL_CHUNK,
                 batch_tokens: GPU_BATCH_TOKENS,
                 ..EngineOptions::default()
             }
