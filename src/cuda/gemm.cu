@@ -528,7 +528,38 @@ __device__ void gemv(const GemvArgs& a) {
             cp_async_commit();
             cp_async_wait<0>();
         }
-        for (int s = 0; s < steps; ++s) {
+        // Q4's copied x is rearranged a whole group of 64 columns per thread (8 vectors, their Σx
+        // summed in the same order as the lanes' shuffles below), with no shuffles: the loop
+        // below took ≈ 0.3 µs a step, 2.4–5 µs of an 8-token launch (bench/NOTES.md v1.75).
+        // Threads take the same group of consecutive tokens, whose rows are 16 bytes apart
+        // modulo 128 (stage_tok), so a quarter-warp's 16-byte reads fall on distinct banks. A
+        // thread reads vectors other threads copied: hence the barrier first.
+        bool staged = false;
+        if constexpr (F == Q4 && MULTI && !GATHER) {
+            if (direct) {
+                __syncthreads();  // every thread's copies above, visible to all (each read its own)
+                const int groups = vec_per_tok / 8;
+                for (int q = threadIdx.x; q < ntok * groups; q += blockDim.x) {
+                    const int tok = q % ntok, grp = q / ntok;
+                    uint4* vec = reinterpret_cast<uint4*>(xstage + tok * stage_tok) + grp * 8;
+                    uint4 xv[8];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) xv[j] = vec[j];
+                    float sum[8];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        float f[8];
+                        unpack8(xv[j], f);
+                        sum[j] = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+                        vec[j] = make_uint4(perm(xv[j].x, xv[j].z, 0x5410), perm(xv[j].x, xv[j].z, 0x7632),
+                                            perm(xv[j].y, xv[j].w, 0x5410), perm(xv[j].y, xv[j].w, 0x7632));
+                    }
+                    xsum[grp * MAX_TOKENS + tok] = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+                }
+                staged = true;
+            }
+        }
+        for (int s = 0; s < steps && !staged; ++s) {
             const int i = s * blockDim.x + threadIdx.x;
             const bool ok = i < total;
             const int tok = ok ? i / vec_per_tok : 0, v = ok ? i % vec_per_tok : 0;
