@@ -528,14 +528,15 @@ __device__ void gemv(const GemvArgs& a) {
             cp_async_commit();
             cp_async_wait<0>();
         }
-        // Q4's copied x is rearranged a whole group of 64 columns per thread (8 vectors, their Σx
-        // summed in the same order as the lanes' shuffles below), with no shuffles: the loop
-        // below took ≈ 0.3 µs a step, 2.4–5 µs of an 8-token launch (bench/NOTES.md v1.75).
+        // Copied x (the _multi and _gathered kernels) is rearranged a whole group of 64 columns
+        // per thread (8 vectors, their Σx summed in the same order as the lanes' shuffles below),
+        // with no shuffles: the loop below took ≈ 0.3 µs a step, 2.4–5 µs of an 8-token launch
+        // (bench/NOTES.md v1.75).
         // Threads take the same group of consecutive tokens, whose rows are 16 bytes apart
         // modulo 128 (stage_tok), so a quarter-warp's 16-byte reads fall on distinct banks. A
         // thread reads vectors other threads copied: hence the barrier first.
         bool staged = false;
-        if constexpr (F == Q4 && MULTI && !GATHER) {
+        if constexpr (F == Q4 && MULTI) {
             if (direct) {
                 __syncthreads();  // every thread's copies above, visible to all (each read its own)
                 const int groups = vec_per_tok / 8;
@@ -555,6 +556,48 @@ __device__ void gemv(const GemvArgs& a) {
                                             perm(xv[j].y, xv[j].w, 0x5410), perm(xv[j].y, xv[j].w, 0x7632));
                     }
                     xsum[grp * MAX_TOKENS + tok] = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+                }
+                staged = true;
+            }
+        } else if constexpr (F == Q8 && MULTI) {
+            // Q8 the same, except that its staged row is twice x (x copied into its upper half),
+            // so a group's output can cover other groups' copies: every thread reads its groups
+            // (at most two: up to 8 tokens of K = 4,096; more take the loop below) before any
+            // thread writes.
+            const int groups = vec_per_tok / 8;
+            if (direct && ntok * groups <= 2 * (int)blockDim.x) {
+                __syncthreads();  // every thread's copies above, visible to all
+                uint4 xv[2][8];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int q = threadIdx.x + h * blockDim.x;
+                    if (q < ntok * groups) {
+                        const uint4* src = reinterpret_cast<const uint4*>(xstage + (q % ntok) * stage_tok + x_at) + (q / ntok) * 8;
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) xv[h][j] = src[j];
+                    }
+                }
+                __syncthreads();  // every copy read before the first write over it
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int q = threadIdx.x + h * blockDim.x;
+                    if (q < ntok * groups) {
+                        const int tok = q % ntok, grp = q / ntok;
+                        uint4* dst = reinterpret_cast<uint4*>(xstage + tok * stage_tok) + grp * 16;
+                        float sum[8];
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            const uint4 v = xv[h][j];
+                            float f[8];
+                            unpack8(v, f);
+                            sum[j] = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+                            const u32 p02 = perm(v.x, v.y, 0x5410), p13 = perm(v.x, v.y, 0x7632);
+                            const u32 p46 = perm(v.z, v.w, 0x5410), p57 = perm(v.z, v.w, 0x7632);
+                            dst[2 * j] = make_uint4(p02, times16(p02), p13, times16(p13));
+                            dst[2 * j + 1] = make_uint4(p46, times16(p46), p57, times16(p57));
+                        }
+                        xsum[grp * MAX_TOKENS + tok] = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+                    }
                 }
                 staged = true;
             }
