@@ -358,8 +358,10 @@ impl AttentionKernels {
     }
 
     /// The grid width of split-KV decode for `batch` sequences in caches of `capacity` tokens:
-    /// enough (split, KV head, sequence) blocks to give each SM one (a block uses ~200 KB of
-    /// shared memory, so one fits per SM), at most one split per 64-key tile of the capacity.
+    /// as many (split, KV head, sequence) blocks as give each SM at most one (a block uses
+    /// ~200 KB of shared memory, so one fits per SM): one wave, where rounding up left a second
+    /// wave of a few blocks (8 sequences: 144 blocks on 132 SMs, bench/NOTES.md v1.75); at
+    /// least one split, at most one per 64-key tile of the capacity.
     ///
     /// The kernels then pick the chunk per sequence from its length `len` on the device:
     /// `chunk = ceil(len / splits)` rounded up to a multiple of 64 keys, and `ceil(len / chunk)`
@@ -367,7 +369,7 @@ impl AttentionKernels {
     /// batch 1 (66 splits): 4K → 64 chunks of 64 keys, 32K → 64 of 512, 128K → 64 of 2048.
     /// (To be tuned on the H200: a minimum chunk, two blocks per SM.)
     pub fn decode_splits(&self, batch: usize, capacity: usize) -> usize {
-        let fill = self.sm_count.div_ceil(KV_HEADS * batch.max(1));
+        let fill = (self.sm_count / (KV_HEADS * batch.max(1))).max(1);
         fill.min(capacity.div_ceil(DEC_TILE)).clamp(1, MAX_SPLITS)
     }
 
