@@ -511,8 +511,9 @@ __device__ void gemv(const GemvArgs& a) {
         // Several tokens: the loads below would be L2 round trips in turn, up to 16 of them for 8
         // tokens of K = 4,096 (the compiler does not overlap the steps). Plain x (no SwiGLU, no
         // residual input) is copied into the stage all at once instead (cp.async holds no
-        // registers), where the loop below reads it back and rearranges it in place: each thread
-        // handles the vectors it copied itself. The wait also covers the ring's first batches.
+        // registers) and rearranged there in place: by whole groups (Q4, Q8; below), or by the
+        // loop after them (bf16, and Q8 past two groups a thread), where each thread handles the
+        // vectors it copied itself. The wait also covers the ring's first batches.
         // Q8's staged row is twice x (two words per x pair), so x goes into its upper half: the
         // writes of vector v, bytes [32v, 32v + 32), reach only copies of vectors u ≤ v (at
         // 2K + 16u), read in the same step or before; a barrier keeps each step's reads before its
