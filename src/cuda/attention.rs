@@ -369,7 +369,7 @@ impl AttentionKernels {
     /// batch 1 (66 splits): 4K → 64 chunks of 64 keys, 32K → 64 of 512, 128K → 64 of 2048.
     /// (To be tuned on the H200: a minimum chunk, two blocks per SM.)
     pub fn decode_splits(&self, batch: usize, capacity: usize) -> usize {
-        let fill = (self.sm_count / (KV_HEADS * batch.max(1))).max(1);
+        let fill = self.sm_count / (KV_HEADS * batch.max(1));
         fill.min(capacity.div_ceil(DEC_TILE)).clamp(1, MAX_SPLITS)
     }
 

@@ -197,9 +197,37 @@ __device__ __forceinline__ float bf16_at(uint2 v, int k) {
     return __uint_as_float(k % 2 ? w & 0xFFFF0000u : w << 16);
 }
 
+// Vector v (columns 8v..8v+7) of x into its staged row, in the order the mma operands need (as
+// stage_x_vec below puts it).
+template <int F>
+__device__ __forceinline__ void put_staged_vec(uint4 xv, uint4* dst, int v) {
+    if constexpr (F == Q4) {
+        // One word covers columns 8v..8v+7; pairs {0,4}, {1,5}, {2,6}, {3,7}.
+        dst[v] = make_uint4(perm(xv.x, xv.z, 0x5410), perm(xv.x, xv.z, 0x7632), perm(xv.y, xv.w, 0x5410),
+                            perm(xv.y, xv.w, 0x7632));
+    } else if constexpr (F == Q8) {
+        // Two words (columns 8v..8v+3, 8v+4..8v+7); per word {x0,x2}, 16·{x0,x2}, {x1,x3}, 16·{x1,x3}.
+        const u32 p02 = perm(xv.x, xv.y, 0x5410), p13 = perm(xv.x, xv.y, 0x7632);
+        const u32 p46 = perm(xv.z, xv.w, 0x5410), p57 = perm(xv.z, xv.w, 0x7632);
+        dst[2 * v] = make_uint4(p02, times16(p02), p13, times16(p13));
+        dst[2 * v + 1] = make_uint4(p46, times16(p46), p57, times16(p57));
+    } else {
+        dst[v] = xv;  // bf16 pairs are already in column order
+    }
+}
+
+// Σ of one vector's 8 values, in the order every staging sums them.
+__device__ __forceinline__ float vec_sum8(uint4 xv) {
+    float f[8];
+    unpack8(xv, f);
+    return ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+}
+
 // Vector v (columns 8v..8v+7) of one token's x into its staged row, in the order the mma operands
 // need, and for the quantised formats its group's Σx into xsum (all lanes of the warp take part:
-// the sum is a shuffle over 8 lanes; `ok` false: a lane past the end, nothing stored).
+// the sum is a shuffle over 8 lanes; `ok` false: a lane past the end, nothing stored). Its body
+// repeats put_staged_vec and vec_sum8 rather than call them: the one-token kernels' code, and so
+// their speed, moved when it did (bench/NOTES.md v1.55: any edit of theirs is measured first).
 template <int F>
 __device__ __forceinline__ void stage_x_vec(uint4 xv, unsigned char* stage_row, float* xsum, int tok, int v, bool ok) {
     uint4* dst = reinterpret_cast<uint4*>(stage_row);
@@ -227,6 +255,20 @@ __device__ __forceinline__ void stage_x_vec(uint4 xv, unsigned char* stage_row, 
         sum += __shfl_xor_sync(0xffffffffu, sum, 4);
         if (ok && v % 8 == 0) xsum[(v / 8) * MAX_TOKENS + tok] = sum;
     }
+}
+
+// One group (vectors 8·grp .. 8·grp + 7) of one token's x, already in registers, into its staged
+// row, and its Σx into xsum: the vectors' sums added as stage_x_vec's shuffles add them (lane r
+// gets ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)) for r = 0), so the bits are the same.
+template <int F>
+__device__ __forceinline__ void stage_x_group(const uint4 xv[8], unsigned char* stage_row, float* xsum, int tok, int grp) {
+    float sum[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        sum[j] = vec_sum8(xv[j]);
+        put_staged_vec<F>(xv[j], reinterpret_cast<uint4*>(stage_row), 8 * grp + j);
+    }
+    xsum[grp * MAX_TOKENS + tok] = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
 }
 
 // Σ v² over 8 lanes' values v (lanes first, first + stride, ...) in turn, as residual_rmsnorm's
@@ -543,20 +585,11 @@ __device__ void gemv(const GemvArgs& a) {
                 const int groups = vec_per_tok / 8;
                 for (int q = threadIdx.x; q < ntok * groups; q += blockDim.x) {
                     const int tok = q % ntok, grp = q / ntok;
-                    uint4* vec = reinterpret_cast<uint4*>(xstage + tok * stage_tok) + grp * 8;
+                    const uint4* src = reinterpret_cast<const uint4*>(xstage + tok * stage_tok) + grp * 8;
                     uint4 xv[8];
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) xv[j] = vec[j];
-                    float sum[8];
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        float f[8];
-                        unpack8(xv[j], f);
-                        sum[j] = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
-                        vec[j] = make_uint4(perm(xv[j].x, xv[j].z, 0x5410), perm(xv[j].x, xv[j].z, 0x7632),
-                                            perm(xv[j].y, xv[j].w, 0x5410), perm(xv[j].y, xv[j].w, 0x7632));
-                    }
-                    xsum[grp * MAX_TOKENS + tok] = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
+                    for (int j = 0; j < 8; ++j) xv[j] = src[j];
+                    stage_x_group<F>(xv, xstage + tok * stage_tok, xsum, tok, grp);
                 }
                 staged = true;
             }
@@ -582,23 +615,7 @@ __device__ void gemv(const GemvArgs& a) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int q = threadIdx.x + h * blockDim.x;
-                    if (q < ntok * groups) {
-                        const int tok = q % ntok, grp = q / ntok;
-                        uint4* dst = reinterpret_cast<uint4*>(xstage + tok * stage_tok) + grp * 16;
-                        float sum[8];
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) {
-                            const uint4 v = xv[h][j];
-                            float f[8];
-                            unpack8(v, f);
-                            sum[j] = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
-                            const u32 p02 = perm(v.x, v.y, 0x5410), p13 = perm(v.x, v.y, 0x7632);
-                            const u32 p46 = perm(v.z, v.w, 0x5410), p57 = perm(v.z, v.w, 0x7632);
-                            dst[2 * j] = make_uint4(p02, times16(p02), p13, times16(p13));
-                            dst[2 * j + 1] = make_uint4(p46, times16(p46), p57, times16(p57));
-                        }
-                        xsum[grp * MAX_TOKENS + tok] = ((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7]));
-                    }
+                    if (q < ntok * groups) stage_x_group<F>(xv[h], xstage + (q % ntok) * stage_tok, xsum, q % ntok, q / ntok);
                 }
                 staged = true;
             }
