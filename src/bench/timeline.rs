@@ -111,5 +111,5 @@ pub fn to_markdown(
         median(all),
         t.launches.len()
     );
-    s
+    s + &crate::model::block_trace::to_markdown(&t.blocks)
 }

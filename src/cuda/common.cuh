@@ -128,7 +128,43 @@ __device__ __forceinline__ u64* pdl_wait() {
 __device__ __forceinline__ void timeline_mark(u64* entry, int mark) {
     if (entry != nullptr) entry[3 + mark] = global_timer();
 }
+
+// Block trace (timeline.rs, the same builds): while the host has set `lily_block_trace`, every
+// block of the kernels that call these records {grid id, start, end, where}: which blocks of a
+// launch end last, on which SMs, after starting when (bench/NOTES.md v1.76).
+extern "C" __device__ u64* lily_block_trace = nullptr;  // [0] records taken, then BLOCK_TRACE_WORDS each
+constexpr u64 BLOCK_TRACE_CAPACITY = 1ull << 20;       // records (timeline.rs: BLOCK_CAPACITY)
+constexpr u64 BLOCK_TRACE_WORDS = 4;
+
+// Thread 0's global timer at the block's start (0 elsewhere, or with no trace).
+__device__ __forceinline__ u64 block_trace_start() {
+    u64* const trace = *const_cast<u64* volatile*>(&lily_block_trace);
+    return trace != nullptr && threadIdx.x == 0 ? global_timer() : 0;
+}
+
+// At the block's end, reached by all its threads: a barrier (the block's work done), then thread
+// 0 records {%gridid, start, end, sm | blockIdx.x << 8 | blockIdx.y << 24 | what << 40}.
+__device__ __forceinline__ void block_trace_end(u64 start, u32 what) {
+    u64* const trace = *const_cast<u64* volatile*>(&lily_block_trace);
+    if (trace == nullptr) return;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const u64 end = global_timer();
+    const u64 slot = atomicAdd(trace, 1ull);
+    if (slot >= BLOCK_TRACE_CAPACITY) return;
+    u64 grid;
+    u32 sm;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    u64* e = trace + 1 + BLOCK_TRACE_WORDS * slot;
+    e[0] = grid;
+    e[1] = start;
+    e[2] = end;
+    e[3] = (u64)(sm & 0xff) | (u64)(blockIdx.x & 0xffff) << 8 | (u64)(blockIdx.y & 0xffff) << 24 | (u64)(what & 0xffffff) << 40;
+}
 #else
+__device__ __forceinline__ u64 block_trace_start() { return 0; }
+__device__ __forceinline__ void block_trace_end(u64, u32) {}
 __device__ __forceinline__ u64* pdl_wait() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     return nullptr;

@@ -312,6 +312,7 @@ __device__ void gemv(const GemvArgs& a) {
     const int g = lane / 4, t = lane % 4;
     const int tile_in_round = warp / kw, kwarp = warp % kw;
     const int slot_id = blockIdx.y;
+    const u64 trace_start = GATHER ? block_trace_start() : 0;  // timeline builds only (common.cuh)
     if constexpr (X_EARLY) {
         // One token's routed experts' gate‖up (gemm.rs, then_routed_gate_up): its x, the post-mixer
         // norm's output, was final before this kernel started (the top-k before it starts its
@@ -818,6 +819,7 @@ __device__ void gemv(const GemvArgs& a) {
         }
     }
     timeline_mark(timeline, 4);  // block 0's end
+    if constexpr (GATHER) block_trace_end(trace_start, ntok | a.swiglu << 4 | (a.rows >> 4) << 8);
 }
 
 }  // namespace

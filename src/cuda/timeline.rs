@@ -16,14 +16,16 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::{Context, CudaDevice, Result};
+use crate::model::block_trace::BlockSpan;
 use crate::model::timeline::{Stamp, MARKS};
 
 /// Words of one stamp (TIMELINE_WORDS in common.cuh).
 const WORDS: usize = 3 + MARKS;
 
-/// The stamp buffer, installed in every stamped module.
+/// The stamp buffer, installed in every stamped module, and the block trace's.
 pub struct Timeline {
     buf: CudaSlice<u64>,
+    blocks: CudaSlice<u64>,
 }
 
 /// The global every stamped module holds (common.cuh).
@@ -31,6 +33,11 @@ const SYMBOL: &str = "lily_timeline";
 /// Stamps the buffer holds: common.cuh's TIMELINE_CAPACITY (128 MB; ≈ 5,000 decode steps of one
 /// sequence).
 const CAPACITY: usize = 1 << 21;
+/// The block trace's global (common.cuh), its words a record and its capacity
+/// (BLOCK_TRACE_CAPACITY: 32 MB).
+const BLOCK_SYMBOL: &str = "lily_block_trace";
+const BLOCK_WORDS: usize = 4;
+const BLOCK_CAPACITY: usize = 1 << 20;
 
 impl Timeline {
     /// An empty buffer, installed: from now on every kernel stamps its wait.
@@ -45,14 +52,20 @@ impl Timeline {
             "no timeline in this device's kernels: open it with CudaDevice::new_with(_, true) \
              (lily bench --timeline does)"
         );
-        Ok(Timeline { buf })
+        let blocks = st
+            .alloc_zeros::<u64>(1 + BLOCK_WORDS * BLOCK_CAPACITY)
+            .during(|| "allocating the block trace".into())?;
+        dev.set_module_global(BLOCK_SYMBOL, blocks.device_ptr(st).0)?;
+        Ok(Timeline { buf, blocks })
     }
 
     /// Stops the stamping (the kernels see a null pointer again) and returns the stamps taken,
     /// in the order the kernels ran (the order of their releases: a kernel's wait returns only
-    /// after the one before it has finished). An error if the buffer overflowed.
-    pub fn uninstall(self, dev: &CudaDevice) -> Result<Vec<Stamp>> {
+    /// after the one before it has finished), and the traced blocks (the first
+    /// BLOCK_CAPACITY). An error if the stamps' buffer overflowed.
+    pub fn uninstall(self, dev: &CudaDevice) -> Result<(Vec<Stamp>, Vec<BlockSpan>)> {
         dev.set_module_global(SYMBOL, 0)?;
+        dev.set_module_global(BLOCK_SYMBOL, 0)?;
         // The count first, then only the stamps taken (the buffer is 128 MB).
         let st = dev.stream();
         let read = |range: std::ops::Range<usize>| {
@@ -64,8 +77,9 @@ impl Timeline {
             taken <= CAPACITY,
             "the timeline holds {CAPACITY} stamps, the kernels took {taken}"
         );
+        let blocks = self.blocks(dev)?;
         if taken == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), blocks));
         }
         let words = read(1..1 + WORDS * taken)?;
         let mut stamps: Vec<Stamp> = words
@@ -78,6 +92,23 @@ impl Timeline {
             })
             .collect();
         stamps.sort_by_key(|s| s.released);
-        Ok(stamps)
+        Ok((stamps, blocks))
+    }
+
+    /// The block trace's records (those that fit; the kernels count all they tried).
+    fn blocks(&self, dev: &CudaDevice) -> Result<Vec<BlockSpan>> {
+        let st = dev.stream();
+        let read = |range: std::ops::Range<usize>| {
+            st.clone_dtoh(&self.blocks.slice(range))
+                .during(|| "reading the block trace".into())
+        };
+        let taken = (read(0..1)?[0] as usize).min(BLOCK_CAPACITY);
+        if taken == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(read(1..1 + BLOCK_WORDS * taken)?
+            .chunks_exact(BLOCK_WORDS)
+            .map(|w| BlockSpan::from_words([w[0], w[1], w[2], w[3]]))
+            .collect())
     }
 }

@@ -1,6 +1,7 @@
 //! What all backends share: the canonical weights, per-sequence state, the [`Backend`] trait,
 //! and the CPU reference backend.
 
+pub mod block_trace;
 pub mod convert;
 pub mod cpu;
 pub mod passes;

@@ -15,6 +15,8 @@ pub struct DecodeTimeline {
     pub ops: Vec<OpTime>,
     /// Each launch of one step but the last, in order.
     pub launches: Vec<LaunchTime>,
+    /// The gathered GEMVs' blocks, where the backend traces them (block_trace.rs).
+    pub blocks: Vec<super::block_trace::BlockSpan>,
 }
 
 /// One launch of a decode step in a [`DecodeTimeline`]: medians over the steps, in µs.
@@ -127,6 +129,7 @@ pub fn per_launch(
         steps,
         ops,
         launches,
+        blocks: Vec::new(),
     })
 }
 

@@ -183,14 +183,16 @@ impl Backend for CudaBackend {
         let Some((timeline, batch)) = self.timeline.take() else {
             return Ok(None);
         };
-        let stamps = timeline.uninstall(&self.dev)?;
+        let (stamps, blocks) = timeline.uninstall(&self.dev)?;
         let Some(batch) = batch else {
             return Ok(None);
         };
         use crate::model::timeline::{per_launch, stamped_labels};
         // cuBLAS's kernels (batched passes' dense products, forward/projection.rs) do not stamp.
         let labels = stamped_labels(&self.decode_graphs[&batch].1, |k| k == profile::CUBLAS);
-        Ok(Some(per_launch(&stamps, &labels)?))
+        let mut t = per_launch(&stamps, &labels)?;
+        t.blocks = blocks;
+        Ok(Some(t))
     }
     fn trace_routing(&mut self) -> bool {
         self.routing = Some(RoutingTrace::new(self.model.layers.len()));
