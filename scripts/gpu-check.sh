@@ -12,8 +12,9 @@
 #                                      binary in DIR, then `lily bench` and `lily bench --serve` on
 #                                      the full-size synthetic Q4 model; writes summary.txt, logs.tar
 #                                      and the bench files (with profile.md: the time per op, timeline.md: the
-#                                      decode step kernel by kernel in its graph)
-#                                      under $OUT (or ./gpu-out); exits non-zero if a test failed.
+#                                      decode step kernel by kernel in its graph; the plots
+#                                      go into logs.tar) under $OUT (or ./gpu-out); exits
+#                                      non-zero if a test failed.
 #
 # Set GPU_CHECK_CONTEXTS (comma-separated) to change the benchmark's contexts, or to "none" to skip
 # it; GPU_CHECK_QUANTS (comma-separated, default q4) to sweep other weight formats too (q8: what GGUF
@@ -300,6 +301,9 @@ PY
             echo "bench --serve with $ab: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
         done
     fi
+    # At most 8 files come back from a device call: the plots (made from bench.csv) travel in
+    # logs.tar, so that summary.txt, timeline.md and the tables always come back.
+    mv "$out"/*.png "$logs"/ 2>/dev/null
     tar cf "$out/logs.tar" -C "$logs" .
     echo "=== summary"
     cat "$summary"
