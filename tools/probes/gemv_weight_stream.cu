@@ -10,7 +10,10 @@
 // Work: 3,712 tiles (an 8-row decode pass's gathered gate‖up: 58 slots × 64 tiles, 68 MB) and
 // 15,520 (lm_head, 286 MB); warps take tiles in turn (tile = warp's index + k × all warps).
 // Shapes: two 8-warp blocks a SM with rings of 3 batches (the gathered kernels) and one with 4
-// (the one-token kernels).
+// (the one-token kernels). Then, in the checkpoint's layout, with work in each warp between its
+// batches: W rounds of ≈ 37.5 SASS instructions (8 chains of shift, and, xor, add on the batch's
+// words and 4 FMA chains; counted in the unrolled loop), standing in for the 4-bit loop's ≈ 300 a
+// batch (gemm.cu, tools/sass_stats.py): the rate the copies keep as a warp's work per batch grows.
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -cudart static -o gemv_weight_stream
 // gemv_weight_stream.cu (with the pinned wheels: .venv-cuda/lib/python3.11/site-packages/nvidia/
 // cu13/{bin/nvcc,lib} and -L that lib). Run on the GPU machine: ./gemv_weight_stream
@@ -32,7 +35,8 @@ __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"
 template <int N> __device__ __forceinline__ void wait_group() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 template <bool TILED, int RING>
-__global__ void __launch_bounds__(256) stream(const unsigned char* w, const unsigned char* sb, int tiles, long long first, unsigned* sink) {
+__global__ void __launch_bounds__(256) stream(const unsigned char* w, const unsigned char* sb, int tiles, long long first, int work,
+                                              unsigned* sink) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int warps_all = gridDim.x * (blockDim.x / 32);
@@ -66,18 +70,39 @@ __global__ void __launch_bounds__(256) stream(const unsigned char* w, const unsi
     };
     for (int j = 0; j < RING - 1; ++j) issue(j);
     unsigned acc = 0;
+    float facc = 0.0f;
     for (int j = 0; j < jobs; ++j) {
         wait_group<RING - 2>();
         __syncwarp();
         issue(j + RING - 1);
-        acc += *reinterpret_cast<const unsigned*>(ring + (j % RING) * SLOT + lane * 4);
+        const unsigned* cur = reinterpret_cast<const unsigned*>(ring + (j % RING) * SLOT);
+        acc += cur[lane];
+        if (work > 0) {
+            unsigned v[8];
+            float f[4];
+#pragma unroll
+            for (int c = 0; c < 8; ++c) v[c] = cur[lane + 32 * c];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) f[c] = __uint_as_float(v[c] & 0x3fffffffu);
+            for (int i = 0; i < work; ++i) {
+#pragma unroll
+                for (int c = 0; c < 8; ++c) v[c] = ((v[c] >> 4) & 0x000f000fu) + (v[c] ^ 0x43004300u);
+#pragma unroll
+                for (int c = 0; c < 4; ++c) f[c] = fmaf(f[c], 1.0001f, 0.5f);
+            }
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc += v[c];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) facc += f[c];
+        }
     }
+    if (facc == 1.2345f) sink[1] = acc;
     wait_group<0>();
     if (acc == 0x12345678u) sink[0] = acc;  // keeps the reads
 }
 
 template <bool TILED, int RING>
-float run(const unsigned char* w, const unsigned char* sb, int tiles, unsigned* sink, int blocks) {
+float run(const unsigned char* w, const unsigned char* sb, int tiles, unsigned* sink, int blocks, int work = 0) {
     const int smem = 8 * RING * SLOT;
     cudaFuncSetAttribute(stream<TILED, RING>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     cudaEvent_t a, b;
@@ -85,11 +110,11 @@ float run(const unsigned char* w, const unsigned char* sb, int tiles, unsigned* 
     cudaEventCreate(&b);
     // Successive launches read other tiles where there is room, so that L2 keeps none of them.
     const int regions = MAX_TILES / tiles;
-    for (int i = 0; i < 3; ++i) stream<TILED, RING><<<blocks, 256, smem>>>(w, sb, tiles, 0, sink);
+    for (int i = 0; i < 3; ++i) stream<TILED, RING><<<blocks, 256, smem>>>(w, sb, tiles, 0, work, sink);
     const int reps = 48;
     cudaEventRecord(a);
     for (int i = 0; i < reps; ++i)
-        stream<TILED, RING><<<blocks, 256, smem>>>(w, sb, tiles, (long long)(i % regions) * tiles, sink);
+        stream<TILED, RING><<<blocks, 256, smem>>>(w, sb, tiles, (long long)(i % regions) * tiles, work, sink);
     cudaEventRecord(b);
     cudaEventSynchronize(b);
     float ms = 0;
@@ -106,7 +131,7 @@ int main() {
     const size_t wbytes = (size_t)max_tiles * BATCHES * BATCH_BYTES, sbytes = (size_t)max_tiles * BATCHES * SB_BYTES;
     unsigned char *w, *sb;
     unsigned* sink;
-    if (cudaMalloc(&w, wbytes) || cudaMalloc(&sb, sbytes) || cudaMalloc(&sink, 4)) {
+    if (cudaMalloc(&w, wbytes) || cudaMalloc(&sb, sbytes) || cudaMalloc(&sink, 8)) {
         printf("allocation failed\n");
         return 1;
     }
@@ -119,6 +144,11 @@ int main() {
                run<true, 3>(w, sb, tiles, sink, 2 * sms));
         printf("| %d (%.0f) | 1 block/SM, ring 4 | %.2f | %.2f |\n", tiles, mb, run<false, 4>(w, sb, tiles, sink, sms),
                run<true, 4>(w, sb, tiles, sink, sms));
+    }
+    printf("\n| work a batch (≈ instructions) | 2 blocks/SM, ring 3, TB/s | 1 block/SM, ring 4, TB/s |\n|---:|---:|---:|\n");
+    for (int work : {0, 2, 4, 6, 8, 10, 12}) {
+        printf("| %.0f | %.2f | %.2f |\n", 37.5 * work, run<false, 3>(w, sb, 3712, sink, 2 * sms, work),
+               run<false, 4>(w, sb, 3712, sink, sms, work));
     }
     const cudaError_t e = cudaDeviceSynchronize();
     if (e != cudaSuccess) {
