@@ -102,7 +102,13 @@ impl Timeline {
             st.clone_dtoh(&self.blocks.slice(range))
                 .during(|| "reading the block trace".into())
         };
-        let taken = (read(0..1)?[0] as usize).min(BLOCK_CAPACITY);
+        let tried = read(0..1)?[0] as usize;
+        if tried > BLOCK_CAPACITY {
+            tracing::warn!(
+                "the block trace holds {BLOCK_CAPACITY} blocks of the {tried} traced: its summary covers the first"
+            );
+        }
+        let taken = tried.min(BLOCK_CAPACITY);
         if taken == 0 {
             return Ok(Vec::new());
         }
