@@ -451,13 +451,21 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) gdn_decode_prep(const 
     const int kh = blockIdx.x, seq = blockIdx.y;
     const int slot = p.slots[seq];
     if (slot < 0 || slot >= p.n_slots) return;
+    // Sets 0..15: q channels kh·128 + 8i; 16..31: k; 32..63: v of value heads 2kh, 2kh + 1.
+    const int ch = tid < 16   ? kh * GDN_DK + tid * 8
+                   : tid < 32 ? GDN_KEY_DIM + kh * GDN_DK + (tid - 16) * 8
+                              : 2 * GDN_KEY_DIM + 2 * kh * GDN_DV + (tid - 32) * 8;
+    // As in gdn_decode: the conv state (only this layer's step writes it; from DRAM, the weights
+    // streamed since have left it in no cache) and the conv weights pulled into L1 before the wait.
+    if (p.state_early && tid < 64) {
+        const bf16* hist = p.conv_state + (i64)slot * GDN_CONV_STATE + ch;
+#pragma unroll
+        for (int j = 0; j < 3; ++j) prefetch_l1(hist + j * GDN_CONV_DIM);
+        prefetch_l1(p.conv_w + 4 * ch);
+    }
     pdl_wait();
     pdl_launch_dependents();
-    // Sets 0..15: q channels kh·128 + 8i; 16..31: k; 32..63: v of value heads 2kh, 2kh + 1.
     if (tid < 64) {
-        const int ch = tid < 16   ? kh * GDN_DK + tid * 8
-                       : tid < 32 ? GDN_KEY_DIM + kh * GDN_DK + (tid - 16) * 8
-                                  : 2 * GDN_KEY_DIM + 2 * kh * GDN_DV + (tid - 32) * 8;
         uint4 h1, h2, xn;
         float res[8];
         uint4* hist = conv8_silu(p, slot, seq, ch, h1, h2, xn, res);
