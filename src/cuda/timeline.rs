@@ -12,6 +12,8 @@
 //! block, and the hand-over to the next one (and any cuBLAS product launched after it: those carry
 //! no stamps, so their time shows in the launch before them). The labels of the launches come from the graph's
 //! capture (profile.rs `label_launches`); reading the stamps is `model::timeline`, device-free.
+//! The same builds also trace every block of the gathered expert GEMVs (start, end, SM; common.cuh
+//! `block_trace_end`), summarised by `model::block_trace`: which blocks of a launch end last.
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
