@@ -75,18 +75,15 @@ pub fn to_markdown(spans: &[BlockSpan]) -> String {
             row(&mut out, &label, &|s| Some(s.sms_by_count[c - 1] as f64));
         }
         row(&mut out, "last block's end", &|s| Some(s.last_end));
-        for (i, q) in QUANTILES.iter().enumerate() {
-            row(&mut out, &format!("block end, {q}"), &|s| Some(s.end_q[i]));
-        }
-        for (i, q) in QUANTILES.iter().enumerate() {
-            row(&mut out, &format!("block start, {q}"), &|s| {
-                Some(s.start_q[i])
-            });
-        }
-        for (i, q) in QUANTILES.iter().enumerate() {
-            row(&mut out, &format!("block duration, {q}"), &|s| {
-                Some(s.dur_q[i])
-            });
+        for (k, what) in ["block end", "block start", "block duration"]
+            .iter()
+            .enumerate()
+        {
+            for (i, q) in QUANTILES.iter().enumerate() {
+                row(&mut out, &format!("{what}, {q}"), &|s| {
+                    Some([s.end_q, s.start_q, s.dur_q][k][i])
+                });
+            }
         }
         for c in 1..=3 {
             let label = format!(
