@@ -35,8 +35,11 @@ extern "C" __global__ void router_topk(const bf16* __restrict__ logits, int pitc
 #define GROUP_MAX_EXPERTS 288  // 256 routed + the shared expert, rounded up to whole warps
 #define GROUP_WARPS (GROUP_CHUNK / 32)
 
+// Pair p's expert, clamped. Through L2 (__ldcg), as the GEMVs read the slot table: the ids were
+// written by the launch just before, and a read-only (non-coherent) load could find a line of an
+// earlier layer's ids in this SM's L1.
 __device__ __forceinline__ int expert_of(const int* ids, int p, int experts) {
-    return min(max(ids[p], 0), experts - 1);
+    return min(max(__ldcg(ids + p), 0), experts - 1);
 }
 
 // counts[c][e] = pairs of chunk c routed to expert e. Grid: chunks; block: GROUP_CHUNK threads.
@@ -159,33 +162,35 @@ extern "C" __global__ void moe_group_scatter(const int* __restrict__ ids, int pa
 // expert's pairs, in token order, are cut into GEMV slots of at most SLOT_TOKENS (the mma's N):
 // table[s] = {expert, tokens, token of each (its row of x for gate‖up), pair of each (its row of
 // the outputs)}, experts in order; slots from the count up to max_slots get 0 tokens. An expert's
-// tokens are one bit each in a mask, so a pair's rank among its expert's pairs is a popcount.
+// tokens are one bit each in a mask, so a pair's rank among its expert's pairs is a popcount. The
+// mask words are 32-bit: shared-memory atomicOr on 64-bit words is a compare-and-swap loop, which
+// the shared expert's pairs (one a token, all on one word) ran in turn (bench/NOTES.md v1.77).
 // One block of GROUP_MAX_EXPERTS threads (thread e counts expert e); T ≤ SLOT_MAX_TOKENS.
 #define SLOT_TOKENS 8
 #define SLOT_WORDS (2 + 2 * SLOT_TOKENS)
 #define SLOT_MAX_TOKENS 256
-#define SLOT_MASK_WORDS (SLOT_MAX_TOKENS / 64)
+#define SLOT_MASK_WORDS (SLOT_MAX_TOKENS / 32)
 
 extern "C" __global__ void moe_slot_table(const int* __restrict__ ids, int tokens, int per_token, int experts,
                                           int max_slots, int* __restrict__ table) {
     pdl_wait();
     pdl_launch_dependents();
-    __shared__ unsigned long long mask[GROUP_MAX_EXPERTS][SLOT_MASK_WORDS];
+    __shared__ unsigned int mask[GROUP_MAX_EXPERTS][SLOT_MASK_WORDS];
     __shared__ int first_slot[GROUP_MAX_EXPERTS], count[GROUP_MAX_EXPERTS];
     __shared__ int scratch[GROUP_MAX_EXPERTS / 32];
-    for (int i = threadIdx.x; i < GROUP_MAX_EXPERTS * SLOT_MASK_WORDS; i += blockDim.x) (&mask[0][0])[i] = 0ull;
+    for (int i = threadIdx.x; i < GROUP_MAX_EXPERTS * SLOT_MASK_WORDS; i += blockDim.x) (&mask[0][0])[i] = 0u;
     __syncthreads();
     const int pairs = min(tokens, SLOT_MAX_TOKENS) * per_token;
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         const int n = p / per_token;
-        atomicOr(&mask[expert_of(ids, p, experts)][n / 64], 1ull << (n % 64));
+        atomicOr(&mask[expert_of(ids, p, experts)][n / 32], 1u << (n % 32));
     }
     __syncthreads();
     const int e = threadIdx.x;
     int c = 0;
     if (e < experts) {
 #pragma unroll
-        for (int w = 0; w < SLOT_MASK_WORDS; ++w) c += __popcll(mask[e][w]);
+        for (int w = 0; w < SLOT_MASK_WORDS; ++w) c += __popc(mask[e][w]);
         count[e] = c;
     }
     int total;
@@ -194,8 +199,8 @@ extern "C" __global__ void moe_slot_table(const int* __restrict__ ids, int token
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         const int n = p / per_token, ex = expert_of(ids, p, experts);
-        int rank = __popcll(mask[ex][n / 64] & ((1ull << (n % 64)) - 1ull));
-        for (int w = 0; w < n / 64; ++w) rank += __popcll(mask[ex][w]);
+        int rank = __popc(mask[ex][n / 32] & ((1u << (n % 32)) - 1u));
+        for (int w = 0; w < n / 32; ++w) rank += __popc(mask[ex][w]);
         const int slot = first_slot[ex] + rank / SLOT_TOKENS, pos = rank % SLOT_TOKENS;
         if (slot >= max_slots) continue;
         int* entry = table + slot * SLOT_WORDS;
