@@ -228,8 +228,16 @@ impl SampleKernels {
                 &mut b.block_i,
                 &mut *out
             )?;
-            // top-k (mode 0), then top-p (mode 1), three rounds each.
-            for mode in 0i32..2 {
+            // Greedy (with penalties): sample_max picked the token; every launch after it would
+            // return at once, as a select whose parameter is off would: neither is launched
+            // (4 of a temperature-only draw's 10 launches are left, 7 with top-p alone).
+            if params.greedy != 0 {
+                return Ok(());
+            }
+            // top-k (mode 0), then top-p (mode 1), three rounds each: the kernel's `off`.
+            let top_p_off = params.top_p >= 1.0; // NaN: on, as in the kernel
+            let on = [params.top_k > 0, !top_p_off];
+            for mode in (0i32..2).filter(|&m| on[m as usize]) {
                 for round in 0i32..3 {
                     launch!(
                         stream,
