@@ -8,8 +8,9 @@
 //!   with the prefix cache;
 //! * decode scaling: the decode speed of one stream alone and per stream among K concurrent.
 //!
-//! Requests are greedy with no stop token, so every one generates exactly M tokens; the token
-//! is picked on the device, as the server does for plain requests.
+//! Requests have no stop token, so every one generates exactly M tokens; they are greedy, or
+//! sample with the options' [`SamplingParams`] (`--temperature`, `--top-p`, `--top-k`), the
+//! token picked on the device as the server picks it for such requests.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -18,9 +19,11 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::bench::synthetic_prompt;
 use crate::engine::{
-    greedy_device_sampler, greedy_sampler, Engine, EngineOptions, Event, GenerateRequest,
+    greedy_device_sampler, greedy_sampler, DeviceSampler, Engine, EngineOptions, Event,
+    GenerateRequest, SampledToken,
 };
 use crate::model::Backend;
+use crate::sampling::{DeviceSampling, Sampler, SamplingParams};
 
 #[derive(Debug, Clone)]
 pub struct ServeBenchOptions {
@@ -37,6 +40,8 @@ pub struct ServeBenchOptions {
     /// Engine settings; the conversation runs once with `prefix_cache_bytes` 0 and once with
     /// this (which must not be 0).
     pub engine: EngineOptions,
+    /// `None`: greedy requests; else every request samples with these (a fresh seed each).
+    pub sampling: Option<SamplingParams>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -137,6 +142,7 @@ pub fn run(
     );
     let vocab = backend.config().vocab_size;
     let prompt = |seed| synthetic_prompt(o.prompt_tokens, vocab, seed);
+    let sampling = o.sampling.as_ref();
     let no_cache = EngineOptions {
         prefix_cache_bytes: 0,
         ..o.engine.clone()
@@ -144,7 +150,7 @@ pub fn run(
 
     // Warm-up (a CUDA backend captures its decode graph on the first step).
     let (backend, _) = with_engine(backend, &no_cache, |e| {
-        concurrent(e, vec![prompt(u64::MAX)], o.output_tokens.min(4))
+        concurrent(e, vec![prompt(u64::MAX)], o.output_tokens.min(4), sampling)
     })?;
 
     let (backend, (elapsed, in_backend)) = with_engine(backend, &no_cache, |e| {
@@ -153,6 +159,7 @@ pub fn run(
             e,
             (0..o.streams as u64).map(prompt).collect(),
             o.output_tokens,
+            sampling,
         )?;
         let nanos = e.stats().backend_nanos_total.load(Ordering::Relaxed);
         Ok((start.elapsed(), Duration::from_nanos(nanos)))
@@ -181,10 +188,10 @@ pub fn run(
         .saturating_sub(o.output_tokens)
         .max(1);
     let (backend, cold) = with_engine(backend, &no_cache, |e| {
-        conversation(e, o.turns, message, o.output_tokens, vocab)
+        conversation(e, o.turns, message, o.output_tokens, vocab, sampling)
     })?;
     let (backend, cached) = with_engine(backend, &o.engine, |e| {
-        conversation(e, o.turns, message, o.output_tokens, vocab)
+        conversation(e, o.turns, message, o.output_tokens, vocab, sampling)
     })?;
     let turns: Vec<Turn> = cold
         .iter()
@@ -208,13 +215,13 @@ pub fn run(
     }
 
     let (backend, alone) = with_engine(backend, &no_cache, |e| {
-        concurrent(e, vec![prompt(1000)], o.output_tokens)
+        concurrent(e, vec![prompt(1000)], o.output_tokens, sampling)
     })?;
     let (backend, together) = with_engine(backend, &no_cache, |e| {
         let prompts = (0..o.decode_streams as u64)
             .map(|i| prompt(2000 + i))
             .collect();
-        concurrent(e, prompts, o.output_tokens)
+        concurrent(e, prompts, o.output_tokens, sampling)
     })?;
     let times: Vec<&[Duration]> = together.iter().map(|t| t.token_times.as_slice()).collect();
     let decode = DecodeScaling {
@@ -255,17 +262,66 @@ fn with_engine<T>(
     Ok((backend, result?))
 }
 
-fn request(engine: &Engine, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+fn request(
+    engine: &Engine,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    sampling: Option<&SamplingParams>,
+) -> GenerateRequest {
     let vocab = engine.config().vocab_size;
+    let (sampler, device_sampler) = match sampling {
+        None => (greedy_sampler(), greedy_device_sampler(vocab)),
+        Some(params) => sampled(params, &prompt, vocab),
+    };
     GenerateRequest {
         prompt,
         max_tokens,
         stop_token_ids: Vec::new(),
-        sampler: greedy_sampler(),
+        sampler,
         prompt_cache_key: None,
-        device_sampler: Some(greedy_device_sampler(vocab)),
+        device_sampler: Some(device_sampler),
         prompt_logprobs: None,
     }
+}
+
+/// A sampling request's two halves over one [`Sampler`], as the server pairs them: the CPU's
+/// (for steps the backend hands back as logits) and the device's.
+fn sampled(
+    params: &SamplingParams,
+    prompt: &[u32],
+    vocab: usize,
+) -> (crate::engine::Sampler, Box<dyn DeviceSampler>) {
+    use std::sync::{Arc, Mutex};
+    struct Device(Arc<Mutex<Sampler>>, usize);
+    impl DeviceSampler for Device {
+        fn device_step(&mut self) -> Option<(DeviceSampling, f64)> {
+            lock(&self.0).device_step(self.1)
+        }
+        fn accept(&mut self, token: u32) -> SampledToken {
+            lock(&self.0).record(token);
+            SampledToken {
+                id: token,
+                logprob: None,
+                top_logprobs: Vec::new(),
+            }
+        }
+    }
+    fn lock(s: &Mutex<Sampler>) -> std::sync::MutexGuard<'_, Sampler> {
+        s.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+    let shared = Arc::new(Mutex::new(Sampler::new(params, prompt)));
+    let cpu = shared.clone();
+    (
+        Box::new(move |logits: &mut [f32], _: &[u32]| SampledToken {
+            // A benchmark's logits are always finite; were they not, the argmax stands in.
+            id: lock(&cpu)
+                .sample(logits)
+                .map_or_else(|_| crate::model::argmax(logits), |s| s.token),
+            logprob: None,
+            top_logprobs: Vec::new(),
+        }),
+        Box::new(Device(shared, vocab)),
+    )
 }
 
 /// Submits all prompts at once and waits for every answer.
@@ -273,11 +329,12 @@ fn concurrent(
     engine: &Engine,
     prompts: Vec<Vec<u32>>,
     max_tokens: usize,
+    sampling: Option<&SamplingParams>,
 ) -> anyhow::Result<Vec<Timing>> {
     let start = Instant::now();
     let receivers: Vec<_> = prompts
         .into_iter()
-        .map(|p| engine.submit(request(engine, p, max_tokens)))
+        .map(|p| engine.submit(request(engine, p, max_tokens, sampling)))
         .collect();
     std::thread::scope(|s| {
         let readers: Vec<_> = receivers
@@ -298,6 +355,7 @@ fn conversation(
     message: usize,
     max_tokens: usize,
     vocab: usize,
+    sampling: Option<&SamplingParams>,
 ) -> anyhow::Result<Vec<(usize, Timing)>> {
     let mut prompt = Vec::new();
     let mut out = Vec::with_capacity(turns);
@@ -305,7 +363,7 @@ fn conversation(
         prompt.extend(synthetic_prompt(message, vocab, 5000 + turn as u64));
         let start = Instant::now();
         let timing = follow(
-            engine.submit(request(engine, prompt.clone(), max_tokens)),
+            engine.submit(request(engine, prompt.clone(), max_tokens, sampling)),
             start,
         )?;
         let len = prompt.len();
@@ -339,7 +397,16 @@ fn follow(mut rx: UnboundedReceiver<Event>, start: Instant) -> anyhow::Result<Ti
 
 /// The report as markdown tables.
 pub fn to_markdown(o: &ServeBenchOptions, r: &ServeReport) -> String {
-    let mut md = format!(
+    let mut md = match &o.sampling {
+        None => "Requests: greedy.\n\n".to_string(),
+        Some(p) => format!(
+            "Requests: sampled on the device, temperature {}, top-p {}, top-k {}.\n\n",
+            p.temperature,
+            p.top_p,
+            p.top_k.map_or("off".to_string(), |k| k.to_string())
+        ),
+    };
+    md += &format!(
         "### {} concurrent streams, {} prompt + {} output tokens each\n\n\
          | wall s | in the backend s | output tok/s | total tok/s |\n|---:|---:|---:|---:|\n| {:.2} | {:.2} | {:.1} | {:.1} |\n\n",
         o.streams,

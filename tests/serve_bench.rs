@@ -5,10 +5,34 @@ mod common;
 
 use lily::engine::EngineOptions;
 use lily::model::CpuBackend;
+use lily::sampling::SamplingParams;
 use lily::serve_bench::{run, to_markdown, ServeBenchOptions};
 
 #[test]
 fn the_serve_benchmark_runs_small_on_the_cpu() {
+    let md = serve_small(None);
+    assert!(md.starts_with("Requests: greedy."), "{md}");
+}
+
+/// The same with sampled requests (`--temperature`, `--top-p`): every request still generates
+/// exactly its tokens, and the report says how they were sampled.
+#[test]
+fn the_serve_benchmark_samples_when_asked() {
+    let params = SamplingParams {
+        temperature: 0.8,
+        top_p: 0.9,
+        ..SamplingParams::default()
+    };
+    let md = serve_small(Some(params));
+    assert!(
+        md.starts_with("Requests: sampled on the device, temperature 0.8, top-p 0.9, top-k off."),
+        "{md}"
+    );
+}
+
+/// Runs the benchmark small on the tiny fixture and checks what does not depend on the tokens
+/// drawn; returns its markdown.
+fn serve_small(sampling: Option<SamplingParams>) -> String {
     let weights = lily::checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
     let options = ServeBenchOptions {
         streams: 3,
@@ -22,6 +46,7 @@ fn the_serve_benchmark_runs_small_on_the_cpu() {
             prefix_cache_bytes: 16 << 20,
             ..EngineOptions::default()
         },
+        sampling,
     };
     let mut lines = 0;
     let (report, _backend) = run(Box::new(CpuBackend::new(weights)), &options, |_| lines += 1)
@@ -54,6 +79,7 @@ fn the_serve_benchmark_runs_small_on_the_cpu() {
     );
     let md = to_markdown(&options, &report);
     assert_eq!(md.matches("\n| 4 | 194 |").count(), 1, "{md}");
+    md
 }
 
 /// `--batch-tokens` on the command line: a small budget runs (batches of prompt chunks and decode
@@ -90,4 +116,52 @@ fn the_command_line_takes_a_batch_token_budget() {
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );
+}
+
+/// Sampling flags on the command line: `--temperature` and `--top-p` run sampled requests, a
+/// top-p of 0 is refused with a clear error, and the flags need `--serve`.
+#[test]
+fn the_command_line_takes_sampling_flags() {
+    let run = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_lily"))
+            .args(["bench", "--synthetic", "tiny", "--device", "cpu"])
+            .args(extra)
+            .output()
+            .expect("lily runs")
+    };
+    let small = [
+        "--serve",
+        "--streams",
+        "2",
+        "--prompt-tokens",
+        "40",
+        "--output-tokens",
+        "4",
+        "--turns",
+        "2",
+        "--conversation-tokens",
+        "120",
+        "--decode-streams",
+        "2",
+    ];
+    let ok = run(&[&small[..], &["--temperature", "0.7", "--top-p", "0.9"]].concat());
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&ok.stdout).contains("sampled on the device, temperature 0.7"),
+        "{}",
+        String::from_utf8_lossy(&ok.stdout)
+    );
+    let refused = run(&[&small[..], &["--top-p", "0"]].concat());
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("--top-p must be in (0, 1]"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    let without_serve = run(&["--contexts", "64", "--temperature", "0.7"]);
+    assert!(!without_serve.status.success());
 }

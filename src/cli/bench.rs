@@ -9,6 +9,7 @@ use lily::bench::{self, BenchOptions};
 use lily::checkpoint;
 use lily::engine::EngineOptions;
 use lily::model::Backend;
+use lily::sampling::SamplingParams;
 use lily::serve_bench::{self, ServeBenchOptions};
 
 use super::device::GpuOptions;
@@ -96,6 +97,39 @@ pub struct BenchArgs {
     /// serve --batch-tokens`).
     #[arg(long)]
     pub batch_tokens: Option<usize>,
+    /// --serve: requests sample at this temperature (on the device, as the server samples)
+    /// instead of decoding greedily; with --top-p or --top-k alone, temperature 1.
+    #[arg(long, requires = "serve")]
+    pub temperature: Option<f32>,
+    /// --serve: sampling's nucleus (1: off).
+    #[arg(long, requires = "serve")]
+    pub top_p: Option<f32>,
+    /// --serve: sampling's top-k (off unless given).
+    #[arg(long, requires = "serve")]
+    pub top_k: Option<usize>,
+}
+
+/// The --serve requests' sampling: `None` (greedy) unless a sampling flag is given.
+fn serve_sampling(args: &BenchArgs) -> anyhow::Result<Option<SamplingParams>> {
+    if args.temperature.is_none() && args.top_p.is_none() && args.top_k.is_none() {
+        return Ok(None);
+    }
+    let params = SamplingParams {
+        temperature: args.temperature.unwrap_or(1.0),
+        top_p: args.top_p.unwrap_or(1.0),
+        top_k: args.top_k,
+        ..SamplingParams::default()
+    };
+    anyhow::ensure!(
+        params.temperature.is_finite() && params.temperature >= 0.0,
+        "--temperature must be a finite number ≥ 0"
+    );
+    anyhow::ensure!(
+        params.top_p > 0.0 && params.top_p <= 1.0,
+        "--top-p must be in (0, 1]"
+    );
+    anyhow::ensure!(params.top_k != Some(0), "--top-k must be at least 1");
+    Ok(Some(params))
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -261,6 +295,7 @@ fn serve(backend: Box<dyn Backend>, args: &BenchArgs) -> anyhow::Result<()> {
         conversation_tokens: args.conversation_tokens,
         decode_streams: args.decode_streams,
         engine: serve_engine(args, &backend.device_name()),
+        sampling: serve_sampling(args)?,
     };
     eprintln!("device: {}; in-process engine", backend.device_name());
     let (report, _) = serve_bench::run(backend, &options, |line| eprintln!("{line}"))?;
