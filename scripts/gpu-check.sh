@@ -34,6 +34,8 @@
 # GPU_CHECK_NCU_SOURCE_BENCH replaces that bench's `--contexts 4096` (e.g. "--contexts 1024
 # --profile --profile-batch 8" for the kernels of 8-row decode passes);
 # GPU_CHECK_SERVE_AB="VAR=VALUE ..." reruns `bench --serve` with each setting;
+# GPU_CHECK_SERVE_SAMPLED (sampling flags, default "--temperature 0.7 --top-p 0.95"; none to skip)
+# reruns it with sampled requests;
 # GPU_CHECK_TESTS=none (or a list of binaries) runs no (or only those) test binaries. The GPU tests are every
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
@@ -288,6 +290,34 @@ PY
         rc=$?
         tail -30 "$logs/bench-serve.log"
         echo "bench --serve: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+        # The same with sampled requests (GPU_CHECK_SERVE_SAMPLED: the sampling flags, default
+        # temperature 0.7 and top-p 0.95; none to skip): what a chat UI's requests cost beside
+        # greedy ones (serve-sampled/ in logs.tar; its two key numbers in summary.txt).
+        if [[ "${GPU_CHECK_SERVE_SAMPLED:-}" != none ]]; then
+            echo "=== bench --serve (sampled)"
+            # shellcheck disable=SC2086
+            timeout 400 "$dir/lily" bench --serve --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+                ${GPU_CHECK_SERVE_ARGS:---batch-steps --streams 64 --prompt-tokens 1024 --output-tokens 128} \
+                ${GPU_CHECK_SERVE_SAMPLED:---temperature 0.7 --top-p 0.95} \
+                --out "$logs/serve-sampled" > "$logs/bench-serve-sampled.log" 2>&1
+            rc=$?
+            tail -12 "$logs/bench-serve-sampled.log"
+            key="$(python3 - "$logs/serve-sampled/serve.md" <<'PY' 2>/dev/null
+import sys
+tables, rows = [], None
+for line in open(sys.argv[1]):
+    if line.startswith("|---"):
+        rows = []
+        tables.append(rows)
+    elif line.startswith("|") and rows is not None:
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    elif not line.startswith("|"):
+        rows = None
+print(f"total {tables[0][0][3]} tok/s, per stream among 8 {tables[2][0][2]} tok/s while all decode")
+PY
+)"
+            echo "bench --serve sampled: $([[ $rc == 0 ]] && echo "done ($key)" || echo "FAIL (exit $rc)")" >> "$summary"
+        fi
         # GPU_CHECK_SERVE_AB="VAR=VALUE ...": the same again with each setting, into serve-<setting>/
         # in logs.tar.
         for ab in ${GPU_CHECK_SERVE_AB:-}; do
