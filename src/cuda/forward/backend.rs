@@ -57,13 +57,7 @@ impl Backend for CudaBackend {
     }
     fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
         self.step(seq, tokens)?;
-        let vocab = self.model.config.vocab_size;
-        let logits: Vec<bf16> = self
-            .dev
-            .stream()
-            .clone_dtoh(&self.s.logits.slice(..vocab))
-            .during(|| "copying logits".into())?;
-        Ok(logits.iter().map(|x| x.to_f32()).collect())
+        self.row_logits(0)
     }
     fn forward_greedy(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<u32> {
         self.step(seq, tokens)?;
@@ -305,28 +299,27 @@ impl CudaBackend {
         }
         let n = pass.len();
         let next = self.picked(n)?;
-        let vocab = self.model.config.vocab_size;
-        let logits: Vec<bf16> = if pass.iter().any(|p| steps[p.index].sample.is_none()) {
-            self.dev
-                .stream()
-                .clone_dtoh(&self.s.logits.slice(..n * vocab))
-                .during(|| "copying logits".into())?
-        } else {
-            Vec::new()
-        };
         Ok(pass
             .iter()
             .zip(&row_of)
             .map(|(p, &r)| match steps[p.index].sample {
                 Some(_) => self.token(next[r]).map(StepOutput::Token),
-                None => Ok(StepOutput::Logits(
-                    logits[r * vocab..(r + 1) * vocab]
-                        .iter()
-                        .map(|x| x.to_f32())
-                        .collect(),
-                )),
+                // Only the rows whose step asked for its logits come back (≈ 0.5 MB each): one
+                // such step in a pass of 64 copied all 64 rows' before.
+                None => self.row_logits(r).map(StepOutput::Logits),
             })
             .collect())
+    }
+
+    /// Logits row `row` of the last pass, as f32.
+    fn row_logits(&self, row: usize) -> anyhow::Result<Vec<f32>> {
+        let vocab = self.model.config.vocab_size;
+        let logits: Vec<bf16> = self
+            .dev
+            .stream()
+            .clone_dtoh(&self.s.logits.slice(row * vocab..(row + 1) * vocab))
+            .during(|| "copying logits".into())?;
+        Ok(logits.iter().map(|x| x.to_f32()).collect())
     }
 
     /// Picks the token after logits row `row` as `sampling` says, into `s.next[row]`. Plain
