@@ -735,6 +735,46 @@ fn cpu_sampler(sampler: Arc<Mutex<Sampler>>) -> lily::engine::Sampler {
     })
 }
 
+/// Several requests sampling on the CPU at once (their samplers run side by side, one core each,
+/// `Scheduler::pick_on_cpu`) draw what each draws alone with the same seed.
+#[test]
+fn concurrent_cpu_samplers_draw_what_each_draws_alone() {
+    let (engine, _) = engine(9);
+    let requests: Vec<(Vec<u32>, SamplingParams)> = (0..5u64)
+        .map(|i| {
+            let prompt = (0..(6 + 5 * i))
+                .map(|j| ((j * 29 + i * 11) % 256) as u32)
+                .collect();
+            let params = SamplingParams {
+                temperature: 0.6 + 0.2 * i as f32,
+                top_p: if i % 2 == 0 { 0.9 } else { 1.0 },
+                seed: Some(rand::random()),
+                ..SamplingParams::default()
+            };
+            (prompt, params)
+        })
+        .collect();
+    let submit = |(prompt, params): &(Vec<u32>, SamplingParams)| {
+        let sampler = Arc::new(Mutex::new(Sampler::new(params, prompt)));
+        engine.submit(GenerateRequest {
+            prompt: prompt.clone(),
+            max_tokens: 10,
+            stop_token_ids: vec![],
+            sampler: cpu_sampler(sampler),
+            prompt_cache_key: None,
+            device_sampler: None,
+            prompt_logprobs: None,
+        })
+    };
+    let together: Vec<_> = requests.iter().map(submit).collect();
+    let together: Vec<Vec<u32>> = together.into_iter().map(|rx| collect(rx).0).collect();
+    for (i, r) in requests.iter().enumerate() {
+        let (alone, reason, _) = collect(submit(r));
+        assert_eq!(reason, Some(FinishReason::Length));
+        assert_eq!(together[i], alone, "request {i}");
+    }
+}
+
 /// Sampling through `Backend::forward_sample` (the device path) draws what the CPU sampler draws:
 /// same seed, same tokens, penalties included.
 #[test]
