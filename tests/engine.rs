@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use common::fixture_dir;
 use lily::checkpoint;
 use lily::engine::{
-    greedy_sampler, DeviceSampler, Engine, EngineOptions, Event, FinishReason, GenerateRequest,
-    SampledToken,
+    greedy_device_sampler, greedy_sampler, DeviceSampler, Engine, EngineOptions, Event,
+    FinishReason, GenerateRequest, SampledToken,
 };
 use lily::model::cpu::{forward, Logits};
 use lily::model::{
@@ -772,6 +772,73 @@ fn concurrent_cpu_samplers_draw_what_each_draws_alone() {
         let (alone, reason, _) = collect(submit(r));
         assert_eq!(reason, Some(FinishReason::Length));
         assert_eq!(together[i], alone, "request {i}");
+    }
+}
+
+/// CPU picks beside the backend's pass (`Scheduler::iterate`): requests sampled on the CPU
+/// alongside requests whose tokens the backend picks (so the CPU picks run beside their passes)
+/// each draw what they draw alone, and a CPU sampler that panics fails only its own request.
+#[test]
+fn cpu_picks_beside_the_pass_change_no_request() {
+    let (engine, w) = engine(6);
+    let vocab = engine.config().vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..6u64)
+        .map(|i| {
+            (0..(7 + 4 * i))
+                .map(|j| ((j * 17 + i * 5) % 256) as u32)
+                .collect()
+        })
+        .collect();
+    let params = |i: usize| SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(1000 + i as u64),
+        ..SamplingParams::default()
+    };
+    // Even: sampled on the CPU; odd: greedy, picked by the backend.
+    let submit = |i: usize| {
+        let device = i % 2 == 1;
+        engine.submit(GenerateRequest {
+            prompt: prompts[i].clone(),
+            max_tokens: 9,
+            stop_token_ids: vec![],
+            sampler: if device {
+                greedy_sampler()
+            } else {
+                cpu_sampler(Arc::new(Mutex::new(Sampler::new(&params(i), &prompts[i]))))
+            },
+            prompt_cache_key: None,
+            device_sampler: device.then(|| greedy_device_sampler(vocab)),
+            prompt_logprobs: None,
+        })
+    };
+    let panicking = engine.submit(GenerateRequest {
+        prompt: vec![4, 5, 6],
+        max_tokens: 5,
+        stop_token_ids: vec![],
+        sampler: Box::new(|_: &mut [f32], _: &[u32]| panic!("sampler bug beside the pass")),
+        prompt_cache_key: None,
+        device_sampler: None,
+        prompt_logprobs: None,
+    });
+    let together: Vec<_> = (0..prompts.len()).map(submit).collect();
+    let together: Vec<(Vec<u32>, Option<FinishReason>)> = together
+        .into_iter()
+        .map(|rx| {
+            let (ids, reason, err) = collect(rx);
+            assert_eq!(err, None);
+            (ids, reason)
+        })
+        .collect();
+    let (_, _, err) = collect(panicking);
+    assert!(err.unwrap().contains("sampler bug beside the pass"));
+    for (i, (ids, reason)) in together.iter().enumerate() {
+        assert_eq!(*reason, Some(FinishReason::Length), "request {i}");
+        let (alone, _, _) = collect(submit(i));
+        assert_eq!(ids, &alone, "request {i}");
+        if i % 2 == 1 {
+            assert_eq!(ids, &self::alone(&w, &prompts[i], 9), "request {i}: greedy");
+        }
     }
 }
 

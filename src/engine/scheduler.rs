@@ -27,7 +27,9 @@ use std::sync::{mpsc, Arc};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::prefix_cache::PrefixCache;
-use super::{EngineOptions, EngineStats, Event, FinishReason, GenerateRequest, SampledToken};
+use super::{
+    EngineOptions, EngineStats, Event, FinishReason, GenerateRequest, SampledToken, Sampler,
+};
 use crate::model::{panic_message, Backend, SeqId, Step, StepOutput};
 use crate::sampling::DeviceSampling;
 
@@ -61,9 +63,41 @@ enum Next {
     Logits(Vec<f32>),
     /// The token the backend sampled (see [`DeviceSampler`](super::DeviceSampler)).
     Sampled(u32),
-    /// The request's sampler's pick from its logits, made beside the other requests' picks
-    /// ([`Scheduler::pick_on_cpu`]); an error when the sampler panicked.
+    /// The request's sampler's pick from its logits, made beside the backend's pass or the
+    /// other requests' picks (`Scheduler::iterate`); an error when the sampler panicked.
     Picked(Result<SampledToken, String>),
+}
+
+/// Whether `r` waits for its CPU sampler's pick from logits the last pass brought back
+/// (logprobs, a logit bias, a grammar: what its device sampler cannot take).
+fn waits_for_cpu_pick(r: &Running) -> bool {
+    !r.prefilling() && r.request.max_tokens > 0 && matches!(r.next, Some(Next::Logits(_)))
+}
+
+/// One request's CPU pick, its sampler and logits taken out of the request while it runs.
+struct SidePick {
+    index: usize,
+    sampler: Sampler,
+    logits: Vec<f32>,
+    generated: Vec<u32>,
+    picked: Option<Result<SampledToken, String>>,
+}
+
+/// Runs the picks side by side on all cores; a sampler's panic fails only its request.
+fn run_picks(picks: &mut [SidePick]) {
+    use rayon::prelude::*;
+    picks.par_iter_mut().for_each(|p| {
+        let (sampler, logits, generated) = (&mut p.sampler, &mut p.logits, &p.generated);
+        let picked = catch_unwind(AssertUnwindSafe(|| sampler(logits, generated)))
+            .map_err(|panic| format!("internal error: {}", panic_message(panic)));
+        p.picked = Some(picked);
+    });
+}
+
+/// What a request's sampler is while its pick runs elsewhere (never called: the request is
+/// not sampled until the pick is back).
+fn taken_sampler(_: &mut [f32], _: &[u32]) -> SampledToken {
+    unreachable!("a request's sampler was called while its pick was running")
 }
 
 /// What a running sequence does in this iteration's batch.
@@ -251,12 +285,29 @@ impl EngineLoop {
     }
 
     /// Sampling, one batch, and the snapshots that follow it.
+    ///
+    /// Requests whose logits came back are picked by their CPU samplers, side by side on all
+    /// cores: a pick takes milliseconds over the vocabulary (3–8 ms for 248K logits on one core
+    /// of the build machine, bench/NOTES.md v1.77). When other requests have work, the picks run
+    /// beside this iteration's pass and their requests join the next one, so that they do not
+    /// hold up every other request's step; else they run here, before the batch.
     fn iterate(&mut self) {
-        self.pick_on_cpu();
+        let waiting = self
+            .running
+            .iter()
+            .filter(|r| waits_for_cpu_pick(r))
+            .count();
+        let beside = waiting > 0 && waiting < self.running.len();
+        if waiting > 0 && !beside {
+            let mut picks = self.take_picks();
+            run_picks(&mut picks);
+            self.restore_picks(picks);
+        }
         let mut work = Vec::new(); // (index in running, work)
         let mut i = 0;
         while i < self.running.len() {
-            if self.running[i].prefilling() || self.running[i].next.is_none() {
+            let r = &self.running[i];
+            if r.prefilling() || r.next.is_none() || (beside && waits_for_cpu_pick(r)) {
                 i += 1;
                 continue;
             }
@@ -277,7 +328,15 @@ impl EngineLoop {
             }
         }
         self.plan_prefill(&mut work);
+        let mut picks = if beside {
+            self.take_picks()
+        } else {
+            Vec::new()
+        };
         if work.is_empty() {
+            // Nothing to run beside: the picks run now.
+            run_picks(&mut picks);
+            self.restore_picks(picks);
             return;
         }
         // Steps that end with a token the request's device sampler can pick bring back the
@@ -311,9 +370,17 @@ impl EngineLoop {
             })
             .collect();
         let backend = &mut self.backend;
-        let started = std::time::Instant::now();
-        let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward_batch(&steps)));
-        let took = started.elapsed();
+        let (outcome, took) = std::thread::scope(|scope| {
+            let side = (!picks.is_empty()).then(|| scope.spawn(|| run_picks(&mut picks)));
+            let started = std::time::Instant::now();
+            let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward_batch(&steps)));
+            let took = started.elapsed();
+            // run_picks catches its samplers' panics; a pick that did not run fails its request.
+            if let Some(side) = side {
+                let _ = side.join();
+            }
+            (outcome, took)
+        });
         self.stats.batches_total.fetch_add(1, Ordering::Relaxed);
         self.stats
             .backend_nanos_total
@@ -350,6 +417,8 @@ impl EngineLoop {
                     .collect()
             }
         };
+        // The picks made beside the pass: their requests join the next one.
+        self.restore_picks(picks);
         let mut failed = Vec::new();
         for ((i, w), result) in work.into_iter().zip(results) {
             match result {
@@ -398,33 +467,39 @@ impl EngineLoop {
         Ok(())
     }
 
-    /// Runs the samplers of the requests whose logits came back (logprobs, a logit bias, a
-    /// grammar's mask: what the device sampler does not take) on all cores at once. Each takes
-    /// milliseconds over the vocabulary (3–5 ms for 248K logits on one core of the build
-    /// machine), and the engine thread ran them one by one while every other request waited.
-    /// The picks are the same: each sampler sees only its own request.
-    fn pick_on_cpu(&mut self) {
-        use rayon::prelude::*;
-        let waiting = |r: &Running| {
-            !r.prefilling() && r.request.max_tokens > 0 && matches!(r.next, Some(Next::Logits(_)))
-        };
-        if self.running.iter().filter(|r| waiting(r)).count() < 2 {
-            return; // one (or none): `sample` picks it as before
-        }
-        self.running.par_iter_mut().for_each(|r| {
-            if !waiting(r) {
-                return;
+    /// The CPU picks of the requests whose logits came back, taken out of them (their samplers
+    /// and logits) so that they can run beside the backend's pass: see `iterate`.
+    fn take_picks(&mut self) -> Vec<SidePick> {
+        let mut picks = Vec::new();
+        for (index, r) in self.running.iter_mut().enumerate() {
+            if !waits_for_cpu_pick(r) {
+                continue;
             }
-            let Some(Next::Logits(mut logits)) = r.next.take() else {
-                return;
+            let Some(Next::Logits(logits)) = r.next.take() else {
+                continue;
             };
-            let (request, generated) = (&mut r.request, &r.generated);
-            let picked = catch_unwind(AssertUnwindSafe(|| {
-                (request.sampler)(&mut logits, generated)
-            }))
-            .map_err(|panic| format!("internal error: {}", panic_message(panic)));
+            let sampler = std::mem::replace(&mut r.request.sampler, Box::new(taken_sampler));
+            picks.push(SidePick {
+                index,
+                sampler,
+                logits,
+                generated: r.generated.clone(),
+                picked: None,
+            });
+        }
+        picks
+    }
+
+    /// Gives the picks' samplers back, each request's pick waiting for `sample`.
+    fn restore_picks(&mut self, picks: Vec<SidePick>) {
+        for p in picks {
+            let r = &mut self.running[p.index];
+            r.request.sampler = p.sampler;
+            let picked = p
+                .picked
+                .unwrap_or_else(|| Err("internal error: the sampler did not run".to_string()));
             r.next = Some(Next::Picked(picked));
-        });
+        }
     }
 
     /// Samples the next token of `running[i]` and sends it. `Some(reason)` when the sequence is
