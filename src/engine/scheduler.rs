@@ -299,9 +299,8 @@ impl EngineLoop {
             .count();
         let beside = waiting > 0 && waiting < self.running.len();
         if waiting > 0 && !beside {
-            let mut picks = self.take_picks();
-            run_picks(&mut picks);
-            self.restore_picks(picks);
+            let picks = self.take_picks();
+            self.pick_now(picks);
         }
         let mut work = Vec::new(); // (index in running, work)
         let mut i = 0;
@@ -328,15 +327,11 @@ impl EngineLoop {
             }
         }
         self.plan_prefill(&mut work);
-        let mut picks = if beside {
-            self.take_picks()
-        } else {
-            Vec::new()
-        };
+        // Only the picks left for beside the pass remain (the others ran above).
+        let mut picks = self.take_picks();
         if work.is_empty() {
             // Nothing to run beside: the picks run now.
-            run_picks(&mut picks);
-            self.restore_picks(picks);
+            self.pick_now(picks);
             return;
         }
         // Steps that end with a token the request's device sampler can pick bring back the
@@ -488,6 +483,12 @@ impl EngineLoop {
             });
         }
         picks
+    }
+
+    /// Runs the picks here, side by side, and gives them back.
+    fn pick_now(&mut self, mut picks: Vec<SidePick>) {
+        run_picks(&mut picks);
+        self.restore_picks(picks);
     }
 
     /// Gives the picks' samplers back, each request's pick waiting for `sample`.
