@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
-use lily::cuda::sample::SampleKernels;
+use lily::cuda::sample::{RowDraw, SampleKernels};
 use lily::cuda::CudaDevice;
 use lily::sampling::{draw, DeviceSampling};
 
@@ -217,6 +217,88 @@ fn device_draws_equal_the_cpu_reference() {
     println!("{cases} parameter sets, {draws} draws agree");
 }
 
+/// Several rows drawn in one set of launches (`sample_rows`, as a pass's sampled rows are): each
+/// row's token is the one `sample` draws for it alone and agrees with the CPU reference; rows not
+/// drawn keep what they held. The rows' parameters differ (greedy with penalties, temperature
+/// only, top-k, top-p, min-p, histories of different lengths), and the drawn rows are not the
+/// first ones nor in order.
+#[test]
+fn batched_draws_equal_single_draws() {
+    let dev = device();
+    let mut rng = Rng::new("batched_draws_equal_single_draws");
+    let stream = dev.stream().clone();
+    let mut kernels = SampleKernels::load(&dev, 1).expect("loading the sample kernels");
+    let mut single = Sampler::new(&dev);
+    const ROWS: usize = 7;
+    for round in 0..6 {
+        let rows: Vec<Vec<bf16>> = (0..ROWS).map(|_| logits(&mut rng)).collect();
+        let all: Vec<bf16> = rows.concat();
+        let dl = stream.clone_htod(&all).expect("alloc");
+        let mut samplings: Vec<DeviceSampling> =
+            (0..ROWS).map(|_| random_sampling(&mut rng)).collect();
+        // Round 0: every kind at least once.
+        if round == 0 {
+            samplings[1].temperature = 0.0;
+            samplings[1].history = history(&mut rng, 50);
+            samplings[1].repetition_penalty = 1.3;
+            samplings[2] = DeviceSampling {
+                top_k: None,
+                top_p: 1.0,
+                min_p: 0.0,
+                temperature: 0.7,
+                ..samplings[2].clone()
+            };
+            samplings[4].top_p = 0.9;
+            samplings[4].temperature = 1.0;
+        }
+        let us: Vec<f64> = (0..ROWS).map(|_| rng.uniform()).collect();
+        // Rows 5, 1, 2, 4, 6 drawn; 0 and 3 not.
+        let drawn = [5usize, 1, 2, 4, 6];
+        let draws: Vec<RowDraw> = drawn
+            .iter()
+            .map(|&row| RowDraw {
+                row,
+                sampling: &samplings[row],
+                u: us[row],
+            })
+            .collect();
+        let mut out = stream.clone_htod(&[i32::MIN; ROWS]).expect("alloc");
+        kernels
+            .sample_rows(&dl.as_view(), VOCAB, &draws, &mut out.as_view_mut())
+            .expect("sample_rows");
+        let got = stream.clone_dtoh(&out).expect("device to host");
+        for row in 0..ROWS {
+            let what = format!("round {round}, row {row}");
+            if !drawn.contains(&row) {
+                assert_eq!(got[row], i32::MIN, "{what}: not drawn, but written");
+                continue;
+            }
+            single.set_logits(&rows[row]);
+            let alone = single.sample(&samplings[row], us[row]);
+            assert_eq!(got[row], alone, "{what}: batched and single draws differ");
+            let logits: Vec<f32> = rows[row].iter().map(|x| x.to_f32()).collect();
+            let dist = samplings[row]
+                .distribution(&logits)
+                .expect("the CPU reference");
+            check_draw(got[row], &dist, &intervals(&dist), us[row], &what);
+        }
+    }
+    // A row drawn twice is refused.
+    let dl = stream
+        .clone_htod(&vec![bf16::ZERO; 2 * VOCAB])
+        .expect("alloc");
+    let sampling = random_sampling(&mut rng);
+    let twice = [0, 0].map(|row| RowDraw {
+        row,
+        sampling: &sampling,
+        u: 0.5,
+    });
+    let mut out = stream.clone_htod(&[0i32; 2]).expect("alloc");
+    assert!(kernels
+        .sample_rows(&dl.as_view(), VOCAB, &twice, &mut out.as_view_mut())
+        .is_err());
+}
+
 #[test]
 fn draws_follow_the_cpu_distribution() {
     let dev = device();
@@ -332,6 +414,63 @@ fn sampling_time() {
         println!(
             "top-k {top_k:?} top-p {top_p}: {:.1} us per draw (with the copies and a sync)",
             start.elapsed().as_secs_f64() * 1e6 / RUNS as f64
+        );
+    }
+    // A pass's 64 sampled rows: one draw at a time, as passes drew before sample_rows, and all
+    // in one set of launches.
+    const ROWS: usize = 64;
+    let stream = dev.stream().clone();
+    let all: Vec<bf16> = (0..ROWS).flat_map(|_| logits(&mut rng)).collect();
+    let dl = stream.clone_htod(&all).expect("alloc");
+    let mut out = stream.alloc_zeros::<i32>(ROWS).expect("alloc");
+    let mut kernels = SampleKernels::load(&dev, 1).expect("loading the sample kernels");
+    for (top_k, top_p) in [(None, 1.0), (Some(20), 0.95), (None, 0.95)] {
+        let sampling = DeviceSampling {
+            temperature: 0.7,
+            top_k,
+            top_p,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            vocab_limit: VOCAB,
+            history: Vec::new(),
+        };
+        let draws: Vec<RowDraw> = (0..ROWS)
+            .map(|row| RowDraw {
+                row,
+                sampling: &sampling,
+                u: 0.5,
+            })
+            .collect();
+        let mut time = |batched: bool| {
+            const RUNS: usize = 20;
+            let start = Instant::now();
+            for _ in 0..RUNS {
+                if batched {
+                    kernels
+                        .sample_rows(&dl.as_view(), VOCAB, &draws, &mut out.as_view_mut())
+                        .expect("sample_rows");
+                } else {
+                    for d in &draws {
+                        kernels
+                            .sample_rows(
+                                &dl.as_view(),
+                                VOCAB,
+                                std::slice::from_ref(d),
+                                &mut out.as_view_mut(),
+                            )
+                            .expect("sample_rows");
+                    }
+                }
+                stream.clone_dtoh(&out).expect("device to host");
+            }
+            start.elapsed().as_secs_f64() * 1e6 / RUNS as f64
+        };
+        let (one_by_one, together) = (time(false), time(true));
+        println!(
+            "{ROWS} rows, top-k {top_k:?} top-p {top_p}: {one_by_one:.0} us one by one, \
+             {together:.0} us in one set of launches (with a sync each)"
         );
     }
 }

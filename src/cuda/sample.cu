@@ -67,7 +67,9 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part_v, const 
 // so the launches can go into a captured graph.
 //
 // The launches, in order (each over SAMPLE_BLOCKS blocks, every block one contiguous slice of the
-// vocabulary; the last block to finish a launch does that launch's serial part):
+// vocabulary; the last block to finish a launch does that launch's serial part). One launch draws
+// for several rows at once, row blockIdx.y with its own parameters, state and scratch (`at_row`):
+// a pass's sampled rows take one set of launches, not one each.
 //   sample_load      work = sanitised logits (ids past vocab_limit: -inf); then the penalties.
 //   sample_max       the largest logit (lowest id on ties): greedy stops here; the min-p floor.
 //   sample_select ×6 top-k, then top-p, each a 3-round radix select over the logits' ordered bits.
@@ -96,7 +98,9 @@ struct SampleParams {
     int min_p_on;
     int greedy;
     int vocab_limit;  // ids at or past this are never chosen
-    int history_len;  // (token, output count) pairs in `history`
+    int history_len;  // (token, output count) pairs in `history`, from pair `history_at` on
+    int row;          // the logits row this draw reads, and the entry of `out` it writes
+    int history_at;
     int pad;
     double u;         // the draw, uniform in [0, 1)
 };
@@ -118,6 +122,16 @@ struct SampleState {
     u32 draw_ties;     // how many tied tokens of that slice are candidates
     double draw_target; // the draw's position inside that slice (unnormalised mass)
 };
+
+#define STATE_STRIDE 256  // bytes of one row's SampleState (sample.rs: STATE_BYTES)
+static_assert(sizeof(SampleState) <= STATE_STRIDE, "a row's state must fit its stride");
+static_assert(sizeof(SampleParams) == 64, "sample.rs's Params has 64 bytes");
+
+// Row blockIdx.y's parameters and state: each kernel moves its pointers to its row first.
+__device__ __forceinline__ const SampleParams* at_row(const SampleParams* p) { return p + blockIdx.y; }
+__device__ __forceinline__ SampleState* at_row(SampleState* st) {
+    return reinterpret_cast<SampleState*>(reinterpret_cast<unsigned char*>(st) + (u64)blockIdx.y * STATE_STRIDE);
+}
 
 // Integer order = float order (for non-NaN values); -inf is the smallest key any logit gets.
 __device__ __forceinline__ u32 float_key(float f) {
@@ -192,6 +206,11 @@ __device__ double block_exclusive_scan(double v, double* total) {
 extern "C" __global__ void sample_load(const bf16* __restrict__ logits, int n, const SampleParams* p,
                                        const u32* __restrict__ history, float* __restrict__ work,
                                        SampleState* st) {
+    p = at_row(p);
+    st = at_row(st);
+    logits += (u64)p->row * n;
+    history += 2 * (u64)p->history_at;
+    work += (u64)blockIdx.y * n;
     int begin, end;
     slice_of(blockIdx.x, n, begin, end);
     const int limit = p->vocab_limit;
@@ -218,6 +237,12 @@ extern "C" __global__ void sample_max(const float* __restrict__ work, int n, con
                                       int* __restrict__ block_i, int* __restrict__ out) {
     __shared__ float sv[32];
     __shared__ int si[32];
+    p = at_row(p);
+    st = at_row(st);
+    work += (u64)blockIdx.y * n;
+    block_v += blockIdx.y * SAMPLE_BLOCKS;
+    block_i += blockIdx.y * SAMPLE_BLOCKS;
+    out += p->row;
     int begin, end;
     slice_of(blockIdx.x, n, begin, end);
     float v = NEG_INF;
@@ -264,6 +289,11 @@ extern "C" __global__ void sample_select(const float* __restrict__ work, int n, 
                                          double* __restrict__ hist_mass, int mode, int round) {
     __shared__ u32 s_count[RADIX_BINS];
     __shared__ double s_mass[RADIX_BINS];
+    p = at_row(p);
+    st = at_row(st);
+    work += (u64)blockIdx.y * n;
+    hist_count += blockIdx.y * RADIX_BINS;
+    hist_mass += blockIdx.y * RADIX_BINS;
     if (st->done) return;
     const bool off = mode == 0 ? p->top_k <= 0 : p->top_p >= 1.0f;
     if (off || (round > 0 && !st->active)) return;
@@ -362,6 +392,11 @@ __device__ __forceinline__ void candidate_cut(const SampleParams* p, const Sampl
 extern "C" __global__ void sample_draw_mass(const float* __restrict__ work, int n, const SampleParams* p,
                                             SampleState* st, double* __restrict__ block_mass,
                                             u32* __restrict__ block_ties) {
+    p = at_row(p);
+    st = at_row(st);
+    work += (u64)blockIdx.y * n;
+    block_mass += blockIdx.y * SAMPLE_BLOCKS;
+    block_ties += blockIdx.y * SAMPLE_BLOCKS;
     if (st->done) return;
     u32 cut, ties;
     candidate_cut(p, st, cut, ties);
@@ -425,6 +460,10 @@ extern "C" __global__ void sample_draw(const float* __restrict__ work, int n, co
                                        const SampleState* st, int* __restrict__ out) {
     __shared__ double starts[WALK_THREADS + 1];
     __shared__ int chosen, last;
+    p = at_row(p);
+    st = reinterpret_cast<const SampleState*>(reinterpret_cast<const unsigned char*>(st) + (u64)blockIdx.y * STATE_STRIDE);
+    work += (u64)blockIdx.y * n;
+    out += p->row;
     if (st->done) return;
     if (st->draw_block < 0) {  // no candidate at all (cannot happen with a finite maximum)
         if (threadIdx.x == 0) *out = -1;

@@ -42,9 +42,14 @@ struct Params {
     greedy: i32,
     vocab_limit: i32,
     history_len: i32,
+    row: i32,
+    history_at: i32,
     pad: i32,
     u: f64,
 }
+
+// sample.cu asserts the same size.
+const _: () = assert!(std::mem::size_of::<Params>() == 64);
 
 // SAFETY: plain old data with the C layout sample.cu declares.
 unsafe impl DeviceRepr for Params {}
@@ -73,15 +78,28 @@ impl Params {
             greedy: s.is_greedy() as i32,
             vocab_limit: as_i32(s.vocab_limit.min(n), "vocab_limit")?,
             history_len: as_i32(s.history.len(), "penalty history")?,
+            row: 0,
+            history_at: 0,
             pad: 0,
             u,
         })
     }
 }
 
-/// The sampler's device memory for one vocabulary size, allocated on first use.
+/// One row's draw of a batched [`SampleKernels::sample_rows`].
+pub struct RowDraw<'a> {
+    /// The row of the logits, and the entry of `out`.
+    pub row: usize,
+    pub sampling: &'a DeviceSampling,
+    /// The draw, uniform in [0, 1).
+    pub u: f64,
+}
+
+/// The sampler's device memory for one vocabulary size and up to `rows` rows a launch,
+/// allocated on first use (and again for more rows).
 struct SamplerBuffers {
     n: usize,
+    rows: usize,
     params: CudaSlice<Params>,
     /// (token, output count) pairs; grows with the longest history seen.
     history: CudaSlice<u32>,
@@ -97,20 +115,23 @@ struct SamplerBuffers {
 }
 
 impl SamplerBuffers {
-    fn new(stream: &Arc<CudaStream>, n: usize) -> Result<Self> {
+    fn new(stream: &Arc<CudaStream>, n: usize, rows: usize) -> Result<Self> {
         let during = || "sampler buffers".to_string();
         Ok(Self {
             n,
-            params: stream.clone_htod(&[Params::default()]).during(during)?,
+            rows,
+            params: stream
+                .clone_htod(&vec![Params::default(); rows])
+                .during(during)?,
             history: stream.alloc_zeros(2).during(during)?,
-            work: stream.alloc_zeros(n).during(during)?,
-            state: stream.alloc_zeros(STATE_BYTES).during(during)?,
-            hist_count: stream.alloc_zeros(RADIX_BINS).during(during)?,
-            hist_mass: stream.alloc_zeros(RADIX_BINS).during(during)?,
-            block_v: stream.alloc_zeros(SAMPLE_BLOCKS).during(during)?,
-            block_i: stream.alloc_zeros(SAMPLE_BLOCKS).during(during)?,
-            block_mass: stream.alloc_zeros(SAMPLE_BLOCKS).during(during)?,
-            block_ties: stream.alloc_zeros(SAMPLE_BLOCKS).during(during)?,
+            work: stream.alloc_zeros(rows * n).during(during)?,
+            state: stream.alloc_zeros(rows * STATE_BYTES).during(during)?,
+            hist_count: stream.alloc_zeros(rows * RADIX_BINS).during(during)?,
+            hist_mass: stream.alloc_zeros(rows * RADIX_BINS).during(during)?,
+            block_v: stream.alloc_zeros(rows * SAMPLE_BLOCKS).during(during)?,
+            block_i: stream.alloc_zeros(rows * SAMPLE_BLOCKS).during(during)?,
+            block_mass: stream.alloc_zeros(rows * SAMPLE_BLOCKS).during(during)?,
+            block_ties: stream.alloc_zeros(rows * SAMPLE_BLOCKS).during(during)?,
         })
     }
 }
@@ -172,18 +193,67 @@ impl SampleKernels {
         out: &mut CudaViewMut<i32>,
     ) -> Result<()> {
         let n = logits.len();
+        self.sample_rows(
+            logits,
+            n,
+            &[RowDraw {
+                row: 0,
+                sampling,
+                u,
+            }],
+            out,
+        )
+    }
+
+    /// For each of `draws`, `out[row]` = the token its sampling picks from row `row` of
+    /// `logits` (`[rows][n]`) with its draw, as [`sample`](Self::sample) picks it; rows not
+    /// drawn are left as they are. One set of launches for all the draws (row blockIdx.y of
+    /// each grid is draw y), and one copy each of their parameters and penalty histories.
+    pub fn sample_rows(
+        &mut self,
+        logits: &CudaView<bf16>,
+        n: usize,
+        draws: &[RowDraw],
+        out: &mut CudaViewMut<i32>,
+    ) -> Result<()> {
         ensure!(
-            n > 0 && out.len() == 1,
-            "sample: {n} logits, out {}",
+            n > 0 && logits.len() % n == 0 && out.len() == logits.len() / n,
+            "sample: {} logits in rows of {n}, out {}",
+            logits.len(),
             out.len()
         );
-        let params = Params::new(sampling, u, n)?;
+        let rows = out.len();
+        if draws.is_empty() {
+            return Ok(());
+        }
+        let mut seen = vec![false; rows];
+        let mut params = Vec::with_capacity(draws.len());
+        let mut history: Vec<u32> = Vec::new();
+        for d in draws {
+            ensure!(
+                d.row < rows && !seen[d.row],
+                "sample: row {} of {rows} drawn twice or out of range",
+                d.row
+            );
+            seen[d.row] = true;
+            let mut p = Params::new(d.sampling, d.u, n)?;
+            p.row = as_i32(d.row, "sampled row")?;
+            p.history_at = as_i32(history.len() / 2, "penalty history")?;
+            history.extend(d.sampling.history.iter().flat_map(|&(t, c)| [t, c]));
+            params.push(p);
+        }
         let stream = self.stream.clone();
-        if self.sampler.as_ref().is_none_or(|b| b.n != n) {
-            self.sampler = Some(SamplerBuffers::new(&stream, n)?);
+        if self
+            .sampler
+            .as_ref()
+            .is_none_or(|b| b.n != n || b.rows < draws.len())
+        {
+            let capacity = draws.len().next_power_of_two();
+            // The old buffers go first: at the model's vocabulary a row's scratch is ≈ 1 MB.
+            self.sampler = None;
+            self.sampler = Some(SamplerBuffers::new(&stream, n, capacity)?);
         }
         let b = self.sampler.as_mut().expect("allocated above");
-        let history: Vec<u32> = sampling.history.iter().flat_map(|&(t, c)| [t, c]).collect();
         if history.len() > b.history.len() {
             b.history = stream
                 .alloc_zeros(history.len().next_power_of_two())
@@ -195,12 +265,13 @@ impl SampleKernels {
                 .during(|| "copying the penalty history".into())?;
         }
         stream
-            .memcpy_htod(&[params], &mut b.params)
+            .memcpy_htod(&params, &mut b.params)
             .during(|| "copying the sampling parameters".into())?;
 
         let ni = as_i32(n, "vocabulary")?;
+        let y = draws.len() as u32;
         let grid = LaunchConfig {
-            grid_dim: (SAMPLE_BLOCKS as u32, 1, 1),
+            grid_dim: (SAMPLE_BLOCKS as u32, y, 1),
             block_dim: (GRID_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -228,15 +299,21 @@ impl SampleKernels {
                 &mut b.block_i,
                 &mut *out
             )?;
-            // Greedy (with penalties): sample_max picked the token; every launch after it would
-            // return at once, as a select whose parameter is off would: neither is launched
-            // (4 of a temperature-only draw's 10 launches are left, 7 with top-p alone).
-            if params.greedy != 0 {
+            // Greedy draws (with penalties) are done after sample_max, and a select round whose
+            // parameter is off returns at once: what no row needs is not launched (4 of 10
+            // launches for temperature-only draws, 7 with top-p alone, 2 for greedy ones).
+            if params.iter().all(|p| p.greedy != 0) {
                 return Ok(());
             }
             // top-k (mode 0), then top-p (mode 1), three rounds each: the kernel's `off`.
-            let top_p_off = params.top_p >= 1.0; // NaN: on, as in the kernel
-            let on = [params.top_k > 0, !top_p_off];
+            let top_p_on = |p: &Params| {
+                let off = p.top_p >= 1.0; // NaN: on, as in the kernel
+                !off
+            };
+            let on = [
+                params.iter().any(|p| p.greedy == 0 && p.top_k > 0),
+                params.iter().any(|p| p.greedy == 0 && top_p_on(p)),
+            ];
             for mode in (0i32..2).filter(|&m| on[m as usize]) {
                 for round in 0i32..3 {
                     launch!(
@@ -266,7 +343,7 @@ impl SampleKernels {
                 &mut b.block_ties
             )?;
             let walk = LaunchConfig {
-                grid_dim: (1, 1, 1),
+                grid_dim: (1, y, 1),
                 block_dim: (WALK_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };

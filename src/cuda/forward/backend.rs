@@ -9,7 +9,7 @@ use super::{batch_rows, CudaBackend, DecodeRow, Sequence};
 use crate::config::ModelConfig;
 use crate::cuda::gdn;
 use crate::cuda::profile::{self, OpProfile};
-use crate::cuda::sample::SampleKernels;
+use crate::cuda::sample::{RowDraw, SampleKernels};
 use crate::cuda::snapshot::StatePools;
 use crate::cuda::timeline::Timeline;
 use crate::cuda::{Context, Result};
@@ -71,7 +71,20 @@ impl Backend for CudaBackend {
         u: f64,
     ) -> anyhow::Result<u32> {
         self.step(seq, tokens)?;
-        self.pick(0, sampling, u)?;
+        if !self.pick_greedy(0, sampling)? {
+            let vocab = self.model.config.vocab_size;
+            let draw = RowDraw {
+                row: 0,
+                sampling,
+                u,
+            };
+            self.k.sample.sample_rows(
+                &self.s.logits.slice(..vocab),
+                vocab,
+                &[draw],
+                &mut self.s.next.slice_mut(..1),
+            )?;
+        }
         Ok(self.next_tokens(1)?[0])
     }
     /// With [`CudaOptions::batch_steps`](super::CudaOptions), the steps run as shared passes
@@ -292,12 +305,27 @@ impl CudaBackend {
                 *row - 1
             })
             .collect();
+        // The rows the full sampler draws for, all in one set of launches.
+        let mut draws = Vec::new();
         for (p, &r) in pass.iter().zip(&row_of) {
             if let Some((sampling, u)) = steps[p.index].sample {
-                self.pick(r, sampling, u)?;
+                if !self.pick_greedy(r, sampling)? {
+                    draws.push(RowDraw {
+                        row: r,
+                        sampling,
+                        u,
+                    });
+                }
             }
         }
+        let vocab = self.model.config.vocab_size;
         let n = pass.len();
+        self.k.sample.sample_rows(
+            &self.s.logits.slice(..n * vocab),
+            vocab,
+            &draws,
+            &mut self.s.next.slice_mut(..n),
+        )?;
         let next = self.picked(n)?;
         Ok(pass
             .iter()
@@ -322,25 +350,24 @@ impl CudaBackend {
         Ok(logits.iter().map(|x| x.to_f32()).collect())
     }
 
-    /// Picks the token after logits row `row` as `sampling` says, into `s.next[row]`. Plain
-    /// greedy is the argmax the pass already left there; greedy over the tokenizer's ids only
-    /// (a real checkpoint's padding rows masked) the argmax of the row's prefix.
-    fn pick(&mut self, row: usize, sampling: &DeviceSampling, u: f64) -> Result<()> {
+    /// Picks the token after logits row `row` into `s.next[row]` when `sampling` is greedy:
+    /// plain greedy is the argmax the pass already left there, greedy over the tokenizer's ids
+    /// only (a real checkpoint's padding rows masked) the argmax of the row's prefix. False:
+    /// the full sampler must draw it.
+    fn pick_greedy(&mut self, row: usize, sampling: &DeviceSampling) -> Result<bool> {
         let vocab = self.model.config.vocab_size;
         let limit = sampling.vocab_limit.min(vocab);
-        let greedy = sampling.is_greedy() && sampling.history.is_empty();
-        if greedy && limit == vocab {
-            return Ok(());
+        if !(sampling.is_greedy() && sampling.history.is_empty() && limit > 0) {
+            return Ok(false);
         }
-        let logits = self.s.logits.slice(row * vocab..(row + 1) * vocab);
-        let mut next = self.s.next.slice_mut(row..row + 1);
-        if greedy && limit > 0 {
+        if limit < vocab {
+            let logits = self.s.logits.slice(row * vocab..(row + 1) * vocab);
+            let mut next = self.s.next.slice_mut(row..row + 1);
             self.k
                 .sample
-                .argmax(&logits.slice(..limit), limit, &mut next)
-        } else {
-            self.k.sample.sample(&logits, sampling, u, &mut next)
+                .argmax(&logits.slice(..limit), limit, &mut next)?;
         }
+        Ok(true)
     }
 
     /// The first `n` picked tokens as the kernels left them.
