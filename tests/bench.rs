@@ -162,3 +162,63 @@ fn the_sweep_takes_a_decode_pause() {
         String::from_utf8_lossy(&bad.stderr)
     );
 }
+
+/// `lily bench --span-tokens`: passes of 1, 2 and 4 tokens of one sequence at each context, one
+/// table row each, the one-token pass the unit of the ratio column; a pass of 0 tokens is refused.
+#[test]
+fn span_passes_report_each_length_and_free_their_sequence() {
+    let weights = checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
+    let mut cpu = CpuBackend::new(weights);
+    let points = bench::spans::span_passes(&mut cpu, 300, 10, &[1, 2, 4], 3).unwrap();
+    let lengths: Vec<usize> = points.iter().map(|p| p.tokens).collect();
+    assert_eq!(lengths, [1, 2, 4]);
+    assert!(points
+        .iter()
+        .all(|p| p.context == 10 && p.us_per_pass > 0.0));
+    assert!(
+        cpu.forward(300, &[1]).is_err(),
+        "sequence 300 was not freed"
+    );
+    assert!(bench::spans::span_passes(&mut cpu, 301, 10, &[2, 0], 3).is_err());
+    assert!(
+        cpu.forward(301, &[1]).is_err(),
+        "sequence 301 was not freed"
+    );
+
+    let md = bench::spans::to_markdown(&[
+        bench::spans::SpanPoint {
+            context: 4096,
+            tokens: 1,
+            us_per_pass: 1000.0,
+        },
+        bench::spans::SpanPoint {
+            context: 4096,
+            tokens: 4,
+            us_per_pass: 2500.0,
+        },
+    ]);
+    assert!(md.contains("| 4096 | 1 | 1000 | 1.00 | 1000 |"), "{md}");
+    assert!(md.contains("| 4096 | 4 | 2500 | 2.50 | 1600 |"), "{md}");
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(["bench", "--synthetic", "tiny", "--device", "cpu"])
+        .args([
+            "--contexts",
+            "8,12",
+            "--decode-steps",
+            "2",
+            "--span-tokens",
+            "1,3",
+        ])
+        .output()
+        .expect("running lily bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for row in ["| 8 | 1 |", "| 8 | 3 |", "| 12 | 1 |", "| 12 | 3 |"] {
+        assert_eq!(stdout.matches(row).count(), 1, "{row}: {stdout}");
+    }
+}

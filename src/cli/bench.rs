@@ -64,6 +64,11 @@ pub struct BenchArgs {
     /// --timeline: sequences per decode step (each prefills its own prompt of the context).
     #[arg(long, default_value_t = 1, requires = "timeline")]
     pub timeline_batch: usize,
+    /// Instead of the sweep, passes of this many tokens of one sequence at every context (a
+    /// list, e.g. 1,2,4: a speculative verify pass's shape), `--decode-steps` timed passes each;
+    /// writes spans.md with --out.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["serve", "profile", "timeline"])]
+    pub span_tokens: Vec<usize>,
     /// Measure the engine under load instead: concurrent streams, a multi-turn conversation
     /// with and without the prefix cache, decode speed per stream (the flags below).
     #[arg(long)]
@@ -152,6 +157,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         (longest, gpu)
     } else {
         let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps + 16;
+        let longest = longest.max(bench::spans::context_needed(
+            longest,
+            &args.span_tokens,
+            args.decode_steps,
+        ));
         // --profile also times decode steps of --profile-batch sequences at once,
         // --timeline: as many as its steps hold.
         let slots = if args.profile {
@@ -212,6 +222,25 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         if let Some(out) = &args.out {
             std::fs::create_dir_all(out)?;
             std::fs::write(out.join("timeline.md"), md)?;
+        }
+        return Ok(());
+    }
+    if !args.span_tokens.is_empty() {
+        let mut points = Vec::new();
+        for (i, &context) in args.contexts.iter().enumerate() {
+            points.extend(bench::spans::span_passes(
+                backend.as_mut(),
+                (1 << 46) + i as u64,
+                context,
+                &args.span_tokens,
+                args.decode_steps,
+            )?);
+        }
+        let md = bench::spans::to_markdown(&points);
+        println!("{md}");
+        if let Some(out) = &args.out {
+            std::fs::create_dir_all(out)?;
+            std::fs::write(out.join("spans.md"), md)?;
         }
         return Ok(());
     }
