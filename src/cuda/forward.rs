@@ -296,6 +296,8 @@ impl CudaBackend {
         };
         let rows = options.prefill_chunk.max(batch_rows(&options)).max(1);
         let batch = batch_rows(&options);
+        // A pass's sampled rows are drawn at once: their scratch is allocated with the rest.
+        k.sample.reserve(c.vocab_size, batch)?;
         let h = c.hidden_size;
         // The shared expert is one more expert (DeviceMoe): one more router row and slot.
         let (e, slots, inter) = (

@@ -177,6 +177,21 @@ impl SampleKernels {
         })
     }
 
+    /// Allocates the full sampler's scratch for up to `rows` rows of `n` logits now (≈ 1 MB a
+    /// row at the model's vocabulary), so that draws of that size allocate nothing while
+    /// serving, when the memory may be the prefix cache's. Other sizes still allocate on use.
+    pub fn reserve(&mut self, n: usize, rows: usize) -> Result<()> {
+        if self
+            .sampler
+            .as_ref()
+            .is_none_or(|b| b.n != n || b.rows < rows)
+        {
+            self.sampler = None; // the old buffers go first
+            self.sampler = Some(SamplerBuffers::new(&self.stream, n, rows.max(1))?);
+        }
+        Ok(())
+    }
+
     /// Whether [`sample`](Self::sample) takes these parameters for a row of `n` logits.
     pub fn accepts(sampling: &DeviceSampling, u: f64, n: usize) -> bool {
         Params::new(sampling, u, n).is_ok()
@@ -242,17 +257,8 @@ impl SampleKernels {
             history.extend(d.sampling.history.iter().flat_map(|&(t, c)| [t, c]));
             params.push(p);
         }
+        self.reserve(n, draws.len())?;
         let stream = self.stream.clone();
-        if self
-            .sampler
-            .as_ref()
-            .is_none_or(|b| b.n != n || b.rows < draws.len())
-        {
-            let capacity = draws.len().next_power_of_two();
-            // The old buffers go first: at the model's vocabulary a row's scratch is ≈ 1 MB.
-            self.sampler = None;
-            self.sampler = Some(SamplerBuffers::new(&stream, n, capacity)?);
-        }
         let b = self.sampler.as_mut().expect("allocated above");
         if history.len() > b.history.len() {
             b.history = stream
