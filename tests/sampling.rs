@@ -857,3 +857,83 @@ fn device_sampling_masks_ids_past_the_limit() {
     // In token order, which the draw walks.
     assert!(dist.windows(2).all(|w| w[0].0 < w[1].0));
 }
+
+/// Without top-k and top-p the draw walks its candidates in place (no ranked list, no
+/// collected distribution): it must pick what `draw` over `distribution` picks for every `u`,
+/// right at each cumulative boundary too (one ulp either side), so the arithmetic must be the
+/// same bit for bit. Logits with ties, -inf and ids past the limit; min-p on and off.
+#[test]
+fn the_in_place_draw_equals_draw_over_the_distribution() {
+    let mut rng = StdRng::seed_from_u64(rand::random());
+    for case in 0..24 {
+        let vocab = if case % 4 == 0 { QWEN_VOCAB } else { 4096 };
+        let mut logits = random_logits(&mut rng, vocab, [4.0, 12.0, 30.0][case % 3]);
+        for _ in 0..vocab / 50 {
+            let i = rng.random_range(0..vocab);
+            logits[i] = if rng.random::<bool>() {
+                f32::NEG_INFINITY
+            } else {
+                logits[(i + 1) % vocab]
+            };
+        }
+        let sampling = DeviceSampling {
+            temperature: [0.3, 0.7, 1.0, 1.7][case % 4],
+            min_p: [0.0, 0.05, 0.5][(case / 4) % 3],
+            vocab_limit: vocab - case,
+            ..DeviceSampling::greedy(vocab)
+        };
+        let dist = sampling.distribution(&logits).unwrap();
+        let mut us: Vec<f64> = (0..50).map(|_| rng.random()).collect();
+        let mut acc = 0.0;
+        for (j, &(_, p)) in dist.iter().enumerate() {
+            acc += p;
+            if j % (dist.len() / 40 + 1) == 0 || j + 1 == dist.len() {
+                us.extend(
+                    [acc.next_down(), acc, acc.next_up()]
+                        .iter()
+                        .filter(|u| **u < 1.0),
+                );
+            }
+        }
+        us.push(1.0f64.next_down());
+        for u in us {
+            assert_eq!(
+                sampling.sample(&logits, u).unwrap(),
+                draw(&dist, u),
+                "case {case}: {sampling:?} at u = {u:e}"
+            );
+        }
+    }
+}
+
+/// The top alternatives of `logprobs` are the `n` largest raw logits (ties: lower id first, NaN
+/// never), as a full sort has them, for any `n` — including more than there are logits.
+#[test]
+fn top_logprobs_equal_a_full_sort() {
+    let mut rng = StdRng::seed_from_u64(rand::random());
+    for case in 0..12 {
+        let vocab = [7, 300, 4096, QWEN_VOCAB][case % 4];
+        let mut logits = random_logits(&mut rng, vocab, 6.0);
+        for _ in 0..vocab / 10 + 2 {
+            let i = rng.random_range(0..vocab);
+            logits[i] = match rng.random_range(0..4) {
+                0 => f32::NAN,
+                1 => f32::NEG_INFINITY,
+                _ => logits[rng.random_range(0..vocab)], // a tie
+            };
+        }
+        let mut sorted: Vec<(u32, f32)> = logits
+            .iter()
+            .zip(0u32..)
+            .map(|(&l, t)| (t, if l.is_nan() { f32::NEG_INFINITY } else { l }))
+            .collect();
+        sorted.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let token = rng.random_range(0..vocab as u32);
+        for n in [0, 1, 5, 20, vocab + 3] {
+            let got = token_logprobs(&logits, token, n).unwrap();
+            let tokens: Vec<u32> = got.top.iter().map(|&(t, _)| t).collect();
+            let want: Vec<u32> = sorted.iter().take(n).map(|&(t, _)| t).collect();
+            assert_eq!(tokens, want, "case {case}, vocab {vocab}, n {n}");
+        }
+    }
+}

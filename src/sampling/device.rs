@@ -1,7 +1,7 @@
 //! One step's sampling as the device sampler takes it, with its host reference.
 
 use super::logits::{argmax, sanitize, Filters, Penalties};
-use super::{draw, SampleError, GREEDY_TEMPERATURE};
+use super::{SampleError, GREEDY_TEMPERATURE};
 
 /// One step's sampling as the device sampler takes it (from [`Sampler::device_step`]): everything
 /// but the logit bias and logprobs, which stay on the CPU.
@@ -50,6 +50,36 @@ impl DeviceSampling {
     ///
     /// [`Sampler::distribution`]: super::Sampler::distribution
     pub fn distribution(&self, logits: &[f32]) -> Result<Vec<(u32, f64)>, SampleError> {
+        let work = self.work(logits)?;
+        if self.is_greedy() {
+            return Ok(vec![(argmax(&work), 1.0)]);
+        }
+        Ok(self.filters().distribution(&work, &mut Vec::new()))
+    }
+
+    /// The token a draw at `u` picks from `logits` (the host version of the device sampler):
+    /// [`draw`](super::draw) over [`distribution`](Self::distribution).
+    pub fn sample(&self, logits: &[f32], u: f64) -> Result<u32, SampleError> {
+        let work = self.work(logits)?;
+        if self.is_greedy() {
+            return Ok(argmax(&work));
+        }
+        Ok(self
+            .filters()
+            .draw(&work, u, &mut Vec::new(), &mut Vec::new()))
+    }
+
+    fn filters(&self) -> Filters {
+        Filters {
+            temperature: self.temperature,
+            min_p: self.min_p,
+            top_k: self.top_k,
+            top_p: self.top_p,
+        }
+    }
+
+    /// The sanitised logits (ids past the limit: -inf) after the penalties.
+    fn work(&self, logits: &[f32]) -> Result<Vec<f32>, SampleError> {
         if logits.is_empty() {
             return Err(SampleError::EmptyLogits);
         }
@@ -73,20 +103,6 @@ impl DeviceSampling {
         if work.iter().all(|&l| l == f32::NEG_INFINITY) {
             return Err(SampleError::NoFiniteLogits);
         }
-        if self.is_greedy() {
-            return Ok(vec![(argmax(&work), 1.0)]);
-        }
-        let filters = Filters {
-            temperature: self.temperature,
-            min_p: self.min_p,
-            top_k: self.top_k,
-            top_p: self.top_p,
-        };
-        Ok(filters.distribution(&work, &mut Vec::new()))
-    }
-
-    /// The token a draw at `u` picks from `logits` (the host version of the device sampler).
-    pub fn sample(&self, logits: &[f32], u: f64) -> Result<u32, SampleError> {
-        Ok(draw(&self.distribution(logits)?, u))
+        Ok(work)
     }
 }

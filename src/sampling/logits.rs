@@ -40,17 +40,34 @@ pub(super) fn key_token(key: RankKey) -> u32 {
     key as u32
 }
 
-/// Keep the `n` most likely keys of `keys`, most likely first.
-pub(super) fn keep_top(keys: &mut Vec<RankKey>, n: usize) {
+/// The `n` most likely of `keys` into `top`, most likely first. For a few (logprobs' up to 20
+/// alternatives) in one pass: a key goes in only if it beats the `n`-th kept so far, one
+/// comparison for almost every key of 248K (keys are distinct: the token id is part of each);
+/// for many, by partial selection.
+pub(super) fn top_keys(keys: impl Iterator<Item = RankKey>, n: usize, top: &mut Vec<RankKey>) {
+    top.clear();
     if n == 0 {
-        keys.clear();
         return;
     }
-    if n < keys.len() {
-        keys.select_nth_unstable(n - 1);
-        keys.truncate(n);
+    if n > 64 {
+        top.extend(keys);
+        if n < top.len() {
+            top.select_nth_unstable(n - 1);
+            top.truncate(n);
+        }
+        top.sort_unstable();
+        return;
     }
-    keys.sort_unstable();
+    for key in keys {
+        if top.len() == n {
+            if key >= top[n - 1] {
+                continue;
+            }
+            top.pop();
+        }
+        let at = top.partition_point(|&k| k < key);
+        top.insert(at, key);
+    }
 }
 
 /// The penalties of one request (vLLM's semantics; 1, 0, 0 switch them off).
@@ -113,6 +130,56 @@ impl Filters {
         cands.iter().map(|&k| key_token(k)).zip(probs).collect()
     }
 
+    /// The token a draw at `u` picks: [`draw`] over [`distribution`](Self::distribution), bit
+    /// for bit. Without top-k and top-p the candidates stay in token order, so their weights are
+    /// summed and walked in place instead of ranked and collected (a temperature-only step over
+    /// the model's 248K logits: 3.1 → 1.4 ms on one core of the build machine). `cands` and
+    /// `weights` are scratch.
+    pub(super) fn draw(
+        &self,
+        work: &[f32],
+        u: f64,
+        cands: &mut Vec<RankKey>,
+        weights: &mut Vec<f64>,
+    ) -> u32 {
+        if self.top_k.is_some() || self.top_p < 1.0 {
+            return draw(&self.distribution(work, cands), u);
+        }
+        // What `select` keeps without top-k and top-p: the finite logits at or above the min-p
+        // floor, in token order; `softmax_over`'s maximum over them is the maximum of `work`.
+        let l_max = work.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let threshold = self.min_p_threshold(l_max);
+        let kept = |l: f32| l > f32::NEG_INFINITY && l >= threshold;
+        weights.clear();
+        weights.extend(
+            work.iter()
+                .filter(|&&l| kept(l))
+                .map(|&l| softmax_weight(l, l_max, self.temperature)),
+        );
+        let total: f64 = weights.iter().sum();
+        // `draw` over (token, weight / total), the same divisions and additions in the same order.
+        let mut acc = 0.0;
+        let mut last = 0;
+        let tokens = work.iter().zip(0u32..).filter(|&(&l, _)| kept(l));
+        for ((_, token), &w) in tokens.zip(weights.iter()) {
+            acc += w / total;
+            if u < acc {
+                return token;
+            }
+            last = token;
+        }
+        last
+    }
+
+    /// min-p keeps p_i >= min_p * p_max: l_i >= l_max + T * ln(min_p) (none when off).
+    fn min_p_threshold(&self, l_max: f32) -> f32 {
+        if self.min_p > 0.0 {
+            l_max + self.temperature * self.min_p.ln()
+        } else {
+            f32::NEG_INFINITY
+        }
+    }
+
     /// Fill `out` with the tokens that survive min-p, then top-k, then top-p — vLLM's order
     /// (min-p is an "argmax-invariant logits processor" applied before its top-k/top-p sampler).
     ///
@@ -126,11 +193,7 @@ impl Filters {
     ///   top-k left.
     fn select(&self, logits: &[f32], out: &mut Vec<RankKey>) {
         let l_max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let threshold = if self.min_p > 0.0 {
-            l_max + self.temperature * self.min_p.ln()
-        } else {
-            f32::NEG_INFINITY
-        };
+        let threshold = self.min_p_threshold(l_max);
         out.clear();
         out.extend(
             logits

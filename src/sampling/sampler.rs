@@ -4,8 +4,8 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use rustc_hash::FxHashMap;
 
-use super::logits::{argmax, keep_top, key_token, rank_key, sanitize, Filters, Penalties, RankKey};
-use super::{draw, DeviceSampling, SamplingParams};
+use super::logits::{argmax, key_token, rank_key, sanitize, top_keys, Filters, Penalties, RankKey};
+use super::{DeviceSampling, SamplingParams};
 
 /// The logits handed to the sampler cannot be sampled from. These are engine bugs, not user errors.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -54,6 +54,19 @@ pub struct Sampler {
     /// Scratch buffers reused across steps so that a step allocates nothing vocabulary-sized.
     work: Vec<f32>,
     candidates: Vec<RankKey>,
+    weights: Vec<f64>,
+}
+
+impl SamplingParams {
+    /// Temperature and the three filters, as the sampler applies them.
+    fn filters(&self) -> Filters {
+        Filters {
+            temperature: self.temperature,
+            min_p: self.min_p,
+            top_k: self.top_k,
+            top_p: self.top_p,
+        }
+    }
 }
 
 impl Sampler {
@@ -69,6 +82,7 @@ impl Sampler {
             history_index: FxHashMap::default(),
             work: Vec::new(),
             candidates: Vec::new(),
+            weights: Vec::new(),
         };
         if params.repetition_penalty != 1.0 {
             for &token in prompt {
@@ -85,12 +99,13 @@ impl Sampler {
     /// Pick the next token from this step's raw logits (one per vocabulary entry) and record it
     /// in the history the penalties use.
     pub fn sample(&mut self, logits: &[f32]) -> Result<Sampled, SampleError> {
+        self.prepare(logits)?;
         let token = if self.params.is_greedy() {
-            self.prepare(logits)?;
             argmax(&self.work)
         } else {
-            let distribution = self.distribution(logits)?;
-            draw(&distribution, self.next_uniform())
+            let u = self.next_uniform();
+            let (work, cands, weights) = (&self.work, &mut self.candidates, &mut self.weights);
+            self.params.filters().draw(work, u, cands, weights)
         };
         self.finish_step(token, logits)
     }
@@ -167,16 +182,10 @@ impl Sampler {
     /// probability 1. Exposed for tests and for checking the device sampler.
     pub fn distribution(&mut self, logits: &[f32]) -> Result<Vec<(u32, f64)>, SampleError> {
         self.prepare(logits)?;
-        let p = &self.params;
-        if p.is_greedy() {
+        if self.params.is_greedy() {
             return Ok(vec![(argmax(&self.work), 1.0)]);
         }
-        let filters = Filters {
-            temperature: p.temperature,
-            min_p: p.min_p,
-            top_k: p.top_k,
-            top_p: p.top_p,
-        };
+        let filters = self.params.filters();
         Ok(filters.distribution(&self.work, &mut self.candidates))
     }
 
@@ -251,16 +260,11 @@ fn raw_logprobs(
     let log_z = l_max as f64 + sum.ln();
     let logprob = |t: u32| (sanitize(logits[t as usize]) as f64 - log_z) as f32;
 
-    scratch.clear();
-    if n > 0 {
-        scratch.extend(
-            logits
-                .iter()
-                .zip(0u32..)
-                .map(|(&l, t)| rank_key(sanitize(l), t)),
-        );
-    }
-    keep_top(scratch, n);
+    let keys = logits
+        .iter()
+        .zip(0u32..)
+        .map(|(&l, t)| rank_key(sanitize(l), t));
+    top_keys(keys, n, scratch);
     Ok(TokenLogprobs {
         logprob: logprob(token),
         top: scratch
