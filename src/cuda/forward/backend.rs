@@ -71,7 +71,7 @@ impl Backend for CudaBackend {
         u: f64,
     ) -> anyhow::Result<u32> {
         self.step(seq, tokens)?;
-        if !self.pick_greedy(0, sampling)? {
+        if !self.pick_greedy(sampling)? {
             let vocab = self.model.config.vocab_size;
             let draw = RowDraw {
                 row: 0,
@@ -305,20 +305,18 @@ impl CudaBackend {
                 *row - 1
             })
             .collect();
-        // The rows the full sampler draws for, all in one set of launches.
-        let mut draws = Vec::new();
-        for (p, &r) in pass.iter().zip(&row_of) {
-            if let Some((sampling, u)) = steps[p.index].sample {
-                if !self.pick_greedy(r, sampling)? {
-                    draws.push(RowDraw {
-                        row: r,
-                        sampling,
-                        u,
-                    });
-                }
-            }
-        }
+        // Every row the pass's own argmax does not answer is drawn by the sampler, all in one
+        // set of launches: greedy over the tokenizer's ids too (a real checkpoint's every greedy
+        // request), which the sampler's first two launches finish for all such rows at once.
         let vocab = self.model.config.vocab_size;
+        let draws: Vec<RowDraw> = pass
+            .iter()
+            .zip(&row_of)
+            .filter_map(|(p, &row)| {
+                let (sampling, u) = steps[p.index].sample?;
+                (!argmax_is_the_pick(sampling, vocab)).then_some(RowDraw { row, sampling, u })
+            })
+            .collect();
         let n = pass.len();
         self.k.sample.sample_rows(
             &self.s.logits.slice(..n * vocab),
@@ -350,23 +348,22 @@ impl CudaBackend {
         Ok(logits.iter().map(|x| x.to_f32()).collect())
     }
 
-    /// Picks the token after logits row `row` into `s.next[row]` when `sampling` is greedy:
-    /// plain greedy is the argmax the pass already left there, greedy over the tokenizer's ids
-    /// only (a real checkpoint's padding rows masked) the argmax of the row's prefix. False:
-    /// the full sampler must draw it.
-    fn pick_greedy(&mut self, row: usize, sampling: &DeviceSampling) -> Result<bool> {
+    /// Picks the token after a one-sequence step's logits into `s.next[0]` when `sampling` is
+    /// greedy: plain greedy is the argmax the pass already left there, greedy over the
+    /// tokenizer's ids only (a real checkpoint's padding rows masked) the argmax of the row's
+    /// prefix. False: the full sampler must draw it.
+    fn pick_greedy(&mut self, sampling: &DeviceSampling) -> Result<bool> {
         let vocab = self.model.config.vocab_size;
+        if argmax_is_the_pick(sampling, vocab) {
+            return Ok(true);
+        }
         let limit = sampling.vocab_limit.min(vocab);
         if !(sampling.is_greedy() && sampling.history.is_empty() && limit > 0) {
             return Ok(false);
         }
-        if limit < vocab {
-            let logits = self.s.logits.slice(row * vocab..(row + 1) * vocab);
-            let mut next = self.s.next.slice_mut(row..row + 1);
-            self.k
-                .sample
-                .argmax(&logits.slice(..limit), limit, &mut next)?;
-        }
+        let logits = self.s.logits.slice(..limit);
+        let mut next = self.s.next.slice_mut(..1);
+        self.k.sample.argmax(&logits, limit, &mut next)?;
         Ok(true)
     }
 
@@ -397,4 +394,10 @@ impl CudaBackend {
     pub fn shared_passes(&self) -> usize {
         self.shared_passes
     }
+}
+
+/// Whether the argmax every pass leaves per row (over the whole vocabulary, no penalties) is
+/// the token `sampling` picks.
+fn argmax_is_the_pick(sampling: &DeviceSampling, vocab: usize) -> bool {
+    sampling.is_greedy() && sampling.history.is_empty() && sampling.vocab_limit >= vocab
 }
