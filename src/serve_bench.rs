@@ -42,6 +42,17 @@ pub struct ServeBenchOptions {
     pub engine: EngineOptions,
     /// `None`: greedy requests; else every request samples with these (a fresh seed each).
     pub sampling: Option<SamplingParams>,
+    /// Ids the requests may pick: below this (`None`: the model's whole vocabulary). A real
+    /// checkpoint's tokenizer has fewer ids than the model has rows (Qwen3.6: 248,077 of
+    /// 248,320), and the server limits every request to them.
+    pub vocab_limit: Option<usize>,
+}
+
+/// How every request of a run picks its tokens.
+#[derive(Clone, Copy)]
+struct Asks<'a> {
+    sampling: Option<&'a SamplingParams>,
+    vocab_limit: usize,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -141,8 +152,16 @@ pub fn run(
         "the prefix cache needs memory"
     );
     let vocab = backend.config().vocab_size;
-    let prompt = |seed| synthetic_prompt(o.prompt_tokens, vocab, seed);
-    let sampling = o.sampling.as_ref();
+    let vocab_limit = o.vocab_limit.unwrap_or(vocab);
+    anyhow::ensure!(
+        (1..=vocab).contains(&vocab_limit),
+        "the vocabulary limit must be 1 to the model's {vocab} ids, not {vocab_limit}"
+    );
+    let prompt = |seed| synthetic_prompt(o.prompt_tokens, vocab_limit, seed);
+    let asks = Asks {
+        sampling: o.sampling.as_ref(),
+        vocab_limit,
+    };
     let no_cache = EngineOptions {
         prefix_cache_bytes: 0,
         ..o.engine.clone()
@@ -150,7 +169,7 @@ pub fn run(
 
     // Warm-up (a CUDA backend captures its decode graph on the first step).
     let (backend, _) = with_engine(backend, &no_cache, |e| {
-        concurrent(e, vec![prompt(u64::MAX)], o.output_tokens.min(4), sampling)
+        concurrent(e, vec![prompt(u64::MAX)], o.output_tokens.min(4), asks)
     })?;
 
     let (backend, (elapsed, in_backend)) = with_engine(backend, &no_cache, |e| {
@@ -159,7 +178,7 @@ pub fn run(
             e,
             (0..o.streams as u64).map(prompt).collect(),
             o.output_tokens,
-            sampling,
+            asks,
         )?;
         let nanos = e.stats().backend_nanos_total.load(Ordering::Relaxed);
         Ok((start.elapsed(), Duration::from_nanos(nanos)))
@@ -188,10 +207,10 @@ pub fn run(
         .saturating_sub(o.output_tokens)
         .max(1);
     let (backend, cold) = with_engine(backend, &no_cache, |e| {
-        conversation(e, o.turns, message, o.output_tokens, vocab, sampling)
+        conversation(e, o.turns, message, o.output_tokens, asks)
     })?;
     let (backend, cached) = with_engine(backend, &o.engine, |e| {
-        conversation(e, o.turns, message, o.output_tokens, vocab, sampling)
+        conversation(e, o.turns, message, o.output_tokens, asks)
     })?;
     let turns: Vec<Turn> = cold
         .iter()
@@ -215,13 +234,13 @@ pub fn run(
     }
 
     let (backend, alone) = with_engine(backend, &no_cache, |e| {
-        concurrent(e, vec![prompt(1000)], o.output_tokens, sampling)
+        concurrent(e, vec![prompt(1000)], o.output_tokens, asks)
     })?;
     let (backend, together) = with_engine(backend, &no_cache, |e| {
         let prompts = (0..o.decode_streams as u64)
             .map(|i| prompt(2000 + i))
             .collect();
-        concurrent(e, prompts, o.output_tokens, sampling)
+        concurrent(e, prompts, o.output_tokens, asks)
     })?;
     let times: Vec<&[Duration]> = together.iter().map(|t| t.token_times.as_slice()).collect();
     let decode = DecodeScaling {
@@ -262,16 +281,10 @@ fn with_engine<T>(
     Ok((backend, result?))
 }
 
-fn request(
-    engine: &Engine,
-    prompt: Vec<u32>,
-    max_tokens: usize,
-    sampling: Option<&SamplingParams>,
-) -> GenerateRequest {
-    let vocab = engine.config().vocab_size;
-    let (sampler, device_sampler) = match sampling {
-        None => (greedy_sampler(), greedy_device_sampler(vocab)),
-        Some(params) => sampled(params, &prompt, vocab),
+fn request(prompt: Vec<u32>, max_tokens: usize, asks: Asks) -> GenerateRequest {
+    let (sampler, device_sampler) = match asks.sampling {
+        None => (greedy_sampler(), greedy_device_sampler(asks.vocab_limit)),
+        Some(params) => sampled(params, &prompt, asks.vocab_limit),
     };
     GenerateRequest {
         prompt,
@@ -329,12 +342,12 @@ fn concurrent(
     engine: &Engine,
     prompts: Vec<Vec<u32>>,
     max_tokens: usize,
-    sampling: Option<&SamplingParams>,
+    asks: Asks,
 ) -> anyhow::Result<Vec<Timing>> {
     let start = Instant::now();
     let receivers: Vec<_> = prompts
         .into_iter()
-        .map(|p| engine.submit(request(engine, p, max_tokens, sampling)))
+        .map(|p| engine.submit(request(p, max_tokens, asks)))
         .collect();
     std::thread::scope(|s| {
         let readers: Vec<_> = receivers
@@ -354,16 +367,19 @@ fn conversation(
     turns: usize,
     message: usize,
     max_tokens: usize,
-    vocab: usize,
-    sampling: Option<&SamplingParams>,
+    asks: Asks,
 ) -> anyhow::Result<Vec<(usize, Timing)>> {
     let mut prompt = Vec::new();
     let mut out = Vec::with_capacity(turns);
     for turn in 0..turns {
-        prompt.extend(synthetic_prompt(message, vocab, 5000 + turn as u64));
+        prompt.extend(synthetic_prompt(
+            message,
+            asks.vocab_limit,
+            5000 + turn as u64,
+        ));
         let start = Instant::now();
         let timing = follow(
-            engine.submit(request(engine, prompt.clone(), max_tokens, sampling)),
+            engine.submit(request(prompt.clone(), max_tokens, asks)),
             start,
         )?;
         let len = prompt.len();
@@ -398,13 +414,17 @@ fn follow(mut rx: UnboundedReceiver<Event>, start: Instant) -> anyhow::Result<Ti
 /// The report as markdown tables.
 pub fn to_markdown(o: &ServeBenchOptions, r: &ServeReport) -> String {
     let mut md = match &o.sampling {
-        None => "Requests: greedy.\n\n".to_string(),
+        None => "Requests: greedy".to_string(),
         Some(p) => format!(
-            "Requests: sampled on the device, temperature {}, top-p {}, top-k {}.\n\n",
+            "Requests: sampled on the device, temperature {}, top-p {}, top-k {}",
             p.temperature,
             p.top_p,
             p.top_k.map_or("off".to_string(), |k| k.to_string())
         ),
+    };
+    md += &match o.vocab_limit {
+        Some(limit) => format!(", ids below {limit}.\n\n"),
+        None => ".\n\n".to_string(),
     };
     md += &format!(
         "### {} concurrent streams, {} prompt + {} output tokens each\n\n\

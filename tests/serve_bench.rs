@@ -10,7 +10,7 @@ use lily::serve_bench::{run, to_markdown, ServeBenchOptions};
 
 #[test]
 fn the_serve_benchmark_runs_small_on_the_cpu() {
-    let md = serve_small(None);
+    let md = serve_small(None, None);
     assert!(md.starts_with("Requests: greedy."), "{md}");
 }
 
@@ -23,18 +23,37 @@ fn the_serve_benchmark_samples_when_asked() {
         top_p: 0.9,
         ..SamplingParams::default()
     };
-    let md = serve_small(Some(params));
+    let md = serve_small(Some(params), None);
     assert!(
         md.starts_with("Requests: sampled on the device, temperature 0.8, top-p 0.9, top-k off."),
         "{md}"
     );
 }
 
-/// Runs the benchmark small on the tiny fixture and checks what does not depend on the tokens
-/// drawn; returns its markdown.
-fn serve_small(sampling: Option<SamplingParams>) -> String {
-    let weights = lily::checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
-    let options = ServeBenchOptions {
+/// `--vocab-limit`: requests pick only ids below it, as a real checkpoint's server limits them
+/// to its tokenizer's; a limit of 0, or past the model's vocabulary, is refused.
+#[test]
+fn the_serve_benchmark_takes_a_vocabulary_limit() {
+    let md = serve_small(None, Some(100));
+    assert!(md.starts_with("Requests: greedy, ids below 100."), "{md}");
+    for limit in [0, 1 << 30] {
+        let weights = lily::checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
+        let options = ServeBenchOptions {
+            vocab_limit: Some(limit),
+            ..small_options(None)
+        };
+        let err = run(Box::new(CpuBackend::new(weights)), &options, |_| {})
+            .err()
+            .unwrap_or_else(|| panic!("a limit of {limit} ran"));
+        assert!(
+            err.to_string().contains("vocabulary limit"),
+            "{limit}: {err:#}"
+        );
+    }
+}
+
+fn small_options(sampling: Option<SamplingParams>) -> ServeBenchOptions {
+    ServeBenchOptions {
         streams: 3,
         prompt_tokens: 24,
         output_tokens: 6,
@@ -47,6 +66,17 @@ fn serve_small(sampling: Option<SamplingParams>) -> String {
             ..EngineOptions::default()
         },
         sampling,
+        vocab_limit: None,
+    }
+}
+
+/// Runs the benchmark small on the tiny fixture and checks what does not depend on the tokens
+/// drawn; returns its markdown.
+fn serve_small(sampling: Option<SamplingParams>, vocab_limit: Option<usize>) -> String {
+    let weights = lily::checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
+    let options = ServeBenchOptions {
+        vocab_limit,
+        ..small_options(sampling)
     };
     let mut lines = 0;
     let (report, _backend) = run(Box::new(CpuBackend::new(weights)), &options, |_| lines += 1)

@@ -112,6 +112,10 @@ pub struct BenchArgs {
     /// --serve: sampling's top-k (off unless given).
     #[arg(long, requires = "serve")]
     pub top_k: Option<usize>,
+    /// --serve: requests pick only ids below this, as the server limits them to the
+    /// tokenizer's (a real Qwen3.6 checkpoint: 248077 of the model's 248320 rows).
+    #[arg(long, requires = "serve")]
+    pub vocab_limit: Option<usize>,
 }
 
 /// The --serve requests' sampling: `None` (greedy) unless a sampling flag is given.
@@ -325,6 +329,7 @@ fn serve(backend: Box<dyn Backend>, args: &BenchArgs) -> anyhow::Result<()> {
         decode_streams: args.decode_streams,
         engine: serve_engine(args, &backend.device_name()),
         sampling: serve_sampling(args)?,
+        vocab_limit: args.vocab_limit,
     };
     eprintln!("device: {}; in-process engine", backend.device_name());
     let (report, _) = serve_bench::run(backend, &options, |line| eprintln!("{line}"))?;
