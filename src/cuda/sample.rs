@@ -95,8 +95,8 @@ pub struct RowDraw<'a> {
     pub u: f64,
 }
 
-/// The sampler's device memory for one vocabulary size and up to `rows` rows a launch,
-/// allocated on first use (and again for more rows).
+/// The sampler's device memory for one vocabulary size and up to `rows` rows a launch
+/// ([`SampleKernels::reserve`]; again on use for other sizes).
 struct SamplerBuffers {
     n: usize,
     rows: usize,

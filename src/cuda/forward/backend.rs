@@ -71,20 +71,7 @@ impl Backend for CudaBackend {
         u: f64,
     ) -> anyhow::Result<u32> {
         self.step(seq, tokens)?;
-        if !self.pick_greedy(sampling)? {
-            let vocab = self.model.config.vocab_size;
-            let draw = RowDraw {
-                row: 0,
-                sampling,
-                u,
-            };
-            self.k.sample.sample_rows(
-                &self.s.logits.slice(..vocab),
-                vocab,
-                &[draw],
-                &mut self.s.next.slice_mut(..1),
-            )?;
-        }
+        self.pick(sampling, u)?;
         Ok(self.next_tokens(1)?[0])
     }
     /// With [`CudaOptions::batch_steps`](super::CudaOptions), the steps run as shared passes
@@ -348,23 +335,25 @@ impl CudaBackend {
         Ok(logits.iter().map(|x| x.to_f32()).collect())
     }
 
-    /// Picks the token after a one-sequence step's logits into `s.next[0]` when `sampling` is
-    /// greedy: plain greedy is the argmax the pass already left there, greedy over the
-    /// tokenizer's ids only (a real checkpoint's padding rows masked) the argmax of the row's
-    /// prefix. False: the full sampler must draw it.
-    fn pick_greedy(&mut self, sampling: &DeviceSampling) -> Result<bool> {
+    /// Picks the token after a one-sequence step's logits into `s.next[0]` as `sampling` says:
+    /// plain greedy is the argmax the pass already left there, greedy over the tokenizer's ids
+    /// only (a real checkpoint's padding rows masked) the argmax of the row's prefix, anything
+    /// else the sampler's draw at `u`.
+    fn pick(&mut self, sampling: &DeviceSampling, u: f64) -> Result<()> {
         let vocab = self.model.config.vocab_size;
         if argmax_is_the_pick(sampling, vocab) {
-            return Ok(true);
+            return Ok(());
         }
         let limit = sampling.vocab_limit.min(vocab);
-        if !(sampling.is_greedy() && sampling.history.is_empty() && limit > 0) {
-            return Ok(false);
-        }
-        let logits = self.s.logits.slice(..limit);
+        let logits = self.s.logits.slice(..vocab);
         let mut next = self.s.next.slice_mut(..1);
-        self.k.sample.argmax(&logits, limit, &mut next)?;
-        Ok(true)
+        if sampling.is_greedy() && sampling.history.is_empty() && limit > 0 {
+            self.k
+                .sample
+                .argmax(&logits.slice(..limit), limit, &mut next)
+        } else {
+            self.k.sample.sample(&logits, sampling, u, &mut next)
+        }
     }
 
     /// The first `n` picked tokens as the kernels left them.
