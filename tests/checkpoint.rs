@@ -165,6 +165,36 @@ fn official_layout_keeps_mtp_aside_and_ignores_vision() {
     });
     let w = checkpoint::load(dir.path()).unwrap();
     assert_eq!(w.mtp_tensors, vec!["mtp.fc.weight".to_string()]);
+    assert!(
+        w.mtp.is_none(),
+        "the config has no MTP layer: nothing to read"
+    );
+}
+
+#[test]
+fn an_mtp_head_is_read_whole_or_not_at_all() {
+    let copy = |edit: &dyn Fn(&mut Vec<(String, DType, Vec<usize>, Vec<u8>)>)| {
+        let dir = tempfile::tempdir().unwrap();
+        copy_dir(&fixture_dir("tiny-a-mtp"), dir.path());
+        rewrite(&dir.path().join("model.safetensors"), edit);
+        dir
+    };
+    let whole = checkpoint::load(&fixture_dir("tiny-a-mtp")).unwrap();
+    assert_eq!(whole.mtp_tensors.len(), 19);
+    assert!(whole.mtp.is_some());
+    // A checkpoint stripped of its head runs without drafts.
+    let stripped = copy(&|l| l.retain(|t| !t.0.starts_with("mtp.")));
+    assert!(checkpoint::load(stripped.path()).unwrap().mtp.is_none());
+    // One tensor of it missing, or misshapen: a corrupt checkpoint, named.
+    let missing = copy(&|l| l.retain(|t| t.0 != "mtp.norm.weight"));
+    let e = load_err(missing.path());
+    assert!(e.contains("mtp.norm.weight"), "{e}");
+    let misshapen = copy(&|l| {
+        let t = l.iter_mut().find(|t| t.0 == "mtp.fc.weight").unwrap();
+        t.2 = vec![t.2[1], t.2[0]];
+    });
+    let e = load_err(misshapen.path());
+    assert!(e.contains("mtp.fc.weight"), "{e}");
 }
 
 #[test]

@@ -11,9 +11,10 @@ use lily::chat::template::ChatInput;
 use lily::checkpoint::tensor::{Bytes, DType};
 use lily::checkpoint::{self, synth, CheckpointError};
 use lily::model::convert;
-use lily::model::cpu::{forward, Logits};
-use lily::model::weights::{Matrix, Mixer, WeightFormat, Weights};
-use lily::model::SequenceState;
+use lily::model::cpu::{forward, mtp, Logits};
+use lily::model::state::{KvCache, MtpState};
+use lily::model::weights::{Matrix, Mixer, MtpWeights, WeightFormat, Weights};
+use lily::model::{argmax, SequenceState};
 use lily::quant::{self, Affine};
 use lily::server::ModelSource;
 use rand::RngExt;
@@ -375,4 +376,66 @@ fn inspect_reports_formats_and_conversion() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("only `qwen35moe`"), "{err}");
+}
+
+/// The MTP head a current converter appends as the block after the last (`blk.N` with its
+/// `nextn.*` tensors, `block_count` N + 1, `nextn_predict_layers` 1), from the fixture with a
+/// random head (its norms random too, so a norm read from the wrong tensor shows): the same
+/// numbers as the safetensors head, and the same drafts.
+#[test]
+fn the_mtp_head_of_a_gguf_is_its_sources() {
+    let want = checkpoint::load(&fixture_dir("tiny-a-mtp")).unwrap();
+    let got = checkpoint::load(&gguf_fixture("tiny-a-mtp.gguf")).unwrap();
+    assert_eq!(got.config, want.config);
+    let (g, w) = (got.mtp.as_ref().unwrap(), want.mtp.as_ref().unwrap());
+    let (gm, wm) = (g.matrices(), w.matrices());
+    assert_eq!(gm.len(), wm.len());
+    for ((name, a), (_, b)) in gm.into_iter().zip(wm) {
+        assert_eq!(matrix_values(a), matrix_values(b), "{name}");
+    }
+    let norms = |m: &MtpWeights| {
+        let Mixer::Attention(a) = &m.layer.mixer else {
+            panic!("the head's layer is full attention")
+        };
+        [
+            m.embedding_norm.clone(),
+            m.hidden_norm.clone(),
+            m.norm.clone(),
+            m.layer.input_norm.clone(),
+            m.layer.post_attention_norm.clone(),
+            a.q_norm.clone(),
+            a.k_norm.clone(),
+        ]
+    };
+    assert_eq!(norms(g), norms(w));
+    // The head's logits over a prompt, from each model's own hidden states (the model's GDN
+    // decay differs by A_log's ulp, see above).
+    let head_logits = |m: &Weights, ids: &[u32]| {
+        let mut state = SequenceState::new(&m.config);
+        state.mtp = Some(MtpState {
+            kv: empty_cache(),
+            committed: 0,
+            pending: Vec::new(),
+        });
+        let last = forward(m, ids, &mut state, Logits::Last);
+        let next: Vec<u32> = ids[1..].iter().copied().chain([argmax(&last)]).collect();
+        let hidden = state.mtp.take().unwrap().pending;
+        let head = m.mtp.as_ref().unwrap();
+        mtp::forward(m, head, &hidden, &next, 0, &mut empty_cache(), Logits::All).1
+    };
+    for len in [1, 9, 40] {
+        let ids = random_prompt(want.config.vocab_size, len);
+        let err = rel_error(&head_logits(&got, &ids), &head_logits(&want, &ids));
+        assert!(
+            err <= 1e-3,
+            "{len} tokens: head logits rel. error {err:.2e}"
+        );
+    }
+}
+
+fn empty_cache() -> KvCache {
+    KvCache {
+        keys: Vec::new(),
+        values: Vec::new(),
+    }
 }

@@ -11,6 +11,7 @@ tools/requirements-gguf.txt).
     `ssm_a = −exp(A_log)`, value heads in tiled order, conv kernels squeezed, experts split), written
     with gguf-py's writer:
     - tiny-a-bf16.gguf: the transformers fixture tiny-a-bf16, every matrix BF16 as in the source;
+    - tiny-a-mtp.gguf: the fixture tiny-a-mtp (tiny-a with an MTP head), F32, the head as blk.N;
     - tiny-k.gguf: `lily synth --config tests/fixtures/gguf/tiny-k.json --seed 7 --dtype f32`
       quantised to a llama-quantize-like mix of Q4_K, Q5_K, Q6_K, Q8_0, F16 and F32 (hidden 256 so
       that the K-quants apply). gguf-py has no K-quant quantisers; the simple ones here (per
@@ -203,47 +204,59 @@ def gguf_tensors(src, c):
     """{gguf name: float32 array} of a Hugging Face checkpoint, transformed as llama.cpp's converter
     transforms qwen35moe; torch shapes (GGUF ne reversed)."""
     p = "model.language_model." if "model.language_model.embed_tokens.weight" in src else "model."
-    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
-    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
-    inter = c["moe_intermediate_size"]
     out = {"token_embd.weight": src[p + "embed_tokens.weight"],
            "output_norm.weight": src[p + "norm.weight"] + 1}
     if "lm_head.weight" in src:
         out["output.weight"] = src["lm_head.weight"]
     for i, kind in enumerate(c["layer_types"]):
-        s, b = f"{p}layers.{i}.", f"blk.{i}."
-        out[b + "attn_norm.weight"] = src[s + "input_layernorm.weight"] + 1
-        out[b + "post_attention_norm.weight"] = src[s + "post_attention_layernorm.weight"] + 1
-        if kind == "full_attention":
-            a = s + "self_attn."
-            for hf, g in [("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")]:
-                out[f"{b}{g}.weight"] = src[f"{a}{hf}.weight"]
-            out[b + "attn_q_norm.weight"] = src[a + "q_norm.weight"] + 1
-            out[b + "attn_k_norm.weight"] = src[a + "k_norm.weight"] + 1
-        else:
-            a = s + "linear_attn."
-            qkv = src[a + "in_proj_qkv.weight"]
-            qk = 2 * hk * dk
-            out[b + "attn_qkv.weight"] = np.concatenate([qkv[:qk], tiled(qkv[qk:], 0, hk, hv, dv)])
-            out[b + "attn_gate.weight"] = tiled(src[a + "in_proj_z.weight"], 0, hk, hv, dv)
-            out[b + "ssm_beta.weight"] = tiled(src[a + "in_proj_b.weight"], 0, hk, hv, 1)
-            out[b + "ssm_alpha.weight"] = tiled(src[a + "in_proj_a.weight"], 0, hk, hv, 1)
-            conv = src[a + "conv1d.weight"].reshape(qkv.shape[0], -1)
-            out[b + "ssm_conv1d.weight"] = np.concatenate([conv[:qk], tiled(conv[qk:], 0, hk, hv, dv)])
-            out[b + "ssm_dt.bias"] = tiled(src[a + "dt_bias"], 0, hk, hv, 1)
-            out[b + "ssm_a"] = tiled(-np.exp(src[a + "A_log"]), 0, hk, hv, 1)
-            out[b + "ssm_norm.weight"] = src[a + "norm.weight"]
-            out[b + "ssm_out.weight"] = tiled(src[a + "out_proj.weight"], 1, hk, hv, dv)
-        m = s + "mlp."
-        gate_up = src[m + "experts.gate_up_proj"]
-        out[b + "ffn_gate_inp.weight"] = src[m + "gate.weight"]
-        out[b + "ffn_gate_exps.weight"] = gate_up[:, :inter]
-        out[b + "ffn_up_exps.weight"] = gate_up[:, inter:]
-        out[b + "ffn_down_exps.weight"] = src[m + "experts.down_proj"]
-        out[b + "ffn_gate_inp_shexp.weight"] = src[m + "shared_expert_gate.weight"].reshape(-1)
-        for hf, g in [("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")]:
-            out[f"{b}{g}.weight"] = src[f"{m}shared_expert.{hf}.weight"]
+        block(out, src, f"{p}layers.{i}.", f"blk.{i}.", kind, c)
+    if "mtp.fc.weight" in src:
+        # The MTP head as the block after the last, with its nextn tensors (MODEL.md §5.2).
+        b = f"blk.{len(c['layer_types'])}."
+        block(out, src, "mtp.layers.0.", b, "full_attention", c)
+        out[b + "nextn.eh_proj.weight"] = src["mtp.fc.weight"]
+        out[b + "nextn.enorm.weight"] = src["mtp.pre_fc_norm_embedding.weight"] + 1
+        out[b + "nextn.hnorm.weight"] = src["mtp.pre_fc_norm_hidden.weight"] + 1
+        out[b + "nextn.shared_head_norm.weight"] = src["mtp.norm.weight"] + 1
     return out
+
+
+def block(out, src, s, b, kind, c):
+    """The tensors of one decoder layer (HF prefix `s`) as GGUF block `b`."""
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    inter = c["moe_intermediate_size"]
+    out[b + "attn_norm.weight"] = src[s + "input_layernorm.weight"] + 1
+    out[b + "post_attention_norm.weight"] = src[s + "post_attention_layernorm.weight"] + 1
+    if kind == "full_attention":
+        a = s + "self_attn."
+        for hf, g in [("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")]:
+            out[f"{b}{g}.weight"] = src[f"{a}{hf}.weight"]
+        out[b + "attn_q_norm.weight"] = src[a + "q_norm.weight"] + 1
+        out[b + "attn_k_norm.weight"] = src[a + "k_norm.weight"] + 1
+    else:
+        a = s + "linear_attn."
+        qkv = src[a + "in_proj_qkv.weight"]
+        qk = 2 * hk * dk
+        out[b + "attn_qkv.weight"] = np.concatenate([qkv[:qk], tiled(qkv[qk:], 0, hk, hv, dv)])
+        out[b + "attn_gate.weight"] = tiled(src[a + "in_proj_z.weight"], 0, hk, hv, dv)
+        out[b + "ssm_beta.weight"] = tiled(src[a + "in_proj_b.weight"], 0, hk, hv, 1)
+        out[b + "ssm_alpha.weight"] = tiled(src[a + "in_proj_a.weight"], 0, hk, hv, 1)
+        conv = src[a + "conv1d.weight"].reshape(qkv.shape[0], -1)
+        out[b + "ssm_conv1d.weight"] = np.concatenate([conv[:qk], tiled(conv[qk:], 0, hk, hv, dv)])
+        out[b + "ssm_dt.bias"] = tiled(src[a + "dt_bias"], 0, hk, hv, 1)
+        out[b + "ssm_a"] = tiled(-np.exp(src[a + "A_log"]), 0, hk, hv, 1)
+        out[b + "ssm_norm.weight"] = src[a + "norm.weight"]
+        out[b + "ssm_out.weight"] = tiled(src[a + "out_proj.weight"], 1, hk, hv, dv)
+    m = s + "mlp."
+    gate_up = src[m + "experts.gate_up_proj"]
+    out[b + "ffn_gate_inp.weight"] = src[m + "gate.weight"]
+    out[b + "ffn_gate_exps.weight"] = gate_up[:, :inter]
+    out[b + "ffn_up_exps.weight"] = gate_up[:, inter:]
+    out[b + "ffn_down_exps.weight"] = src[m + "experts.down_proj"]
+    out[b + "ffn_gate_inp_shexp.weight"] = src[m + "shared_expert_gate.weight"].reshape(-1)
+    for hf, g in [("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")]:
+        out[f"{b}{g}.weight"] = src[f"{m}shared_expert.{hf}.weight"]
 
 
 def write_model(path, c, tensors, type_of, vocabulary=False):
@@ -251,7 +264,10 @@ def write_model(path, c, tensors, type_of, vocabulary=False):
     w = gguf.GGUFWriter(str(path), ARCH)
     if vocabulary:
         add_vocabulary(w, c["vocab_size"])
-    w.add_block_count(c["num_hidden_layers"])
+    mtp = int(f"blk.{c['num_hidden_layers']}.nextn.eh_proj.weight" in tensors)
+    w.add_block_count(c["num_hidden_layers"] + mtp)
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_head_count(c["num_attention_heads"])
@@ -352,6 +368,11 @@ def write_fixtures(tmp):
     tensors = gguf_tensors(read_safetensors(src / "model.safetensors"), c)
     # The source is bf16: matrices stay BF16 (exact); vectors become F32 as llama.cpp writes them.
     write_model(OUT / "tiny-a-bf16.gguf", c, tensors, lambda n, v: T.F32 if v.ndim == 1 or "conv1d" in n else T.BF16)
+    # With the MTP head a current converter appends as blk.N with its nextn tensors; F32 throughout.
+    src = FIXTURES / "models" / "tiny-a-mtp"
+    c = text_config(src)
+    write_model(OUT / "tiny-a-mtp.gguf", c, gguf_tensors(read_safetensors(src / "model.safetensors"), c),
+                lambda n, v: T.F32)
 
     synth = tmp / "tiny-k"
     subprocess.run(["cargo", "run", "-q", "--", "synth", "--config", OUT / "tiny-k.json", "--out", synth,

@@ -31,7 +31,7 @@ use crate::config::ModelConfig;
 use crate::ggml::{self, GgmlType};
 use crate::model::weights::{
     AttentionWeights, DeltaNetWeights, FeedForward, LayerWeights, Matrix, Mixer, MoeWeights,
-    WeightFormat, Weights,
+    MtpWeights, WeightFormat, Weights,
 };
 
 /// The architecture lily reads.
@@ -339,6 +339,7 @@ impl GgufFile {
             "model_type": "qwen3_5_moe_text",
             "hidden_size": self.meta_u64("embedding_length")?,
             "num_hidden_layers": self.text_layers()?,
+            "mtp_num_hidden_layers": self.meta_u64("nextn_predict_layers").unwrap_or(0),
             "full_attention_interval": self.meta_u64("full_attention_interval")?,
             "vocab_size": vocab,
             "rms_norm_eps": self.meta_f64("attention.layer_norm_rms_epsilon")?,
@@ -464,143 +465,9 @@ pub fn from_file(config: ModelConfig, f: &GgufFile) -> Result<Weights, Checkpoin
         embed.clone()
     };
     let final_norm = f.vector("output_norm.weight", h)?;
-    let heads = VHeads {
-        key_heads: c.linear_num_key_heads,
-        value_heads: c.linear_num_value_heads,
-    };
-
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for i in 0..c.num_hidden_layers {
-        let b = format!("blk.{i}.");
-        let mixer = if c.is_full_attention(i) {
-            let (q_out, kv_out) = (
-                2 * c.num_attention_heads * c.head_dim,
-                c.num_key_value_heads * c.head_dim,
-            );
-            Mixer::Attention(AttentionWeights {
-                q_proj: f.matrix(&format!("{b}attn_q.weight"), &[q_out, h])?,
-                k_proj: f.matrix(&format!("{b}attn_k.weight"), &[kv_out, h])?,
-                v_proj: f.matrix(&format!("{b}attn_v.weight"), &[kv_out, h])?,
-                o_proj: f.matrix(
-                    &format!("{b}attn_output.weight"),
-                    &[h, c.num_attention_heads * c.head_dim],
-                )?,
-                q_norm: f.vector(&format!("{b}attn_q_norm.weight"), c.head_dim)?,
-                k_norm: f.vector(&format!("{b}attn_k_norm.weight"), c.head_dim)?,
-            })
-        } else {
-            let (nv, dv, qk) = (
-                c.linear_num_value_heads,
-                c.linear_value_head_dim,
-                2 * c.linear_key_dim(),
-            );
-            let qkv = f.matrix(&format!("{b}attn_qkv.weight"), &[c.conv_dim(), h])?;
-            let kernel = c.linear_conv_kernel_dim;
-            let conv_name = format!("{b}ssm_conv1d.weight");
-            let conv_t = f.tensor(&conv_name, &[c.conv_dim(), kernel])?;
-            let mut conv = vec![0f32; c.conv_dim() * kernel];
-            ggml::dequantize_row(conv_t.ggml_type, conv_t.data.as_slice(), &mut conv);
-            let a_name = format!("{b}ssm_a");
-            let a_log = heads
-                .untile(&f.vector(&a_name, nv)?, 1)
-                .into_iter()
-                .map(|a| {
-                    if a < 0.0 {
-                        Ok((-a).ln())
-                    } else {
-                        Err(f.header_err(format!(
-                            "`{a_name}` holds {a}; it should be −exp(A_log) < 0"
-                        )))
-                    }
-                })
-                .collect::<Result<_, _>>()?;
-            let out_name = format!("{b}ssm_out.weight");
-            let out_t = f.tensor(&out_name, &[h, c.linear_value_dim()])?;
-            Mixer::DeltaNet(DeltaNetWeights {
-                in_proj_qkv: heads.untile_rows(&qkv, qk, dv),
-                in_proj_z: heads.untile_rows(
-                    &f.matrix(&format!("{b}attn_gate.weight"), &[c.linear_value_dim(), h])?,
-                    0,
-                    dv,
-                ),
-                in_proj_b: heads.untile_rows(
-                    &f.matrix(&format!("{b}ssm_beta.weight"), &[nv, h])?,
-                    0,
-                    1,
-                ),
-                in_proj_a: heads.untile_rows(
-                    &f.matrix(&format!("{b}ssm_alpha.weight"), &[nv, h])?,
-                    0,
-                    1,
-                ),
-                conv1d: [
-                    &conv[..qk * kernel],
-                    &heads.untile(&conv[qk * kernel..], dv * kernel),
-                ]
-                .concat(),
-                a_log,
-                dt_bias: heads.untile(&f.vector(&format!("{b}ssm_dt.bias"), nv)?, 1),
-                norm: f.vector(&format!("{b}ssm_norm.weight"), dv)?,
-                out_proj: heads.untile_cols(out_t, h, dv),
-            })
-        };
-
-        let (e, inter, si) = (
-            c.num_experts,
-            c.moe_intermediate_size,
-            c.shared_expert_intermediate_size,
-        );
-        let (gate, up) = if f
-            .tensors
-            .contains_key(&format!("{b}ffn_gate_up_exps.weight"))
-        {
-            let both = f.matrix(&format!("{b}ffn_gate_up_exps.weight"), &[e, 2 * inter, h])?;
-            let views = |half: usize| {
-                (0..e)
-                    .map(|x| both.rows_view(x * 2 * inter + half * inter, inter))
-                    .collect::<Vec<_>>()
-            };
-            (views(0), views(1))
-        } else {
-            let stack = |name: &str| -> Result<Vec<Matrix>, CheckpointError> {
-                let m = f.matrix(&format!("{b}{name}.weight"), &[e, inter, h])?;
-                Ok((0..e).map(|x| m.rows_view(x * inter, inter)).collect())
-            };
-            (stack("ffn_gate_exps")?, stack("ffn_up_exps")?)
-        };
-        let down = f.matrix(&format!("{b}ffn_down_exps.weight"), &[e, h, inter])?;
-        let experts = gate
-            .into_iter()
-            .zip(up)
-            .enumerate()
-            .map(|(x, (gate, up))| FeedForward {
-                gate,
-                up,
-                down: down.rows_view(x * h, h),
-            })
-            .collect();
-        let shexp_gate_name = format!("{b}ffn_gate_inp_shexp.weight");
-        let shexp_gate = match f.tensors.get(&shexp_gate_name) {
-            Some(t) if t.shape == [h] => matrix_of(t, t.data.clone(), 1, h),
-            _ => f.matrix(&shexp_gate_name, &[1, h])?,
-        };
-        let moe = MoeWeights {
-            router: f.matrix(&format!("{b}ffn_gate_inp.weight"), &[e, h])?,
-            experts,
-            shared_expert: FeedForward {
-                gate: f.matrix(&format!("{b}ffn_gate_shexp.weight"), &[si, h])?,
-                up: f.matrix(&format!("{b}ffn_up_shexp.weight"), &[si, h])?,
-                down: f.matrix(&format!("{b}ffn_down_shexp.weight"), &[h, si])?,
-            },
-            shared_expert_gate: shexp_gate,
-        };
-        layers.push(LayerWeights {
-            input_norm: f.vector(&format!("{b}attn_norm.weight"), h)?,
-            post_attention_norm: f.vector(&format!("{b}post_attention_norm.weight"), h)?,
-            mixer,
-            moe,
-        });
-    }
+    let layers = (0..c.num_hidden_layers)
+        .map(|i| layer(f, c, &format!("blk.{i}."), c.is_full_attention(i)))
+        .collect::<Result<Vec<_>, _>>()?;
     let mtp_tensors = f
         .tensors
         .keys()
@@ -612,13 +479,174 @@ pub fn from_file(config: ModelConfig, f: &GgufFile) -> Result<Weights, Checkpoin
         })
         .cloned()
         .collect();
+    // Current converters append the MTP head as the block after the last (MODEL.md §5.2).
+    let n = c.num_hidden_layers;
+    let mtp = if f
+        .tensors
+        .contains_key(&format!("blk.{n}.nextn.eh_proj.weight"))
+    {
+        let x = format!("blk.{n}.nextn.");
+        Some(MtpWeights {
+            embedding_norm: f.vector(&format!("{x}enorm.weight"), h)?,
+            hidden_norm: f.vector(&format!("{x}hnorm.weight"), h)?,
+            fc: f.matrix(&format!("{x}eh_proj.weight"), &[h, 2 * h])?,
+            layer: layer(f, c, &format!("blk.{n}."), true)?,
+            norm: f.vector(&format!("{x}shared_head_norm.weight"), h)?,
+        })
+    } else {
+        None
+    };
     Ok(Weights {
         config,
         embed,
         layers,
         final_norm,
         lm_head,
+        mtp,
         mtp_tensors,
+    })
+}
+
+/// The block whose tensors start with `b` (`blk.3.`, the MTP head's `blk.40.`): its mixer, full
+/// attention or Gated DeltaNet, and its MoE.
+fn layer(
+    f: &GgufFile,
+    c: &ModelConfig,
+    b: &str,
+    full_attention: bool,
+) -> Result<LayerWeights, CheckpointError> {
+    let h = c.hidden_size;
+    let heads = VHeads {
+        key_heads: c.linear_num_key_heads,
+        value_heads: c.linear_num_value_heads,
+    };
+    let mixer = if full_attention {
+        let (q_out, kv_out) = (
+            2 * c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        Mixer::Attention(AttentionWeights {
+            q_proj: f.matrix(&format!("{b}attn_q.weight"), &[q_out, h])?,
+            k_proj: f.matrix(&format!("{b}attn_k.weight"), &[kv_out, h])?,
+            v_proj: f.matrix(&format!("{b}attn_v.weight"), &[kv_out, h])?,
+            o_proj: f.matrix(
+                &format!("{b}attn_output.weight"),
+                &[h, c.num_attention_heads * c.head_dim],
+            )?,
+            q_norm: f.vector(&format!("{b}attn_q_norm.weight"), c.head_dim)?,
+            k_norm: f.vector(&format!("{b}attn_k_norm.weight"), c.head_dim)?,
+        })
+    } else {
+        let (nv, dv, qk) = (
+            c.linear_num_value_heads,
+            c.linear_value_head_dim,
+            2 * c.linear_key_dim(),
+        );
+        let qkv = f.matrix(&format!("{b}attn_qkv.weight"), &[c.conv_dim(), h])?;
+        let kernel = c.linear_conv_kernel_dim;
+        let conv_name = format!("{b}ssm_conv1d.weight");
+        let conv_t = f.tensor(&conv_name, &[c.conv_dim(), kernel])?;
+        let mut conv = vec![0f32; c.conv_dim() * kernel];
+        ggml::dequantize_row(conv_t.ggml_type, conv_t.data.as_slice(), &mut conv);
+        let a_name = format!("{b}ssm_a");
+        let a_log = heads
+            .untile(&f.vector(&a_name, nv)?, 1)
+            .into_iter()
+            .map(|a| {
+                if a < 0.0 {
+                    Ok((-a).ln())
+                } else {
+                    Err(f.header_err(format!(
+                        "`{a_name}` holds {a}; it should be −exp(A_log) < 0"
+                    )))
+                }
+            })
+            .collect::<Result<_, _>>()?;
+        let out_name = format!("{b}ssm_out.weight");
+        let out_t = f.tensor(&out_name, &[h, c.linear_value_dim()])?;
+        Mixer::DeltaNet(DeltaNetWeights {
+            in_proj_qkv: heads.untile_rows(&qkv, qk, dv),
+            in_proj_z: heads.untile_rows(
+                &f.matrix(&format!("{b}attn_gate.weight"), &[c.linear_value_dim(), h])?,
+                0,
+                dv,
+            ),
+            in_proj_b: heads.untile_rows(
+                &f.matrix(&format!("{b}ssm_beta.weight"), &[nv, h])?,
+                0,
+                1,
+            ),
+            in_proj_a: heads.untile_rows(
+                &f.matrix(&format!("{b}ssm_alpha.weight"), &[nv, h])?,
+                0,
+                1,
+            ),
+            conv1d: [
+                &conv[..qk * kernel],
+                &heads.untile(&conv[qk * kernel..], dv * kernel),
+            ]
+            .concat(),
+            a_log,
+            dt_bias: heads.untile(&f.vector(&format!("{b}ssm_dt.bias"), nv)?, 1),
+            norm: f.vector(&format!("{b}ssm_norm.weight"), dv)?,
+            out_proj: heads.untile_cols(out_t, h, dv),
+        })
+    };
+
+    let (e, inter, si) = (
+        c.num_experts,
+        c.moe_intermediate_size,
+        c.shared_expert_intermediate_size,
+    );
+    let (gate, up) = if f
+        .tensors
+        .contains_key(&format!("{b}ffn_gate_up_exps.weight"))
+    {
+        let both = f.matrix(&format!("{b}ffn_gate_up_exps.weight"), &[e, 2 * inter, h])?;
+        let views = |half: usize| {
+            (0..e)
+                .map(|x| both.rows_view(x * 2 * inter + half * inter, inter))
+                .collect::<Vec<_>>()
+        };
+        (views(0), views(1))
+    } else {
+        let stack = |name: &str| -> Result<Vec<Matrix>, CheckpointError> {
+            let m = f.matrix(&format!("{b}{name}.weight"), &[e, inter, h])?;
+            Ok((0..e).map(|x| m.rows_view(x * inter, inter)).collect())
+        };
+        (stack("ffn_gate_exps")?, stack("ffn_up_exps")?)
+    };
+    let down = f.matrix(&format!("{b}ffn_down_exps.weight"), &[e, h, inter])?;
+    let experts = gate
+        .into_iter()
+        .zip(up)
+        .enumerate()
+        .map(|(x, (gate, up))| FeedForward {
+            gate,
+            up,
+            down: down.rows_view(x * h, h),
+        })
+        .collect();
+    let shexp_gate_name = format!("{b}ffn_gate_inp_shexp.weight");
+    let shexp_gate = match f.tensors.get(&shexp_gate_name) {
+        Some(t) if t.shape == [h] => matrix_of(t, t.data.clone(), 1, h),
+        _ => f.matrix(&shexp_gate_name, &[1, h])?,
+    };
+    let moe = MoeWeights {
+        router: f.matrix(&format!("{b}ffn_gate_inp.weight"), &[e, h])?,
+        experts,
+        shared_expert: FeedForward {
+            gate: f.matrix(&format!("{b}ffn_gate_shexp.weight"), &[si, h])?,
+            up: f.matrix(&format!("{b}ffn_up_shexp.weight"), &[si, h])?,
+            down: f.matrix(&format!("{b}ffn_down_shexp.weight"), &[h, si])?,
+        },
+        shared_expert_gate: shexp_gate,
+    };
+    Ok(LayerWeights {
+        input_norm: f.vector(&format!("{b}attn_norm.weight"), h)?,
+        post_attention_norm: f.vector(&format!("{b}post_attention_norm.weight"), h)?,
+        mixer,
+        moe,
     })
 }
 

@@ -286,6 +286,7 @@ pub fn from_store(
         layers,
         final_norm,
         lm_head,
+        mtp: None,
         mtp_tensors,
     })
 }

@@ -13,7 +13,7 @@ use std::path::Path;
 use crate::config::{ConfigError, ModelConfig};
 use crate::model::weights::{
     AttentionWeights, DeltaNetWeights, FeedForward, LayerWeights, Matrix, Mixer, MoeWeights,
-    WeightFormat, Weights,
+    MtpWeights, WeightFormat, Weights,
 };
 use tensor::{DType, RawTensor, TensorStore};
 
@@ -113,109 +113,141 @@ pub fn from_store(
     };
     let final_norm = r.norm_plus_one(&format!("{prefix}norm.weight"), h)?;
 
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for i in 0..c.num_hidden_layers {
-        let p = format!("{prefix}layers.{i}.");
-        let mixer = if c.is_full_attention(i) {
-            let a = format!("{p}self_attn.");
-            let q_out = 2 * c.num_attention_heads * c.head_dim;
-            let kv_out = c.num_key_value_heads * c.head_dim;
-            Mixer::Attention(AttentionWeights {
-                q_proj: r.matrix(&format!("{a}q_proj.weight"), q_out, h)?,
-                k_proj: r.matrix(&format!("{a}k_proj.weight"), kv_out, h)?,
-                v_proj: r.matrix(&format!("{a}v_proj.weight"), kv_out, h)?,
-                o_proj: r.matrix(
-                    &format!("{a}o_proj.weight"),
-                    h,
-                    c.num_attention_heads * c.head_dim,
-                )?,
-                q_norm: r.norm_plus_one(&format!("{a}q_norm.weight"), c.head_dim)?,
-                k_norm: r.norm_plus_one(&format!("{a}k_norm.weight"), c.head_dim)?,
-            })
-        } else {
-            let l = format!("{p}linear_attn.");
-            let nv = c.linear_num_value_heads;
-            let conv = r.store.get(&format!("{l}conv1d.weight"))?;
-            let kernel = c.linear_conv_kernel_dim;
-            // [conv_dim, 1, K] in PyTorch; [conv_dim, K, 1] in MLX. Same element order.
-            if conv.numel() != c.conv_dim() * kernel || conv.shape.first() != Some(&c.conv_dim()) {
-                return Err(CheckpointError::Shape {
-                    tensor: format!("{l}conv1d.weight"),
-                    file: conv.file.display().to_string(),
-                    expected: vec![c.conv_dim(), 1, kernel],
-                    found: conv.shape.clone(),
-                });
-            }
-            Mixer::DeltaNet(DeltaNetWeights {
-                in_proj_qkv: r.matrix(&format!("{l}in_proj_qkv.weight"), c.conv_dim(), h)?,
-                in_proj_z: r.matrix(&format!("{l}in_proj_z.weight"), c.linear_value_dim(), h)?,
-                in_proj_b: r.matrix(&format!("{l}in_proj_b.weight"), nv, h)?,
-                in_proj_a: r.matrix(&format!("{l}in_proj_a.weight"), nv, h)?,
-                conv1d: conv.to_f32(&format!("{l}conv1d.weight"))?,
-                a_log: r.vector(&format!("{l}A_log"), nv)?,
-                dt_bias: r.vector(&format!("{l}dt_bias"), nv)?,
-                norm: r.vector(&format!("{l}norm.weight"), c.linear_value_head_dim)?,
-                out_proj: r.matrix(&format!("{l}out_proj.weight"), h, c.linear_value_dim())?,
-            })
-        };
-
-        let m = format!("{p}mlp.");
-        let e = c.num_experts;
-        let inter = c.moe_intermediate_size;
-        let experts = if store.contains(&format!("{m}experts.gate_up_proj")) {
-            let gate_up = r.stacked(&format!("{m}experts.gate_up_proj"), e, 2 * inter, h)?;
-            let down = r.stacked(&format!("{m}experts.down_proj"), e, h, inter)?;
-            (0..e)
-                .map(|x| FeedForward {
-                    gate: gate_up.rows_view(x * 2 * inter, inter),
-                    up: gate_up.rows_view(x * 2 * inter + inter, inter),
-                    down: down.rows_view(x * h, h),
-                })
-                .collect()
-        } else {
-            (0..e)
-                .map(|x| {
-                    let x = format!("{m}experts.{x}.");
-                    Ok(FeedForward {
-                        gate: r.matrix(&format!("{x}gate_proj.weight"), inter, h)?,
-                        up: r.matrix(&format!("{x}up_proj.weight"), inter, h)?,
-                        down: r.matrix(&format!("{x}down_proj.weight"), h, inter)?,
-                    })
-                })
-                .collect::<Result<_, CheckpointError>>()?
-        };
-        let si = c.shared_expert_intermediate_size;
-        let moe = MoeWeights {
-            router: r.matrix(&format!("{m}gate.weight"), e, h)?,
-            experts,
-            shared_expert: FeedForward {
-                gate: r.matrix(&format!("{m}shared_expert.gate_proj.weight"), si, h)?,
-                up: r.matrix(&format!("{m}shared_expert.up_proj.weight"), si, h)?,
-                down: r.matrix(&format!("{m}shared_expert.down_proj.weight"), h, si)?,
-            },
-            shared_expert_gate: r.matrix(&format!("{m}shared_expert_gate.weight"), 1, h)?,
-        };
-        layers.push(LayerWeights {
-            input_norm: r.norm_plus_one(&format!("{p}input_layernorm.weight"), h)?,
-            post_attention_norm: r
-                .norm_plus_one(&format!("{p}post_attention_layernorm.weight"), h)?,
-            mixer,
-            moe,
-        });
-    }
-    let mtp_tensors = store
+    let layers = (0..c.num_hidden_layers)
+        .map(|i| {
+            layer(
+                &r,
+                c,
+                &format!("{prefix}layers.{i}."),
+                c.is_full_attention(i),
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mtp_tensors: Vec<String> = store
         .tensors
         .keys()
         .filter(|k| k.starts_with("mtp."))
         .cloned()
         .collect();
+    // The head is read when the config says there is one and its tensors are there (a
+    // checkpoint stripped of them still runs, without drafts); a head with a tensor missing or
+    // misshapen is a corrupt checkpoint.
+    let mtp = if c.mtp_num_hidden_layers > 0 && store.contains("mtp.fc.weight") {
+        Some(MtpWeights {
+            embedding_norm: r.norm_plus_one("mtp.pre_fc_norm_embedding.weight", h)?,
+            hidden_norm: r.norm_plus_one("mtp.pre_fc_norm_hidden.weight", h)?,
+            fc: r.matrix("mtp.fc.weight", h, 2 * h)?,
+            layer: layer(&r, c, "mtp.layers.0.", true)?,
+            norm: r.norm_plus_one("mtp.norm.weight", h)?,
+        })
+    } else {
+        None
+    };
     Ok(Weights {
         config,
         embed,
         layers,
         final_norm,
         lm_head,
+        mtp,
         mtp_tensors,
+    })
+}
+
+/// The decoder layer whose tensors start with `p` (`model.layers.3.`, `mtp.layers.0.`): its
+/// mixer, full attention or Gated DeltaNet, and its MoE.
+fn layer(
+    r: &Reader,
+    c: &ModelConfig,
+    p: &str,
+    full_attention: bool,
+) -> Result<LayerWeights, CheckpointError> {
+    let h = c.hidden_size;
+    let store = r.store;
+    let mixer = if full_attention {
+        let a = format!("{p}self_attn.");
+        let q_out = 2 * c.num_attention_heads * c.head_dim;
+        let kv_out = c.num_key_value_heads * c.head_dim;
+        Mixer::Attention(AttentionWeights {
+            q_proj: r.matrix(&format!("{a}q_proj.weight"), q_out, h)?,
+            k_proj: r.matrix(&format!("{a}k_proj.weight"), kv_out, h)?,
+            v_proj: r.matrix(&format!("{a}v_proj.weight"), kv_out, h)?,
+            o_proj: r.matrix(
+                &format!("{a}o_proj.weight"),
+                h,
+                c.num_attention_heads * c.head_dim,
+            )?,
+            q_norm: r.norm_plus_one(&format!("{a}q_norm.weight"), c.head_dim)?,
+            k_norm: r.norm_plus_one(&format!("{a}k_norm.weight"), c.head_dim)?,
+        })
+    } else {
+        let l = format!("{p}linear_attn.");
+        let nv = c.linear_num_value_heads;
+        let conv = r.store.get(&format!("{l}conv1d.weight"))?;
+        let kernel = c.linear_conv_kernel_dim;
+        // [conv_dim, 1, K] in PyTorch; [conv_dim, K, 1] in MLX. Same element order.
+        if conv.numel() != c.conv_dim() * kernel || conv.shape.first() != Some(&c.conv_dim()) {
+            return Err(CheckpointError::Shape {
+                tensor: format!("{l}conv1d.weight"),
+                file: conv.file.display().to_string(),
+                expected: vec![c.conv_dim(), 1, kernel],
+                found: conv.shape.clone(),
+            });
+        }
+        Mixer::DeltaNet(DeltaNetWeights {
+            in_proj_qkv: r.matrix(&format!("{l}in_proj_qkv.weight"), c.conv_dim(), h)?,
+            in_proj_z: r.matrix(&format!("{l}in_proj_z.weight"), c.linear_value_dim(), h)?,
+            in_proj_b: r.matrix(&format!("{l}in_proj_b.weight"), nv, h)?,
+            in_proj_a: r.matrix(&format!("{l}in_proj_a.weight"), nv, h)?,
+            conv1d: conv.to_f32(&format!("{l}conv1d.weight"))?,
+            a_log: r.vector(&format!("{l}A_log"), nv)?,
+            dt_bias: r.vector(&format!("{l}dt_bias"), nv)?,
+            norm: r.vector(&format!("{l}norm.weight"), c.linear_value_head_dim)?,
+            out_proj: r.matrix(&format!("{l}out_proj.weight"), h, c.linear_value_dim())?,
+        })
+    };
+
+    let m = format!("{p}mlp.");
+    let e = c.num_experts;
+    let inter = c.moe_intermediate_size;
+    let experts = if store.contains(&format!("{m}experts.gate_up_proj")) {
+        let gate_up = r.stacked(&format!("{m}experts.gate_up_proj"), e, 2 * inter, h)?;
+        let down = r.stacked(&format!("{m}experts.down_proj"), e, h, inter)?;
+        (0..e)
+            .map(|x| FeedForward {
+                gate: gate_up.rows_view(x * 2 * inter, inter),
+                up: gate_up.rows_view(x * 2 * inter + inter, inter),
+                down: down.rows_view(x * h, h),
+            })
+            .collect()
+    } else {
+        (0..e)
+            .map(|x| {
+                let x = format!("{m}experts.{x}.");
+                Ok(FeedForward {
+                    gate: r.matrix(&format!("{x}gate_proj.weight"), inter, h)?,
+                    up: r.matrix(&format!("{x}up_proj.weight"), inter, h)?,
+                    down: r.matrix(&format!("{x}down_proj.weight"), h, inter)?,
+                })
+            })
+            .collect::<Result<_, CheckpointError>>()?
+    };
+    let si = c.shared_expert_intermediate_size;
+    let moe = MoeWeights {
+        router: r.matrix(&format!("{m}gate.weight"), e, h)?,
+        experts,
+        shared_expert: FeedForward {
+            gate: r.matrix(&format!("{m}shared_expert.gate_proj.weight"), si, h)?,
+            up: r.matrix(&format!("{m}shared_expert.up_proj.weight"), si, h)?,
+            down: r.matrix(&format!("{m}shared_expert.down_proj.weight"), h, si)?,
+        },
+        shared_expert_gate: r.matrix(&format!("{m}shared_expert_gate.weight"), 1, h)?,
+    };
+    Ok(LayerWeights {
+        input_norm: r.norm_plus_one(&format!("{p}input_layernorm.weight"), h)?,
+        post_attention_norm: r.norm_plus_one(&format!("{p}post_attention_layernorm.weight"), h)?,
+        mixer,
+        moe,
     })
 }
 

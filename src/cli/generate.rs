@@ -16,7 +16,7 @@ use lily::chat::tools::OutputEvent;
 use lily::checkpoint;
 use lily::engine::generate::{Output, TextModel};
 use lily::engine::{Engine, EngineOptions};
-use lily::model::Weights;
+use lily::model::{speculative, Backend, Weights};
 
 use super::device::GpuOptions;
 use lily::server::request::{prepare_chat, prepare_completion};
@@ -37,6 +37,10 @@ pub struct GenerateArgs {
     /// Prompt as comma-separated token ids (greedy; prints the generated ids).
     #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Vec<u32>,
+    /// With --prompt-ids: check up to this many tokens a pass drafted by the checkpoint's MTP
+    /// head (speculative decoding; the output is plain greedy decoding's).
+    #[arg(long, requires = "prompt_ids", value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub draft_tokens: Option<u32>,
     /// Send the prompt as a user message through the chat template.
     #[arg(long, requires = "prompt")]
     pub chat: bool,
@@ -196,6 +200,9 @@ fn generate_ids(args: &GenerateArgs, weights: Weights) -> anyhow::Result<()> {
     let context = args.prompt_ids.len() + args.max_tokens + 1;
     let mut backend = super::device::backend(&device, weights, context, GpuOptions::default())?;
     backend.create_sequence(0)?;
+    if let Some(k) = args.draft_tokens {
+        return generate_drafted(args, backend.as_mut(), k as usize);
+    }
     let t0 = Instant::now();
     let mut next = backend.forward_greedy(0, &args.prompt_ids)?;
     let prefill = t0.elapsed().as_secs_f64();
@@ -218,6 +225,38 @@ fn generate_ids(args: &GenerateArgs, weights: Weights) -> anyhow::Result<()> {
         args.prompt_ids.len() as f64 / prefill,
         out.len(),
         out.len() as f64 / decode.max(1e-9),
+        backend.device_name()
+    );
+    Ok(())
+}
+
+/// `--prompt-ids` with `--draft-tokens`: greedy decoding checking the MTP head's drafts.
+fn generate_drafted(
+    args: &GenerateArgs,
+    backend: &mut dyn Backend,
+    k: usize,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        backend.can_draft(),
+        "--draft-tokens: {} cannot draft here (the checkpoint has no MTP head, its format's loader does not read it, or this device does not draft yet)",
+        backend.device_name()
+    );
+    let t0 = Instant::now();
+    let (out, stats) =
+        speculative::greedy(backend, 0, &args.prompt_ids, args.max_tokens, k, |_| false)?;
+    let seconds = t0.elapsed().as_secs_f64();
+    println!(
+        "{}",
+        out.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+    );
+    eprintln!(
+        "prefill and decode of {} tokens: {:.1} tok/s; {} passes after the prompt, {} of {} drafts accepted ({:.1} %) ({}, greedy, {k} drafts a pass)",
+        out.len(),
+        out.len() as f64 / seconds.max(1e-9),
+        stats.passes,
+        stats.accepted,
+        stats.drafted,
+        100.0 * stats.accepted as f64 / stats.drafted.max(1) as f64,
         backend.device_name()
     );
     Ok(())

@@ -110,8 +110,13 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         }
     }
     if !weights.mtp_tensors.is_empty() {
+        let how = if weights.mtp.is_some() {
+            "loaded: drafts with `--draft-tokens`"
+        } else {
+            "kept aside: not read from this format"
+        };
         println!(
-            "multi-token prediction: {} tensors present (kept aside, not used)",
+            "multi-token prediction: {} tensors present ({how})",
             weights.mtp_tensors.len()
         );
     }

@@ -5,6 +5,7 @@ pub mod block_trace;
 pub mod convert;
 pub mod cpu;
 pub mod passes;
+pub mod speculative;
 pub mod state;
 pub mod timeline;
 pub mod weights;
@@ -14,6 +15,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use passes::PassLimits;
 pub use state::SequenceState;
+use state::{KvCache, MtpState};
 pub use timeline::{DecodeTimeline, LaunchTime};
 pub use weights::Weights;
 
@@ -143,6 +145,39 @@ pub trait Backend: Send {
     fn drop_snapshot(&mut self, snapshot: SnapshotId) {
         let _ = snapshot;
     }
+    /// Whether sequences here can draft tokens with the checkpoint's MTP head (MODEL.md §4):
+    /// the methods down to [`keep_verified`](Backend::keep_verified) work.
+    fn can_draft(&self) -> bool {
+        false
+    }
+    /// Makes `seq`, created and not yet run, a drafting sequence: from now on it keeps what its
+    /// MTP head needs (the hidden state of every row run).
+    fn start_drafting(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        let _ = seq;
+        anyhow::bail!("{} cannot draft tokens", self.device_name())
+    }
+    /// Drafts `k` tokens for `seq` (greedy; [`cpu::mtp::draft`] is the reference). `next`
+    /// holds the token that follows each row run since the last drafts: after a prompt, the
+    /// prompt from its second token on and the token sampled after it; after
+    /// [`keep_verified`](Backend::keep_verified), the accepted drafts and the token after them.
+    fn draft(&mut self, seq: SeqId, next: &[u32], k: usize) -> anyhow::Result<Vec<u32>> {
+        let _ = (seq, next, k);
+        anyhow::bail!("{} cannot draft tokens", self.device_name())
+    }
+    /// Runs `tokens` of `seq` (its next token, then drafts) as one pass and returns the logits
+    /// of every row, `[rows, vocab]`. [`keep_verified`](Backend::keep_verified) follows before
+    /// anything else runs for `seq`.
+    fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        let _ = (seq, tokens);
+        anyhow::bail!("{} cannot verify drafts", self.device_name())
+    }
+    /// Keeps the first `rows` rows (at least one) of `seq`'s last
+    /// [`forward_verify`](Backend::forward_verify): its state becomes what running only them
+    /// would have made it.
+    fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
+        let _ = (seq, rows);
+        anyhow::bail!("{} cannot verify drafts", self.device_name())
+    }
     /// Turns timing of each op of the forward pass on or off (`lily bench --profile`); returns
     /// whether this backend can time its ops.
     fn set_op_timing(&mut self, on: bool) -> bool {
@@ -246,6 +281,9 @@ pub struct CpuBackend {
     next_snapshot: SnapshotId,
     /// What the routers decide while `lily agree` traces it (one call at a time then).
     routing: Option<RoutingTrace>,
+    /// Per sequence with a verify pass not yet cut back: its state before the pass and the
+    /// pass's tokens (the reference rolls back by running the kept rows again).
+    verifying: HashMap<SeqId, (SequenceState, Vec<u32>)>,
 }
 
 impl CpuBackend {
@@ -256,7 +294,35 @@ impl CpuBackend {
             snapshots: HashMap::new(),
             next_snapshot: 0,
             routing: None,
+            verifying: HashMap::new(),
         }
+    }
+
+    /// Runs `tokens` of `seq`: the logits `which` names.
+    fn run(&mut self, seq: SeqId, tokens: &[u32], which: cpu::Logits) -> anyhow::Result<Vec<f32>> {
+        self.check_tokens(seq, tokens)?;
+        let state = self
+            .states
+            .get_mut(&seq)
+            .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
+        Ok(match self.routing.as_mut() {
+            Some(trace) => cpu::forward_recorded(&self.weights, tokens, state, which, trace),
+            None => cpu::forward(&self.weights, tokens, state, which),
+        })
+    }
+
+    /// Whether `tokens` may run next for `seq`: some, in the vocabulary, no verify pass open.
+    fn check_tokens(&self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<()> {
+        anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
+        let vocab = self.weights.config.vocab_size;
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            anyhow::bail!("token id {bad} is outside the model's vocabulary ({vocab})");
+        }
+        anyhow::ensure!(
+            !self.verifying.contains_key(&seq),
+            "sequence {seq} runs on before its verify pass was cut back"
+        );
+        Ok(())
     }
 
     fn state(&mut self, seq: SeqId) -> anyhow::Result<&mut SequenceState> {
@@ -280,22 +346,10 @@ impl Backend for CpuBackend {
     }
     fn free_sequence(&mut self, seq: SeqId) {
         self.states.remove(&seq);
+        self.verifying.remove(&seq);
     }
     fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
-        anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
-        let vocab = self.weights.config.vocab_size;
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            anyhow::bail!("token id {bad} is outside the model's vocabulary ({vocab})");
-        }
-        let state = self
-            .states
-            .get_mut(&seq)
-            .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
-        let last = cpu::Logits::Last;
-        Ok(match self.routing.as_mut() {
-            Some(trace) => cpu::forward_recorded(&self.weights, tokens, state, last, trace),
-            None => cpu::forward(&self.weights, tokens, state, last),
-        })
+        self.run(seq, tokens, cpu::Logits::Last)
     }
     /// The steps a batch can take ([`passes::plan`], tokens in the vocabulary) run as one
     /// [`cpu::forward_batch`]; the others one by one, which reports what is wrong with them.
@@ -372,6 +426,71 @@ impl Backend for CpuBackend {
                 })
             })
             .collect()
+    }
+    fn can_draft(&self) -> bool {
+        self.weights.mtp.is_some()
+    }
+    fn start_drafting(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        anyhow::ensure!(self.can_draft(), "this checkpoint has no MTP head");
+        let state = self.state(seq)?;
+        anyhow::ensure!(
+            state.position == 0,
+            "a sequence starts drafting before its first token"
+        );
+        state.mtp = Some(MtpState {
+            kv: KvCache {
+                keys: Vec::new(),
+                values: Vec::new(),
+            },
+            committed: 0,
+            pending: Vec::new(),
+        });
+        Ok(())
+    }
+    fn draft(&mut self, seq: SeqId, next: &[u32], k: usize) -> anyhow::Result<Vec<u32>> {
+        anyhow::ensure!(
+            !self.verifying.contains_key(&seq),
+            "drafting before the verify pass was cut back"
+        );
+        let state = self
+            .states
+            .get_mut(&seq)
+            .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
+        cpu::mtp::draft(&self.weights, state, next, k)
+    }
+    fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.check_tokens(seq, tokens)?;
+        let state = self
+            .states
+            .get_mut(&seq)
+            .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
+        let before = state.clone();
+        let logits = cpu::forward_verify(&self.weights, tokens, state);
+        self.verifying.insert(seq, (before, tokens.to_vec()));
+        Ok(logits)
+    }
+    fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
+        let ran = self
+            .verifying
+            .get(&seq)
+            .ok_or_else(|| anyhow::anyhow!("sequence {seq} has no verify pass to cut back"))?
+            .1
+            .len();
+        anyhow::ensure!(
+            (1..=ran).contains(&rows),
+            "keeping {rows} rows of a verify pass of {ran}"
+        );
+        let (before, tokens) = self.verifying.remove(&seq).expect("looked up above");
+        if rows < tokens.len() {
+            // Run the kept rows again from the state before the pass, as the pass ran them.
+            let state = self
+                .states
+                .get_mut(&seq)
+                .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
+            *state = before;
+            cpu::forward_verify(&self.weights, &tokens[..rows], state);
+        }
+        Ok(())
     }
     fn trace_routing(&mut self) -> bool {
         self.routing = Some(RoutingTrace::new(self.weights.layers.len()));

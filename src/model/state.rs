@@ -25,11 +25,27 @@ pub enum LayerState {
     Attention(KvCache),
 }
 
+/// What drafting with the MTP head (MODEL.md §4.2) keeps for a sequence. Its row for position
+/// t needs the model's hidden state of t and the token at t + 1, so a row can run only once the
+/// next token is known: `committed + pending rows == position` always.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MtpState {
+    /// The MTP layer's own cache: `committed` rows built from the model's hidden states, then
+    /// the rows of the last drafts (dropped before the next rows are committed).
+    pub kv: KvCache,
+    pub committed: usize,
+    /// The final-normed hidden states `[rows, hidden]` of the model's rows whose MTP row has
+    /// not run yet (their next token was not known then).
+    pub pending: Vec<f32>,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct SequenceState {
     /// Tokens processed so far (the position of the next token).
     pub position: usize,
     pub layers: Vec<LayerState>,
+    /// Set for a sequence that drafts tokens with the MTP head.
+    pub mtp: Option<MtpState>,
 }
 
 impl SequenceState {
@@ -56,6 +72,7 @@ impl SequenceState {
         SequenceState {
             position: 0,
             layers,
+            mtp: None,
         }
     }
 }
@@ -70,7 +87,11 @@ impl SequenceState {
                 LayerState::DeltaNet(d) => d.conv.len() + d.ssm.len(),
                 LayerState::Attention(kv) => kv.keys.len() + kv.values.len(),
             })
-            .sum();
+            .sum::<usize>()
+            + self
+                .mtp
+                .as_ref()
+                .map_or(0, |m| m.kv.keys.len() + m.kv.values.len() + m.pending.len());
         (values * std::mem::size_of::<f32>()) as u64
     }
 

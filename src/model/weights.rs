@@ -277,6 +277,60 @@ pub struct LayerWeights {
     pub moe: MoeWeights,
 }
 
+impl LayerWeights {
+    /// The layer's matrices, named after the checkpoint's tensors under `prefix`.
+    pub fn matrices(&self, prefix: &str) -> Vec<(String, &Matrix)> {
+        let mut out = Vec::new();
+        match &self.mixer {
+            Mixer::DeltaNet(d) => {
+                for (n, m) in [
+                    ("in_proj_qkv", &d.in_proj_qkv),
+                    ("in_proj_z", &d.in_proj_z),
+                    ("in_proj_b", &d.in_proj_b),
+                    ("in_proj_a", &d.in_proj_a),
+                    ("out_proj", &d.out_proj),
+                ] {
+                    out.push((format!("{prefix}linear_attn.{n}"), m));
+                }
+            }
+            Mixer::Attention(a) => {
+                for (n, m) in [
+                    ("q_proj", &a.q_proj),
+                    ("k_proj", &a.k_proj),
+                    ("v_proj", &a.v_proj),
+                    ("o_proj", &a.o_proj),
+                ] {
+                    out.push((format!("{prefix}self_attn.{n}"), m));
+                }
+            }
+        }
+        let moe = &self.moe;
+        out.push((format!("{prefix}mlp.gate"), &moe.router));
+        out.push((
+            format!("{prefix}mlp.shared_expert_gate"),
+            &moe.shared_expert_gate,
+        ));
+        let s = &moe.shared_expert;
+        for (n, m) in [
+            ("gate_proj", &s.gate),
+            ("up_proj", &s.up),
+            ("down_proj", &s.down),
+        ] {
+            out.push((format!("{prefix}mlp.shared_expert.{n}"), m));
+        }
+        for (e, x) in moe.experts.iter().enumerate() {
+            for (n, m) in [
+                ("gate_proj", &x.gate),
+                ("up_proj", &x.up),
+                ("down_proj", &x.down),
+            ] {
+                out.push((format!("{prefix}mlp.experts.{e}.{n}"), m));
+            }
+        }
+        out
+    }
+}
+
 /// The whole text model.
 #[derive(Debug, Clone)]
 pub struct Weights {
@@ -287,8 +341,37 @@ pub struct Weights {
     pub final_norm: Vec<f32>,
     /// `[vocab, hidden]`.
     pub lm_head: Matrix,
-    /// Names of the multi-token-prediction tensors found in the checkpoint (kept aside, unused).
+    /// The multi-token-prediction head, where the checkpoint has one and the loader reads its
+    /// format (MODEL.md §2.5): what drafting tokens needs.
+    pub mtp: Option<MtpWeights>,
+    /// Names of the multi-token-prediction tensors found in the checkpoint (whether loaded or
+    /// not: `inspect` lists them).
     pub mtp_tensors: Vec<String>,
+}
+
+/// The MTP head (MODEL.md §2.5, §4.1): from the final-normed hidden state of token t and the
+/// embedding of token t + 1, one more full-attention decoder layer predicts token t + 2. It has
+/// no embedding or LM head of its own: it shares the model's.
+#[derive(Debug, Clone)]
+pub struct MtpWeights {
+    /// Effective multipliers of the two input norms: the embedding's, the hidden state's.
+    pub embedding_norm: Vec<f32>,
+    pub hidden_norm: Vec<f32>,
+    /// `[hidden, 2 · hidden]`: over `concat(normed embedding, normed hidden)`, embedding first.
+    pub fc: Matrix,
+    /// A full-attention layer with its own KV cache and the full MoE.
+    pub layer: LayerWeights,
+    /// The final norm before the shared LM head.
+    pub norm: Vec<f32>,
+}
+
+impl MtpWeights {
+    /// The head's matrices, named after the checkpoint's tensors.
+    pub fn matrices(&self) -> Vec<(String, &Matrix)> {
+        let mut out = vec![("mtp.fc".to_string(), &self.fc)];
+        out.extend(self.layer.matrices("mtp.layers.0."));
+        out
+    }
 }
 
 impl Weights {
@@ -299,51 +382,7 @@ impl Weights {
             ("lm_head".to_string(), &self.lm_head),
         ];
         for (i, l) in self.layers.iter().enumerate() {
-            match &l.mixer {
-                Mixer::DeltaNet(d) => {
-                    for (n, m) in [
-                        ("in_proj_qkv", &d.in_proj_qkv),
-                        ("in_proj_z", &d.in_proj_z),
-                        ("in_proj_b", &d.in_proj_b),
-                        ("in_proj_a", &d.in_proj_a),
-                        ("out_proj", &d.out_proj),
-                    ] {
-                        out.push((format!("layers.{i}.linear_attn.{n}"), m));
-                    }
-                }
-                Mixer::Attention(a) => {
-                    for (n, m) in [
-                        ("q_proj", &a.q_proj),
-                        ("k_proj", &a.k_proj),
-                        ("v_proj", &a.v_proj),
-                        ("o_proj", &a.o_proj),
-                    ] {
-                        out.push((format!("layers.{i}.self_attn.{n}"), m));
-                    }
-                }
-            }
-            out.push((format!("layers.{i}.mlp.gate"), &l.moe.router));
-            out.push((
-                format!("layers.{i}.mlp.shared_expert_gate"),
-                &l.moe.shared_expert_gate,
-            ));
-            let s = &l.moe.shared_expert;
-            for (n, m) in [
-                ("gate_proj", &s.gate),
-                ("up_proj", &s.up),
-                ("down_proj", &s.down),
-            ] {
-                out.push((format!("layers.{i}.mlp.shared_expert.{n}"), m));
-            }
-            for (e, x) in l.moe.experts.iter().enumerate() {
-                for (n, m) in [
-                    ("gate_proj", &x.gate),
-                    ("up_proj", &x.up),
-                    ("down_proj", &x.down),
-                ] {
-                    out.push((format!("layers.{i}.mlp.experts.{e}.{n}"), m));
-                }
-            }
+            out.extend(l.matrices(&format!("layers.{i}.")));
         }
         out
     }

@@ -11,6 +11,17 @@ use crate::model::weights::DeltaNetWeights;
 /// Chunk length of the chunked delta rule (any value gives the same result up to rounding).
 pub const CHUNK: usize = 64;
 
+/// How a run of several tokens of one sequence applies the delta rule (one token is always
+/// token by token).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaRule {
+    /// In chunks: prompts, as transformers' prefill does.
+    Chunked,
+    /// Token by token: a verify pass, whose rows must give the bits that decoding them one at a
+    /// time gives (the chunked form rounds differently).
+    Recurrent,
+}
+
 /// Runs the GDN mixer over `t` normalised hidden rows `x` (`[t, hidden]`), updating the state.
 pub fn forward(
     c: &ModelConfig,
@@ -19,7 +30,7 @@ pub fn forward(
     t: usize,
     state: &mut DeltaNetState,
 ) -> Vec<f32> {
-    forward_spans(c, w, x, &mut [(t, state)])
+    forward_spans(c, w, x, &mut [(t, state)], DeltaRule::Chunked)
 }
 
 /// The mixer over the rows of several sequences, one after another in `x`: `spans` gives each
@@ -30,6 +41,7 @@ pub fn forward_spans(
     w: &DeltaNetWeights,
     x: &[f32],
     spans: &mut [(usize, &mut DeltaNetState)],
+    rule: DeltaRule,
 ) -> Vec<f32> {
     let rows: usize = spans.iter().map(|(t, _)| t).sum();
     let qkv = matmul(&w.in_proj_qkv, x, rows);
@@ -47,7 +59,7 @@ pub fn forward_spans(
             b: &b[r * hv..(r + t) * hv],
             a: &a[r * hv..(r + t) * hv],
         };
-        y.extend(mix(c, w, &projected, t, state));
+        y.extend(mix(c, w, &projected, t, state, rule));
         r += t;
     }
     matmul(&w.out_proj, &y, rows)
@@ -69,6 +81,7 @@ fn mix(
     p: &Projected,
     t: usize,
     state: &mut DeltaNetState,
+    rule: DeltaRule,
 ) -> Vec<f32> {
     let conv_dim = c.conv_dim();
     let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
@@ -135,7 +148,7 @@ fn mix(
             );
             let bj: Vec<f32> = (0..t).map(|s| beta[s * hv + j]).collect();
             let gj: Vec<f32> = (0..t).map(|s| g[s * hv + j]).collect();
-            if t == 1 {
+            if t == 1 || rule == DeltaRule::Recurrent {
                 delta_rule_recurrent(&qj, &kj, &vj, &bj, &gj, dk, dv, s)
             } else {
                 delta_rule_chunked(&qj, &kj, &vj, &bj, &gj, dk, dv, s, CHUNK)

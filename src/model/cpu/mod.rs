@@ -4,11 +4,14 @@
 pub mod attention;
 pub mod gdn;
 pub mod moe;
+pub mod mtp;
 pub mod ops;
 
+use crate::config::ModelConfig;
 use crate::model::state::{LayerState, SequenceState};
-use crate::model::weights::{Mixer, Weights};
+use crate::model::weights::{LayerWeights, Mixer, Weights};
 use crate::model::RoutingTrace;
+use gdn::DeltaRule;
 use ops::{matmul, rms_norm_rows, round_activations};
 
 /// Which positions of a forward call need logits.
@@ -35,7 +38,23 @@ pub fn forward_batch(
     seqs: &mut [(&[u32], &mut SequenceState)],
     which: Logits,
 ) -> Vec<Vec<f32>> {
-    run(w, seqs, which, Routing::Own)
+    run(w, seqs, which, Routing::Own, DeltaRule::Chunked)
+}
+
+/// Runs the rows of a verify pass (the next token, then drafts) and returns the logits of
+/// every row: each row's exactly as decoding the rows one at a time gives them (the delta rule
+/// token by token), so that greedy decoding with drafts picks what plain decoding picks.
+pub fn forward_verify(w: &Weights, tokens: &[u32], state: &mut SequenceState) -> Vec<f32> {
+    let mut seqs = [(tokens, state)];
+    run(
+        w,
+        &mut seqs,
+        Logits::All,
+        Routing::Own,
+        DeltaRule::Recurrent,
+    )
+    .pop()
+    .expect("one sequence in, one out")
 }
 
 /// What the MoE layers of a forward call do with routing beyond their own top-k.
@@ -88,9 +107,15 @@ fn run_one(
     which: Logits,
     routing: Routing,
 ) -> Vec<f32> {
-    run(w, &mut [(tokens, state)], which, routing)
-        .pop()
-        .expect("one sequence in, one out")
+    run(
+        w,
+        &mut [(tokens, state)],
+        which,
+        routing,
+        DeltaRule::Chunked,
+    )
+    .pop()
+    .expect("one sequence in, one out")
 }
 
 fn run(
@@ -98,6 +123,7 @@ fn run(
     seqs: &mut [(&[u32], &mut SequenceState)],
     which: Logits,
     mut routing: Routing,
+    rule: DeltaRule,
 ) -> Vec<Vec<f32>> {
     let c = &w.config;
     let hd = c.hidden_size;
@@ -115,35 +141,6 @@ fn run(
         w.embed.row_into(tok as usize, &mut h[s * hd..(s + 1) * hd]);
     }
     for (li, layer) in w.layers.iter().enumerate() {
-        let x = rms_norm_rows(&h, &layer.input_norm, c.rms_norm_eps);
-        let r = match &layer.mixer {
-            Mixer::DeltaNet(m) => {
-                let mut spans: Vec<_> = seqs
-                    .iter_mut()
-                    .map(|(tokens, st)| match &mut st.layers[li] {
-                        LayerState::DeltaNet(s) => (tokens.len(), s),
-                        _ => mismatch(),
-                    })
-                    .collect();
-                gdn::forward_spans(c, m, &x, &mut spans)
-            }
-            Mixer::Attention(m) => {
-                let mut spans: Vec<_> = seqs
-                    .iter_mut()
-                    .map(|(tokens, st)| {
-                        let start = st.position;
-                        match &mut st.layers[li] {
-                            LayerState::Attention(kv) => (tokens.len(), start, kv),
-                            _ => mismatch(),
-                        }
-                    })
-                    .collect();
-                attention::forward_spans(c, m, &x, &mut spans)
-            }
-        };
-        h.iter_mut().zip(&r).for_each(|(h, r)| *h += r);
-        round_activations(&mut h);
-        let m = rms_norm_rows(&h, &layer.post_attention_norm, c.rms_norm_eps);
         let (e, k) = (c.num_experts, c.num_experts_per_tok);
         let layer_routing = match &mut routing {
             Routing::Own => moe::LayerRouting::Own,
@@ -157,11 +154,37 @@ fn run(
                 experts: &mut trace.experts[li],
             },
         };
-        let y = moe::forward_routed(c, &layer.moe, &m, t, layer_routing);
-        h.iter_mut().zip(&y).for_each(|(h, y)| *h += y);
-        round_activations(&mut h);
+        let mixer = |x: &[f32]| match &layer.mixer {
+            Mixer::DeltaNet(m) => {
+                let mut spans: Vec<_> = seqs
+                    .iter_mut()
+                    .map(|(tokens, st)| match &mut st.layers[li] {
+                        LayerState::DeltaNet(s) => (tokens.len(), s),
+                        _ => mismatch(),
+                    })
+                    .collect();
+                gdn::forward_spans(c, m, x, &mut spans, rule)
+            }
+            Mixer::Attention(m) => {
+                let mut spans: Vec<_> = seqs
+                    .iter_mut()
+                    .map(|(tokens, st)| {
+                        let start = st.position;
+                        match &mut st.layers[li] {
+                            LayerState::Attention(kv) => (tokens.len(), start, kv),
+                            _ => mismatch(),
+                        }
+                    })
+                    .collect();
+                attention::forward_spans(c, m, x, &mut spans)
+            }
+        };
+        decoder_layer(c, layer, &mut h, t, mixer, layer_routing);
     }
-    // The rows whose logits are wanted, per sequence.
+    // A drafting sequence keeps the final-normed hidden state of every row for its MTP head;
+    // the others need only the rows whose logits are wanted (the norm is per row either way).
+    let drafting = seqs.iter().any(|(_, st)| st.mtp.is_some());
+    let all_normed = drafting.then(|| rms_norm_rows(&h, &w.final_norm, c.rms_norm_eps));
     let mut rows = Vec::new();
     let mut counts = Vec::with_capacity(seqs.len());
     let mut end = 0;
@@ -172,11 +195,23 @@ fn run(
             Logits::All => end - tokens.len(),
             Logits::Last => end - 1,
         };
-        rows.extend_from_slice(&h[first * hd..end * hd]);
+        match &all_normed {
+            Some(normed) => {
+                if let Some(mtp) = &mut st.mtp {
+                    let span = &normed[(end - tokens.len()) * hd..end * hd];
+                    mtp.pending.extend_from_slice(span);
+                }
+                rows.extend_from_slice(&normed[first * hd..end * hd]);
+            }
+            None => rows.extend_from_slice(&h[first * hd..end * hd]),
+        }
         counts.push(end - first);
     }
-    let normed = rms_norm_rows(&rows, &w.final_norm, c.rms_norm_eps);
-    let logits = matmul(&w.lm_head, &normed, rows.len() / hd);
+    let normed = match all_normed {
+        Some(_) => rows,
+        None => rms_norm_rows(&rows, &w.final_norm, c.rms_norm_eps),
+    };
+    let logits = matmul(&w.lm_head, &normed, normed.len() / hd);
     let v = c.vocab_size;
     let mut at = 0;
     counts
@@ -186,4 +221,25 @@ fn run(
             logits[(at - n) * v..at * v].to_vec()
         })
         .collect()
+}
+
+/// One decoder layer over the rows `h` (`t` of them), in place (MODEL.md §3.3):
+/// `h += mixer(norm(h))`, then `h += moe(norm(h))`. `mixer` runs the layer's token mixer over
+/// the normed rows with the sequences' states.
+fn decoder_layer(
+    c: &ModelConfig,
+    layer: &LayerWeights,
+    h: &mut [f32],
+    t: usize,
+    mixer: impl FnOnce(&[f32]) -> Vec<f32>,
+    routing: moe::LayerRouting,
+) {
+    let x = rms_norm_rows(h, &layer.input_norm, c.rms_norm_eps);
+    let r = mixer(&x);
+    h.iter_mut().zip(&r).for_each(|(h, r)| *h += r);
+    round_activations(h);
+    let m = rms_norm_rows(h, &layer.post_attention_norm, c.rms_norm_eps);
+    let y = moe::forward_routed(c, &layer.moe, &m, t, routing);
+    h.iter_mut().zip(&y).for_each(|(h, y)| *h += y);
+    round_activations(h);
 }
