@@ -171,25 +171,27 @@ fn official_layout_keeps_mtp_aside_and_ignores_vision() {
     );
 }
 
+/// A copy of the fixture with an MTP head, its tensors edited.
+fn mtp_copy(edit: impl Fn(&mut Vec<(String, DType, Vec<usize>, Vec<u8>)>)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(&fixture_dir("tiny-a-mtp"), dir.path());
+    rewrite(&dir.path().join("model.safetensors"), edit);
+    dir
+}
+
 #[test]
 fn an_mtp_head_is_read_whole_or_not_at_all() {
-    let copy = |edit: &dyn Fn(&mut Vec<(String, DType, Vec<usize>, Vec<u8>)>)| {
-        let dir = tempfile::tempdir().unwrap();
-        copy_dir(&fixture_dir("tiny-a-mtp"), dir.path());
-        rewrite(&dir.path().join("model.safetensors"), edit);
-        dir
-    };
     let whole = checkpoint::load(&fixture_dir("tiny-a-mtp")).unwrap();
     assert_eq!(whole.mtp_tensors.len(), 19);
     assert!(whole.mtp.is_some());
     // A checkpoint stripped of its head runs without drafts.
-    let stripped = copy(&|l| l.retain(|t| !t.0.starts_with("mtp.")));
+    let stripped = mtp_copy(|l| l.retain(|t| !t.0.starts_with("mtp.")));
     assert!(checkpoint::load(stripped.path()).unwrap().mtp.is_none());
     // One tensor of it missing, or misshapen: a corrupt checkpoint, named.
-    let missing = copy(&|l| l.retain(|t| t.0 != "mtp.norm.weight"));
+    let missing = mtp_copy(|l| l.retain(|t| t.0 != "mtp.norm.weight"));
     let e = load_err(missing.path());
     assert!(e.contains("mtp.norm.weight"), "{e}");
-    let misshapen = copy(&|l| {
+    let misshapen = mtp_copy(|l| {
         let t = l.iter_mut().find(|t| t.0 == "mtp.fc.weight").unwrap();
         t.2 = vec![t.2[1], t.2[0]];
     });

@@ -376,15 +376,24 @@ fn quantize_refuses_an_mlx_checkpoint() {
     );
 }
 
-/// MODEL.md §7: the MLX 4-bit text model is about 19.5 GB; the plan `synth --quant q4` writes
-/// from must agree, computed from the shapes alone.
+/// MODEL.md §7: the MLX 4-bit text model is about 19.4 GB, without the MTP head (mlx-lm drops
+/// it); the plan `synth --quant q4` writes from must agree, computed from the shapes alone, and
+/// carries the head besides (one more attention layer with its MoE, `mtp.fc`, three norms).
 #[test]
 fn full_size_q4_checkpoint_is_19_4_gb() {
-    let cfg = synth::preset("qwen3.6-35b-a3b").unwrap();
-    let plan = synth::mlx_plan(&cfg, DType::BF16, Affine::new(4, 64).unwrap()).unwrap();
+    let mut cfg = synth::preset("qwen3.6-35b-a3b").unwrap();
+    let q4 = Affine::new(4, 64).unwrap();
+    let with_head = synth::mlx_plan(&cfg, DType::BF16, q4).unwrap();
+    cfg["text_config"]["mtp_num_hidden_layers"] = 0.into();
+    let plan = synth::mlx_plan(&cfg, DType::BF16, q4).unwrap();
     let bytes = plan.total_bytes();
     println!("full-size q4: {bytes} bytes ({:.3} GB)", bytes as f64 / 1e9);
     assert!((bytes as f64 / 19.4e9 - 1.0).abs() < 0.02, "{bytes} bytes");
+    // The head at 4.5 bits a weight: 256 experts' 3 × 512 × 2048 (453 MB), the attention's
+    // 27.3 M and mtp.fc's 8.4 M weights (20 MB), the shared expert and the 8-bit router.
+    let head = with_head.total_bytes() - bytes;
+    println!("its MTP head: {head} bytes");
+    assert!((head as f64 / 0.475e9 - 1.0).abs() < 0.02, "{head} bytes");
     // mlx-lm's tensor count: per GDN layer 5 quantised projections ×3, conv, A_log, dt_bias,
     // norm; per attention layer 4 ×3 and q/k norms; per layer 2 norms and 8 quantised MLP
     // modules ×3 (router, 3 expert stacks, 3 shared-expert projections, shared-expert gate);
@@ -393,13 +402,15 @@ fn full_size_q4_checkpoint_is_19_4_gb() {
         plan.tensors().len(),
         30 * (15 + 4) + 10 * (12 + 2) + 40 * (2 + 24) + 3 + 1 + 3
     );
-    // Router and shared-expert gate of every layer at 8 bits.
-    let overrides = plan
-        .quantization
-        .iter()
-        .filter(|(_, v)| v.is_object())
-        .count();
-    assert_eq!(overrides, 80);
+    // The MTP head: its layer as an attention layer's, mtp.fc ×3 and three norms.
+    assert_eq!(
+        with_head.tensors().len() - plan.tensors().len(),
+        (12 + 2) + (2 + 24) + 3 + 3
+    );
+    // Router and shared-expert gate of every layer at 8 bits (the head's too).
+    let overrides = |p: &mlx::Plan| p.quantization.iter().filter(|(_, v)| v.is_object()).count();
+    assert_eq!(overrides(&plan), 80);
+    assert_eq!(overrides(&with_head), 82);
     assert_eq!(
         plan.quantization["language_model.model.layers.39.mlp.gate"],
         serde_json::json!({"group_size": 64, "bits": 8})
@@ -451,4 +462,92 @@ fn inspect_reports_quantised_storage() {
         .unwrap();
     assert_eq!(bytes, want, "{total}");
     assert!(mlx::is_mlx_layout(&store));
+}
+
+/// `lily quantize` keeps the MTP head (mlx-lm's conversion drops it) under its Hugging Face
+/// names, quantised as the layers are, its norms with the +1 baked in as the others; `synth
+/// --quant` writes the same files; the loader reads the head back.
+#[test]
+fn the_mtp_head_survives_quantisation() {
+    // The fixture's head has random norms (a lost or doubled +1 shows); its matrices 64 wide or
+    // more are quantised (8 bits), the 32-wide ones stay as they were.
+    let src = common::fixture_dir("tiny-a-mtp");
+    let out = tempfile::tempdir().unwrap();
+    mlx_write::quantize_dir(&src, out.path(), Affine::new(8, 64).unwrap(), false).unwrap();
+    let (want, got) = (
+        checkpoint::load(&src).unwrap(),
+        checkpoint::load(out.path()).unwrap(),
+    );
+    let (w, g) = (want.mtp.as_ref().unwrap(), got.mtp.as_ref().unwrap());
+    assert_eq!(g.embedding_norm, w.embedding_norm);
+    assert_eq!(g.hidden_norm, w.hidden_norm);
+    assert_eq!(g.norm, w.norm);
+    assert_eq!(g.layer.input_norm, w.layer.input_norm);
+    for ((name, a), (_, b)) in g.matrices().into_iter().zip(w.matrices()) {
+        let (x, y) = (common::matrix_values(a), common::matrix_values(b));
+        if matches!(a.format, WeightFormat::Affine { .. }) {
+            let err = common::rel_rms(&x, &y);
+            assert!(err < 0.01, "{name}: Q8 rel. RMS error {err:.4}");
+        } else {
+            assert!(x == y, "{name} changed");
+        }
+    }
+
+    // A head wide enough to quantise: synth --quant equals quantising the synthetic model.
+    let mut cfg = synth::preset("tiny").unwrap();
+    cfg["text_config"]["mtp_num_hidden_layers"] = 1.into();
+    let (bf16, via_quantize, direct) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let q = Affine::new(4, 64).unwrap();
+    synth::write_checkpoint(&cfg, bf16.path(), 4, DType::BF16, synth::SHARD_BYTES, false).unwrap();
+    mlx_write::quantize_dir(bf16.path(), via_quantize.path(), q, false).unwrap();
+    synth::write_mlx_checkpoint(
+        &cfg,
+        direct.path(),
+        4,
+        DType::BF16,
+        q,
+        mlx_write::SHARD_BYTES,
+        false,
+    )
+    .unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+    ] {
+        assert!(
+            std::fs::read(direct.path().join(f)).unwrap()
+                == std::fs::read(via_quantize.path().join(f)).unwrap(),
+            "{f} differs"
+        );
+    }
+    let quantised = checkpoint::load(direct.path()).unwrap();
+    let head = quantised.mtp.as_ref().expect("the head is kept");
+    let q4 = WeightFormat::Affine {
+        bits: 4,
+        group_size: 64,
+    };
+    assert_eq!(head.fc.format, q4);
+    assert_eq!(head.layer.moe.experts[0].gate.format, q4);
+    // The router 8-bit, as mlx-lm quantises every layer's.
+    assert_eq!(
+        head.layer.moe.router.format,
+        WeightFormat::Affine {
+            bits: 8,
+            group_size: 64
+        }
+    );
+    let full = checkpoint::load(bf16.path()).unwrap();
+    let (a, b) = (full.mtp.as_ref().unwrap(), head);
+    for ((name, x), (_, y)) in b.matrices().into_iter().zip(a.matrices()) {
+        let err = common::rel_rms(&common::matrix_values(x), &common::matrix_values(y));
+        assert!(
+            err < 0.2,
+            "{name}: rel. RMS error {err:.3} against the bf16 head"
+        );
+    }
 }

@@ -26,7 +26,7 @@ use super::CheckpointError;
 use crate::config::{ConfigError, ModelConfig};
 use crate::model::weights::{
     AttentionWeights, DeltaNetWeights, FeedForward, LayerWeights, Matrix, Mixer, MoeWeights,
-    WeightFormat, Weights,
+    MtpWeights, WeightFormat, Weights,
 };
 use crate::quant::Affine;
 
@@ -194,100 +194,134 @@ pub fn from_store(
     };
     let final_norm = norm(&format!("{prefix}norm.weight"), h)?;
 
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for i in 0..c.num_hidden_layers {
-        let p = format!("{prefix}layers.{i}.");
-        let mixer = if c.is_full_attention(i) {
-            let a = format!("{p}self_attn.");
-            let kv_out = c.num_key_value_heads * c.head_dim;
-            Mixer::Attention(AttentionWeights {
-                q_proj: r.matrix(
-                    &format!("{a}q_proj"),
-                    None,
-                    2 * c.num_attention_heads * c.head_dim,
-                    h,
-                )?,
-                k_proj: r.matrix(&format!("{a}k_proj"), None, kv_out, h)?,
-                v_proj: r.matrix(&format!("{a}v_proj"), None, kv_out, h)?,
-                o_proj: r.matrix(
-                    &format!("{a}o_proj"),
-                    None,
-                    h,
-                    c.num_attention_heads * c.head_dim,
-                )?,
-                q_norm: norm(&format!("{a}q_norm.weight"), c.head_dim)?,
-                k_norm: norm(&format!("{a}k_norm.weight"), c.head_dim)?,
-            })
-        } else {
-            let l = format!("{p}linear_attn.");
-            let nv = c.linear_num_value_heads;
-            let k = c.linear_conv_kernel_dim;
-            let conv_name = format!("{l}conv1d.weight");
-            let conv = r.float_tensor(&conv_name)?;
-            // [C, K, 1] as MLX stores it, or [C, 1, K] not yet converted: the same element order.
-            if conv.shape != [c.conv_dim(), k, 1] && conv.shape != [c.conv_dim(), 1, k] {
-                return Err(shape_err(&conv_name, conv, vec![c.conv_dim(), k, 1]));
-            }
-            Mixer::DeltaNet(DeltaNetWeights {
-                in_proj_qkv: r.matrix(&format!("{l}in_proj_qkv"), None, c.conv_dim(), h)?,
-                in_proj_z: r.matrix(&format!("{l}in_proj_z"), None, c.linear_value_dim(), h)?,
-                in_proj_b: r.matrix(&format!("{l}in_proj_b"), None, nv, h)?,
-                in_proj_a: r.matrix(&format!("{l}in_proj_a"), None, nv, h)?,
-                conv1d: conv.to_f32(&conv_name)?,
-                a_log: r.vector(&format!("{l}A_log"), nv)?,
-                dt_bias: r.vector(&format!("{l}dt_bias"), nv)?,
-                norm: r.vector(&format!("{l}norm.weight"), c.linear_value_head_dim)?,
-                out_proj: r.matrix(&format!("{l}out_proj"), None, h, c.linear_value_dim())?,
-            })
-        };
-
-        let m = format!("{p}mlp.");
-        let (e, inter, si) = (
-            c.num_experts,
-            c.moe_intermediate_size,
-            c.shared_expert_intermediate_size,
-        );
-        let gate = r.matrix(&format!("{m}switch_mlp.gate_proj"), Some(e), inter, h)?;
-        let up = r.matrix(&format!("{m}switch_mlp.up_proj"), Some(e), inter, h)?;
-        let down = r.matrix(&format!("{m}switch_mlp.down_proj"), Some(e), h, inter)?;
-        let experts = (0..e)
-            .map(|x| FeedForward {
-                gate: gate.rows_view(x * inter, inter),
-                up: up.rows_view(x * inter, inter),
-                down: down.rows_view(x * h, h),
-            })
-            .collect();
-        let moe = MoeWeights {
-            router: r.matrix(&format!("{m}gate"), None, e, h)?,
-            experts,
-            shared_expert: FeedForward {
-                gate: r.matrix(&format!("{m}shared_expert.gate_proj"), None, si, h)?,
-                up: r.matrix(&format!("{m}shared_expert.up_proj"), None, si, h)?,
-                down: r.matrix(&format!("{m}shared_expert.down_proj"), None, h, si)?,
-            },
-            shared_expert_gate: r.matrix(&format!("{m}shared_expert_gate"), None, 1, h)?,
-        };
-        layers.push(LayerWeights {
-            input_norm: norm(&format!("{p}input_layernorm.weight"), h)?,
-            post_attention_norm: norm(&format!("{p}post_attention_layernorm.weight"), h)?,
-            mixer,
-            moe,
-        });
-    }
+    let layers = (0..c.num_hidden_layers)
+        .map(|i| {
+            layer(
+                &r,
+                c,
+                &format!("{prefix}layers.{i}."),
+                c.is_full_attention(i),
+                &norm,
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let mtp_tensors = store
         .tensors
         .keys()
         .filter(|k| k.starts_with("mtp.") || k.starts_with("language_model.mtp."))
         .cloned()
         .collect();
+    // `lily quantize` keeps the MTP head under its Hugging Face names (mlx-lm drops it).
+    let mtp = if c.mtp_num_hidden_layers > 0 && store.contains("mtp.fc.weight") {
+        Some(MtpWeights {
+            embedding_norm: norm("mtp.pre_fc_norm_embedding.weight", h)?,
+            hidden_norm: norm("mtp.pre_fc_norm_hidden.weight", h)?,
+            fc: r.matrix("mtp.fc", None, h, 2 * h)?,
+            layer: layer(&r, c, "mtp.layers.0.", true, &norm)?,
+            norm: norm("mtp.norm.weight", h)?,
+        })
+    } else {
+        None
+    };
     Ok(Weights {
         config,
         embed,
         layers,
         final_norm,
         lm_head,
-        mtp: None,
+        mtp,
         mtp_tensors,
+    })
+}
+
+/// Reads a norm's effective multiplier (name, length).
+type NormReader<'a> = dyn Fn(&str, usize) -> Result<Vec<f32>, CheckpointError> + 'a;
+
+/// The decoder layer whose modules start with `p`: its mixer, full attention or Gated
+/// DeltaNet, and its MoE. `norm` reads a norm's effective multiplier.
+fn layer(
+    r: &Reader,
+    c: &ModelConfig,
+    p: &str,
+    full_attention: bool,
+    norm: &NormReader,
+) -> Result<LayerWeights, CheckpointError> {
+    let h = c.hidden_size;
+    let mixer = if full_attention {
+        let a = format!("{p}self_attn.");
+        let kv_out = c.num_key_value_heads * c.head_dim;
+        Mixer::Attention(AttentionWeights {
+            q_proj: r.matrix(
+                &format!("{a}q_proj"),
+                None,
+                2 * c.num_attention_heads * c.head_dim,
+                h,
+            )?,
+            k_proj: r.matrix(&format!("{a}k_proj"), None, kv_out, h)?,
+            v_proj: r.matrix(&format!("{a}v_proj"), None, kv_out, h)?,
+            o_proj: r.matrix(
+                &format!("{a}o_proj"),
+                None,
+                h,
+                c.num_attention_heads * c.head_dim,
+            )?,
+            q_norm: norm(&format!("{a}q_norm.weight"), c.head_dim)?,
+            k_norm: norm(&format!("{a}k_norm.weight"), c.head_dim)?,
+        })
+    } else {
+        let l = format!("{p}linear_attn.");
+        let nv = c.linear_num_value_heads;
+        let k = c.linear_conv_kernel_dim;
+        let conv_name = format!("{l}conv1d.weight");
+        let conv = r.float_tensor(&conv_name)?;
+        // [C, K, 1] as MLX stores it, or [C, 1, K] not yet converted: the same element order.
+        if conv.shape != [c.conv_dim(), k, 1] && conv.shape != [c.conv_dim(), 1, k] {
+            return Err(shape_err(&conv_name, conv, vec![c.conv_dim(), k, 1]));
+        }
+        Mixer::DeltaNet(DeltaNetWeights {
+            in_proj_qkv: r.matrix(&format!("{l}in_proj_qkv"), None, c.conv_dim(), h)?,
+            in_proj_z: r.matrix(&format!("{l}in_proj_z"), None, c.linear_value_dim(), h)?,
+            in_proj_b: r.matrix(&format!("{l}in_proj_b"), None, nv, h)?,
+            in_proj_a: r.matrix(&format!("{l}in_proj_a"), None, nv, h)?,
+            conv1d: conv.to_f32(&conv_name)?,
+            a_log: r.vector(&format!("{l}A_log"), nv)?,
+            dt_bias: r.vector(&format!("{l}dt_bias"), nv)?,
+            norm: r.vector(&format!("{l}norm.weight"), c.linear_value_head_dim)?,
+            out_proj: r.matrix(&format!("{l}out_proj"), None, h, c.linear_value_dim())?,
+        })
+    };
+
+    let m = format!("{p}mlp.");
+    let (e, inter, si) = (
+        c.num_experts,
+        c.moe_intermediate_size,
+        c.shared_expert_intermediate_size,
+    );
+    let gate = r.matrix(&format!("{m}switch_mlp.gate_proj"), Some(e), inter, h)?;
+    let up = r.matrix(&format!("{m}switch_mlp.up_proj"), Some(e), inter, h)?;
+    let down = r.matrix(&format!("{m}switch_mlp.down_proj"), Some(e), h, inter)?;
+    let experts = (0..e)
+        .map(|x| FeedForward {
+            gate: gate.rows_view(x * inter, inter),
+            up: up.rows_view(x * inter, inter),
+            down: down.rows_view(x * h, h),
+        })
+        .collect();
+    let moe = MoeWeights {
+        router: r.matrix(&format!("{m}gate"), None, e, h)?,
+        experts,
+        shared_expert: FeedForward {
+            gate: r.matrix(&format!("{m}shared_expert.gate_proj"), None, si, h)?,
+            up: r.matrix(&format!("{m}shared_expert.up_proj"), None, si, h)?,
+            down: r.matrix(&format!("{m}shared_expert.down_proj"), None, h, si)?,
+        },
+        shared_expert_gate: r.matrix(&format!("{m}shared_expert_gate"), None, 1, h)?,
+    };
+    Ok(LayerWeights {
+        input_norm: norm(&format!("{p}input_layernorm.weight"), h)?,
+        post_attention_norm: norm(&format!("{p}post_attention_layernorm.weight"), h)?,
+        mixer,
+        moe,
     })
 }
 
@@ -640,6 +674,9 @@ pub struct PlanOptions<'a> {
     pub cast_to: Option<DType>,
     /// The dtype of a source tensor, by name.
     pub source_dtype: &'a dyn Fn(&str) -> DType,
+    /// Carry the MTP head (`mtp.*`, kept under the same names, quantised as the layers are):
+    /// what drafting needs, which mlx-lm's conversion drops.
+    pub mtp: bool,
 }
 
 /// The MLX checkpoint `mlx_lm.convert -q` makes of a Hugging Face checkpoint of `c`.
@@ -722,9 +759,19 @@ pub fn plan(c: &ModelConfig, o: &PlanOptions) -> Plan {
         vec![c.vocab_size, h],
         vec![format!("{mp}embed_tokens")],
     );
-    for i in 0..c.num_hidden_layers {
-        let (src, dst) = (format!("{sp}layers.{i}."), format!("{mp}layers.{i}."));
-        if c.is_full_attention(i) {
+    // (source prefix, destination prefix, full attention) of each decoder layer; the MTP head's
+    // layer is one more full-attention layer.
+    let mut layers: Vec<(String, String, bool)> = (0..c.num_hidden_layers)
+        .map(|i| {
+            let (src, dst) = (format!("{sp}layers.{i}."), format!("{mp}layers.{i}."));
+            (src, dst, c.is_full_attention(i))
+        })
+        .collect();
+    if o.mtp {
+        layers.push(("mtp.layers.0.".into(), "mtp.layers.0.".into(), true));
+    }
+    for (src, dst, full_attention) in layers {
+        if full_attention {
             let q_out = 2 * c.num_attention_heads * c.head_dim;
             let kv_out = c.num_key_value_heads * c.head_dim;
             let o_in = c.num_attention_heads * c.head_dim;
@@ -866,6 +913,22 @@ pub fn plan(c: &ModelConfig, o: &PlanOptions) -> Plan {
         vec![h],
         true,
     );
+    if o.mtp {
+        matrix(
+            &mut items,
+            "mtp.fc.weight".into(),
+            vec![h, 2 * h],
+            vec!["mtp.fc".into()],
+        );
+        for n in [
+            "pre_fc_norm_embedding.weight",
+            "pre_fc_norm_hidden.weight",
+            "norm.weight",
+        ] {
+            let name = format!("mtp.{n}");
+            plain(&mut items, name.clone(), vec![h], name, vec![h], true);
+        }
+    }
     if !c.tie_word_embeddings {
         matrix(
             &mut items,

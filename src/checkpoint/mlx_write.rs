@@ -80,6 +80,7 @@ pub fn quantize_dir(src: &Path, out: &Path, q: Affine, progress: bool) -> anyhow
             quant: q,
             cast_to: mlx::conversion_dtype(&root),
             source_dtype: &source_dtype,
+            mtp: config.mtp_num_hidden_layers > 0 && store.contains("mtp.fc.weight"),
         },
     );
     // Check every source tensor before writing anything.

@@ -424,6 +424,7 @@ pub fn mlx_plan(config_json: &Value, dtype: DType, q: Affine) -> anyhow::Result<
             quant: q,
             cast_to: mlx::conversion_dtype(&cfg),
             source_dtype: &|_| dtype,
+            mtp: config.mtp_num_hidden_layers > 0,
         },
     ))
 }
