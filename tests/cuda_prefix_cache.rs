@@ -144,6 +144,7 @@ fn the_engine_reuses_prompts_on_the_gpu() {
             prompt_cache_key: None,
             device_sampler: None,
             prompt_logprobs: None,
+            draft: false,
         });
         let mut ids = vec![];
         loop {

@@ -47,6 +47,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize, key: Option<&str>) -> GenerateReq
         prompt_cache_key: key.map(str::to_string),
         device_sampler: None,
         prompt_logprobs: None,
+        draft: false,
     }
 }
 
@@ -184,6 +185,7 @@ fn interleaved_requests_match_each_run_alone() {
                 prompt_cache_key: None,
                 device_sampler: None,
                 prompt_logprobs: None,
+                draft: false,
             })
         })
         .collect();
@@ -210,6 +212,7 @@ fn stop_tokens_end_generation() {
         prompt_cache_key: None,
         device_sampler: None,
         prompt_logprobs: None,
+        draft: false,
     }));
     assert_eq!(reason, Some(FinishReason::Stop));
     assert_eq!(ids, expected[..=first]);
@@ -226,6 +229,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         prompt_cache_key: None,
         device_sampler: None,
         prompt_logprobs: None,
+        draft: false,
     });
     let bad = engine.submit(GenerateRequest {
         prompt: vec![1, 999_999],
@@ -235,6 +239,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         prompt_cache_key: None,
         device_sampler: None,
         prompt_logprobs: None,
+        draft: false,
     });
     let panicking = engine.submit(GenerateRequest {
         prompt: vec![2, 3],
@@ -244,6 +249,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         prompt_cache_key: None,
         device_sampler: None,
         prompt_logprobs: None,
+        draft: false,
     });
     let good = engine.submit(GenerateRequest {
         prompt: vec![7, 8, 9],
@@ -253,6 +259,7 @@ fn cancelled_and_bad_requests_leave_others_untouched() {
         prompt_cache_key: None,
         device_sampler: None,
         prompt_logprobs: None,
+        draft: false,
     });
     drop(dropped);
     let (_, _, err) = collect(bad);
@@ -536,6 +543,7 @@ fn random_load_with_cancellations_ends_at_baseline() {
             memory_budget: Some(4 * per_request),
             prefix_cache_bytes: cache_budget,
             snapshot_interval: 8,
+            draft_tokens: 0,
         },
     );
     let mut rng = rand::rng();
@@ -764,6 +772,7 @@ fn concurrent_cpu_samplers_draw_what_each_draws_alone() {
             prompt_cache_key: None,
             device_sampler: None,
             prompt_logprobs: None,
+            draft: false,
         })
     };
     let together: Vec<_> = requests.iter().map(submit).collect();
@@ -810,6 +819,7 @@ fn cpu_picks_beside_the_pass_change_no_request() {
             prompt_cache_key: None,
             device_sampler: device.then(|| greedy_device_sampler(vocab)),
             prompt_logprobs: None,
+            draft: false,
         })
     };
     let panicking = engine.submit(GenerateRequest {
@@ -820,6 +830,7 @@ fn cpu_picks_beside_the_pass_change_no_request() {
         prompt_cache_key: None,
         device_sampler: None,
         prompt_logprobs: None,
+        draft: false,
     });
     let together: Vec<_> = (0..prompts.len()).map(submit).collect();
     let together: Vec<(Vec<u32>, Option<FinishReason>)> = together
@@ -873,6 +884,7 @@ fn device_sampling_steps_give_the_cpu_samplers_tokens() {
             prompt_cache_key: None,
             device_sampler,
             prompt_logprobs: None,
+            draft: false,
         }))
     };
     let (cpu, reason, _) = run(false);

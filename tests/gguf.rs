@@ -412,16 +412,21 @@ fn the_mtp_head_of_a_gguf_is_its_sources() {
     // decay differs by A_log's ulp, see above).
     let head_logits = |m: &Weights, ids: &[u32]| {
         let mut state = SequenceState::new(&m.config);
-        state.mtp = Some(MtpState {
-            kv: empty_cache(),
-            committed: 0,
-            pending: Vec::new(),
-        });
+        state.mtp = Some(MtpState::default());
         let last = forward(m, ids, &mut state, Logits::Last);
         let next: Vec<u32> = ids[1..].iter().copied().chain([argmax(&last)]).collect();
         let hidden = state.mtp.take().unwrap().pending;
         let head = m.mtp.as_ref().unwrap();
-        mtp::forward(m, head, &hidden, &next, 0, &mut empty_cache(), Logits::All).1
+        mtp::forward(
+            m,
+            head,
+            &hidden,
+            &next,
+            0,
+            &mut KvCache::default(),
+            Logits::All,
+        )
+        .1
     };
     for len in [1, 9, 40] {
         let ids = random_prompt(want.config.vocab_size, len);
@@ -430,12 +435,5 @@ fn the_mtp_head_of_a_gguf_is_its_sources() {
             err <= 1e-3,
             "{len} tokens: head logits rel. error {err:.2e}"
         );
-    }
-}
-
-fn empty_cache() -> KvCache {
-    KvCache {
-        keys: Vec::new(),
-        values: Vec::new(),
     }
 }

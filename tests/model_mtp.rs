@@ -13,13 +13,6 @@ use lily::model::{argmax, SequenceState};
 /// As the CPU reference's own fixture tests (tests/model_cpu.rs): f32 throughout.
 const F32_TOLERANCE: f32 = 1e-4;
 
-fn empty_cache() -> KvCache {
-    KvCache {
-        keys: Vec::new(),
-        values: Vec::new(),
-    }
-}
-
 #[test]
 fn the_head_matches_transformers_layers() {
     let w = checkpoint::load(&fixture_dir("tiny-a-mtp")).unwrap();
@@ -34,11 +27,7 @@ fn the_head_matches_transformers_layers() {
 
         // The model's final-normed hidden states, as a drafting sequence keeps them.
         let mut state = SequenceState::new(&w.config);
-        state.mtp = Some(MtpState {
-            kv: empty_cache(),
-            committed: 0,
-            pending: Vec::new(),
-        });
+        state.mtp = Some(MtpState::default());
         let logits = forward(&w, &ids, &mut state, Logits::Last);
         assert_eq!(
             argmax(&logits),
@@ -55,7 +44,7 @@ fn the_head_matches_transformers_layers() {
         // The head over the prompt's rows, from the reference's hidden states.
         let want_hidden = reference.f32s(p, "mtp_hidden");
         let want_logits = reference.f32s(p, "mtp_logits");
-        let mut kv = empty_cache();
+        let mut kv = KvCache::default();
         let ref_hidden = reference.f32s(p, "hidden");
         let (normed, logits) = mtp::forward(&w, head, &ref_hidden, &next, 0, &mut kv, Logits::All);
         let err = rel_error(&normed, &want_hidden);

@@ -84,11 +84,11 @@ impl Backend for Oracle {
     fn start_drafting(&mut self, seq: SeqId) -> anyhow::Result<()> {
         self.inner.start_drafting(seq)
     }
-    fn draft(&mut self, seq: SeqId, next: &[u32], k: usize) -> anyhow::Result<Vec<u32>> {
+    fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
         let drafted = self.inner.draft(seq, next, k)?;
         assert_eq!(drafted.len(), k);
         let vocab = self.config().vocab_size as u32;
-        // Draft j is the token at position + 1 + j (the one at `position` is next's last).
+        // Draft j is the token at position + 1 + j (the one at `position` is `next`).
         Ok((0..k)
             .map(|j| {
                 let right = self.truth[self.position + 1 + j];
@@ -231,23 +231,23 @@ fn drafting_calls_out_of_order_are_errors_not_panics() {
     let mut b = CpuBackend::new(w.clone());
     b.create_sequence(0).unwrap();
     // Not a drafting sequence.
-    assert!(b.draft(0, &[1], 2).is_err());
+    assert!(b.draft(0, 1, 2).is_err());
     assert!(b.keep_verified(0, 1).is_err());
     b.forward(0, &[1, 2]).unwrap();
     let e = b.start_drafting(0).unwrap_err().to_string();
     assert!(e.contains("before its first token"), "{e}");
     b.create_sequence(1).unwrap();
     b.start_drafting(1).unwrap();
+    let e = b.draft(1, 1, 2).unwrap_err().to_string();
+    assert!(e.contains("no rows have run"), "{e}");
     b.forward(1, &[1, 2, 3]).unwrap();
-    // Three rows ran: three next tokens are needed.
-    let e = b.draft(1, &[2, 3], 2).unwrap_err().to_string();
-    assert!(e.contains("3 rows"), "{e}");
+    assert!(b.draft(1, 5_000, 2).is_err(), "out of the vocabulary");
+    assert!(b.draft(1, 4, 0).is_err());
+    let d = b.draft(1, 4, 2).unwrap();
     assert!(
-        b.draft(1, &[2, 3, 5_000], 2).is_err(),
-        "out of the vocabulary"
+        b.draft(1, 4, 2).is_err(),
+        "the drafted rows are not run yet"
     );
-    assert!(b.draft(1, &[2, 3, 4], 0).is_err());
-    let d = b.draft(1, &[2, 3, 4], 2).unwrap();
     b.forward_verify(1, &[4, d[0], d[1]]).unwrap();
     assert!(
         b.forward(1, &[4]).is_err(),
@@ -257,6 +257,7 @@ fn drafting_calls_out_of_order_are_errors_not_panics() {
     assert!(b.keep_verified(1, 4).is_err());
     b.keep_verified(1, 2).unwrap();
     assert!(b.keep_verified(1, 1).is_err(), "cut back once");
+    b.draft(1, 7, 3).unwrap();
     // A model without the head.
     let mut cfg = synth::preset("tiny").unwrap();
     cfg["text_config"]["num_hidden_layers"] = 4.into();

@@ -126,6 +126,9 @@ async fn models_health_and_metrics() {
         "vllm:num_requests_waiting",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
     ] {
         assert!(
             metrics.contains(&format!("{name}{{model_name=\"lily-demo\"}}")),

@@ -66,6 +66,12 @@ pub struct ServeArgs {
     /// token. Default: 8192 on a GPU, 2048 on the CPU.
     #[arg(long)]
     pub batch_tokens: Option<usize>,
+    /// Speculative decoding: a greedy request decoding alone checks this many tokens drafted by
+    /// the checkpoint's MTP head in each pass (its output unchanged). Off (0) by default; needs a
+    /// checkpoint with the head (Hugging Face bf16/FP8, GGUF with nextn tensors, `lily quantize`
+    /// output) and a backend that drafts (the CPU so far). Metrics: vllm:spec_decode_*.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub draft_tokens: u32,
     /// Test only: reply from this script instead of running a model.
     #[arg(long, hide = true)]
     pub scripted_tokens: Option<PathBuf>,
@@ -108,6 +114,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         prefix_cache_bytes: args.prefix_cache_mb << 20,
         memory_budget: args.state_memory_mb.map(|mb| mb << 20),
+        draft_tokens: args.draft_tokens as usize,
         ..defaults
     };
     let engine = match args.batch_tokens {

@@ -46,6 +46,9 @@ pub struct GenerateRequest {
     pub prompt_cache_key: Option<String>,
     /// Set when the request's sampling can run on the backend, next to the logits.
     pub device_sampler: Option<Box<dyn DeviceSampler>>,
+    /// The request's sampling is greedy: with [`EngineOptions::draft_tokens`] its sequence
+    /// keeps what drafting needs from the start, and it decodes with drafts when alone.
+    pub draft: bool,
     /// Score the prompt: each prompt token after the first is reported as an
     /// [`Event::PromptToken`] with its log-probability and this many alternatives (`echo` with
     /// `logprobs`). The prompt then runs one token per step and no cached prefix is used.
@@ -125,6 +128,10 @@ pub struct EngineOptions {
     /// The prefix cache saves a prompt's state every this many prompt tokens (at the end of the
     /// chunk that reaches the mark), besides the end of the prompt and of the turn.
     pub snapshot_interval: usize,
+    /// Tokens drafted by the checkpoint's MTP head and checked in each decode pass of a greedy
+    /// request that decodes alone (speculative decoding, MODEL.md §4.2); 0 turns drafting off,
+    /// as does a backend that cannot draft. The output is what decoding without drafts gives.
+    pub draft_tokens: usize,
 }
 
 impl EngineOptions {
@@ -171,6 +178,7 @@ impl Default for EngineOptions {
             memory_budget: None,
             prefix_cache_bytes: 0,
             snapshot_interval: 2048,
+            draft_tokens: 0,
         }
     }
 }
@@ -223,6 +231,10 @@ pub struct EngineStats {
     /// work adds to it is the rest of the wall time).
     pub batches_total: AtomicU64,
     pub backend_nanos_total: AtomicU64,
+    /// Decode passes that checked drafts, the drafts they checked, and those accepted.
+    pub draft_passes_total: AtomicU64,
+    pub draft_tokens_total: AtomicU64,
+    pub accepted_draft_tokens_total: AtomicU64,
 }
 
 impl Engine {

@@ -50,6 +50,8 @@ struct Running {
     next: Option<Next>,
     /// State bytes reserved at admission.
     reserved: u64,
+    /// The sequence keeps what the MTP head needs (EngineOptions::draft_tokens).
+    drafting: bool,
 }
 
 impl Running {
@@ -231,6 +233,16 @@ impl EngineLoop {
                 let _ = events.send(Event::Error(format!("cannot start the sequence: {e:#}")));
                 continue;
             }
+            // Every sequence of a drafting engine that may draft keeps the head's input from its
+            // first token, so that the prefix cache's states have it too.
+            let drafting = self.drafts()
+                && request.draft
+                && request.prompt_logprobs.is_none()
+                && self
+                    .backend
+                    .start_drafting(seq)
+                    .inspect_err(|e| tracing::warn!("sequence {seq} decodes without drafts: {e:#}"))
+                    .is_ok();
             let cached = self.restore_prefix(seq, &request);
             self.stats
                 .prompt_tokens_total
@@ -251,6 +263,7 @@ impl EngineLoop {
                 generated: Vec::new(),
                 next: None,
                 reserved: need,
+                drafting,
             });
         }
     }
@@ -348,6 +361,20 @@ impl EngineLoop {
                 device.device_step()
             })
             .collect();
+        if let ([(i, Work::Decode(token))], [Some(first)]) = (work.as_slice(), sampling.as_slice())
+        {
+            let r = &self.running[*i];
+            // A pass yields up to one token more than its drafts: no more than the request wants.
+            let k = self
+                .options
+                .draft_tokens
+                .min(r.request.max_tokens.saturating_sub(r.generated.len() + 1));
+            if self.running.len() == 1 && r.drafting && k > 0 && first.0.is_greedy() {
+                let (i, token, first) = (*i, *token, first.clone());
+                self.decode_with_drafts(i, token, k, first);
+                return;
+            }
+        }
         let steps: Vec<Step> = work
             .iter()
             .zip(&sampling)
@@ -439,6 +466,124 @@ impl EngineLoop {
         for (i, message) in failed {
             let r = self.remove(i);
             self.fail(r, message);
+        }
+    }
+
+    /// Whether this engine drafts (EngineOptions::draft_tokens, and a backend that can).
+    fn drafts(&self) -> bool {
+        self.options.draft_tokens > 0 && self.backend.can_draft()
+    }
+
+    /// The decode step of `running[i]`, a greedy sequence decoding alone, with drafts: the MTP
+    /// head drafts `k` tokens after `token` (just sampled, not run), one pass runs `token` and
+    /// the drafts, and the request's sampler picks after each row in turn (`first` is its pick
+    /// for the first row) while the drafts match its picks. The matched drafts are sent now; the
+    /// first pick that differs (or the one after the last draft) waits in `next`, as a step's
+    /// token does, and the sequence keeps only the rows its tokens came from. A step the
+    /// sampler cannot take on the device leaves that row's logits in `next` instead.
+    fn decode_with_drafts(&mut self, i: usize, token: u32, k: usize, first: (DeviceSampling, f64)) {
+        let seq = self.running[i].seq;
+        let backend = &mut self.backend;
+        let started = std::time::Instant::now();
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<_> {
+            let drafts = backend.draft(seq, token, k)?;
+            let rows: Vec<u32> = [token].into_iter().chain(drafts.iter().copied()).collect();
+            let logits = backend.forward_verify(seq, &rows)?;
+            anyhow::ensure!(
+                logits.len() == rows.len() * backend.config().vocab_size,
+                "the verify pass returned {} logits for {} rows",
+                logits.len(),
+                rows.len()
+            );
+            Ok((drafts, logits))
+        }));
+        let took = started.elapsed();
+        self.stats.batches_total.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .backend_nanos_total
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        let (drafts, logits) = match outcome {
+            Ok(Ok(done)) => done,
+            Ok(Err(e)) => {
+                let r = self.remove(i);
+                return self.fail(r, format!("{e:#}"));
+            }
+            Err(panic) => {
+                let r = self.remove(i);
+                return self.fail(r, format!("internal error: {}", panic_message(panic)));
+            }
+        };
+        let v = self.backend.config().vocab_size;
+        let row = |j: usize| logits[j * v..(j + 1) * v].to_vec();
+        let mut sampling = first;
+        // Rows of the pass whose tokens stand (the first always does).
+        let mut kept = 1;
+        let mut accepted = 0;
+        let mut ended = None;
+        for j in 0..=drafts.len() {
+            let (s, u) = &sampling;
+            let pick = match s.sample(&logits[j * v..(j + 1) * v], *u) {
+                Ok(pick) => pick,
+                Err(e) => {
+                    ended = Some(Err(e.to_string()));
+                    break;
+                }
+            };
+            let matches = s.is_greedy() && drafts.get(j) == Some(&pick);
+            self.running[i].next = Some(Next::Sampled(pick));
+            if !matches {
+                break;
+            }
+            // The draft is the pick: sent now, and the row it was drafted for stands.
+            accepted += 1;
+            match self.sample(i) {
+                Ok(None) => {}
+                done => {
+                    ended = Some(done);
+                    break;
+                }
+            }
+            kept += 1;
+            match self.running[i]
+                .request
+                .device_sampler
+                .as_mut()
+                .and_then(|d| d.device_step())
+            {
+                Some(next) => sampling = next,
+                None => {
+                    self.running[i].next = Some(Next::Logits(row(j + 1)));
+                    break;
+                }
+            }
+        }
+        self.stats
+            .draft_passes_total
+            .fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .draft_tokens_total
+            .fetch_add(drafts.len() as u64, Ordering::Relaxed);
+        self.stats
+            .accepted_draft_tokens_total
+            .fetch_add(accepted, Ordering::Relaxed);
+        let cut = catch_unwind(AssertUnwindSafe(|| self.backend.keep_verified(seq, kept)))
+            .unwrap_or_else(|panic| {
+                Err(anyhow::anyhow!("internal error: {}", panic_message(panic)))
+            });
+        match (ended, cut) {
+            (Some(Ok(Some(reason))), Ok(())) => {
+                let r = self.remove(i);
+                self.finish(r, reason);
+            }
+            (Some(Err(message)), _) => {
+                let r = self.remove(i);
+                self.fail(r, message);
+            }
+            (_, Err(e)) => {
+                let r = self.remove(i);
+                self.fail(r, format!("{e:#}"));
+            }
+            _ => {}
         }
     }
 

@@ -14,8 +14,8 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use passes::PassLimits;
+use state::MtpState;
 pub use state::SequenceState;
-use state::{KvCache, MtpState};
 pub use timeline::{DecodeTimeline, LaunchTime};
 pub use weights::Weights;
 
@@ -156,11 +156,10 @@ pub trait Backend: Send {
         let _ = seq;
         anyhow::bail!("{} cannot draft tokens", self.device_name())
     }
-    /// Drafts `k` tokens for `seq` (greedy; [`cpu::mtp::draft`] is the reference). `next`
-    /// holds the token that follows each row run since the last drafts: after a prompt, the
-    /// prompt from its second token on and the token sampled after it; after
-    /// [`keep_verified`](Backend::keep_verified), the accepted drafts and the token after them.
-    fn draft(&mut self, seq: SeqId, next: &[u32], k: usize) -> anyhow::Result<Vec<u32>> {
+    /// Drafts `k` tokens for `seq` (greedy; [`cpu::mtp::draft`] is the reference): the tokens
+    /// after `next`, the token picked after the last row run (not run yet). Some row must have
+    /// run since the last drafts.
+    fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
         let _ = (seq, next, k);
         anyhow::bail!("{} cannot draft tokens", self.device_name())
     }
@@ -437,17 +436,10 @@ impl Backend for CpuBackend {
             state.position == 0,
             "a sequence starts drafting before its first token"
         );
-        state.mtp = Some(MtpState {
-            kv: KvCache {
-                keys: Vec::new(),
-                values: Vec::new(),
-            },
-            committed: 0,
-            pending: Vec::new(),
-        });
+        state.mtp = Some(MtpState::default());
         Ok(())
     }
-    fn draft(&mut self, seq: SeqId, next: &[u32], k: usize) -> anyhow::Result<Vec<u32>> {
+    fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
         anyhow::ensure!(
             !self.verifying.contains_key(&seq),
             "drafting before the verify pass was cut back"

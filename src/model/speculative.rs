@@ -36,18 +36,15 @@ pub fn greedy(
     let vocab = backend.config().vocab_size;
     let mut token = argmax(&backend.forward(seq, prompt)?);
     out.push(token);
-    // The token after each row run since the last drafts.
-    let mut next: Vec<u32> = prompt[1..].iter().copied().chain([token]).collect();
     while out.len() < max_tokens && !stop(token) {
         let k_now = k.min(max_tokens - out.len() - 1);
         if k_now == 0 {
             token = argmax(&backend.forward(seq, &[token])?);
             stats.passes += 1;
-            next.push(token);
             out.push(token);
             continue;
         }
-        let drafts = backend.draft(seq, &next, k_now)?;
+        let drafts = backend.draft(seq, token, k_now)?;
         let rows: Vec<u32> = [token].into_iter().chain(drafts.iter().copied()).collect();
         let logits = backend.forward_verify(seq, &rows)?;
         let picks: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
@@ -69,7 +66,6 @@ pub fn greedy(
             }
         }
         backend.keep_verified(seq, kept)?;
-        next = picks[..kept].to_vec();
         token = picks[kept - 1];
     }
     Ok((out, stats))

@@ -12,7 +12,7 @@ pub struct DeltaNetState {
     pub ssm: Vec<f32>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct KvCache {
     /// `[tokens, kv_heads, head_dim]`, post-norm and post-RoPE.
     pub keys: Vec<f32>,
@@ -28,15 +28,17 @@ pub enum LayerState {
 /// What drafting with the MTP head (MODEL.md §4.2) keeps for a sequence. Its row for position
 /// t needs the model's hidden state of t and the token at t + 1, so a row can run only once the
 /// next token is known: `committed + pending rows == position` always.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct MtpState {
     /// The MTP layer's own cache: `committed` rows built from the model's hidden states, then
     /// the rows of the last drafts (dropped before the next rows are committed).
     pub kv: KvCache,
     pub committed: usize,
     /// The final-normed hidden states `[rows, hidden]` of the model's rows whose MTP row has
-    /// not run yet (their next token was not known then).
+    /// not run yet (their next token was not known then), and the tokens of those rows (each
+    /// row's next token is the following row's; the last one's comes with the next drafts).
     pub pending: Vec<f32>,
+    pub tokens: Vec<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -88,10 +90,9 @@ impl SequenceState {
                 LayerState::Attention(kv) => kv.keys.len() + kv.values.len(),
             })
             .sum::<usize>()
-            + self
-                .mtp
-                .as_ref()
-                .map_or(0, |m| m.kv.keys.len() + m.kv.values.len() + m.pending.len());
+            + self.mtp.as_ref().map_or(0, |m| {
+                m.kv.keys.len() + m.kv.values.len() + m.pending.len() + m.tokens.len()
+            });
         (values * std::mem::size_of::<f32>()) as u64
     }
 

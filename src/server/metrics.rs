@@ -81,8 +81,16 @@ impl Metrics {
                 .absolute(stats.cached_tokens_total.load(Ordering::Relaxed));
             gauge!("lily:prefix_cache_bytes", "model_name" => label.clone())
                 .set(stats.prefix_cache_bytes.load(Ordering::Relaxed) as f64);
-            gauge!("lily:reserved_state_bytes", "model_name" => label)
+            gauge!("lily:reserved_state_bytes", "model_name" => label.clone())
                 .set(stats.reserved_bytes.load(Ordering::Relaxed) as f64);
+            // Speculative decoding, named as vLLM names it: passes that checked drafts, the
+            // drafts, and those accepted.
+            counter!("vllm:spec_decode_num_drafts", "model_name" => label.clone())
+                .absolute(stats.draft_passes_total.load(Ordering::Relaxed));
+            counter!("vllm:spec_decode_num_draft_tokens", "model_name" => label.clone())
+                .absolute(stats.draft_tokens_total.load(Ordering::Relaxed));
+            counter!("vllm:spec_decode_num_accepted_tokens", "model_name" => label)
+                .absolute(stats.accepted_draft_tokens_total.load(Ordering::Relaxed));
         }
         handle()
             .as_ref()

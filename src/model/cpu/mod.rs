@@ -200,6 +200,7 @@ fn run(
                 if let Some(mtp) = &mut st.mtp {
                     let span = &normed[(end - tokens.len()) * hd..end * hd];
                     mtp.pending.extend_from_slice(span);
+                    mtp.tokens.extend_from_slice(tokens);
                 }
                 rows.extend_from_slice(&normed[first * hd..end * hd]);
             }

@@ -56,14 +56,14 @@ pub fn forward(
 }
 
 /// Drafts `k` tokens (greedy) for a drafting sequence (MODEL.md §4.2). First the head's rows
-/// for the model's pending rows, `next` being the token that follows each (so the last is the
-/// token the model sampled and has not run yet); their last row drafts the token after it. The
-/// cache rows of earlier drafts are dropped first: these rows replace them. Then k − 1 steps,
-/// each on the draft before and the head's own output.
+/// for the model's pending rows, each with the token that follows it: the next pending row's,
+/// and `next` for the last (the token the model picked and has not run yet); their last row
+/// drafts the token after `next`. The cache rows of earlier drafts are dropped first: these
+/// rows replace them. Then k − 1 steps, each on the draft before and the head's own output.
 pub fn draft(
     w: &Weights,
     state: &mut SequenceState,
-    next: &[u32],
+    next: u32,
     k: usize,
 ) -> anyhow::Result<Vec<u32>> {
     let mtp_weights = w
@@ -73,35 +73,37 @@ pub fn draft(
     let c = &w.config;
     let hd = c.hidden_size;
     let vocab = c.vocab_size;
-    if let Some(bad) = next.iter().find(|&&t| t as usize >= vocab) {
-        anyhow::bail!("token id {bad} is outside the model's vocabulary ({vocab})");
-    }
+    anyhow::ensure!(
+        (next as usize) < vocab,
+        "token id {next} is outside the model's vocabulary ({vocab})"
+    );
+    anyhow::ensure!(k > 0, "no tokens to draft");
     let mtp = state
         .mtp
         .as_mut()
         .ok_or_else(|| anyhow::anyhow!("the sequence does not draft"))?;
     anyhow::ensure!(
-        !next.is_empty() && next.len() * hd == mtp.pending.len(),
-        "drafting needs the next token of each of the {} rows run since the last drafts, got {}",
-        mtp.pending.len() / hd,
-        next.len()
+        !mtp.tokens.is_empty(),
+        "no rows have run since the last drafts"
     );
-    anyhow::ensure!(k > 0, "no tokens to draft");
     let kept = mtp.committed * c.num_key_value_heads * c.head_dim;
     mtp.kv.keys.truncate(kept);
     mtp.kv.values.truncate(kept);
     let pending = std::mem::take(&mut mtp.pending);
+    let tokens = std::mem::take(&mut mtp.tokens);
+    let following: Vec<u32> = tokens[1..].iter().copied().chain([next]).collect();
+    debug_assert_eq!(pending.len(), following.len() * hd);
     let start = mtp.committed;
     let (normed, logits) = forward(
         w,
         mtp_weights,
         &pending,
-        next,
+        &following,
         start,
         &mut mtp.kv,
         Logits::Last,
     );
-    mtp.committed += next.len();
+    mtp.committed += following.len();
     let mut drafts = vec![argmax(&logits)];
     let mut hidden = normed[normed.len() - hd..].to_vec();
     for position in mtp.committed..mtp.committed + k - 1 {

@@ -1,0 +1,256 @@
+//! The engine's decode steps with drafts (src/engine/scheduler.rs, `decode_with_drafts`): a
+//! greedy request decoding alone checks the MTP head's drafts in each pass, and its output is
+//! what decoding without drafts gives, whatever the drafts, wherever its stop token or length
+//! ends it, with the prefix cache's states restored and beside other requests.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use common::{fixture_dir, Rng};
+use lily::checkpoint;
+use lily::config::ModelConfig;
+use lily::engine::{
+    greedy_device_sampler, greedy_sampler, Engine, EngineOptions, Event, FinishReason,
+    GenerateRequest,
+};
+use lily::model::cpu::{forward, Logits};
+use lily::model::{
+    argmax, Backend, CpuBackend, SeqId, SequenceState, Snapshot, SnapshotId, Weights,
+};
+
+fn weights() -> Weights {
+    checkpoint::load(&fixture_dir("tiny-a-mtp")).unwrap()
+}
+
+/// Plain greedy decoding of `n` tokens after `context`, one token a step.
+fn alone(w: &Weights, context: &[u32], n: usize) -> Vec<u32> {
+    let mut s = SequenceState::new(&w.config);
+    let mut logits = forward(w, context, &mut s, Logits::Last);
+    let mut out = vec![];
+    for _ in 0..n {
+        out.push(argmax(&logits));
+        logits = forward(w, &out[out.len() - 1..], &mut s, Logits::Last);
+    }
+    out
+}
+
+/// The CPU backend, its drafts replaced by plain greedy decoding's next tokens, each made wrong
+/// with probability `wrong` (the head still runs): every number of accepted drafts happens.
+struct Oracle {
+    inner: CpuBackend,
+    weights: Weights,
+    /// Each sequence's tokens run so far (a verify pass's once cut back), and each snapshot's.
+    run: HashMap<SeqId, Vec<u32>>,
+    saved: HashMap<SnapshotId, Vec<u32>>,
+    verifying: HashMap<SeqId, Vec<u32>>,
+    wrong: f64,
+    rng: Rng,
+}
+
+impl Backend for Oracle {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn device_name(&self) -> String {
+        "oracle".into()
+    }
+    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.run.insert(seq, Vec::new());
+        self.inner.create_sequence(seq)
+    }
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.run.remove(&seq);
+        self.inner.free_sequence(seq)
+    }
+    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        let logits = self.inner.forward(seq, tokens)?;
+        self.run.get_mut(&seq).unwrap().extend_from_slice(tokens);
+        Ok(logits)
+    }
+    fn can_snapshot(&self) -> bool {
+        true
+    }
+    fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        let s = self.inner.snapshot(seq)?;
+        self.saved.insert(s.id, self.run[&seq].clone());
+        Ok(s)
+    }
+    fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
+        let at = self.inner.restore(snapshot, seq)?;
+        self.run.insert(seq, self.saved[&snapshot].clone());
+        Ok(at)
+    }
+    fn drop_snapshot(&mut self, snapshot: SnapshotId) {
+        self.saved.remove(&snapshot);
+        self.inner.drop_snapshot(snapshot)
+    }
+    fn can_draft(&self) -> bool {
+        true
+    }
+    fn start_drafting(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.inner.start_drafting(seq)
+    }
+    fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
+        assert_eq!(self.inner.draft(seq, next, k)?.len(), k);
+        let context: Vec<u32> = self.run[&seq].iter().copied().chain([next]).collect();
+        let vocab = self.config().vocab_size as u32;
+        Ok(alone(&self.weights, &context, k)
+            .into_iter()
+            .map(|t| {
+                if self.rng.uniform() < self.wrong {
+                    (t + 1) % vocab
+                } else {
+                    t
+                }
+            })
+            .collect())
+    }
+    fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.verifying.insert(seq, tokens.to_vec());
+        self.inner.forward_verify(seq, tokens)
+    }
+    fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
+        let tokens = self.verifying.remove(&seq).unwrap();
+        self.run
+            .get_mut(&seq)
+            .unwrap()
+            .extend_from_slice(&tokens[..rows]);
+        self.inner.keep_verified(seq, rows)
+    }
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize, stop: Vec<u32>, vocab: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        max_tokens,
+        stop_token_ids: stop,
+        sampler: greedy_sampler(),
+        prompt_cache_key: None,
+        device_sampler: Some(greedy_device_sampler(vocab)),
+        prompt_logprobs: None,
+        draft: true,
+    }
+}
+
+fn collect(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) -> (Vec<u32>, Option<FinishReason>, usize) {
+    let mut ids = vec![];
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            Event::Token(t) => ids.push(t.id),
+            Event::Done {
+                reason,
+                completion_tokens,
+                cached_tokens,
+                ..
+            } => {
+                assert_eq!(completion_tokens, ids.len());
+                return (ids, Some(reason), cached_tokens);
+            }
+            Event::Error(e) => panic!("{e}"),
+            _ => {}
+        }
+    }
+    panic!("the request ended without Done")
+}
+
+fn drafting_engine(wrong: f64, rng: &mut Rng, prefix_cache_bytes: u64) -> (Engine, Weights) {
+    let w = weights();
+    let oracle = Oracle {
+        inner: CpuBackend::new(w.clone()),
+        weights: w.clone(),
+        run: HashMap::new(),
+        saved: HashMap::new(),
+        verifying: HashMap::new(),
+        wrong,
+        rng: Rng::new(&format!("oracle drafts {}", rng.next_u64())),
+    };
+    let engine = Engine::start(
+        Box::new(oracle),
+        EngineOptions {
+            prefill_chunk: 8,
+            max_sequences: 3,
+            prefix_cache_bytes,
+            draft_tokens: 3,
+            ..EngineOptions::default()
+        },
+    );
+    (engine, w)
+}
+
+#[test]
+fn a_request_decoding_alone_with_drafts_gives_the_plain_output() {
+    let mut rng = Rng::new("a_request_decoding_alone_with_drafts_gives_the_plain_output");
+    for wrong in [0.0, 0.3, 1.0] {
+        let (engine, w) = drafting_engine(wrong, &mut rng, 0);
+        let vocab = w.config.vocab_size;
+        for _ in 0..4 {
+            let prompt: Vec<u32> = (0..1 + rng.below(20))
+                .map(|_| rng.below(vocab) as u32)
+                .collect();
+            let n = 1 + rng.below(30);
+            let want = alone(&w, &prompt, n);
+            let (got, reason, _) =
+                collect(engine.submit(request(prompt.clone(), n, vec![], vocab)));
+            assert_eq!(got, want, "wrong {wrong}, prompt {prompt:?}");
+            assert_eq!(reason, Some(FinishReason::Length));
+            // A stop token wherever it falls, inside a pass's accepted drafts or not.
+            let at = rng.below(n);
+            let stop = want[at];
+            let first = want.iter().position(|&t| t == stop).unwrap();
+            let (got, reason, _) = collect(engine.submit(request(prompt, n, vec![stop], vocab)));
+            assert_eq!(got, want[..=first], "wrong {wrong}: stop at {first}");
+            assert_eq!(reason, Some(FinishReason::Stop));
+        }
+        let stats = engine.stats();
+        let passes = stats.draft_passes_total.load(Ordering::Relaxed);
+        let drafted = stats.draft_tokens_total.load(Ordering::Relaxed);
+        let accepted = stats.accepted_draft_tokens_total.load(Ordering::Relaxed);
+        println!("wrong {wrong}: {passes} passes, {accepted} of {drafted} drafts accepted");
+        assert!(passes > 0);
+        if wrong == 0.0 {
+            // Right drafts are all accepted, but for those after a stop token (at most 3 for
+            // each of the 4 requests with one).
+            assert!(accepted > 0 && drafted - accepted <= 4 * 3);
+        }
+        if wrong == 1.0 {
+            assert_eq!(accepted, 0);
+        }
+    }
+}
+
+#[test]
+fn drafts_beside_other_requests_and_the_prefix_cache_change_no_output() {
+    let mut rng = Rng::new("drafts_beside_other_requests_and_the_prefix_cache_change_no_output");
+    let (engine, w) = drafting_engine(0.25, &mut rng, 64 << 20);
+    let vocab = w.config.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| (0..10 + 7 * i).map(|_| rng.below(vocab) as u32).collect())
+        .collect();
+    let lengths = [5, 25, 40];
+    // Together: the shorter ones end first, and the last one decodes alone (with drafts).
+    let rxs: Vec<_> = prompts
+        .iter()
+        .zip(lengths)
+        .map(|(p, n)| engine.submit(request(p.clone(), n, vec![], vocab)))
+        .collect();
+    for ((rx, p), n) in rxs.into_iter().zip(&prompts).zip(lengths) {
+        assert_eq!(collect(rx).0, alone(&w, p, n));
+    }
+    assert!(engine.stats().draft_passes_total.load(Ordering::Relaxed) > 0);
+    // A second turn: the first turn's state comes from the prefix cache (a drafting
+    // sequence's), and decoding goes on with drafts from there.
+    let first = alone(&w, &prompts[2], 40);
+    let turn: Vec<u32> = prompts[2]
+        .iter()
+        .chain(&first)
+        .copied()
+        .chain([3, 4, 5])
+        .collect();
+    let (got, _, cached) = collect(engine.submit(request(turn.clone(), 20, vec![], vocab)));
+    assert!(cached > 0, "the first turn's state is restored");
+    assert_eq!(got, alone(&w, &turn, 20));
+}
