@@ -47,6 +47,8 @@ struct Oracle {
     verifying: HashMap<SeqId, Vec<u32>>,
     wrong: f64,
     rng: Rng,
+    /// Drafting fails (as a device out of drafting slots does).
+    refuse: bool,
 }
 
 impl Backend for Oracle {
@@ -93,6 +95,7 @@ impl Backend for Oracle {
         self.inner.start_drafting(seq)
     }
     fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
+        anyhow::ensure!(!self.refuse, "no drafts here");
         assert_eq!(self.inner.draft(seq, next, k)?.len(), k);
         let context: Vec<u32> = self.run[&seq].iter().copied().chain([next]).collect();
         let vocab = self.config().vocab_size as u32;
@@ -158,6 +161,15 @@ fn collect(
 }
 
 fn drafting_engine(wrong: f64, rng: &mut Rng, prefix_cache_bytes: u64) -> (Engine, Weights) {
+    engine_over(wrong, rng, prefix_cache_bytes, false)
+}
+
+fn engine_over(
+    wrong: f64,
+    rng: &mut Rng,
+    prefix_cache_bytes: u64,
+    refuse: bool,
+) -> (Engine, Weights) {
     let w = weights();
     let oracle = Oracle {
         inner: CpuBackend::new(w.clone()),
@@ -167,6 +179,7 @@ fn drafting_engine(wrong: f64, rng: &mut Rng, prefix_cache_bytes: u64) -> (Engin
         verifying: HashMap::new(),
         wrong,
         rng: Rng::new(&format!("oracle drafts {}", rng.next_u64())),
+        refuse,
     };
     let engine = Engine::start(
         Box::new(oracle),
@@ -253,4 +266,17 @@ fn drafts_beside_other_requests_and_the_prefix_cache_change_no_output() {
     let (got, _, cached) = collect(engine.submit(request(turn.clone(), 20, vec![], vocab)));
     assert!(cached > 0, "the first turn's state is restored");
     assert_eq!(got, alone(&w, &turn, 20));
+}
+
+#[test]
+fn a_backend_that_drafts_nothing_leaves_the_request_decoding_without_drafts() {
+    let mut rng =
+        Rng::new("a_backend_that_drafts_nothing_leaves_the_request_decoding_without_drafts");
+    let (engine, w) = engine_over(0.0, &mut rng, 0, true);
+    let vocab = w.config.vocab_size;
+    let prompt: Vec<u32> = (0..12).map(|_| rng.below(vocab) as u32).collect();
+    let (got, reason, _) = collect(engine.submit(request(prompt.clone(), 16, vec![], vocab)));
+    assert_eq!(got, alone(&w, &prompt, 16));
+    assert_eq!(reason, Some(FinishReason::Length));
+    assert_eq!(engine.stats().draft_passes_total.load(Ordering::Relaxed), 0);
 }

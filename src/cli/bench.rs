@@ -116,6 +116,11 @@ pub struct BenchArgs {
     /// tokenizer's (a real Qwen3.6 checkpoint: 248077 of the model's 248320 rows).
     #[arg(long, requires = "serve")]
     pub vocab_limit: Option<usize>,
+    /// --serve: greedy requests decoding alone check this many MTP drafts a pass (`serve
+    /// --draft-tokens`); a synthetic model's random head drafts random tokens, so this measures
+    /// what drafting costs, not what it gains.
+    #[arg(long, requires = "serve", default_value_t = 0)]
+    pub draft_tokens: usize,
 }
 
 /// The --serve requests' sampling: `None` (greedy) unless a sampling flag is given.
@@ -311,6 +316,7 @@ fn serve_engine(args: &BenchArgs, device: &str) -> EngineOptions {
     let engine = EngineOptions {
         max_sequences: args.streams.max(args.decode_streams),
         prefix_cache_bytes: args.prefix_cache_mb << 20,
+        draft_tokens: args.draft_tokens,
         ..EngineOptions::for_device(device)
     };
     match args.batch_tokens {

@@ -69,7 +69,7 @@ pub struct ServeArgs {
     /// Speculative decoding: a greedy request decoding alone checks this many tokens drafted by
     /// the checkpoint's MTP head in each pass (its output unchanged). Off (0) by default; needs a
     /// checkpoint with the head (Hugging Face bf16/FP8, GGUF with nextn tensors, `lily quantize`
-    /// output) and a backend that drafts (the CPU so far). Metrics: vllm:spec_decode_*.
+    /// output); on the GPU the path is built but not yet run on one. Metrics: vllm:spec_decode_*.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16))]
     pub draft_tokens: u32,
     /// Test only: reply from this script instead of running a model.

@@ -14,6 +14,7 @@
 mod backend;
 mod experts;
 mod fp8;
+mod mtp;
 mod projection;
 mod residual;
 
@@ -157,10 +158,14 @@ struct Scratch {
     /// `[batch][hidden]`: the final-norm rows the logits are taken of, gathered when they are
     /// not one run of rows.
     last: CudaSlice<bf16>,
-    /// `[batch][vocab]`: the logits of each span's last token, then of each decode row.
+    /// `[logit_rows][vocab]`: the logits of each span's last token, then of each decode row
+    /// (or of every row of a verify pass).
     logits: CudaSlice<bf16>,
-    /// `[batch]`: the token picked after each logits row.
+    /// `[logit_rows]`: the token picked after each logits row.
     next: CudaSlice<i32>,
+    /// Rows of `logits`: a pass's most sequences, or a verify pass's most rows when the model
+    /// drafts (forward/mtp.rs).
+    logit_rows: usize,
     /// `[batch]`: each decode row's sequence slot and position.
     slots: CudaSlice<i32>,
     /// Blocks of the router's GEMV done, for its fused top-k (zero between launches).
@@ -178,6 +183,8 @@ struct Scratch {
 struct Pass {
     spans: Vec<Span>,
     decode: usize,
+    /// Logits of every row (a verify pass: one span), not only of each span's last.
+    all_logits: bool,
 }
 
 /// Prompt tokens of one sequence in a pass: rows `first .. first + len` (at least 2), at
@@ -198,9 +205,13 @@ impl Pass {
     fn rows(&self) -> usize {
         self.decode_row() + self.decode
     }
-    /// Rows of logits: each span's last token, then each decode row.
+    /// Rows of logits: each span's last token, then each decode row (or every row).
     fn logit_rows(&self) -> usize {
-        self.spans.len() + self.decode
+        if self.all_logits {
+            self.rows()
+        } else {
+            self.spans.len() + self.decode
+        }
     }
 }
 
@@ -249,6 +260,10 @@ pub struct CudaBackend {
     /// `lily bench --timeline`: the stamps of the decode graphs' kernels (timeline.rs), and the
     /// batch size of the graph replayed since it was installed (one size only).
     timeline: Option<(Timeline, Option<usize>)>,
+    /// The sequences that draft with the MTP head, by slot, and the head's buffers
+    /// (forward/mtp.rs); the head's KV cache is the attention layers' last.
+    drafting: HashMap<usize, mtp::Drafting>,
+    mtp_io: Option<mtp::MtpBuffers>,
 }
 
 /// A captured decode pass, with the (section, kernel) of each of its launches in order.
@@ -311,6 +326,11 @@ impl CudaBackend {
         // Passes of up to this many rows may gather their experts' rows (GemvKernels).
         let gathered_rows = k.gemv.max_gathered_rows().min(rows);
         let gu_rows = MAX_TOKENS.max(gathered_rows);
+        let logit_rows = if model.mtp.is_some() {
+            batch.max(mtp::MAX_VERIFY_ROWS)
+        } else {
+            batch
+        };
         let s = Scratch {
             rows,
             ids: alloc(&st, rows)?,
@@ -333,8 +353,9 @@ impl CudaBackend {
             routed: alloc(&st, rows * slots * h)?,
             groups: ExpertGroups::new(&st, rows, slots, e, MIN_TILE_ROWS)?,
             last: alloc(&st, batch * h)?,
-            logits: alloc(&st, batch * c.vocab_size)?,
-            next: alloc(&st, batch)?,
+            logits: alloc(&st, logit_rows * c.vocab_size)?,
+            next: alloc(&st, logit_rows)?,
+            logit_rows,
             slots: alloc(&st, batch)?,
             topk_counter: alloc(&st, 1)?,
             vec_ss: alloc(&st, h.div_ceil(8))?,
@@ -358,7 +379,13 @@ impl CudaBackend {
             ssm.push(alloc(&st, slots * gdn::SSM_STATE_LEN)?);
             conv.push(alloc(&st, slots * gdn::CONV_STATE_LEN)?);
         }
-        let kv = KvCache::new(&st, slots, n_attn.max(1), options.max_context)?;
+        // The MTP head's layer keeps its KV cache as one more attention layer.
+        let kv_layers = n_attn + usize::from(model.mtp.is_some());
+        let kv = KvCache::new(&st, slots, kv_layers.max(1), options.max_context)?;
+        let mtp_io = match &model.mtp {
+            Some(_) => Some(mtp::MtpBuffers::new(&st, rows, h)?),
+            None => None,
+        };
         let gdn_ws = GdnWorkspace::new(&st, rows)?;
         let attn_ws = AttentionWorkspace::new(&k.attn, rows, batch, options.max_context)?;
         let fused_rows = if options.fused_norms {
@@ -386,6 +413,8 @@ impl CudaBackend {
             fused_rows,
             routing: None,
             timeline: None,
+            drafting: HashMap::new(),
+            mtp_io,
             options,
         })
     }
@@ -440,9 +469,21 @@ impl CudaBackend {
     /// rows, all of distinct sequences (checked by the caller): leaves the logits of each span's
     /// last token, then of each decode row, in `s.logits` and the greedy successors in `s.next`.
     fn pass(&mut self, spans: &[(usize, usize, &[u32])], rows: &[DecodeRow]) -> Result<()> {
+        self.pass_with(spans, rows, false)
+    }
+
+    /// [`pass`](Self::pass), with `all_logits` the logits of every row (one span: a verify
+    /// pass); then the rows of drafting sequences are kept for their MTP head.
+    fn pass_with(
+        &mut self,
+        spans: &[(usize, usize, &[u32])],
+        rows: &[DecodeRow],
+        all_logits: bool,
+    ) -> Result<()> {
         let mut pass = Pass {
             spans: Vec::with_capacity(spans.len()),
             decode: rows.len(),
+            all_logits,
         };
         let mut ids: Vec<i32> = Vec::new();
         for &(slot, start, tokens) in spans {
@@ -461,11 +502,19 @@ impl CudaBackend {
         }
         ids.extend(rows.iter().map(|r| r.token as i32));
         let (t, b, n) = (pass.rows(), pass.decode, pass.logit_rows());
-        ensure!(
-            t >= 1 && t <= self.s.rows && n <= batch_rows(&self.options),
-            "a pass of {t} rows and {n} logits rows (at most {} and {})",
-            self.s.rows,
+        let most = if all_logits {
+            self.s.logit_rows
+        } else {
             batch_rows(&self.options)
+        };
+        ensure!(
+            t >= 1 && t <= self.s.rows && n <= most,
+            "a pass of {t} rows and {n} logits rows (at most {} and {most})",
+            self.s.rows,
+        );
+        ensure!(
+            !all_logits || (spans.len() == 1 && rows.is_empty()),
+            "a pass with every row's logits is one span"
         );
         let st = self.dev.stream().clone();
         st.memcpy_htod(&ids, &mut self.s.ids.slice_mut(..t))
@@ -482,13 +531,25 @@ impl CudaBackend {
             )
             .during(|| "copying the positions".into())?;
         }
+        self.launch(&pass)?;
+        if !self.drafting.is_empty() {
+            self.keep_head_rows(&pass, spans, rows)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `pass` (its inputs in device memory): timed op by op, launch by launch, or as its
+    /// captured decode graph.
+    fn launch(&mut self, pass: &Pass) -> Result<()> {
+        let b = pass.decode;
         if let Some(mut timing) = self.profile.take() {
-            let timed = timing.time(&st, || self.body(&pass));
+            let st = self.dev.stream().clone();
+            let timed = timing.time(&st, || self.body(pass));
             self.profile = Some(timing);
             return timed;
         }
         if !pass.spans.is_empty() || self.decodes_uncaptured() {
-            return self.body(&pass);
+            return self.body(pass);
         }
         self.capture_decode_graph(b)?;
         if let Some((_, replayed)) = &mut self.timeline {
@@ -514,6 +575,7 @@ impl CudaBackend {
         let pass = Pass {
             spans: Vec::new(),
             decode: b,
+            all_logits: false,
         };
         let st = self.dev.stream().clone();
         st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -807,6 +869,7 @@ impl CudaBackend {
         let v = c.vocab_size;
         section("lm_head")?;
         let rows = match pass.spans.as_slice() {
+            _ if pass.all_logits => s.xn.slice(..t * hd),
             [] => s.xn.slice(..t * hd),
             [span] if b == 0 => s.xn.slice((span.first + span.len - 1) * hd..t * hd),
             spans => {
@@ -878,18 +941,22 @@ fn batch_rows(options: &CudaOptions) -> usize {
     options.max_sequences.clamp(1, dense::MIN_TOKENS - 1)
 }
 
-/// The most values of one dense (non-expert) matrix: the size of the cuBLAS path's scratch.
-/// The matrices the cuBLAS path of long chunks multiplies (dense.rs).
+/// The matrices the cuBLAS path of long chunks multiplies (dense.rs): every layer's mixer
+/// projections and router, the MTP head's too (its passes over a prompt's rows are as long).
 fn dense_matrices(m: &CudaModel) -> impl Iterator<Item = &DeviceMatrices> {
-    m.layers.iter().flat_map(|l| {
-        let mixer = match &l.mixer {
-            DeviceMixer::DeltaNet {
-                in_proj, out_proj, ..
-            } => [in_proj, out_proj],
-            DeviceMixer::Attention { qkv, o_proj, .. } => [qkv, o_proj],
-        };
-        mixer.into_iter().chain([&l.moe.router])
-    })
+    let head = m.mtp.iter();
+    let layers = m.layers.iter().chain(head.clone().map(|h| &h.layer));
+    layers
+        .flat_map(|l| {
+            let mixer = match &l.mixer {
+                DeviceMixer::DeltaNet {
+                    in_proj, out_proj, ..
+                } => [in_proj, out_proj],
+                DeviceMixer::Attention { qkv, o_proj, .. } => [qkv, o_proj],
+            };
+            mixer.into_iter().chain([&l.moe.router])
+        })
+        .chain(head.flat_map(|h| [&h.fc_embedding, &h.fc_hidden]))
 }
 
 /// The cuBLAS path, with bf16 copies of the model's dense matrices kept (`keep_dense_bf16`) or

@@ -12,7 +12,7 @@ use super::weights::{htod, DeviceMatrices};
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::{LayerKind, ModelConfig};
 use crate::model::convert;
-use crate::model::weights::{Matrix, Mixer, MoeWeights, Weights};
+use crate::model::weights::{LayerWeights, Matrix, Mixer, MoeWeights, MtpWeights, Weights};
 
 pub enum DeviceMixer {
     DeltaNet {
@@ -85,12 +85,98 @@ pub struct DeviceLayer {
     pub moe: DeviceMoe,
 }
 
+impl DeviceLayer {
+    /// Copies one layer to the device; `o` is the layer before conversion (`convert`), whose
+    /// FP8 forms the products keep for prefill.
+    fn upload(
+        s: &Arc<CudaStream>,
+        c: &ModelConfig,
+        l: &LayerWeights,
+        o: &LayerWeights,
+    ) -> Result<Self> {
+        let mixer = match (&l.mixer, &o.mixer) {
+            (Mixer::DeltaNet(d), Mixer::DeltaNet(od)) => DeviceMixer::DeltaNet {
+                // GDN's b and a projections (32 rows) are no whole FP8 blocks: in_proj keeps
+                // no FP8 form (DeviceFp8::stack_of_concats would find none).
+                in_proj: DeviceMatrices::concat(
+                    s,
+                    &[&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a],
+                )?,
+                out_proj: DeviceMatrices::concat(s, &[&d.out_proj])?
+                    .with_fp8(s, &[vec![&od.out_proj]])?,
+                conv_w: htod(s, &d.conv1d)?,
+                a_log: htod(s, &d.a_log)?,
+                dt_bias: htod(s, &d.dt_bias)?,
+                norm: htod(s, &d.norm)?,
+            },
+            (Mixer::Attention(a), Mixer::Attention(oa)) => DeviceMixer::Attention {
+                qkv: DeviceMatrices::concat(s, &[&a.q_proj, &a.k_proj, &a.v_proj])?
+                    .with_fp8(s, &[vec![&oa.q_proj, &oa.k_proj, &oa.v_proj]])?,
+                o_proj: DeviceMatrices::concat(s, &[&a.o_proj])?
+                    .with_fp8(s, &[vec![&oa.o_proj]])?,
+                q_norm: htod(s, &a.q_norm)?,
+                k_norm: htod(s, &a.k_norm)?,
+            },
+            _ => unreachable!("conversion keeps each layer's kind"),
+        };
+        Ok(DeviceLayer {
+            input_norm: htod(s, &l.input_norm)?,
+            post_norm: htod(s, &l.post_attention_norm)?,
+            mixer,
+            moe: DeviceMoe::upload_converted(s, c, &l.moe, &o.moe)?,
+        })
+    }
+}
+
+/// The MTP head (MODEL.md §4.1) on the device. `fc` is kept as its two column halves, so that
+/// `u = fc_embedding · e + fc_hidden · h` is two products of rows as the kernels take them
+/// (no concatenated input to build).
+pub struct DeviceMtp {
+    pub embedding_norm: CudaSlice<f32>,
+    pub hidden_norm: CudaSlice<f32>,
+    pub fc_embedding: DeviceMatrices,
+    pub fc_hidden: DeviceMatrices,
+    /// A full-attention layer: its KV cache is the attention layers' last (CudaBackend).
+    pub layer: DeviceLayer,
+    pub norm: CudaSlice<f32>,
+}
+
+impl DeviceMtp {
+    fn upload(
+        s: &Arc<CudaStream>,
+        c: &ModelConfig,
+        m: &MtpWeights,
+        original: &MtpWeights,
+    ) -> Result<Self> {
+        let h = c.hidden_size;
+        let half = |start| {
+            m.fc.columns(start, h).ok_or_else(|| {
+                CudaError::Shape(format!(
+                    "the MTP head's fc ({}) cannot be cut into its halves",
+                    m.fc.format.name()
+                ))
+            })
+        };
+        let (embedding, hidden) = (half(0)?, half(h)?);
+        Ok(DeviceMtp {
+            embedding_norm: htod(s, &m.embedding_norm)?,
+            hidden_norm: htod(s, &m.hidden_norm)?,
+            fc_embedding: DeviceMatrices::concat(s, &[&embedding])?,
+            fc_hidden: DeviceMatrices::concat(s, &[&hidden])?,
+            layer: DeviceLayer::upload(s, c, &m.layer, &original.layer)?,
+            norm: htod(s, &m.norm)?,
+        })
+    }
+}
+
 pub struct CudaModel {
     pub config: ModelConfig,
     pub embed: DeviceMatrices,
     pub lm_head: DeviceMatrices,
     pub final_norm: CudaSlice<f32>,
     pub layers: Vec<DeviceLayer>,
+    /// The MTP head, where the checkpoint has one: what drafting needs.
+    pub mtp: Option<DeviceMtp>,
 }
 
 impl CudaModel {
@@ -112,47 +198,23 @@ impl CudaModel {
             &converted
         };
         let s = dev.stream();
-        let mut layers = Vec::with_capacity(w.layers.len());
-        for (l, o) in w.layers.iter().zip(&original.layers) {
-            let mixer = match (&l.mixer, &o.mixer) {
-                (Mixer::DeltaNet(d), Mixer::DeltaNet(od)) => DeviceMixer::DeltaNet {
-                    // GDN's b and a projections (32 rows) are no whole FP8 blocks: in_proj keeps
-                    // no FP8 form (DeviceFp8::stack_of_concats would find none).
-                    in_proj: DeviceMatrices::concat(
-                        s,
-                        &[&d.in_proj_qkv, &d.in_proj_z, &d.in_proj_b, &d.in_proj_a],
-                    )?,
-                    out_proj: DeviceMatrices::concat(s, &[&d.out_proj])?
-                        .with_fp8(s, &[vec![&od.out_proj]])?,
-                    conv_w: htod(s, &d.conv1d)?,
-                    a_log: htod(s, &d.a_log)?,
-                    dt_bias: htod(s, &d.dt_bias)?,
-                    norm: htod(s, &d.norm)?,
-                },
-                (Mixer::Attention(a), Mixer::Attention(oa)) => DeviceMixer::Attention {
-                    qkv: DeviceMatrices::concat(s, &[&a.q_proj, &a.k_proj, &a.v_proj])?
-                        .with_fp8(s, &[vec![&oa.q_proj, &oa.k_proj, &oa.v_proj]])?,
-                    o_proj: DeviceMatrices::concat(s, &[&a.o_proj])?
-                        .with_fp8(s, &[vec![&oa.o_proj]])?,
-                    q_norm: htod(s, &a.q_norm)?,
-                    k_norm: htod(s, &a.k_norm)?,
-                },
-                _ => unreachable!("conversion keeps each layer's kind"),
-            };
-            let moe = DeviceMoe::upload_converted(s, &w.config, &l.moe, &o.moe)?;
-            layers.push(DeviceLayer {
-                input_norm: htod(s, &l.input_norm)?,
-                post_norm: htod(s, &l.post_attention_norm)?,
-                mixer,
-                moe,
-            });
-        }
+        let layers = w
+            .layers
+            .iter()
+            .zip(&original.layers)
+            .map(|(l, o)| DeviceLayer::upload(s, &w.config, l, o))
+            .collect::<Result<Vec<_>>>()?;
+        let mtp = match (&w.mtp, &original.mtp) {
+            (Some(m), Some(o)) => Some(DeviceMtp::upload(s, &w.config, m, o)?),
+            _ => None,
+        };
         let model = CudaModel {
             config: w.config.clone(),
             embed: DeviceMatrices::concat(s, &[&w.embed])?,
             lm_head: DeviceMatrices::concat(s, &[&w.lm_head])?,
             final_norm: htod(s, &w.final_norm)?,
             layers,
+            mtp,
         };
         weights_ready(s)?;
         Ok(model)
@@ -203,9 +265,9 @@ impl CudaModel {
             }
             Ok::<_, CudaError>(m)
         };
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
-        for i in 0..c.num_hidden_layers {
-            let mixer = match c.layer_types[i] {
+        // One layer of `kind`, random.
+        let mut layer = |kind: LayerKind| {
+            let mixer = match kind {
                 LayerKind::LinearAttention => {
                     let rows = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
                     DeviceMixer::DeltaNet {
@@ -236,13 +298,30 @@ impl CudaModel {
                 gate_up: matrices(e, 2 * inter, h, next())?,
                 down: matrices(e, h, inter, next())?,
             };
-            layers.push(DeviceLayer {
+            Ok::<_, CudaError>(DeviceLayer {
                 input_norm: ones(h)?,
                 post_norm: ones(h)?,
                 mixer,
                 moe,
-            });
-        }
+            })
+        };
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| layer(c.layer_types[i]))
+            .collect::<Result<Vec<_>>>()?;
+        // The MTP head as the config says (random: its drafts are as good as random tokens).
+        let mtp = if c.mtp_num_hidden_layers > 0 {
+            let layer = layer(LayerKind::FullAttention)?;
+            Some(DeviceMtp {
+                embedding_norm: ones(h)?,
+                hidden_norm: ones(h)?,
+                fc_embedding: k.matrices(bits, 1, h, h, next())?,
+                fc_hidden: k.matrices(bits, 1, h, h, next())?,
+                layer,
+                norm: ones(h)?,
+            })
+        } else {
+            None
+        };
         ensure!(
             !c.tie_word_embeddings,
             "synthetic models have an untied LM head"
@@ -252,6 +331,7 @@ impl CudaModel {
             lm_head: k.matrices(bits, 1, c.vocab_size, h, next())?,
             final_norm: ones(h)?,
             layers,
+            mtp,
             config,
         };
         weights_ready(s)?;
@@ -260,7 +340,12 @@ impl CudaModel {
 
     /// Bytes of weights on the device.
     pub fn bytes(&self) -> usize {
-        let mats = self.layers.iter().map(|l| {
+        let head = self.mtp.iter();
+        let fc = head
+            .clone()
+            .map(|h| h.fc_embedding.bytes() + h.fc_hidden.bytes());
+        let layers = self.layers.iter().chain(head.map(|h| &h.layer));
+        let mats = layers.map(|l| {
             let mixer = match &l.mixer {
                 DeviceMixer::DeltaNet {
                     in_proj, out_proj, ..
@@ -270,7 +355,7 @@ impl CudaModel {
             let m = &l.moe;
             mixer + m.router.bytes() + m.gate_up.bytes() + m.down.bytes()
         });
-        self.embed.bytes() + self.lm_head.bytes() + mats.sum::<usize>()
+        self.embed.bytes() + self.lm_head.bytes() + mats.sum::<usize>() + fc.sum::<usize>()
     }
 }
 

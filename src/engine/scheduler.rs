@@ -371,8 +371,9 @@ impl EngineLoop {
                 .min(r.request.max_tokens.saturating_sub(r.generated.len() + 1));
             if self.running.len() == 1 && r.drafting && k > 0 && first.0.is_greedy() {
                 let (i, token, first) = (*i, *token, first.clone());
-                self.decode_with_drafts(i, token, k, first);
-                return;
+                if self.decode_with_drafts(i, token, k, first) {
+                    return;
+                }
             }
         }
         let steps: Vec<Step> = work
@@ -480,14 +481,38 @@ impl EngineLoop {
     /// for the first row) while the drafts match its picks. The matched drafts are sent now; the
     /// first pick that differs (or the one after the last draft) waits in `next`, as a step's
     /// token does, and the sequence keeps only the rows its tokens came from. A step the
-    /// sampler cannot take on the device leaves that row's logits in `next` instead.
-    fn decode_with_drafts(&mut self, i: usize, token: u32, k: usize, first: (DeviceSampling, f64)) {
+    /// sampler cannot take on the device leaves that row's logits in `next` instead. False when
+    /// the backend drafted nothing: the sequence then decodes without drafts from now on, and
+    /// this step runs as any other.
+    fn decode_with_drafts(
+        &mut self,
+        i: usize,
+        token: u32,
+        k: usize,
+        first: (DeviceSampling, f64),
+    ) -> bool {
         let seq = self.running[i].seq;
-        let backend = &mut self.backend;
         let started = std::time::Instant::now();
-        let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<_> {
-            let drafts = backend.draft(seq, token, k)?;
-            let rows: Vec<u32> = [token].into_iter().chain(drafts.iter().copied()).collect();
+        let backend = &mut self.backend;
+        let drafted = catch_unwind(AssertUnwindSafe(|| backend.draft(seq, token, k)))
+            .unwrap_or_else(|panic| Err(anyhow::anyhow!("{}", panic_message(panic))));
+        let drafts = match drafted {
+            Ok(drafts) if drafts.len() == k => drafts,
+            Ok(drafts) => {
+                let n = drafts.len();
+                tracing::warn!("sequence {seq}: {n} drafts for {k}; no drafts from now on");
+                self.running[i].drafting = false;
+                return false;
+            }
+            Err(e) => {
+                tracing::warn!("sequence {seq} decodes without drafts from now on: {e:#}");
+                self.running[i].drafting = false;
+                return false;
+            }
+        };
+        let rows: Vec<u32> = [token].into_iter().chain(drafts.iter().copied()).collect();
+        let backend = &mut self.backend;
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<Vec<f32>> {
             let logits = backend.forward_verify(seq, &rows)?;
             anyhow::ensure!(
                 logits.len() == rows.len() * backend.config().vocab_size,
@@ -495,22 +520,24 @@ impl EngineLoop {
                 logits.len(),
                 rows.len()
             );
-            Ok((drafts, logits))
+            Ok(logits)
         }));
         let took = started.elapsed();
         self.stats.batches_total.fetch_add(1, Ordering::Relaxed);
         self.stats
             .backend_nanos_total
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-        let (drafts, logits) = match outcome {
-            Ok(Ok(done)) => done,
+        let logits = match outcome {
+            Ok(Ok(logits)) => logits,
             Ok(Err(e)) => {
                 let r = self.remove(i);
-                return self.fail(r, format!("{e:#}"));
+                self.fail(r, format!("{e:#}"));
+                return true;
             }
             Err(panic) => {
                 let r = self.remove(i);
-                return self.fail(r, format!("internal error: {}", panic_message(panic)));
+                self.fail(r, format!("internal error: {}", panic_message(panic)));
+                return true;
             }
         };
         let v = self.backend.config().vocab_size;
@@ -544,12 +571,8 @@ impl EngineLoop {
                 }
             }
             kept += 1;
-            match self.running[i]
-                .request
-                .device_sampler
-                .as_mut()
-                .and_then(|d| d.device_step())
-            {
+            let device = self.running[i].request.device_sampler.as_mut();
+            match device.and_then(|d| d.device_step()) {
                 Some(next) => sampling = next,
                 None => {
                     self.running[i].next = Some(Next::Logits(row(j + 1)));
@@ -557,16 +580,16 @@ impl EngineLoop {
                 }
             }
         }
-        self.stats
-            .draft_passes_total
-            .fetch_add(1, Ordering::Relaxed);
-        self.stats
+        let stats = &self.stats;
+        stats.draft_passes_total.fetch_add(1, Ordering::Relaxed);
+        let drafted = drafts.len() as u64;
+        stats
             .draft_tokens_total
-            .fetch_add(drafts.len() as u64, Ordering::Relaxed);
-        self.stats
-            .accepted_draft_tokens_total
-            .fetch_add(accepted, Ordering::Relaxed);
-        let cut = catch_unwind(AssertUnwindSafe(|| self.backend.keep_verified(seq, kept)))
+            .fetch_add(drafted, Ordering::Relaxed);
+        let accepted_total = &stats.accepted_draft_tokens_total;
+        accepted_total.fetch_add(accepted, Ordering::Relaxed);
+        let backend = &mut self.backend;
+        let cut = catch_unwind(AssertUnwindSafe(|| backend.keep_verified(seq, kept)))
             .unwrap_or_else(|panic| {
                 Err(anyhow::anyhow!("internal error: {}", panic_message(panic)))
             });
@@ -585,6 +608,7 @@ impl EngineLoop {
             }
             _ => {}
         }
+        true
     }
 
     /// With `prompt_logprobs`: after the prompt's first `to` tokens, reports prompt token `to`

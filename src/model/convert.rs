@@ -33,7 +33,7 @@ use std::collections::BTreeMap;
 use rayon::prelude::*;
 
 use crate::checkpoint::tensor::{Bytes, DType};
-use crate::model::weights::{FeedForward, Matrix, Mixer, WeightFormat, Weights};
+use crate::model::weights::{FeedForward, LayerWeights, Matrix, Mixer, WeightFormat, Weights};
 use crate::quant::{self, Affine};
 
 /// What converted matrices become.
@@ -142,67 +142,76 @@ pub fn for_kernels<'a>(parts: &[&'a Matrix], report: &mut Report) -> Vec<Cow<'a,
 }
 
 /// The whole model as the CUDA backend stores it (the same groups as `CudaModel::upload`), so
-/// that the CPU backend can run and test exactly what the GPU runs.
+/// that the CPU backend can run and test exactly what the GPU runs. The MTP head's matrices too
+/// (its `fc` alone).
 pub fn weights_for_kernels(w: &Weights) -> (Weights, Report) {
     let mut report = Report::default();
     let mut out = w.clone();
-    let group = |ms: Vec<&mut Matrix>, report: &mut Report| {
-        let converted: Vec<Matrix> = {
-            let parts: Vec<&Matrix> = ms.iter().map(|m| &**m).collect();
-            for_kernels(&parts, report)
-                .into_iter()
-                .map(Cow::into_owned)
-                .collect()
-        };
-        for (m, c) in ms.into_iter().zip(converted) {
-            *m = c;
-        }
-    };
     group(vec![&mut out.embed], &mut report);
     group(vec![&mut out.lm_head], &mut report);
     for l in &mut out.layers {
-        match &mut l.mixer {
-            Mixer::DeltaNet(d) => {
-                group(
-                    vec![
-                        &mut d.in_proj_qkv,
-                        &mut d.in_proj_z,
-                        &mut d.in_proj_b,
-                        &mut d.in_proj_a,
-                    ],
-                    &mut report,
-                );
-                group(vec![&mut d.out_proj], &mut report);
-            }
-            Mixer::Attention(a) => {
-                group(
-                    vec![&mut a.q_proj, &mut a.k_proj, &mut a.v_proj],
-                    &mut report,
-                );
-                group(vec![&mut a.o_proj], &mut report);
-            }
-        }
-        // The shared expert joins the routed experts' stacks, its gate the router's rows.
-        let m = &mut l.moe;
-        group(vec![&mut m.router, &mut m.shared_expert_gate], &mut report);
-        group(
-            m.experts
-                .iter_mut()
-                .chain([&mut m.shared_expert])
-                .flat_map(|FeedForward { gate, up, .. }| [gate, up])
-                .collect(),
-            &mut report,
-        );
-        group(
-            m.experts
-                .iter_mut()
-                .chain([&mut m.shared_expert])
-                .map(|e| &mut e.down)
-                .collect(),
-            &mut report,
-        );
+        layer_for_kernels(l, &mut report);
+    }
+    if let Some(mtp) = &mut out.mtp {
+        group(vec![&mut mtp.fc], &mut report);
+        layer_for_kernels(&mut mtp.layer, &mut report);
     }
     (out, report)
+}
+
+/// Matrices the backend stores together, in one format the kernels read (see [`for_kernels`]).
+fn group(ms: Vec<&mut Matrix>, report: &mut Report) {
+    let converted: Vec<Matrix> = {
+        let parts: Vec<&Matrix> = ms.iter().map(|m| &**m).collect();
+        for_kernels(&parts, report)
+            .into_iter()
+            .map(Cow::into_owned)
+            .collect()
+    };
+    for (m, c) in ms.into_iter().zip(converted) {
+        *m = c;
+    }
+}
+
+/// One layer's matrices, in the groups `CudaModel::upload` stores together.
+fn layer_for_kernels(l: &mut LayerWeights, report: &mut Report) {
+    match &mut l.mixer {
+        Mixer::DeltaNet(d) => {
+            group(
+                vec![
+                    &mut d.in_proj_qkv,
+                    &mut d.in_proj_z,
+                    &mut d.in_proj_b,
+                    &mut d.in_proj_a,
+                ],
+                report,
+            );
+            group(vec![&mut d.out_proj], report);
+        }
+        Mixer::Attention(a) => {
+            group(vec![&mut a.q_proj, &mut a.k_proj, &mut a.v_proj], report);
+            group(vec![&mut a.o_proj], report);
+        }
+    }
+    // The shared expert joins the routed experts' stacks, its gate the router's rows.
+    let m = &mut l.moe;
+    group(vec![&mut m.router, &mut m.shared_expert_gate], report);
+    group(
+        m.experts
+            .iter_mut()
+            .chain([&mut m.shared_expert])
+            .flat_map(|FeedForward { gate, up, .. }| [gate, up])
+            .collect(),
+        report,
+    );
+    group(
+        m.experts
+            .iter_mut()
+            .chain([&mut m.shared_expert])
+            .map(|e| &mut e.down)
+            .collect(),
+        report,
+    );
 }
 
 /// Whether the CUDA backend can take `w` as it is: every matrix in a format the kernels read,
@@ -210,8 +219,12 @@ pub fn weights_for_kernels(w: &Weights) -> (Weights, Report) {
 /// checkpoint quantised as mlx-lm does it is; GGUF and FP8 files, or mixed recipes, are not.
 pub fn ready_for_kernels(w: &Weights) -> bool {
     let same = |ms: &[&Matrix]| ms.windows(2).all(|p| p[0].format == p[1].format);
+    let head = w.mtp.iter();
     w.matrices().iter().all(|(_, m)| kernel_ready(m))
-        && w.layers.iter().all(|l| {
+        && head
+            .clone()
+            .all(|h| h.matrices().iter().all(|(_, m)| kernel_ready(m)))
+        && w.layers.iter().chain(head.map(|h| &h.layer)).all(|l| {
             let m = &l.moe;
             let e = &m.experts[0];
             let s = &m.shared_expert;

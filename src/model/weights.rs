@@ -142,6 +142,48 @@ impl Matrix {
         }
     }
 
+    /// Columns `start .. start + n` of every row, as a matrix of their own (a copy): dense
+    /// formats anywhere, affine ones on whole groups. `None` for other formats, or an affine cut
+    /// inside a group.
+    pub fn columns(&self, start: usize, n: usize) -> Option<Matrix> {
+        assert!(start + n <= self.cols, "column range out of the matrix");
+        let (value_bits, group) = match self.format {
+            WeightFormat::F32 => (32, 1),
+            WeightFormat::F16 | WeightFormat::BF16 => (16, 1),
+            WeightFormat::Affine { bits, group_size } => (bits as usize, group_size),
+            WeightFormat::Ggml(_) | WeightFormat::Fp8 { .. } => return None,
+        };
+        if start % group != 0 || n % group != 0 {
+            return None;
+        }
+        // Each row's bytes of values, then (affine) of scales and biases, cut the same way.
+        let cut = |bytes: &Bytes, row_bytes: usize, from: usize, len: usize| -> Bytes {
+            let all = bytes.as_slice();
+            let out: Vec<u8> = (0..self.rows)
+                .flat_map(|r| all[r * row_bytes + from..r * row_bytes + from + len].iter())
+                .copied()
+                .collect();
+            Bytes::from_vec(out)
+        };
+        let data = cut(
+            &self.data,
+            self.row_bytes(),
+            start * value_bits / 8,
+            n * value_bits / 8,
+        );
+        let g = self.scale_dtype.size();
+        let (per_row, from, len) = (self.groups_per_row() * g, start / group * g, n / group * g);
+        Some(Matrix {
+            rows: self.rows,
+            cols: n,
+            format: self.format,
+            data,
+            scales: self.scales.as_ref().map(|b| cut(b, per_row, from, len)),
+            biases: self.biases.as_ref().map(|b| cut(b, per_row, from, len)),
+            scale_dtype: self.scale_dtype,
+        })
+    }
+
     /// Bytes this matrix occupies (data + scales + biases).
     pub fn storage_bytes(&self) -> usize {
         self.data.len()

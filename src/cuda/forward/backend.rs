@@ -49,8 +49,43 @@ impl Backend for CudaBackend {
     }
     fn free_sequence(&mut self, seq: SeqId) {
         if let Some(s) = self.sequences.remove(&seq) {
+            self.stop_drafting_slot(s.slot);
             self.free_slots.push(s.slot);
         }
+    }
+    fn can_draft(&self) -> bool {
+        self.has_head()
+    }
+    fn start_drafting(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        let s = self.sequence(seq)?;
+        anyhow::ensure!(
+            s.position == 0,
+            "a sequence starts drafting before its first token"
+        );
+        let slot = s.slot;
+        Ok(self.start_drafting_slot(slot)?)
+    }
+    fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
+        let slot = self.sequence(seq)?.slot;
+        self.draft_slot(slot, next, k)
+    }
+    fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        let s = self.sequence(seq)?;
+        let (slot, position) = (s.slot, s.position);
+        let logits = self.verify_slot(slot, position, tokens)?;
+        if let Some(s) = self.sequences.get_mut(&seq) {
+            s.position += tokens.len();
+        }
+        self.note_peak_memory();
+        Ok(logits)
+    }
+    fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
+        let slot = self.sequence(seq)?.slot;
+        let position = self.keep_verified_slot(slot, rows)?;
+        if let Some(s) = self.sequences.get_mut(&seq) {
+            s.position = position;
+        }
+        Ok(())
     }
     fn prepare_decode(&mut self, max_batch: usize) -> anyhow::Result<()> {
         Ok(self.capture_decode_graphs(max_batch)?)
@@ -150,6 +185,7 @@ impl Backend for CudaBackend {
         if let Some(s) = self.sequences.get_mut(&seq) {
             s.position = position;
         }
+        self.restart_drafting_slot(slot, position);
         Ok(position)
     }
     fn drop_snapshot(&mut self, snapshot: SnapshotId) {
@@ -374,7 +410,7 @@ impl CudaBackend {
     }
 
     /// The first `n` picked tokens; see [`token`](Self::token).
-    fn next_tokens(&self, n: usize) -> anyhow::Result<Vec<u32>> {
+    pub(super) fn next_tokens(&self, n: usize) -> anyhow::Result<Vec<u32>> {
         self.picked(n)?.into_iter().map(|t| self.token(t)).collect()
     }
 

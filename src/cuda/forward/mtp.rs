@@ -1,0 +1,501 @@
+//! Drafting with the MTP head on the device (MODEL.md §4; `cpu::mtp` is the reference).
+//!
+//! A drafting sequence keeps the final-normed hidden state and the token of every row the
+//! model runs for it (`keep_head_rows`, after each pass), until its drafts take them: the head's
+//! rows for those, then k − 1 steps on its own output, each one pass of the head's layer
+//! (`head_pass`: the norms, `fc` as two products, one full-attention layer with its MoE on the
+//! attention layers' last KV cache, `mtp.norm`, the LM head and its argmax).
+//!
+//! A verify pass is one prompt span of the next token and the drafts with every row's logits.
+//! Before it the slot's GDN states are copied aside; keeping fewer rows than it ran puts them
+//! back and runs the kept rows again (attention needs nothing: its positions past the kept rows
+//! are written over later). The span runs the prompt path (chunked GDN), whose rounding differs
+//! from one-token decoding: on the GPU, greedy output with drafts equals plain decoding's up to
+//! near-ties.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaView};
+use half::bf16;
+
+use super::experts::moe_experts;
+use super::projection::{first_projection, gemv_rows};
+use super::{alloc, CudaBackend, DecodeRow, Pass};
+use crate::cuda::attention::QKV_WIDTH;
+use crate::cuda::gdn;
+use crate::cuda::gemm::L2Ahead;
+use crate::cuda::model::DeviceMixer;
+use crate::cuda::profile;
+use crate::cuda::{ensure, Context, CudaError, CudaStream, Result};
+
+/// The most rows of a verify pass: 16 drafts and the token before them.
+pub const MAX_VERIFY_ROWS: usize = 17;
+
+/// Sequences that may draft at once: each holds a buffer of its context's hidden states and a
+/// copy of its GDN states (≈ 0.19 GB at 32K context).
+pub const MAX_DRAFTING: usize = 2;
+
+/// What a drafting sequence keeps for its head.
+pub struct Drafting {
+    /// `[max_context][hidden]`: the final-normed hidden states of the rows run since the last
+    /// drafts, `rows` of them, and their tokens.
+    pending: CudaSlice<bf16>,
+    rows: usize,
+    tokens: Vec<u32>,
+    /// Positions whose head rows are in its KV cache.
+    committed: usize,
+    /// The slot's GDN states before the open verify pass, its tokens and first position.
+    backup_ssm: CudaSlice<f32>,
+    backup_conv: CudaSlice<bf16>,
+    verify: Option<(Vec<u32>, usize)>,
+}
+
+/// The head's inputs for a pass of up to `rows` rows, and its last output.
+pub struct MtpBuffers {
+    /// `[rows][hidden]`: the normed embeddings, the normed hidden states.
+    e: CudaSlice<bf16>,
+    hn: CudaSlice<bf16>,
+    /// `[hidden]`: the head's normed output of the last row of its last pass.
+    last: CudaSlice<bf16>,
+}
+
+impl MtpBuffers {
+    pub fn new(st: &Arc<CudaStream>, rows: usize, hidden: usize) -> Result<Self> {
+        Ok(MtpBuffers {
+            e: alloc(st, rows * hidden)?,
+            hn: alloc(st, rows * hidden)?,
+            last: alloc(st, hidden)?,
+        })
+    }
+}
+
+/// The hidden states a head pass reads.
+enum Hidden<'a> {
+    /// Rows of a sequence's pending states.
+    Rows(CudaView<'a, bf16>),
+    /// The head's own last output (a draft step after the first).
+    LastOutput,
+}
+
+impl CudaBackend {
+    /// Whether the model has an MTP head to draft with.
+    pub(super) fn has_head(&self) -> bool {
+        self.model.mtp.is_some()
+    }
+
+    /// Makes the sequence in `slot` (nothing run yet) keep what its head needs.
+    pub(super) fn start_drafting_slot(&mut self, slot: usize) -> Result<()> {
+        ensure!(self.has_head(), "this checkpoint has no MTP head");
+        ensure!(
+            self.drafting.len() < MAX_DRAFTING,
+            "{MAX_DRAFTING} sequences draft already"
+        );
+        let st = self.dev.stream().clone();
+        let h = self.model.config.hidden_size;
+        let n_gdn = self.ssm.len();
+        let d = Drafting {
+            pending: st
+                .alloc_zeros::<bf16>(self.options.max_context * h)
+                .during(|| "allocating a drafting sequence's hidden states".into())?,
+            rows: 0,
+            tokens: Vec::new(),
+            committed: 0,
+            backup_ssm: alloc(&st, n_gdn * gdn::SSM_STATE_LEN)?,
+            backup_conv: alloc(&st, n_gdn * gdn::CONV_STATE_LEN)?,
+            verify: None,
+        };
+        self.drafting.insert(slot, d);
+        Ok(())
+    }
+
+    /// Forgets the drafting state of `slot` (the sequence is gone).
+    pub(super) fn stop_drafting_slot(&mut self, slot: usize) {
+        self.drafting.remove(&slot);
+    }
+
+    /// After a prefix-cache restore into `slot` at `position`: the head's cache rows of the
+    /// restored positions are whatever the snapshot held (drafts from them may be worse, never
+    /// wrong: a draft only decides what the verify pass checks), and nothing is pending.
+    pub(super) fn restart_drafting_slot(&mut self, slot: usize, position: usize) {
+        if let Some(d) = self.drafting.get_mut(&slot) {
+            d.rows = 0;
+            d.tokens.clear();
+            d.committed = position;
+            d.verify = None;
+        }
+    }
+
+    /// After `pass`: the final-normed rows of each drafting sequence in it, and their tokens,
+    /// join what its head has not taken yet.
+    pub(super) fn keep_head_rows(
+        &mut self,
+        pass: &Pass,
+        spans: &[(usize, usize, &[u32])],
+        rows: &[DecodeRow],
+    ) -> Result<()> {
+        let h = self.model.config.hidden_size;
+        let st = self.dev.stream().clone();
+        // (slot, first row in the pass, tokens)
+        let runs = pass
+            .spans
+            .iter()
+            .zip(spans)
+            .map(|(span, &(slot, _, tokens))| (slot, span.first, tokens))
+            .chain(rows.iter().enumerate().map(|(j, r)| {
+                (
+                    r.slot,
+                    pass.decode_row() + j,
+                    std::slice::from_ref(&r.token),
+                )
+            }));
+        for (slot, first, tokens) in runs {
+            let Some(d) = self.drafting.get_mut(&slot) else {
+                continue;
+            };
+            let n = tokens.len();
+            ensure!(
+                (d.rows + n) * h <= d.pending.len(),
+                "a drafting sequence's hidden states exceed its context"
+            );
+            st.memcpy_dtod(
+                &self.s.xn.slice(first * h..(first + n) * h),
+                &mut d.pending.slice_mut(d.rows * h..(d.rows + n) * h),
+            )
+            .during(|| "keeping hidden states for the MTP head".into())?;
+            d.rows += n;
+            d.tokens.extend_from_slice(tokens);
+        }
+        Ok(())
+    }
+
+    /// `k` greedy drafts after `next` (the token picked after the last row run) for the
+    /// sequence in `slot`, as `cpu::mtp::draft` drafts them.
+    pub(super) fn draft_slot(
+        &mut self,
+        slot: usize,
+        next: u32,
+        k: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        let vocab = self.model.config.vocab_size;
+        anyhow::ensure!(
+            (next as usize) < vocab,
+            "token id {next} is outside the model's vocabulary ({vocab})"
+        );
+        anyhow::ensure!(k > 0, "no tokens to draft");
+        let mut d = self
+            .drafting
+            .remove(&slot)
+            .ok_or_else(|| anyhow::anyhow!("the sequence does not draft"))?;
+        let drafted = self.draft_with(&mut d, slot, next, k);
+        self.drafting.insert(slot, d);
+        drafted
+    }
+
+    fn draft_with(
+        &mut self,
+        d: &mut Drafting,
+        slot: usize,
+        next: u32,
+        k: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        anyhow::ensure!(
+            d.verify.is_none(),
+            "drafting before the verify pass was cut back"
+        );
+        anyhow::ensure!(d.rows > 0, "no rows have run since the last drafts");
+        let h = self.model.config.hidden_size;
+        let following: Vec<u32> = d.tokens[1..].iter().copied().chain([next]).collect();
+        // The head's rows for the pending rows, a pass of at most a chunk at a time.
+        let mut done = 0;
+        while done < d.rows {
+            let n = (d.rows - done).min(self.s.rows);
+            let hidden = Hidden::Rows(d.pending.slice(done * h..(done + n) * h));
+            self.head_pass(hidden, &following[done..done + n], slot, d.committed + done)?;
+            done += n;
+        }
+        d.committed += d.rows;
+        d.rows = 0;
+        d.tokens.clear();
+        let mut drafts = vec![self.next_tokens(1)?[0]];
+        for position in d.committed..d.committed + k - 1 {
+            let last = *drafts.last().expect("one draft at least");
+            self.head_pass(Hidden::LastOutput, &[last], slot, position)?;
+            drafts.push(self.next_tokens(1)?[0]);
+        }
+        Ok(drafts)
+    }
+
+    /// The head over `tokens.len()` rows at positions `start ..` of the sequence in `slot`: row i
+    /// takes hidden state i and `tokens[i]` (the token after that state's). Leaves the head's
+    /// normed outputs in `s.xn`, the last one also in the head's `last`, the last row's logits
+    /// in `s.logits` and its argmax in `s.next[0]`.
+    fn head_pass(
+        &mut self,
+        hidden: Hidden,
+        tokens: &[u32],
+        slot: usize,
+        start: usize,
+    ) -> Result<()> {
+        let c = self.model.config.clone();
+        let (hd, t, v, eps) = (c.hidden_size, tokens.len(), c.vocab_size, c.rms_norm_eps);
+        ensure!(t >= 1 && t <= self.s.rows, "a head pass of {t} rows");
+        ensure!(
+            start + t <= self.options.max_context,
+            "the head's rows pass the context of {}",
+            self.options.max_context
+        );
+        let st = self.dev.stream().clone();
+        let section = |name| profile::section(&st, name);
+        let (m, k, s) = (&self.model, &mut self.k, &mut self.s);
+        let head = m
+            .mtp
+            .as_ref()
+            .ok_or_else(|| CudaError::Shape("this checkpoint has no MTP head".into()))?;
+        let io = self
+            .mtp_io
+            .as_mut()
+            .ok_or_else(|| CudaError::Shape("the MTP head's buffers are missing".into()))?;
+        let layer = &head.layer;
+        let DeviceMixer::Attention {
+            qkv,
+            o_proj,
+            q_norm,
+            k_norm,
+        } = &layer.mixer
+        else {
+            return Err(CudaError::Shape(
+                "the MTP head's layer is not attention".into(),
+            ));
+        };
+        section("mtp head")?;
+        let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
+        st.memcpy_htod(&ids, &mut s.ids.slice_mut(..t))
+            .during(|| "copying the head's tokens".into())?;
+        // e = norm(embed(token)), hn = norm(hidden): the embedding into r first.
+        k.embed.gather(
+            &m.embed.view(),
+            &s.ids.slice(..t),
+            &mut s.r.slice_mut(..t * hd),
+        )?;
+        k.norm.rmsnorm(
+            &s.r.slice(..t * hd),
+            &head.embedding_norm.as_view(),
+            &mut io.e.slice_mut(..t * hd),
+            eps,
+        )?;
+        match hidden {
+            Hidden::Rows(rows) => k.norm.rmsnorm(
+                &rows.slice(..t * hd),
+                &head.hidden_norm.as_view(),
+                &mut io.hn.slice_mut(..t * hd),
+                eps,
+            )?,
+            Hidden::LastOutput => k.norm.rmsnorm(
+                &io.last.slice(..hd),
+                &head.hidden_norm.as_view(),
+                &mut io.hn.slice_mut(..hd),
+                eps,
+            )?,
+        }
+        // u = fc · concat(e, hn) as two halves, into the residual stream h; then the layer's
+        // input norm into xn.
+        let none = L2Ahead::default;
+        gemv_rows(
+            k,
+            &head.fc_embedding,
+            &io.e.slice(..t * hd),
+            &mut s.h.slice_mut(..t * hd),
+            t,
+            none(),
+        )?;
+        gemv_rows(
+            k,
+            &head.fc_hidden,
+            &io.hn.slice(..t * hd),
+            &mut s.r.slice_mut(..t * hd),
+            t,
+            none(),
+        )?;
+        k.norm.residual_rmsnorm(
+            &mut s.h.slice_mut(..t * hd),
+            &s.r.slice(..t * hd),
+            None,
+            &layer.input_norm.as_view(),
+            &mut s.xn.slice_mut(..t * hd),
+            eps,
+        )?;
+        // The attention on the last KV cache layer.
+        first_projection(&c, k, qkv, s, t, None, none())?;
+        let od = c.num_attention_heads * c.head_dim;
+        let kv_layer = self.kv.layers() - 1;
+        if t >= 2 {
+            k.attn.prefill(
+                &s.proj.slice(..t * QKV_WIDTH),
+                &q_norm.as_view(),
+                &k_norm.as_view(),
+                &mut self.kv,
+                kv_layer,
+                slot,
+                start,
+                &mut self.attn_ws,
+                &mut s.mixed.slice_mut(..t * od),
+            )?;
+        } else {
+            st.memcpy_htod(&[slot as i32], &mut s.slots.slice_mut(..1))
+                .during(|| "copying the head's slot".into())?;
+            st.memcpy_htod(&[start as i32], &mut s.positions.slice_mut(..1))
+                .during(|| "copying the head's position".into())?;
+            k.attn.decode(
+                &s.proj.slice(..QKV_WIDTH),
+                &q_norm.as_view(),
+                &k_norm.as_view(),
+                &mut self.kv,
+                kv_layer,
+                &s.slots.slice(..1),
+                &s.positions.slice(..1),
+                &mut self.attn_ws,
+                &mut s.mixed.slice_mut(..od),
+            )?;
+        }
+        gemv_rows(
+            k,
+            o_proj,
+            &s.mixed.slice(..t * od),
+            &mut s.r.slice_mut(..t * hd),
+            t,
+            none(),
+        )?;
+        k.gemv.ensure_taken("the MTP head's output projection")?;
+        k.norm.residual_rmsnorm(
+            &mut s.h.slice_mut(..t * hd),
+            &s.r.slice(..t * hd),
+            None,
+            &layer.post_norm.as_view(),
+            &mut s.xn.slice_mut(..t * hd),
+            eps,
+        )?;
+        moe_experts(&c, k, &layer.moe, s, t, None, (none(), none()), &section)?;
+        k.gemv.ensure_taken("the MTP head's router")?;
+        // h += the experts' outputs; the head's own final norm.
+        let slots = c.num_experts_per_tok + 1;
+        k.norm.residual_rmsnorm(
+            &mut s.h.slice_mut(..t * hd),
+            &s.routed.slice(..t * slots * hd),
+            Some(&s.expert_weights.slice(..t * slots)),
+            &head.norm.as_view(),
+            &mut s.xn.slice_mut(..t * hd),
+            eps,
+        )?;
+        st.memcpy_dtod(
+            &s.xn.slice((t - 1) * hd..t * hd),
+            &mut io.last.slice_mut(..hd),
+        )
+        .during(|| "keeping the head's last output".into())?;
+        gemv_rows(
+            k,
+            &m.lm_head,
+            &s.xn.slice((t - 1) * hd..t * hd),
+            &mut s.logits.slice_mut(..v),
+            1,
+            none(),
+        )?;
+        k.sample
+            .argmax(&s.logits.slice(..v), v, &mut s.next.slice_mut(..1))
+    }
+
+    /// Runs `tokens` of the drafting sequence in `slot` from `position` as one verify pass:
+    /// every row's logits, as f32 `[rows][vocab]`. Its GDN states are copied aside first.
+    pub(super) fn verify_slot(
+        &mut self,
+        slot: usize,
+        position: usize,
+        tokens: &[u32],
+    ) -> anyhow::Result<Vec<f32>> {
+        let vocab = self.model.config.vocab_size;
+        anyhow::ensure!(
+            (2..=MAX_VERIFY_ROWS.min(self.s.logit_rows)).contains(&tokens.len()),
+            "a verify pass of {} rows (2 to {})",
+            tokens.len(),
+            MAX_VERIFY_ROWS.min(self.s.logit_rows)
+        );
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            anyhow::bail!("token id {bad} is outside the model's vocabulary ({vocab})");
+        }
+        anyhow::ensure!(
+            position + tokens.len() <= self.options.max_context,
+            "{} tokens exceed the context of {}",
+            position + tokens.len(),
+            self.options.max_context
+        );
+        let st = self.dev.stream().clone();
+        {
+            let d = self
+                .drafting
+                .get_mut(&slot)
+                .ok_or_else(|| anyhow::anyhow!("the sequence does not draft"))?;
+            anyhow::ensure!(d.verify.is_none(), "a verify pass is open already");
+            let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
+            for (g, (layer_ssm, layer_conv)) in self.ssm.iter().zip(&self.conv).enumerate() {
+                st.memcpy_dtod(
+                    &layer_ssm.slice(slot * ssm..(slot + 1) * ssm),
+                    &mut d.backup_ssm.slice_mut(g * ssm..(g + 1) * ssm),
+                )
+                .during(|| "copying GDN states aside".into())?;
+                st.memcpy_dtod(
+                    &layer_conv.slice(slot * conv..(slot + 1) * conv),
+                    &mut d.backup_conv.slice_mut(g * conv..(g + 1) * conv),
+                )
+                .during(|| "copying conv states aside".into())?;
+            }
+            d.verify = Some((tokens.to_vec(), position));
+        }
+        self.pass_with(&[(slot, position, tokens)], &[], true)?;
+        let logits: Vec<bf16> = st
+            .clone_dtoh(&self.s.logits.slice(..tokens.len() * vocab))
+            .during(|| "copying the verify pass's logits".into())?;
+        Ok(logits.iter().map(|x| x.to_f32()).collect())
+    }
+
+    /// Keeps the first `rows` rows of the open verify pass of `slot`; returns the position after
+    /// them.
+    pub(super) fn keep_verified_slot(&mut self, slot: usize, rows: usize) -> anyhow::Result<usize> {
+        let d = self
+            .drafting
+            .get_mut(&slot)
+            .ok_or_else(|| anyhow::anyhow!("the sequence does not draft"))?;
+        let ran = d
+            .verify
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("no verify pass to cut back"))?
+            .0
+            .len();
+        anyhow::ensure!(
+            (1..=ran).contains(&rows),
+            "keeping {rows} rows of a verify pass of {ran}"
+        );
+        let (tokens, position) = d.verify.take().expect("checked above");
+        if rows == ran {
+            return Ok(position + rows);
+        }
+        // The pass's rows leave the head's pending rows; the kept ones come back as they run
+        // again from the states copied aside.
+        d.rows -= ran;
+        d.tokens.truncate(d.tokens.len() - ran);
+        let st = self.dev.stream().clone();
+        let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
+        for (g, (layer_ssm, layer_conv)) in self.ssm.iter_mut().zip(&mut self.conv).enumerate() {
+            st.memcpy_dtod(
+                &d.backup_ssm.slice(g * ssm..(g + 1) * ssm),
+                &mut layer_ssm.slice_mut(slot * ssm..(slot + 1) * ssm),
+            )
+            .during(|| "restoring GDN states".into())?;
+            st.memcpy_dtod(
+                &d.backup_conv.slice(g * conv..(g + 1) * conv),
+                &mut layer_conv.slice_mut(slot * conv..(slot + 1) * conv),
+            )
+            .during(|| "restoring conv states".into())?;
+        }
+        self.run(slot, position, &tokens[..rows])?;
+        Ok(position + rows)
+    }
+}

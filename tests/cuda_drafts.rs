@@ -1,0 +1,244 @@
+//! Drafting with the MTP head on the GPU (src/cuda/forward/mtp.rs) against the CPU reference
+//! and against plain GPU decoding (run on the H200 by scripts/gpu-check.sh). The model has the
+//! real head shapes with 4 layers and an MTP head (tests/common `real_shaped_config`), bf16
+//! weights. The GPU's verify pass runs its rows as a prompt span (chunked GDN), so greedy output
+//! with drafts equals plain GPU decoding up to near-ties: a divergence is accepted only where
+//! plain decoding's top two logits are within the tolerance of tests/cuda_forward.rs.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::Rng;
+use lily::checkpoint::{self, synth, tensor::DType};
+use lily::config::ModelConfig;
+use lily::cuda::forward::{CudaBackend, CudaOptions};
+use lily::cuda::model::CudaModel;
+use lily::cuda::CudaDevice;
+use lily::model::speculative;
+use lily::model::{argmax, Backend, CpuBackend, SeqId, Weights};
+
+/// As tests/cuda_forward.rs: bf16 activations on the GPU against f32 on the CPU.
+const TOLERANCE: f32 = 8e-2;
+
+fn weights(rng: &mut Rng) -> Weights {
+    let mut config = common::real_shaped_config([
+        "linear_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+    ]);
+    config["text_config"]["mtp_num_hidden_layers"] = 1.into();
+    let dir = tempfile::tempdir().unwrap();
+    let seed = rng.next_u64();
+    synth::write_checkpoint(
+        &config,
+        dir.path(),
+        seed,
+        DType::BF16,
+        synth::SHARD_BYTES,
+        false,
+    )
+    .unwrap();
+    let w = checkpoint::load(dir.path()).unwrap();
+    assert!(w.mtp.is_some());
+    w
+}
+
+fn gpu(w: &Weights) -> CudaBackend {
+    let dev = CudaDevice::new(0).expect("a CUDA GPU (run through scripts/gpu-check.sh)");
+    let model = CudaModel::upload(&dev, w).unwrap();
+    let options = CudaOptions {
+        max_sequences: 2,
+        max_context: 2048,
+        prefill_chunk: 256,
+        ..CudaOptions::default()
+    };
+    CudaBackend::new(dev, model, options).unwrap()
+}
+
+fn prompt(rng: &mut Rng, n: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.below(2000) as u32).collect()
+}
+
+/// How far apart the top two logits are, relative to the largest magnitude.
+fn top_gap(logits: &[f32], a: u32, b: u32) -> f32 {
+    let scale = logits.iter().fold(0f32, |m, v| m.max(v.abs()));
+    (logits[a as usize] - logits[b as usize]).abs() / scale
+}
+
+#[test]
+fn the_heads_drafts_on_the_gpu_are_the_references() {
+    let mut rng = Rng::new("the_heads_drafts_on_the_gpu_are_the_references");
+    let w = weights(&mut rng);
+    let mut cpu = CpuBackend::new(w.clone());
+    let mut gpu = gpu(&w);
+    assert!(gpu.can_draft());
+    let (mut same, mut all) = (0, 0);
+    for (seq, n) in [1usize, 5, 40, 300].into_iter().enumerate() {
+        let seq = seq as SeqId;
+        let p = prompt(&mut rng, n);
+        for b in [&mut cpu as &mut dyn Backend, &mut gpu] {
+            b.create_sequence(seq).unwrap();
+            b.start_drafting(seq).unwrap();
+        }
+        let next = argmax(&cpu.forward(seq, &p).unwrap());
+        gpu.forward(seq, &p).unwrap();
+        let (c, g) = (
+            cpu.draft(seq, next, 3).unwrap(),
+            gpu.draft(seq, next, 3).unwrap(),
+        );
+        println!("prompt {n}: drafts cpu {c:?} gpu {g:?}");
+        assert_eq!(g.len(), 3);
+        // The first draft comes from the same inputs up to bf16; later ones follow it.
+        all += 1;
+        same += usize::from(c[0] == g[0]);
+        cpu.free_sequence(seq);
+        gpu.free_sequence(seq);
+    }
+    assert!(same * 4 >= all * 3, "first drafts agree {same} of {all}");
+}
+
+/// The GPU backend with drafts replaced by plain decoding's tokens (`truth`), some made wrong.
+struct Oracle<'a> {
+    inner: &'a mut CudaBackend,
+    truth: Vec<u32>,
+    position: usize,
+    wrong: f64,
+    rng: Rng,
+}
+
+impl Backend for Oracle<'_> {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn device_name(&self) -> String {
+        "oracle".into()
+    }
+    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.inner.create_sequence(seq)
+    }
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.inner.free_sequence(seq)
+    }
+    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.position += tokens.len();
+        self.inner.forward(seq, tokens)
+    }
+    fn can_draft(&self) -> bool {
+        true
+    }
+    fn start_drafting(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.inner.start_drafting(seq)
+    }
+    fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
+        assert_eq!(self.inner.draft(seq, next, k)?.len(), k);
+        let vocab = self.config().vocab_size as u32;
+        Ok((0..k)
+            .map(|j| {
+                let right = self.truth.get(self.position + 1 + j).copied().unwrap_or(0);
+                if self.rng.uniform() < self.wrong {
+                    (right + 1) % vocab
+                } else {
+                    right
+                }
+            })
+            .collect())
+    }
+    fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.inner.forward_verify(seq, tokens)
+    }
+    fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
+        self.position += rows;
+        self.inner.keep_verified(seq, rows)
+    }
+}
+
+#[test]
+fn greedy_output_with_drafts_is_plain_gpu_decodings_up_to_near_ties() {
+    let mut rng = Rng::new("greedy_output_with_drafts_is_plain_gpu_decodings_up_to_near_ties");
+    let w = weights(&mut rng);
+    let mut gpu = gpu(&w);
+    let n = 32;
+    for (round, (k, wrong)) in [(1, 0.0), (2, 0.3), (3, 0.0), (4, 1.0)]
+        .into_iter()
+        .enumerate()
+    {
+        let p = prompt(&mut rng, 20 + 50 * round);
+        // Plain decoding, with each step's logits.
+        let seq = 2 * round as SeqId;
+        gpu.create_sequence(seq).unwrap();
+        let mut logits = vec![gpu.forward(seq, &p).unwrap()];
+        let mut plain = vec![argmax(&logits[0])];
+        while plain.len() < n {
+            logits.push(gpu.forward(seq, &plain[plain.len() - 1..]).unwrap());
+            plain.push(argmax(logits.last().unwrap()));
+        }
+        gpu.free_sequence(seq);
+        let mut oracle = Oracle {
+            inner: &mut gpu,
+            truth: p.iter().chain(&plain).copied().collect(),
+            position: 0,
+            wrong,
+            rng: Rng::new("oracle drafts"),
+        };
+        let seq = seq + 1;
+        oracle.create_sequence(seq).unwrap();
+        let (drafted, stats) = speculative::greedy(&mut oracle, seq, &p, n, k, |_| false).unwrap();
+        oracle.free_sequence(seq);
+        println!("k {k}, wrong {wrong}: {stats:?}");
+        assert_eq!(drafted.len(), n);
+        if wrong == 0.0 {
+            assert!(stats.accepted > 0, "right drafts are accepted");
+        }
+        if let Some(i) = (0..n).find(|&i| drafted[i] != plain[i]) {
+            let gap = top_gap(&logits[i], plain[i], drafted[i]);
+            println!(
+                "k {k}: diverges at {i}: plain {} vs {}, gap {gap:.2e}",
+                plain[i], drafted[i]
+            );
+            assert!(
+                gap <= TOLERANCE,
+                "a divergence at {i} that is no near-tie ({gap:.2e})"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches() {
+    let mut rng = Rng::new("a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches");
+    let w = weights(&mut rng);
+    let mut gpu = gpu(&w);
+    let p = prompt(&mut rng, 60);
+    let rows = prompt(&mut rng, 4);
+    for kept in 1..=4 {
+        gpu.create_sequence(0).unwrap();
+        gpu.forward(0, &p).unwrap();
+        for &t in &rows[..kept] {
+            gpu.forward(0, &[t]).unwrap();
+        }
+        let next = 7;
+        let want = gpu.forward(0, &[next]).unwrap();
+        gpu.free_sequence(0);
+
+        gpu.create_sequence(1).unwrap();
+        gpu.start_drafting(1).unwrap();
+        gpu.forward(1, &p).unwrap();
+        gpu.draft(1, rows[0], 3).unwrap();
+        let all = gpu.forward_verify(1, &rows).unwrap();
+        assert_eq!(all.len(), rows.len() * w.config.vocab_size);
+        gpu.keep_verified(1, kept).unwrap();
+        let got = gpu.forward(1, &[next]).unwrap();
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+            / scale;
+        println!("kept {kept} of 4: logits after it rel. error {err:.2e}");
+        assert!(err <= TOLERANCE, "kept {kept}: {err:.2e}");
+        // Drafting goes on from the kept rows.
+        gpu.draft(1, next, 2).unwrap();
+        gpu.free_sequence(1);
+    }
+}
