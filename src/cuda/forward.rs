@@ -700,6 +700,14 @@ impl CudaBackend {
                     let ahead = L2Ahead::default().matrices(&out_proj.view(), &st);
                     let combine = pending_combine.then_some((&mut stream, &layer.input_norm));
                     first_projection(&c, k, in_proj, s, t, combine, ahead)?;
+                    // A verify pass keeps its GDN inputs, to step the states over the rows it
+                    // keeps (forward/mtp.rs).
+                    if pass.all_logits {
+                        let slot = pass.spans[0].slot;
+                        if let Some(d) = self.drafting.get_mut(&slot) {
+                            d.keep_projections(&st, gdn_i, &s.proj.slice(..t * width), width)?;
+                        }
+                    }
                     let w = GdnWeights {
                         conv_w: conv_w.as_view(),
                         a_log: a_log.as_view(),
