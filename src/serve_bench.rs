@@ -282,7 +282,6 @@ fn with_engine<T>(
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize, asks: Asks) -> GenerateRequest {
-    let draft = asks.sampling.is_none();
     let (sampler, device_sampler) = match asks.sampling {
         None => (greedy_sampler(), greedy_device_sampler(asks.vocab_limit)),
         Some(params) => sampled(params, &prompt, asks.vocab_limit),
@@ -295,7 +294,7 @@ fn request(prompt: Vec<u32>, max_tokens: usize, asks: Asks) -> GenerateRequest {
         prompt_cache_key: None,
         device_sampler: Some(device_sampler),
         prompt_logprobs: None,
-        draft,
+        draft: true,
     }
 }
 

@@ -12,13 +12,14 @@ use common::{fixture_dir, Rng};
 use lily::checkpoint;
 use lily::config::ModelConfig;
 use lily::engine::{
-    greedy_device_sampler, greedy_sampler, Engine, EngineOptions, Event, FinishReason,
-    GenerateRequest,
+    greedy_device_sampler, greedy_sampler, DeviceSampler, Engine, EngineOptions, Event,
+    FinishReason, GenerateRequest, SampledToken,
 };
 use lily::model::cpu::{forward, Logits};
 use lily::model::{
     argmax, Backend, CpuBackend, SeqId, SequenceState, Snapshot, SnapshotId, Weights,
 };
+use lily::sampling::{DeviceSampling, Sampler, SamplingParams};
 
 fn weights() -> Weights {
     checkpoint::load(&fixture_dir("tiny-a-mtp")).unwrap()
@@ -279,4 +280,104 @@ fn a_backend_that_drafts_nothing_leaves_the_request_decoding_without_drafts() {
     assert_eq!(got, alone(&w, &prompt, 16));
     assert_eq!(reason, Some(FinishReason::Length));
     assert_eq!(engine.stats().draft_passes_total.load(Ordering::Relaxed), 0);
+}
+
+/// A request's sampler on the device every step, as the server's device half of it.
+struct OnDevice(std::sync::Arc<std::sync::Mutex<Sampler>>);
+
+impl DeviceSampler for OnDevice {
+    fn device_step(&mut self) -> Option<(DeviceSampling, f64)> {
+        self.0.lock().unwrap().device_step(usize::MAX)
+    }
+    fn accept(&mut self, token: u32) -> SampledToken {
+        self.0.lock().unwrap().record(token);
+        SampledToken {
+            id: token,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        }
+    }
+}
+
+/// Sampled requests with drafts: the second token comes out of a verify pass (the first
+/// draft kept with its probability, else another drawn without it), and the two tokens' joint
+/// distribution over many seeds is the one sampling without drafts has, computed from the
+/// reference's logits.
+#[test]
+fn sampled_tokens_with_drafts_keep_their_distribution() {
+    let mut rng = Rng::new("sampled_tokens_with_drafts_keep_their_distribution");
+    let (engine, w) = drafting_engine(0.0, &mut rng, 0);
+    let vocab = w.config.vocab_size;
+    let prompt: Vec<u32> = (0..9).map(|_| rng.below(vocab) as u32).collect();
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: Some(3),
+        ..SamplingParams::default()
+    };
+    // The exact joint distribution of the first two tokens.
+    let sampling = DeviceSampling {
+        temperature: 1.0,
+        top_k: Some(3),
+        ..DeviceSampling::greedy(vocab)
+    };
+    let after = |context: &[u32]| {
+        let mut s = SequenceState::new(&w.config);
+        let logits = forward(&w, context, &mut s, Logits::Last);
+        sampling.distribution(&logits).unwrap()
+    };
+    let mut want: HashMap<(u32, u32), f64> = HashMap::new();
+    for (t1, p1) in after(&prompt) {
+        let context: Vec<u32> = prompt.iter().copied().chain([t1]).collect();
+        for (t2, p2) in after(&context) {
+            want.insert((t1, t2), p1 * p2);
+        }
+    }
+    let n = 2000;
+    let mut seen: HashMap<(u32, u32), usize> = HashMap::new();
+    for _ in 0..n {
+        let params = SamplingParams {
+            seed: Some(rng.next_u64()),
+            ..params.clone()
+        };
+        let sampler = std::sync::Arc::new(std::sync::Mutex::new(Sampler::new(&params, &prompt)));
+        let device = OnDevice(sampler.clone());
+        let (ids, _, _) = collect(engine.submit(GenerateRequest {
+            prompt: prompt.clone(),
+            // After the first token two are left: one draft, checked by the second.
+            max_tokens: 3,
+            stop_token_ids: vec![],
+            sampler: Box::new(move |logits: &mut [f32], _: &[u32]| SampledToken {
+                id: sampler.lock().unwrap().sample(logits).unwrap().token,
+                logprob: None,
+                top_logprobs: Vec::new(),
+            }),
+            prompt_cache_key: None,
+            device_sampler: Some(Box::new(device)),
+            prompt_logprobs: None,
+            draft: true,
+        }));
+        *seen.entry((ids[0], ids[1])).or_default() += 1;
+    }
+    let stats = engine.stats();
+    assert_eq!(stats.draft_passes_total.load(Ordering::Relaxed), n as u64);
+    let accepted = stats.accepted_draft_tokens_total.load(Ordering::Relaxed);
+    println!("{accepted} of {n} drafts kept; cells {want:?}");
+    assert!(
+        accepted > 0 && accepted < n as u64,
+        "drafts both kept and replaced"
+    );
+    for (cell, &count) in &seen {
+        assert!(
+            want.contains_key(cell),
+            "{cell:?} drawn {count} times, probability 0"
+        );
+    }
+    for (cell, &p) in &want {
+        let freq = *seen.get(cell).unwrap_or(&0) as f64 / n as f64;
+        let bound = 5.0 * (p * (1.0 - p) / n as f64).sqrt() + 1e-9;
+        assert!(
+            (freq - p).abs() <= bound,
+            "{cell:?}: drawn {freq:.4}, probability {p:.4}"
+        );
+    }
 }

@@ -3,6 +3,8 @@
 //! Filters are checked against a brute-force reference written the way vLLM computes them (full
 //! softmax, full sort, masks), on random logits.
 
+mod common;
+
 use std::collections::BTreeMap;
 
 use lily::sampling::*;
@@ -935,5 +937,65 @@ fn top_logprobs_equal_a_full_sort() {
             let want: Vec<u32> = sorted.iter().take(n).map(|&(t, _)| t).collect();
             assert_eq!(tokens, want, "case {case}, vocab {vocab}, n {n}");
         }
+    }
+}
+
+/// Speculative sampling's rule (src/sampling/drafts.rs): a draft checked against the target's
+/// distribution stands, or is replaced, so that the token that results is distributed as the
+/// target's, whatever the draft: in the support, outside it, its most likely token. Greedy keeps
+/// exactly the argmax.
+#[test]
+fn checked_drafts_keep_the_target_distribution() {
+    let mut rng = common::Rng::new("checked_drafts_keep_the_target_distribution");
+    for round in 0..6 {
+        let vocab = 6 + rng.below(10);
+        let logits: Vec<f32> = (0..vocab).map(|_| 3.0 * rng.unit()).collect();
+        let mut sampling = lily::sampling::DeviceSampling::greedy(vocab);
+        sampling.temperature = 0.3 + 1.2 * rng.uniform() as f32;
+        if round % 2 == 1 {
+            sampling.top_k = Some(2 + rng.below(4));
+        }
+        if round % 3 == 2 {
+            sampling.top_p = 0.8;
+        }
+        let dist = sampling.distribution(&logits).unwrap();
+        let p = |t: u32| dist.iter().find(|&&(x, _)| x == t).map_or(0.0, |&(_, p)| p);
+        let best = dist
+            .iter()
+            .fold((0, -1.0), |b, &(t, q)| if q > b.1 { (t, q) } else { b })
+            .0;
+        let outside = (0..vocab as u32).find(|&t| p(t) == 0.0);
+        let drafts = [Some(best), Some(dist[dist.len() - 1].0), outside];
+        for draft in drafts.into_iter().flatten() {
+            let n = 400_000;
+            let mut count = vec![0usize; vocab];
+            for _ in 0..n {
+                let token = match lily::sampling::check_draft(&dist, draft, rng.uniform()) {
+                    Ok(()) => draft,
+                    Err(t) => {
+                        assert_ne!(t, draft, "a replacement is never the draft");
+                        t
+                    }
+                };
+                count[token as usize] += 1;
+            }
+            for t in 0..vocab as u32 {
+                let freq = count[t as usize] as f64 / n as f64;
+                let want = p(t);
+                // Five standard deviations of a frequency over n draws.
+                let bound = 5.0 * (want * (1.0 - want) / n as f64).sqrt() + 1e-9;
+                assert!(
+                    (freq - want).abs() <= bound,
+                    "round {round}, draft {draft}: token {t} drawn {freq:.5}, p = {want:.5}"
+                );
+            }
+        }
+    }
+    // Greedy: the argmax stands, anything else is replaced by it.
+    let greedy = [(7u32, 1.0)];
+    for _ in 0..1000 {
+        let u = rng.uniform();
+        assert_eq!(lily::sampling::check_draft(&greedy, 7, u), Ok(()));
+        assert_eq!(lily::sampling::check_draft(&greedy, 3, u), Err(7));
     }
 }

@@ -66,8 +66,9 @@ pub struct ServeArgs {
     /// token. Default: 8192 on a GPU, 2048 on the CPU.
     #[arg(long)]
     pub batch_tokens: Option<usize>,
-    /// Speculative decoding: a greedy request decoding alone checks this many tokens drafted by
-    /// the checkpoint's MTP head in each pass (its output unchanged). Off (0) by default; needs a
+    /// Speculative decoding: a request decoding alone checks this many tokens drafted by the
+    /// checkpoint's MTP head in each pass (greedy output unchanged, sampled tokens' distribution
+    /// unchanged). Off (0) by default; needs a
     /// checkpoint with the head (Hugging Face bf16/FP8, GGUF with nextn tensors, `lily quantize`
     /// output); on the GPU the path is built but not yet run on one. Metrics: vllm:spec_decode_*.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16))]

@@ -228,7 +228,7 @@ impl TextModel {
             device_sampler: Some(device_sampler),
             prompt_cache_key: plan.prompt_cache_key.clone(),
             prompt_logprobs: plan.prompt_logprobs,
-            draft: plan.params.is_greedy(),
+            draft: true,
         };
         let events = engine.submit(request);
         Generation {

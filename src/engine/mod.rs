@@ -46,8 +46,9 @@ pub struct GenerateRequest {
     pub prompt_cache_key: Option<String>,
     /// Set when the request's sampling can run on the backend, next to the logits.
     pub device_sampler: Option<Box<dyn DeviceSampler>>,
-    /// The request's sampling is greedy: with [`EngineOptions::draft_tokens`] its sequence
-    /// keeps what drafting needs from the start, and it decodes with drafts when alone.
+    /// With [`EngineOptions::draft_tokens`] the request's sequence keeps what drafting needs
+    /// from the start, and it decodes with drafts when alone (each step its device sampler
+    /// takes: greedy or sampled, not logprobs, grammars or a logit bias).
     pub draft: bool,
     /// Score the prompt: each prompt token after the first is reported as an
     /// [`Event::PromptToken`] with its log-probability and this many alternatives (`echo` with
@@ -128,9 +129,10 @@ pub struct EngineOptions {
     /// The prefix cache saves a prompt's state every this many prompt tokens (at the end of the
     /// chunk that reaches the mark), besides the end of the prompt and of the turn.
     pub snapshot_interval: usize,
-    /// Tokens drafted by the checkpoint's MTP head and checked in each decode pass of a greedy
-    /// request that decodes alone (speculative decoding, MODEL.md §4.2); 0 turns drafting off,
-    /// as does a backend that cannot draft. The output is what decoding without drafts gives.
+    /// Tokens drafted by the checkpoint's MTP head and checked in each decode pass of a request
+    /// that decodes alone (speculative decoding, MODEL.md §4.2); 0 turns drafting off, as does a
+    /// backend that cannot draft. Greedy output is what decoding without drafts gives; sampled
+    /// tokens keep their distribution.
     pub draft_tokens: usize,
 }
 

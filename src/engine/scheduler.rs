@@ -31,7 +31,7 @@ use super::{
     EngineOptions, EngineStats, Event, FinishReason, GenerateRequest, SampledToken, Sampler,
 };
 use crate::model::{panic_message, Backend, SeqId, Step, StepOutput};
-use crate::sampling::DeviceSampling;
+use crate::sampling::{check_draft, DeviceSampling};
 
 /// A request as the engine thread receives it: the request and where its events go.
 pub type Submission = (GenerateRequest, UnboundedSender<Event>);
@@ -369,7 +369,7 @@ impl EngineLoop {
                 .options
                 .draft_tokens
                 .min(r.request.max_tokens.saturating_sub(r.generated.len() + 1));
-            if self.running.len() == 1 && r.drafting && k > 0 && first.0.is_greedy() {
+            if self.running.len() == 1 && r.drafting && k > 0 {
                 let (i, token, first) = (*i, *token, first.clone());
                 if self.decode_with_drafts(i, token, k, first) {
                     return;
@@ -475,15 +475,17 @@ impl EngineLoop {
         self.options.draft_tokens > 0 && self.backend.can_draft()
     }
 
-    /// The decode step of `running[i]`, a greedy sequence decoding alone, with drafts: the MTP
-    /// head drafts `k` tokens after `token` (just sampled, not run), one pass runs `token` and
-    /// the drafts, and the request's sampler picks after each row in turn (`first` is its pick
-    /// for the first row) while the drafts match its picks. The matched drafts are sent now; the
-    /// first pick that differs (or the one after the last draft) waits in `next`, as a step's
-    /// token does, and the sequence keeps only the rows its tokens came from. A step the
-    /// sampler cannot take on the device leaves that row's logits in `next` instead. False when
-    /// the backend drafted nothing: the sequence then decodes without drafts from now on, and
-    /// this step runs as any other.
+    /// The decode step of `running[i]`, a sequence decoding alone, with drafts: the MTP head
+    /// drafts `k` tokens after `token` (just sampled, not run), one pass runs `token` and the
+    /// drafts, and the request's sampling checks each draft in turn (`first` is its sampling
+    /// for the first row): greedy keeps a draft that is its argmax, sampling keeps it with its
+    /// probability and else draws another token without it, which keeps the distribution of
+    /// every token what sampling without drafts gives (`check_draft`). The kept drafts are sent
+    /// now; the first token in a draft's place (or the one after the last draft) waits in
+    /// `next`, as a step's token does, and the sequence keeps only the rows its tokens came
+    /// from. A step the sampler cannot take on the device leaves that row's logits in `next`
+    /// instead. False when the backend drafted nothing: the sequence then decodes without
+    /// drafts from now on, and this step runs as any other.
     fn decode_with_drafts(
         &mut self,
         i: usize,
@@ -549,18 +551,31 @@ impl EngineLoop {
         let mut ended = None;
         for j in 0..=drafts.len() {
             let (s, u) = &sampling;
-            let pick = match s.sample(&logits[j * v..(j + 1) * v], *u) {
-                Ok(pick) => pick,
+            let logits_j = &logits[j * v..(j + 1) * v];
+            // The draft stands (Ok), or the token in its place (or after the last draft).
+            let checked = match drafts.get(j) {
+                // Sampling: speculative sampling's rule keeps the target's distribution.
+                Some(&draft) if !s.is_greedy() => s
+                    .distribution(logits_j)
+                    .map(|dist| check_draft(&dist, draft, *u).map(|()| draft)),
+                // Greedy: the draft stands where it is the argmax.
+                draft => s.sample(logits_j, *u).map(|pick| match draft {
+                    Some(&d) if d == pick => Ok(pick),
+                    _ => Err(pick),
+                }),
+            };
+            let stands = match checked {
+                Ok(Ok(draft)) => draft,
+                Ok(Err(pick)) => {
+                    self.running[i].next = Some(Next::Sampled(pick));
+                    break;
+                }
                 Err(e) => {
                     ended = Some(Err(e.to_string()));
                     break;
                 }
             };
-            let matches = s.is_greedy() && drafts.get(j) == Some(&pick);
-            self.running[i].next = Some(Next::Sampled(pick));
-            if !matches {
-                break;
-            }
+            self.running[i].next = Some(Next::Sampled(stands));
             // The draft is the pick: sent now, and the row it was drafted for stands.
             accepted += 1;
             match self.sample(i) {

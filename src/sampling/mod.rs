@@ -14,6 +14,7 @@
 
 mod defaults;
 mod device;
+mod drafts;
 mod logits;
 mod params;
 mod sampler;
@@ -22,6 +23,7 @@ mod thinking;
 
 pub use defaults::{GenerationConfigError, GenerationDefaults};
 pub use device::DeviceSampling;
+pub use drafts::check_draft;
 pub use logits::draw;
 pub use params::{
     ParamError, SamplingOptions, SamplingParams, GREEDY_TEMPERATURE, MAX_TOP_LOGPROBS,
