@@ -33,6 +33,8 @@
 # whose kernel names match, in a 4K prefill and 4 decode steps (ncu-source.csv in logs.tar);
 # GPU_CHECK_NCU_SOURCE_BENCH replaces that bench's `--contexts 4096` (e.g. "--contexts 1024
 # --profile --profile-batch 8" for the kernels of 8-row decode passes);
+# GPU_CHECK_DRAFTS (default 1,2,3; none to skip) decodes with that many MTP drafts a pass forced
+# right at 0.8 against plain decoding (`bench --forced-drafts`, drafts.md) at GPU_CHECK_DRAFTS_CONTEXTS;
 # GPU_CHECK_SERVE_AB="VAR=VALUE ..." reruns `bench --serve` with each setting;
 # GPU_CHECK_SERVE_SAMPLED (sampling flags, default "--temperature 0.7 --top-p 0.95"; none to skip)
 # reruns it with sampled requests;
@@ -218,6 +220,17 @@ PY
         rc=$?
         grep "^### context" "$logs/bench-timeline.log" | cut -c1-100
         echo "bench --timeline: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+        # Decode with the MTP head's drafts, forced right at 0.8 (drafts.md): the head and verify
+        # passes as drafting runs them, against plain decoding (GPU_CHECK_DRAFTS=none skips it).
+        if [[ "${GPU_CHECK_DRAFTS:-1,2,3}" != none ]]; then
+            echo "=== bench --forced-drafts"
+            timeout 200 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+                --contexts "${GPU_CHECK_DRAFTS_CONTEXTS:-4096,32768}" --decode-steps 64 \
+                --forced-drafts "${GPU_CHECK_DRAFTS:-1,2,3}" --forced-acceptance 0.8 --out "$out" > "$logs/bench-drafts.log" 2>&1
+            rc=$?
+            grep "^| [0-9]" "$logs/bench-drafts.log"
+            echo "bench --forced-drafts: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+        fi
     fi
     # A/B: the q4 sweep again at 4K and 32K (GPU_CHECK_AB_CONTEXTS) with one setting changed, once
     # per setting in GPU_CHECK_AB (default: each setting under trial on, the early reads off), into

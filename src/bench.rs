@@ -2,6 +2,7 @@
 //! a warm-up at that context, then per round one measured prefill followed by N greedy decode
 //! steps; the median of the rounds is reported. Works on any [`Backend`].
 
+pub mod drafts;
 pub mod spans;
 pub mod timeline;
 

@@ -222,3 +222,34 @@ fn span_passes_report_each_length_and_free_their_sequence() {
         assert_eq!(stdout.matches(row).count(), 1, "{row}: {stdout}");
     }
 }
+
+/// `lily bench --forced-drafts`: drafts forced right always stand (every drafted token kept,
+/// fewer passes than tokens), forced wrong never do (a pass a token); the sequences are freed;
+/// a model without an MTP head, or a pass of no drafts, is refused.
+#[test]
+fn forced_drafts_stand_at_the_rate_asked_and_free_their_sequences() {
+    let weights = checkpoint::load(&common::fixture_dir("tiny-a-mtp")).unwrap();
+    let mut cpu = CpuBackend::new(weights);
+    let steps = 20;
+    let right = bench::drafts::forced_drafts(&mut cpu, 400, 12, &[1, 3], 1.0, steps).unwrap();
+    assert_eq!(right.iter().map(|p| p.drafts).collect::<Vec<_>>(), [1, 3]);
+    for p in &right {
+        assert_eq!(p.accepted, 1.0, "{p:?}");
+        assert!(p.passes < steps && p.tokens == steps, "{p:?}");
+        assert!(p.plain_tok_s > 0.0 && p.drafted_tok_s > 0.0);
+    }
+    let wrong = bench::drafts::forced_drafts(&mut cpu, 410, 12, &[2], 0.0, steps).unwrap();
+    assert_eq!(wrong[0].accepted, 0.0);
+    assert_eq!(wrong[0].passes, steps, "a pass a token");
+    for seq in [400, 401, 410, 411] {
+        assert!(
+            cpu.forward(seq, &[1]).is_err(),
+            "sequence {seq} was not freed"
+        );
+    }
+    assert!(bench::drafts::forced_drafts(&mut cpu, 420, 12, &[0], 0.5, steps).is_err());
+    let mut no_head = CpuBackend::new(checkpoint::load(&common::fixture_dir("tiny-a")).unwrap());
+    assert!(bench::drafts::forced_drafts(&mut no_head, 430, 12, &[1], 0.5, steps).is_err());
+    let md = bench::drafts::to_markdown(&right);
+    assert!(md.contains("| 12 | 3 | 1.00 / 1.00 |"), "{md}");
+}

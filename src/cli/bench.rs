@@ -69,6 +69,15 @@ pub struct BenchArgs {
     /// writes spans.md with --out.
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["serve", "profile", "timeline"])]
     pub span_tokens: Vec<usize>,
+    /// Instead of the sweep, decode `--decode-steps` tokens at every context with this many MTP
+    /// drafts a pass (a list, e.g. 1,2,3), the head and verify passes run as drafting runs them
+    /// but the drafts forced from plain decoding's tokens, right at `--forced-acceptance`,
+    /// against plain decoding (needs a model with an MTP head; writes drafts.md with --out).
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["serve", "profile", "timeline", "span_tokens"])]
+    pub forced_drafts: Vec<usize>,
+    /// --forced-drafts: the rate at which a draft is right.
+    #[arg(long, default_value_t = 0.8, requires = "forced_drafts")]
+    pub forced_acceptance: f64,
     /// Measure the engine under load instead: concurrent streams, a multi-turn conversation
     /// with and without the prefix cache, decode speed per stream (the flags below).
     #[arg(long)]
@@ -166,11 +175,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         (longest, gpu)
     } else {
         let longest = args.contexts.iter().max().copied().unwrap_or(0) + args.decode_steps + 16;
-        let longest = longest.max(bench::spans::context_needed(
-            longest,
-            &args.span_tokens,
-            args.decode_steps,
-        ));
+        let longest = longest
+            .max(bench::spans::context_needed(
+                longest,
+                &args.span_tokens,
+                args.decode_steps,
+            ))
+            .max(bench::drafts::context_needed(
+                longest,
+                args.decode_steps,
+                &args.forced_drafts,
+            ));
         // --profile also times decode steps of --profile-batch sequences at once,
         // --timeline: as many as its steps hold.
         let slots = if args.profile {
@@ -231,6 +246,26 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         if let Some(out) = &args.out {
             std::fs::create_dir_all(out)?;
             std::fs::write(out.join("timeline.md"), md)?;
+        }
+        return Ok(());
+    }
+    if !args.forced_drafts.is_empty() {
+        let mut points = Vec::new();
+        for (i, &context) in args.contexts.iter().enumerate() {
+            points.extend(bench::drafts::forced_drafts(
+                backend.as_mut(),
+                (1 << 47) + 2 * i as u64,
+                context,
+                &args.forced_drafts,
+                args.forced_acceptance,
+                args.decode_steps,
+            )?);
+        }
+        let md = bench::drafts::to_markdown(&points);
+        println!("{md}");
+        if let Some(out) = &args.out {
+            std::fs::create_dir_all(out)?;
+            std::fs::write(out.join("drafts.md"), md)?;
         }
         return Ok(());
     }

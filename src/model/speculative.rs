@@ -27,15 +27,31 @@ pub fn greedy(
     stop: impl Fn(u32) -> bool,
 ) -> anyhow::Result<(Vec<u32>, DraftStats)> {
     anyhow::ensure!(!prompt.is_empty(), "no prompt");
-    let mut stats = DraftStats::default();
     let mut out = Vec::with_capacity(max_tokens);
     if max_tokens == 0 {
-        return Ok((out, stats));
+        return Ok((out, DraftStats::default()));
     }
     backend.start_drafting(seq)?;
+    out.push(argmax(&backend.forward(seq, prompt)?));
+    let stats = decode_greedy(backend, seq, &mut out, max_tokens, k, stop)?;
+    Ok((out, stats))
+}
+
+/// Greedy decoding with drafts of a drafting sequence whose last token `out` ends with (picked,
+/// not run yet), until `out` holds `max_tokens` or ends with a token for which `stop` is true.
+pub fn decode_greedy(
+    backend: &mut dyn Backend,
+    seq: SeqId,
+    out: &mut Vec<u32>,
+    max_tokens: usize,
+    k: usize,
+    stop: impl Fn(u32) -> bool,
+) -> anyhow::Result<DraftStats> {
+    let mut stats = DraftStats::default();
     let vocab = backend.config().vocab_size;
-    let mut token = argmax(&backend.forward(seq, prompt)?);
-    out.push(token);
+    let mut token = *out
+        .last()
+        .ok_or_else(|| anyhow::anyhow!("no token to go on from"))?;
     while out.len() < max_tokens && !stop(token) {
         let k_now = k.min(max_tokens - out.len() - 1);
         if k_now == 0 {
@@ -68,5 +84,5 @@ pub fn greedy(
         backend.keep_verified(seq, kept)?;
         token = picks[kept - 1];
     }
-    Ok((out, stats))
+    Ok(stats)
 }

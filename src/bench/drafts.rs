@@ -1,0 +1,210 @@
+//! Decode with the MTP head's drafts at a forced acceptance (`lily bench --forced-drafts`).
+//!
+//! A synthetic model's head is random, so its drafts are almost never right and a benchmark of
+//! real drafting shows only its cost. Here every pass still runs the head and the verify pass as
+//! decoding with drafts does, but the drafts handed to the verify pass are plain greedy
+//! decoding's own next tokens, each made wrong with probability 1 − a (so the first m drafts of a
+//! pass stand with probability aᵐ, as with a head whose drafts are right at rate a). What this
+//! measures is what a checkpoint whose head reaches that acceptance would decode at; the table
+//! says so.
+
+use std::time::Instant;
+
+use super::synthetic_prompt;
+use crate::config::ModelConfig;
+use crate::model::speculative::{self, DraftStats};
+use crate::model::{Backend, SeqId};
+
+/// One context and number of drafts: plain decoding against decoding with forced drafts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftPoint {
+    pub context: usize,
+    pub drafts: usize,
+    /// The acceptance asked for, and the share of drafts that stood.
+    pub forced: f64,
+    pub accepted: f64,
+    pub plain_tok_s: f64,
+    pub drafted_tok_s: f64,
+    /// Passes (verify passes and plain steps) for the decoded tokens.
+    pub passes: usize,
+    pub tokens: usize,
+}
+
+/// Tokens a sequence must have room for at `context`.
+pub fn context_needed(context: usize, steps: usize, drafts: &[usize]) -> usize {
+    context + steps + 1 + drafts.iter().max().copied().unwrap_or(0)
+}
+
+/// After a prompt of `context` tokens: `steps` tokens of plain greedy decoding (timed from the
+/// first decode step), then for each number of drafts the same tokens decoded with forced drafts
+/// right at rate `acceptance` (timed the same way). Sequences `seq` and `seq + 1`.
+pub fn forced_drafts(
+    backend: &mut dyn Backend,
+    seq: SeqId,
+    context: usize,
+    drafts: &[usize],
+    acceptance: f64,
+    steps: usize,
+) -> anyhow::Result<Vec<DraftPoint>> {
+    anyhow::ensure!(steps >= 1, "at least one decode step");
+    anyhow::ensure!(
+        drafts.iter().all(|&k| k >= 1),
+        "a pass drafts at least one token"
+    );
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&acceptance),
+        "the acceptance is a probability"
+    );
+    anyhow::ensure!(
+        backend.can_draft(),
+        "{} cannot draft (a checkpoint with an MTP head, on a backend that drafts)",
+        backend.device_name()
+    );
+    let vocab = backend.config().vocab_size;
+    let prompt = synthetic_prompt(context, vocab, 7);
+    // Plain decoding: the tokens the drafts are taken from, and the rate to beat.
+    backend.create_sequence(seq)?;
+    let plain = (|| -> anyhow::Result<(Vec<u32>, f64)> {
+        let mut out = vec![backend.forward_greedy(seq, &prompt)?];
+        let t = Instant::now();
+        for _ in 0..steps {
+            let last = *out.last().expect("one token at least");
+            out.push(backend.forward_greedy(seq, &[last])?);
+        }
+        Ok((out, t.elapsed().as_secs_f64()))
+    })();
+    backend.free_sequence(seq);
+    let (truth, plain_s) = plain?;
+    let mut points = Vec::new();
+    for (i, &k) in drafts.iter().enumerate() {
+        let drafted = seq + 1;
+        let mut forced = ForcedDrafts {
+            inner: &mut *backend,
+            truth: prompt.iter().chain(&truth).copied().collect(),
+            position: 0,
+            acceptance,
+            state: 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1),
+        };
+        forced.create_sequence(drafted)?;
+        let run = (|| -> anyhow::Result<(DraftStats, f64)> {
+            forced.start_drafting(drafted)?;
+            let first = forced.forward(drafted, &prompt)?;
+            let mut out = vec![crate::model::argmax(&first)];
+            let t = Instant::now();
+            let stats =
+                speculative::decode_greedy(&mut forced, drafted, &mut out, steps + 1, k, |_| {
+                    false
+                })?;
+            Ok((stats, t.elapsed().as_secs_f64()))
+        })();
+        forced.free_sequence(drafted);
+        let (stats, seconds) = run?;
+        points.push(DraftPoint {
+            context,
+            drafts: k,
+            forced: acceptance,
+            accepted: stats.accepted as f64 / stats.drafted.max(1) as f64,
+            plain_tok_s: steps as f64 / plain_s,
+            drafted_tok_s: steps as f64 / seconds,
+            passes: stats.passes,
+            tokens: steps,
+        });
+    }
+    Ok(points)
+}
+
+/// The table.
+pub fn to_markdown(points: &[DraftPoint]) -> String {
+    let mut md = String::from(
+        "Drafts forced from plain greedy decoding's own tokens, each right at the given rate (a \
+         random head drafts nothing right): what a head of that acceptance would give.\n\n\
+         | context | drafts a pass | acceptance forced / measured | plain tok/s | with drafts tok/s | × plain | passes for the tokens |\n\
+         |---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for p in points {
+        md += &format!(
+            "| {} | {} | {:.2} / {:.2} | {:.1} | {:.1} | {:.2} | {} / {} |\n",
+            p.context,
+            p.drafts,
+            p.forced,
+            p.accepted,
+            p.plain_tok_s,
+            p.drafted_tok_s,
+            p.drafted_tok_s / p.plain_tok_s,
+            p.passes,
+            p.tokens
+        );
+    }
+    md
+}
+
+/// A backend whose drafts are `truth`'s next tokens, each wrong with probability 1 − a; the
+/// head still runs for every draft, so the cost is real.
+struct ForcedDrafts<'a> {
+    inner: &'a mut dyn Backend,
+    /// The prompt, then plain decoding's tokens.
+    truth: Vec<u32>,
+    /// Rows the model has kept.
+    position: usize,
+    acceptance: f64,
+    /// splitmix64 state for the coin flips.
+    state: u64,
+}
+
+impl ForcedDrafts<'_> {
+    fn coin(&mut self) -> f64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+impl Backend for ForcedDrafts<'_> {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn device_name(&self) -> String {
+        self.inner.device_name()
+    }
+    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.position = 0;
+        self.inner.create_sequence(seq)
+    }
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.inner.free_sequence(seq)
+    }
+    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.position += tokens.len();
+        self.inner.forward(seq, tokens)
+    }
+    fn can_draft(&self) -> bool {
+        self.inner.can_draft()
+    }
+    fn start_drafting(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.inner.start_drafting(seq)
+    }
+    fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
+        let head = self.inner.draft(seq, next, k)?;
+        anyhow::ensure!(head.len() == k, "{} drafts for {k}", head.len());
+        let vocab = self.config().vocab_size as u32;
+        Ok((0..k)
+            .map(|j| {
+                let right = self.truth.get(self.position + 1 + j).copied().unwrap_or(0);
+                if self.coin() < self.acceptance {
+                    right
+                } else {
+                    (right + 1) % vocab
+                }
+            })
+            .collect())
+    }
+    fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.inner.forward_verify(seq, tokens)
+    }
+    fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
+        self.position += rows;
+        self.inner.keep_verified(seq, rows)
+    }
+}
