@@ -152,6 +152,17 @@ impl Backend for Oracle<'_> {
             })
             .collect())
     }
+    fn forward_verify_argmax(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        vocab_limit: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        self.inner.forward_verify_argmax(seq, tokens, vocab_limit)
+    }
+    fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
+        self.inner.verified_logits(seq, row)
+    }
     fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
         self.inner.forward_verify(seq, tokens)
     }
@@ -233,9 +244,22 @@ fn a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches() {
         gpu.start_drafting(1).unwrap();
         gpu.forward(1, &p).unwrap();
         gpu.draft(1, rows[0], 3).unwrap();
-        let all = gpu.forward_verify(1, &rows).unwrap();
-        assert_eq!(all.len(), rows.len() * w.config.vocab_size);
+        let vocab = w.config.vocab_size;
+        if kept % 2 == 1 {
+            let all = gpu.forward_verify(1, &rows).unwrap();
+            assert_eq!(all.len(), rows.len() * vocab);
+        } else {
+            // The picks on the device (greedy below a limit, as a real tokenizer's) are the
+            // argmax of each row's logits, which stay there until the cut back.
+            let limit = vocab - 7;
+            let picks = gpu.forward_verify_argmax(1, &rows, limit).unwrap();
+            for (r, &pick) in picks.iter().enumerate() {
+                let logits = gpu.verified_logits(1, r).unwrap();
+                assert_eq!(pick, argmax(&logits[..limit]), "row {r}");
+            }
+        }
         gpu.keep_verified(1, kept).unwrap();
+        assert!(gpu.verified_logits(1, 0).is_err(), "the pass is cut back");
         let got = gpu.forward(1, &[next]).unwrap();
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         let err = got

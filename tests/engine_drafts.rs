@@ -111,6 +111,18 @@ impl Backend for Oracle {
             })
             .collect())
     }
+    fn forward_verify_argmax(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        vocab_limit: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        self.verifying.insert(seq, tokens.to_vec());
+        self.inner.forward_verify_argmax(seq, tokens, vocab_limit)
+    }
+    fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
+        self.inner.verified_logits(seq, row)
+    }
     fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
         self.verifying.insert(seq, tokens.to_vec());
         self.inner.forward_verify(seq, tokens)
@@ -380,4 +392,40 @@ fn sampled_tokens_with_drafts_keep_their_distribution() {
             "{cell:?}: drawn {freq:.4}, probability {p:.4}"
         );
     }
+}
+
+/// Greedy on the device but every third step on the CPU (as a mask or a forced token makes it):
+/// a pass whose later row the device cannot take hands that row's logits to the CPU sampler,
+/// fetched from the verify pass, and the output is still plain decoding's.
+struct EveryThirdOnCpu {
+    vocab: usize,
+    steps: usize,
+}
+
+impl DeviceSampler for EveryThirdOnCpu {
+    fn device_step(&mut self) -> Option<(DeviceSampling, f64)> {
+        self.steps += 1;
+        (self.steps % 3 != 0).then(|| (DeviceSampling::greedy(self.vocab), 0.0))
+    }
+    fn accept(&mut self, token: u32) -> SampledToken {
+        SampledToken {
+            id: token,
+            logprob: None,
+            top_logprobs: Vec::new(),
+        }
+    }
+}
+
+#[test]
+fn rows_the_device_cannot_pick_go_to_the_cpu_sampler_with_their_logits() {
+    let mut rng = Rng::new("rows_the_device_cannot_pick_go_to_the_cpu_sampler_with_their_logits");
+    let (engine, w) = drafting_engine(0.0, &mut rng, 0);
+    let vocab = w.config.vocab_size;
+    let prompt: Vec<u32> = (0..10).map(|_| rng.below(vocab) as u32).collect();
+    let (got, _, _) = collect(engine.submit(GenerateRequest {
+        device_sampler: Some(Box::new(EveryThirdOnCpu { vocab, steps: 0 })),
+        ..request(prompt.clone(), 30, vec![], vocab)
+    }));
+    assert_eq!(got, alone(&w, &prompt, 30));
+    assert!(engine.stats().draft_passes_total.load(Ordering::Relaxed) > 0);
 }

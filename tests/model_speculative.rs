@@ -100,6 +100,17 @@ impl Backend for Oracle {
             })
             .collect())
     }
+    fn forward_verify_argmax(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        vocab_limit: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        self.inner.forward_verify_argmax(seq, tokens, vocab_limit)
+    }
+    fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
+        self.inner.verified_logits(seq, row)
+    }
     fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
         self.inner.forward_verify(seq, tokens)
     }
@@ -257,7 +268,17 @@ fn drafting_calls_out_of_order_are_errors_not_panics() {
     assert!(b.keep_verified(1, 4).is_err());
     b.keep_verified(1, 2).unwrap();
     assert!(b.keep_verified(1, 1).is_err(), "cut back once");
-    b.draft(1, 7, 3).unwrap();
+    let d = b.draft(1, 7, 3).unwrap();
+    // The argmax form: each row's pick below the limit is its logits' argmax there.
+    let rows = [7, d[0], d[1], d[2]];
+    let limit = w.config.vocab_size - 5;
+    let picks = b.forward_verify_argmax(1, &rows, limit).unwrap();
+    for (r, &pick) in picks.iter().enumerate() {
+        assert_eq!(pick, argmax(&b.verified_logits(1, r).unwrap()[..limit]));
+    }
+    assert!(b.verified_logits(1, 4).is_err());
+    b.keep_verified(1, 4).unwrap();
+    assert!(b.verified_logits(1, 0).is_err(), "no pass open");
     // A model without the head.
     let mut cfg = synth::preset("tiny").unwrap();
     cfg["text_config"]["num_hidden_layers"] = 4.into();

@@ -200,6 +200,17 @@ impl Backend for ForcedDrafts<'_> {
             })
             .collect())
     }
+    fn forward_verify_argmax(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        vocab_limit: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        self.inner.forward_verify_argmax(seq, tokens, vocab_limit)
+    }
+    fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
+        self.inner.verified_logits(seq, row)
+    }
     fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
         self.inner.forward_verify(seq, tokens)
     }

@@ -311,8 +311,14 @@ impl CudaBackend {
         };
         let rows = options.prefill_chunk.max(batch_rows(&options)).max(1);
         let batch = batch_rows(&options);
-        // A pass's sampled rows are drawn at once: their scratch is allocated with the rest.
-        k.sample.reserve(c.vocab_size, batch)?;
+        // A pass's sampled rows are drawn at once (a verify pass's too): their scratch is
+        // allocated with the rest.
+        let logit_rows = if model.mtp.is_some() {
+            batch.max(mtp::MAX_VERIFY_ROWS)
+        } else {
+            batch
+        };
+        k.sample.reserve(c.vocab_size, logit_rows)?;
         let h = c.hidden_size;
         // The shared expert is one more expert (DeviceMoe): one more router row and slot.
         let (e, slots, inter) = (
@@ -326,11 +332,6 @@ impl CudaBackend {
         // Passes of up to this many rows may gather their experts' rows (GemvKernels).
         let gathered_rows = k.gemv.max_gathered_rows().min(rows);
         let gu_rows = MAX_TOKENS.max(gathered_rows);
-        let logit_rows = if model.mtp.is_some() {
-            batch.max(mtp::MAX_VERIFY_ROWS)
-        } else {
-            batch
-        };
         let s = Scratch {
             rows,
             ids: alloc(&st, rows)?,

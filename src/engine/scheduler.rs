@@ -110,6 +110,29 @@ enum Work {
     Decode(u32),
 }
 
+/// What a verify pass gave back: every row's argmax (greedy without penalties: the logits stay
+/// on the device, `Backend::verified_logits` fetches a row), or every row's logits.
+enum Verified {
+    Picks(Vec<u32>),
+    Logits(Vec<f32>),
+}
+
+/// Row `j`'s logits of the verify pass open for `seq` (`v` a row).
+fn verified_row(
+    backend: &mut dyn Backend,
+    verified: &Verified,
+    seq: SeqId,
+    j: usize,
+    v: usize,
+) -> Result<Vec<f32>, String> {
+    match verified {
+        Verified::Logits(logits) => Ok(logits[j * v..(j + 1) * v].to_vec()),
+        Verified::Picks(_) => backend
+            .verified_logits(seq, j)
+            .map_err(|e| format!("{e:#}")),
+    }
+}
+
 pub(super) struct EngineLoop {
     backend: Box<dyn Backend>,
     options: EngineOptions,
@@ -513,24 +536,35 @@ impl EngineLoop {
             }
         };
         let rows: Vec<u32> = [token].into_iter().chain(drafts.iter().copied()).collect();
+        // Greedy without penalties needs only each row's argmax: the logits stay on the device.
+        let limit = first.0.vocab_limit;
+        let plain_greedy =
+            |s: &DeviceSampling| s.is_greedy() && s.history.is_empty() && s.vocab_limit == limit;
+        let argmax_only = plain_greedy(&first.0);
         let backend = &mut self.backend;
-        let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<Vec<f32>> {
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<Verified> {
+            let v = backend.config().vocab_size;
+            if argmax_only {
+                let picks = backend.forward_verify_argmax(seq, &rows, limit)?;
+                anyhow::ensure!(picks.len() == rows.len(), "a pick for every row");
+                return Ok(Verified::Picks(picks));
+            }
             let logits = backend.forward_verify(seq, &rows)?;
             anyhow::ensure!(
-                logits.len() == rows.len() * backend.config().vocab_size,
+                logits.len() == rows.len() * v,
                 "the verify pass returned {} logits for {} rows",
                 logits.len(),
                 rows.len()
             );
-            Ok(logits)
+            Ok(Verified::Logits(logits))
         }));
         let took = started.elapsed();
         self.stats.batches_total.fetch_add(1, Ordering::Relaxed);
         self.stats
             .backend_nanos_total
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-        let logits = match outcome {
-            Ok(Ok(logits)) => logits,
+        let verified = match outcome {
+            Ok(Ok(verified)) => verified,
             Ok(Err(e)) => {
                 let r = self.remove(i);
                 self.fail(r, format!("{e:#}"));
@@ -543,7 +577,6 @@ impl EngineLoop {
             }
         };
         let v = self.backend.config().vocab_size;
-        let row = |j: usize| logits[j * v..(j + 1) * v].to_vec();
         let mut sampling = first;
         // Rows of the pass whose tokens stand (the first always does).
         let mut kept = 1;
@@ -551,17 +584,28 @@ impl EngineLoop {
         let mut ended = None;
         for j in 0..=drafts.len() {
             let (s, u) = &sampling;
-            let logits_j = &logits[j * v..(j + 1) * v];
             // The draft stands (Ok), or the token in its place (or after the last draft).
-            let checked = match drafts.get(j) {
-                // Sampling: speculative sampling's rule keeps the target's distribution.
-                Some(&draft) if !s.is_greedy() => s
-                    .distribution(logits_j)
-                    .map(|dist| check_draft(&dist, draft, *u).map(|()| draft)),
+            let checked = match &verified {
                 // Greedy: the draft stands where it is the argmax.
-                draft => s.sample(logits_j, *u).map(|pick| match draft {
-                    Some(&d) if d == pick => Ok(pick),
-                    _ => Err(pick),
+                Verified::Picks(picks) if plain_greedy(s) => Ok(match drafts.get(j) {
+                    Some(&d) if d == picks[j] => Ok(d),
+                    _ => Err(picks[j]),
+                }),
+                _ => verified_row(self.backend.as_mut(), &verified, seq, j, v).and_then(|row| {
+                    match drafts.get(j) {
+                        // Sampling: speculative sampling's rule keeps the target's distribution.
+                        Some(&draft) if !s.is_greedy() => s
+                            .distribution(&row)
+                            .map(|dist| check_draft(&dist, draft, *u).map(|()| draft))
+                            .map_err(|e| e.to_string()),
+                        draft => s
+                            .sample(&row, *u)
+                            .map(|pick| match draft {
+                                Some(&d) if d == pick => Ok(pick),
+                                _ => Err(pick),
+                            })
+                            .map_err(|e| e.to_string()),
+                    }
                 }),
             };
             let stands = match checked {
@@ -571,7 +615,7 @@ impl EngineLoop {
                     break;
                 }
                 Err(e) => {
-                    ended = Some(Err(e.to_string()));
+                    ended = Some(Err(e));
                     break;
                 }
             };
@@ -590,7 +634,10 @@ impl EngineLoop {
             match device.and_then(|d| d.device_step()) {
                 Some(next) => sampling = next,
                 None => {
-                    self.running[i].next = Some(Next::Logits(row(j + 1)));
+                    match verified_row(self.backend.as_mut(), &verified, seq, j + 1, v) {
+                        Ok(row) => self.running[i].next = Some(Next::Logits(row)),
+                        Err(e) => ended = Some(Err(e)),
+                    }
                     break;
                 }
             }

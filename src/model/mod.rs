@@ -170,6 +170,25 @@ pub trait Backend: Send {
         let _ = (seq, tokens);
         anyhow::bail!("{} cannot verify drafts", self.device_name())
     }
+    /// [`forward_verify`](Backend::forward_verify), the logits left where they are: each row's
+    /// argmax below `vocab_limit` (greedy's pick without penalties). Until
+    /// [`keep_verified`](Backend::keep_verified), [`verified_logits`](Backend::verified_logits)
+    /// gives a row's logits.
+    fn forward_verify_argmax(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        vocab_limit: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        let _ = (seq, tokens, vocab_limit);
+        anyhow::bail!("{} cannot verify drafts", self.device_name())
+    }
+    /// Row `row`'s logits of the verify pass open for `seq` (after
+    /// [`forward_verify_argmax`](Backend::forward_verify_argmax)).
+    fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
+        let _ = (seq, row);
+        anyhow::bail!("{} keeps no verify pass's logits", self.device_name())
+    }
     /// Keeps the first `rows` rows (at least one) of `seq`'s last
     /// [`forward_verify`](Backend::forward_verify): its state becomes what running only them
     /// would have made it.
@@ -280,9 +299,9 @@ pub struct CpuBackend {
     next_snapshot: SnapshotId,
     /// What the routers decide while `lily agree` traces it (one call at a time then).
     routing: Option<RoutingTrace>,
-    /// Per sequence with a verify pass not yet cut back: its state before the pass and the
-    /// pass's tokens (the reference rolls back by running the kept rows again).
-    verifying: HashMap<SeqId, (SequenceState, Vec<u32>)>,
+    /// Per sequence with a verify pass not yet cut back: its state before the pass, the pass's
+    /// tokens (the reference rolls back by running the kept rows again) and its logits.
+    verifying: HashMap<SeqId, (SequenceState, Vec<u32>, Vec<f32>)>,
 }
 
 impl CpuBackend {
@@ -458,8 +477,36 @@ impl Backend for CpuBackend {
             .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
         let before = state.clone();
         let logits = cpu::forward_verify(&self.weights, tokens, state);
-        self.verifying.insert(seq, (before, tokens.to_vec()));
+        self.verifying
+            .insert(seq, (before, tokens.to_vec(), logits.clone()));
         Ok(logits)
+    }
+    fn forward_verify_argmax(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        vocab_limit: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        let logits = self.forward_verify(seq, tokens)?;
+        let v = self.weights.config.vocab_size;
+        let limit = vocab_limit.clamp(1, v);
+        Ok(logits
+            .chunks_exact(v)
+            .map(|row| argmax(&row[..limit]))
+            .collect())
+    }
+    fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
+        let v = self.weights.config.vocab_size;
+        let (_, tokens, logits) = self
+            .verifying
+            .get(&seq)
+            .ok_or_else(|| anyhow::anyhow!("sequence {seq} has no verify pass open"))?;
+        anyhow::ensure!(
+            row < tokens.len(),
+            "row {row} of a verify pass of {}",
+            tokens.len()
+        );
+        Ok(logits[row * v..(row + 1) * v].to_vec())
     }
     fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
         let ran = self
@@ -472,7 +519,7 @@ impl Backend for CpuBackend {
             (1..=ran).contains(&rows),
             "keeping {rows} rows of a verify pass of {ran}"
         );
-        let (before, tokens) = self.verifying.remove(&seq).expect("looked up above");
+        let (before, tokens, _) = self.verifying.remove(&seq).expect("looked up above");
         if rows < tokens.len() {
             // Run the kept rows again from the state before the pass, as the pass ran them.
             let state = self

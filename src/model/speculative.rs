@@ -62,8 +62,8 @@ pub fn decode_greedy(
         }
         let drafts = backend.draft(seq, token, k_now)?;
         let rows: Vec<u32> = [token].into_iter().chain(drafts.iter().copied()).collect();
-        let logits = backend.forward_verify(seq, &rows)?;
-        let picks: Vec<u32> = logits.chunks_exact(vocab).map(argmax).collect();
+        let picks = backend.forward_verify_argmax(seq, &rows, vocab)?;
+        anyhow::ensure!(picks.len() == rows.len(), "a pick for every row");
         let matched = drafts
             .iter()
             .zip(&picks)

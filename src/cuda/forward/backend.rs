@@ -70,14 +70,25 @@ impl Backend for CudaBackend {
         self.draft_slot(slot, next, k)
     }
     fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
-        let s = self.sequence(seq)?;
-        let (slot, position) = (s.slot, s.position);
-        let logits = self.verify_slot(slot, position, tokens)?;
-        if let Some(s) = self.sequences.get_mut(&seq) {
-            s.position += tokens.len();
-        }
-        self.note_peak_memory();
-        Ok(logits)
+        self.verify(seq, tokens)?;
+        self.verify_logits(tokens.len())
+    }
+    fn forward_verify_argmax(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        vocab_limit: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        self.verify(seq, tokens)?;
+        self.verify_argmax(tokens.len(), vocab_limit)
+    }
+    fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
+        let slot = self.sequence(seq)?.slot;
+        anyhow::ensure!(
+            self.verifying_slot(slot),
+            "sequence {seq} has no verify pass open"
+        );
+        self.row_logits(row)
     }
     fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
         let slot = self.sequence(seq)?.slot;
@@ -234,6 +245,18 @@ impl Backend for CudaBackend {
 }
 
 impl CudaBackend {
+    /// A verify pass of `tokens` for `seq` (forward/mtp.rs), the sequence advanced past them.
+    fn verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<()> {
+        let s = self.sequence(seq)?;
+        let (slot, position) = (s.slot, s.position);
+        self.verify_slot(slot, position, tokens)?;
+        if let Some(s) = self.sequences.get_mut(&seq) {
+            s.position += tokens.len();
+        }
+        self.note_peak_memory();
+        Ok(())
+    }
+
     fn sequence(&self, seq: SeqId) -> anyhow::Result<&Sequence> {
         self.sequences
             .get(&seq)

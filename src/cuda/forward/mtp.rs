@@ -28,7 +28,9 @@ use crate::cuda::gdn;
 use crate::cuda::gemm::L2Ahead;
 use crate::cuda::model::DeviceMixer;
 use crate::cuda::profile;
+use crate::cuda::sample::RowDraw;
 use crate::cuda::{ensure, Context, CudaError, CudaStream, Result};
+use crate::sampling::DeviceSampling;
 
 /// The most rows of a verify pass: 16 drafts and the token before them.
 pub const MAX_VERIFY_ROWS: usize = 17;
@@ -431,13 +433,14 @@ impl CudaBackend {
     }
 
     /// Runs `tokens` of the drafting sequence in `slot` from `position` as one verify pass:
-    /// every row's logits, as f32 `[rows][vocab]`. Its GDN states are copied aside first.
+    /// every row's logits left in `s.logits`, each row's argmax in `s.next`. Its GDN states are
+    /// copied aside first.
     pub(super) fn verify_slot(
         &mut self,
         slot: usize,
         position: usize,
         tokens: &[u32],
-    ) -> anyhow::Result<Vec<f32>> {
+    ) -> anyhow::Result<()> {
         let vocab = self.model.config.vocab_size;
         anyhow::ensure!(
             (2..=MAX_VERIFY_ROWS.min(self.s.logit_rows)).contains(&tokens.len()),
@@ -477,10 +480,46 @@ impl CudaBackend {
             d.verify = Some((tokens.to_vec(), position));
         }
         self.pass_with(&[(slot, position, tokens)], &[], true)?;
-        let logits: Vec<bf16> = st
-            .clone_dtoh(&self.s.logits.slice(..tokens.len() * vocab))
+        Ok(())
+    }
+
+    /// Every row's logits of the last verify pass (`rows` of them), as f32 `[rows][vocab]`.
+    pub(super) fn verify_logits(&self, rows: usize) -> anyhow::Result<Vec<f32>> {
+        let vocab = self.model.config.vocab_size;
+        let logits: Vec<bf16> = self
+            .dev
+            .stream()
+            .clone_dtoh(&self.s.logits.slice(..rows * vocab))
             .during(|| "copying the verify pass's logits".into())?;
         Ok(logits.iter().map(|x| x.to_f32()).collect())
+    }
+
+    /// Each row's argmax below `limit` of the last verify pass (`rows` of them): the pass's own
+    /// argmax over the whole vocabulary, or the sampler's greedy rows over the prefix.
+    pub(super) fn verify_argmax(&mut self, rows: usize, limit: usize) -> anyhow::Result<Vec<u32>> {
+        let vocab = self.model.config.vocab_size;
+        if limit < vocab {
+            let greedy = DeviceSampling::greedy(limit.max(1));
+            let draws: Vec<RowDraw> = (0..rows)
+                .map(|row| RowDraw {
+                    row,
+                    sampling: &greedy,
+                    u: 0.0,
+                })
+                .collect();
+            self.k.sample.sample_rows(
+                &self.s.logits.slice(..rows * vocab),
+                vocab,
+                &draws,
+                &mut self.s.next.slice_mut(..rows),
+            )?;
+        }
+        self.next_tokens(rows)
+    }
+
+    /// Whether the sequence in `slot` has a verify pass open.
+    pub(super) fn verifying_slot(&self, slot: usize) -> bool {
+        self.drafting.get(&slot).is_some_and(|d| d.verify.is_some())
     }
 
     /// Keeps the first `rows` rows of the open verify pass of `slot`; returns the position after
