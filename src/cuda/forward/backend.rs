@@ -425,7 +425,7 @@ impl CudaBackend {
 
     /// A picked token; none in the vocabulary (-1 from the sampler, or the argmax of a row of
     /// NaNs) means no logit was finite.
-    fn token(&self, picked: i32) -> anyhow::Result<u32> {
+    pub(super) fn token(&self, picked: i32) -> anyhow::Result<u32> {
         u32::try_from(picked)
             .ok()
             .filter(|&t| (t as usize) < self.model.config.vocab_size)

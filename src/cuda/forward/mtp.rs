@@ -83,6 +83,8 @@ pub struct MtpBuffers {
     hn: CudaSlice<bf16>,
     /// `[hidden]`: the head's normed output of the last row of its last pass.
     last: CudaSlice<bf16>,
+    /// `[MAX_VERIFY_ROWS]`: the drafts of one `draft` call, copied back at once.
+    drafts: CudaSlice<i32>,
 }
 
 impl MtpBuffers {
@@ -91,16 +93,18 @@ impl MtpBuffers {
             e: alloc(st, rows * hidden)?,
             hn: alloc(st, rows * hidden)?,
             last: alloc(st, hidden)?,
+            drafts: alloc(st, MAX_VERIFY_ROWS)?,
         })
     }
 }
 
-/// The hidden states a head pass reads.
-enum Hidden<'a> {
-    /// Rows of a sequence's pending states.
-    Rows(CudaView<'a, bf16>),
-    /// The head's own last output (a draft step after the first).
-    LastOutput,
+/// What a head pass reads.
+enum HeadInput<'a> {
+    /// Rows of a sequence's pending hidden states, each with the token after it.
+    Rows(CudaView<'a, bf16>, &'a [u32]),
+    /// One row: the head's own last output and its last draft, both still on the device (a
+    /// draft step after the first: no copy back between steps).
+    OwnDraft,
 }
 
 impl CudaBackend {
@@ -210,7 +214,11 @@ impl CudaBackend {
             (next as usize) < vocab,
             "token id {next} is outside the model's vocabulary ({vocab})"
         );
-        anyhow::ensure!(k > 0, "no tokens to draft");
+        anyhow::ensure!(
+            (1..MAX_VERIFY_ROWS).contains(&k),
+            "{k} drafts (1 to {})",
+            MAX_VERIFY_ROWS - 1
+        );
         let mut d = self
             .drafting
             .remove(&slot)
@@ -238,35 +246,42 @@ impl CudaBackend {
         let mut done = 0;
         while done < d.rows {
             let n = (d.rows - done).min(self.s.rows);
-            let hidden = Hidden::Rows(d.pending.slice(done * h..(done + n) * h));
-            self.head_pass(hidden, &following[done..done + n], slot, d.committed + done)?;
+            let rows = d.pending.slice(done * h..(done + n) * h);
+            let input = HeadInput::Rows(rows, &following[done..done + n]);
+            self.head_pass(input, slot, d.committed + done)?;
             done += n;
         }
         d.committed += d.rows;
         d.rows = 0;
         d.tokens.clear();
-        let mut drafts = vec![self.next_tokens(1)?[0]];
-        for position in d.committed..d.committed + k - 1 {
-            let last = *drafts.last().expect("one draft at least");
-            self.head_pass(Hidden::LastOutput, &[last], slot, position)?;
-            drafts.push(self.next_tokens(1)?[0]);
+        // Each draft stays on the device for the next step; all come back in one copy.
+        let st = self.dev.stream().clone();
+        for j in 0..k {
+            if j > 0 {
+                self.head_pass(HeadInput::OwnDraft, slot, d.committed + j - 1)?;
+            }
+            let io = self.mtp_io.as_mut().expect("head_pass checked it");
+            st.memcpy_dtod(&self.s.next.slice(..1), &mut io.drafts.slice_mut(j..j + 1))
+                .during(|| "keeping a draft".into())?;
         }
-        Ok(drafts)
+        let io = self.mtp_io.as_ref().expect("head_pass checked it");
+        let picked: Vec<i32> = st
+            .clone_dtoh(&io.drafts.slice(..k))
+            .during(|| "copying the drafts".into())?;
+        picked.into_iter().map(|t| self.token(t)).collect()
     }
 
-    /// The head over `tokens.len()` rows at positions `start ..` of the sequence in `slot`: row i
-    /// takes hidden state i and `tokens[i]` (the token after that state's). Leaves the head's
-    /// normed outputs in `s.xn`, the last one also in the head's `last`, the last row's logits
-    /// in `s.logits` and its argmax in `s.next[0]`.
-    fn head_pass(
-        &mut self,
-        hidden: Hidden,
-        tokens: &[u32],
-        slot: usize,
-        start: usize,
-    ) -> Result<()> {
+    /// The head over its input's rows at positions `start ..` of the sequence in `slot`: row i
+    /// takes hidden state i and the token after that state's. Leaves the head's normed outputs
+    /// in `s.xn`, the last one also in the head's `last`, the last row's logits in `s.logits`
+    /// and its argmax in `s.next[0]`.
+    fn head_pass(&mut self, input: HeadInput, slot: usize, start: usize) -> Result<()> {
         let c = self.model.config.clone();
-        let (hd, t, v, eps) = (c.hidden_size, tokens.len(), c.vocab_size, c.rms_norm_eps);
+        let t = match &input {
+            HeadInput::Rows(_, tokens) => tokens.len(),
+            HeadInput::OwnDraft => 1,
+        };
+        let (hd, v, eps) = (c.hidden_size, c.vocab_size, c.rms_norm_eps);
         ensure!(t >= 1 && t <= self.s.rows, "a head pass of {t} rows");
         ensure!(
             start + t <= self.options.max_context,
@@ -297,9 +312,16 @@ impl CudaBackend {
             ));
         };
         section("mtp head")?;
-        let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
-        st.memcpy_htod(&ids, &mut s.ids.slice_mut(..t))
-            .during(|| "copying the head's tokens".into())?;
+        match &input {
+            HeadInput::Rows(_, tokens) => {
+                let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
+                st.memcpy_htod(&ids, &mut s.ids.slice_mut(..t))
+                    .during(|| "copying the head's tokens".into())?;
+            }
+            HeadInput::OwnDraft => st
+                .memcpy_dtod(&s.next.slice(..1), &mut s.ids.slice_mut(..1))
+                .during(|| "feeding the head its draft".into())?,
+        }
         // e = norm(embed(token)), hn = norm(hidden): the embedding into r first.
         k.embed.gather(
             &m.embed.view(),
@@ -312,14 +334,14 @@ impl CudaBackend {
             &mut io.e.slice_mut(..t * hd),
             eps,
         )?;
-        match hidden {
-            Hidden::Rows(rows) => k.norm.rmsnorm(
+        match input {
+            HeadInput::Rows(rows, _) => k.norm.rmsnorm(
                 &rows.slice(..t * hd),
                 &head.hidden_norm.as_view(),
                 &mut io.hn.slice_mut(..t * hd),
                 eps,
             )?,
-            Hidden::LastOutput => k.norm.rmsnorm(
+            HeadInput::OwnDraft => k.norm.rmsnorm(
                 &io.last.slice(..hd),
                 &head.hidden_norm.as_view(),
                 &mut io.hn.slice_mut(..hd),
