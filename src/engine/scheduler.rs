@@ -264,7 +264,10 @@ impl EngineLoop {
                 && self
                     .backend
                     .start_drafting(seq)
-                    .inspect_err(|e| tracing::warn!("sequence {seq} decodes without drafts: {e:#}"))
+                    // A device drafts for a few sequences at once: the others are no news.
+                    .inspect_err(|e| {
+                        tracing::debug!("sequence {seq} decodes without drafts: {e:#}")
+                    })
                     .is_ok();
             let cached = self.restore_prefix(seq, &request);
             self.stats
