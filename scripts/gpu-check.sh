@@ -147,7 +147,7 @@ text = dict(model_type="qwen3_5_moe_text", hidden_size=512, num_hidden_layers=4,
             linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
             linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=8,
             moe_intermediate_size=256, shared_expert_intermediate_size=256, rms_norm_eps=1e-6,
-            max_position_embeddings=4096, eos_token_id=0,
+            max_position_embeddings=4096, eos_token_id=0, mtp_num_hidden_layers=1,
             rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
 json.dump(dict(model_type="qwen3_5_moe", text_config=text), open(sys.argv[1], "w"))
 PY
@@ -157,6 +157,12 @@ PY
         cpu=$("$dir/lily" generate --model "$model" --prompt-ids "$ids" --max-tokens 24 --device cpu 2>>"$logs/generate.log")
         echo "cuda: $gpu"; echo "cpu:  $cpu"
         echo "generate cuda vs cpu: $([[ -n "$gpu" && "$gpu" == "$cpu" ]] && echo "identical" || echo "differ (see logs; near-ties possible)")" >> "$summary"
+        # The same with 3 MTP drafts a pass (its random head: the drafts are checked, rarely kept):
+        # on the CPU exactly plain decoding's output, on the GPU up to near-ties.
+        gpu_d=$("$dir/lily" generate --model "$model" --prompt-ids "$ids" --max-tokens 24 --device cuda --draft-tokens 3 2>>"$logs/generate.log")
+        cpu_d=$("$dir/lily" generate --model "$model" --prompt-ids "$ids" --max-tokens 24 --device cpu --draft-tokens 3 2>>"$logs/generate.log")
+        echo "cuda, 3 drafts: $gpu_d"; echo "cpu, 3 drafts:  $cpu_d"
+        echo "generate with drafts: cpu $([[ -n "$cpu_d" && "$cpu_d" == "$cpu" ]] && echo "identical to plain" || echo "DIFFERS from plain (a bug)"), cuda $([[ -n "$gpu_d" && "$gpu_d" == "$gpu" ]] && echo "identical to plain" || echo "differs from plain (see logs; near-ties possible)")" >> "$summary"
         rm -rf "$model"
     fi
     if [[ -n "${GPU_CHECK_AGREE:-}" && -x "$dir/lily" ]]; then
