@@ -1,7 +1,8 @@
 //! Speculative decoding with the MTP head's drafts (MODEL.md §4.2): each pass runs the next
 //! token and k drafts of the tokens after it; the drafts that match what the model itself picks
-//! are kept, with the model's token after them. Greedy output is exactly plain greedy
-//! decoding's, in fewer passes the more drafts are right.
+//! are kept, with the model's token after them. Greedy output is plain greedy decoding's, in
+//! fewer passes the more drafts are right: exactly on the CPU (its verify pass has one-token
+//! decoding's bits), up to near-ties on the GPU (its verify pass rounds as a prompt does).
 
 use super::{argmax, Backend, SeqId};
 
