@@ -82,6 +82,16 @@ pub struct DecodeScaling {
     /// stream's last): the steady state of K concurrent decodes, without those prefill passes.
     /// `None` if no moment had every stream decoding.
     pub steady_per_stream_tok_s: Option<f64>,
+    /// With drafts (`EngineOptions::draft_tokens`): the lone stream's passes that checked drafts,
+    /// the drafts and those kept.
+    pub alone_drafts: Option<DraftCounts>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DraftCounts {
+    pub passes: u64,
+    pub drafted: u64,
+    pub accepted: u64,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -233,8 +243,15 @@ pub fn run(
         ));
     }
 
-    let (backend, alone) = with_engine(backend, &no_cache, |e| {
-        concurrent(e, vec![prompt(1000)], o.output_tokens, asks)
+    let (backend, (alone, drafts)) = with_engine(backend, &no_cache, |e| {
+        let alone = concurrent(e, vec![prompt(1000)], o.output_tokens, asks)?;
+        let stats = e.stats();
+        let drafts = DraftCounts {
+            passes: stats.draft_passes_total.load(Ordering::Relaxed),
+            drafted: stats.draft_tokens_total.load(Ordering::Relaxed),
+            accepted: stats.accepted_draft_tokens_total.load(Ordering::Relaxed),
+        };
+        Ok((alone, drafts))
     })?;
     let (backend, together) = with_engine(backend, &no_cache, |e| {
         let prompts = (0..o.decode_streams as u64)
@@ -248,7 +265,14 @@ pub fn run(
         per_stream_tok_s: together.iter().map(Timing::decode_tok_s).sum::<f64>()
             / together.len() as f64,
         steady_per_stream_tok_s: steady_per_stream_tok_s(&times),
+        alone_drafts: (o.engine.draft_tokens > 0).then_some(drafts),
     };
+    if let Some(d) = decode.alone_drafts {
+        progress(&format!(
+            "drafts alone: {} passes checked {} drafts, {} kept",
+            d.passes, d.drafted, d.accepted
+        ));
+    }
     progress(&format!(
         "decode: {:.1} tok/s alone, {:.1} tok/s per stream with {} streams ({} while all decode)",
         decode.alone_tok_s,
@@ -465,6 +489,18 @@ pub fn to_markdown(o: &ServeBenchOptions, r: &ServeReport) -> String {
         r.decode.per_stream_tok_s,
         k = o.decode_streams,
     );
+    if let Some(d) = r.decode.alone_drafts {
+        md += &format!(
+            "
+The lone stream with {} MTP drafts a pass: {} passes checked {} drafts, {} kept              ({:.1} %).
+",
+            o.engine.draft_tokens,
+            d.passes,
+            d.drafted,
+            d.accepted,
+            100.0 * d.accepted as f64 / d.drafted.max(1) as f64
+        );
+    }
     md
 }
 

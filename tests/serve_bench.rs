@@ -195,3 +195,34 @@ fn the_command_line_takes_sampling_flags() {
     let without_serve = run(&["--contexts", "64", "--temperature", "0.7"]);
     assert!(!without_serve.status.success());
 }
+
+/// `--draft-tokens` with a model that has an MTP head: the lone stream decodes with drafts
+/// (its random head's are checked, rarely kept), and the report says how many.
+#[test]
+fn the_lone_stream_reports_its_drafts() {
+    let weights = lily::checkpoint::load(&common::fixture_dir("tiny-a-mtp")).unwrap();
+    let mut options = small_options(None);
+    options.engine.draft_tokens = 2;
+    let (report, _backend) =
+        run(Box::new(CpuBackend::new(weights)), &options, |_| {}).expect("the benchmark runs");
+    let d = report.decode.alone_drafts.expect("drafts are counted");
+    // 6 tokens: the first from the prompt, then passes of up to 2 drafts.
+    assert!(
+        d.passes >= 2 && d.drafted >= d.passes && d.accepted <= d.drafted,
+        "{d:?}"
+    );
+    let md = to_markdown(&options, &report);
+    assert!(
+        md.contains("The lone stream with 2 MTP drafts a pass"),
+        "{md}"
+    );
+    // Without drafts, nothing is counted.
+    let weights = lily::checkpoint::load(&common::fixture_dir("tiny-a-mtp")).unwrap();
+    let (report, _) = run(
+        Box::new(CpuBackend::new(weights)),
+        &small_options(None),
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(report.decode.alone_drafts, None);
+}
