@@ -252,4 +252,8 @@ fn forced_drafts_stand_at_the_rate_asked_and_free_their_sequences() {
     assert!(bench::drafts::forced_drafts(&mut no_head, 430, 12, &[1], 0.5, steps).is_err());
     let md = bench::drafts::to_markdown(&right);
     assert!(md.contains("| 12 | 3 | 1.00 / 1.00 |"), "{md}");
+    assert!(
+        right.iter().all(|p| p.draft_us > 0.0 && p.verify_us > 0.0),
+        "{right:?}"
+    );
 }

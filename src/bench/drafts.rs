@@ -28,6 +28,12 @@ pub struct DraftPoint {
     /// Passes (verify passes and plain steps) for the decoded tokens.
     pub passes: usize,
     pub tokens: usize,
+    /// Mean µs a pass of its parts, as the host waits for them: the head's drafts, the verify
+    /// pass (with its picks), the cut back (its launches; what they leave to run shows in the
+    /// next draft).
+    pub draft_us: f64,
+    pub verify_us: f64,
+    pub keep_us: f64,
 }
 
 /// Tokens a sequence must have room for at `context`.
@@ -84,6 +90,7 @@ pub fn forced_drafts(
             position: 0,
             acceptance,
             state: 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1),
+            seconds: [0.0; 3],
         };
         forced.create_sequence(drafted)?;
         let run = (|| -> anyhow::Result<(DraftStats, f64)> {
@@ -98,7 +105,9 @@ pub fn forced_drafts(
             Ok((stats, t.elapsed().as_secs_f64()))
         })();
         forced.free_sequence(drafted);
+        let [draft_s, verify_s, keep_s] = forced.seconds;
         let (stats, seconds) = run?;
+        let per_pass = |s: f64| s * 1e6 / stats.passes.max(1) as f64;
         points.push(DraftPoint {
             context,
             drafts: k,
@@ -108,6 +117,9 @@ pub fn forced_drafts(
             drafted_tok_s: steps as f64 / seconds,
             passes: stats.passes,
             tokens: steps,
+            draft_us: per_pass(draft_s),
+            verify_us: per_pass(verify_s),
+            keep_us: per_pass(keep_s),
         });
     }
     Ok(points)
@@ -118,12 +130,12 @@ pub fn to_markdown(points: &[DraftPoint]) -> String {
     let mut md = String::from(
         "Drafts forced from plain greedy decoding's own tokens, each right at the given rate (a \
          random head drafts nothing right): what a head of that acceptance would give.\n\n\
-         | context | drafts a pass | acceptance forced / measured | plain tok/s | with drafts tok/s | × plain | passes for the tokens |\n\
-         |---:|---:|---:|---:|---:|---:|---:|\n",
+         | context | drafts a pass | acceptance forced / measured | plain tok/s | with drafts tok/s | × plain | passes for the tokens | µs a pass: drafts / verify / cut back |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for p in points {
         md += &format!(
-            "| {} | {} | {:.2} / {:.2} | {:.1} | {:.1} | {:.2} | {} / {} |\n",
+            "| {} | {} | {:.2} / {:.2} | {:.1} | {:.1} | {:.2} | {} / {} | {:.0} / {:.0} / {:.0} |\n",
             p.context,
             p.drafts,
             p.forced,
@@ -132,7 +144,10 @@ pub fn to_markdown(points: &[DraftPoint]) -> String {
             p.drafted_tok_s,
             p.drafted_tok_s / p.plain_tok_s,
             p.passes,
-            p.tokens
+            p.tokens,
+            p.draft_us,
+            p.verify_us,
+            p.keep_us
         );
     }
     md
@@ -149,6 +164,8 @@ struct ForcedDrafts<'a> {
     acceptance: f64,
     /// splitmix64 state for the coin flips.
     state: u64,
+    /// Seconds in the drafts, the verify passes and the cut backs.
+    seconds: [f64; 3],
 }
 
 impl ForcedDrafts<'_> {
@@ -186,7 +203,9 @@ impl Backend for ForcedDrafts<'_> {
         self.inner.start_drafting(seq)
     }
     fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
+        let t = Instant::now();
         let head = self.inner.draft(seq, next, k)?;
+        self.seconds[0] += t.elapsed().as_secs_f64();
         anyhow::ensure!(head.len() == k, "{} drafts for {k}", head.len());
         let vocab = self.config().vocab_size as u32;
         Ok((0..k)
@@ -206,7 +225,10 @@ impl Backend for ForcedDrafts<'_> {
         tokens: &[u32],
         vocab_limit: usize,
     ) -> anyhow::Result<Vec<u32>> {
-        self.inner.forward_verify_argmax(seq, tokens, vocab_limit)
+        let t = Instant::now();
+        let picks = self.inner.forward_verify_argmax(seq, tokens, vocab_limit);
+        self.seconds[1] += t.elapsed().as_secs_f64();
+        picks
     }
     fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
         self.inner.verified_logits(seq, row)
@@ -216,6 +238,9 @@ impl Backend for ForcedDrafts<'_> {
     }
     fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
         self.position += rows;
-        self.inner.keep_verified(seq, rows)
+        let t = Instant::now();
+        let kept = self.inner.keep_verified(seq, rows);
+        self.seconds[2] += t.elapsed().as_secs_f64();
+        kept
     }
 }
