@@ -264,6 +264,12 @@ fn drafting_calls_out_of_order_are_errors_not_panics() {
         b.forward(1, &[4]).is_err(),
         "the verify pass is not cut back yet"
     );
+    let step = lily::model::Step {
+        seq: 1,
+        tokens: &[4],
+        sample: None,
+    };
+    assert!(b.forward_batch(&[step])[0].is_err(), "nor in a batch");
     assert!(b.keep_verified(1, 0).is_err());
     assert!(b.keep_verified(1, 4).is_err());
     b.keep_verified(1, 2).unwrap();

@@ -369,8 +369,9 @@ impl Backend for CpuBackend {
     fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
         self.run(seq, tokens, cpu::Logits::Last)
     }
-    /// The steps a batch can take ([`passes::plan`], tokens in the vocabulary) run as one
-    /// [`cpu::forward_batch`]; the others one by one, which reports what is wrong with them.
+    /// The steps a batch can take ([`passes::plan`], tokens in the vocabulary, no verify pass
+    /// open) run as one [`cpu::forward_batch`]; the others one by one, which reports what is
+    /// wrong with them.
     fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
         if self.routing.is_some() {
             // Traced rows go in the order the steps come.
@@ -386,7 +387,10 @@ impl Backend for CpuBackend {
             steps,
             unlimited,
             |seq| self.states.get(&seq).map(|s| (0, s.position)),
-            |step, _| step.tokens.iter().all(|&t| (t as usize) < vocab),
+            |step, _| {
+                step.tokens.iter().all(|&t| (t as usize) < vocab)
+                    && !self.verifying.contains_key(&step.seq)
+            },
         );
         // (index in steps, sequence, its state taken out of the map for the batch)
         let mut taken: Vec<(usize, SeqId, SequenceState)> = planned
