@@ -9,8 +9,8 @@
 mod common;
 
 use common::Rng;
+use lily::bench::drafts::ForcedDrafts;
 use lily::checkpoint::{self, synth, tensor::DType};
-use lily::config::ModelConfig;
 use lily::cuda::forward::{CudaBackend, CudaOptions};
 use lily::cuda::model::CudaModel;
 use lily::cuda::CudaDevice;
@@ -106,72 +106,6 @@ fn the_heads_drafts_on_the_gpu_are_the_references() {
     }
 }
 
-/// The GPU backend with drafts replaced by plain decoding's tokens (`truth`), some made wrong.
-struct Oracle<'a> {
-    inner: &'a mut CudaBackend,
-    truth: Vec<u32>,
-    position: usize,
-    wrong: f64,
-    rng: Rng,
-}
-
-impl Backend for Oracle<'_> {
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn device_name(&self) -> String {
-        "oracle".into()
-    }
-    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
-        self.inner.create_sequence(seq)
-    }
-    fn free_sequence(&mut self, seq: SeqId) {
-        self.inner.free_sequence(seq)
-    }
-    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
-        self.position += tokens.len();
-        self.inner.forward(seq, tokens)
-    }
-    fn can_draft(&self) -> bool {
-        true
-    }
-    fn start_drafting(&mut self, seq: SeqId) -> anyhow::Result<()> {
-        self.inner.start_drafting(seq)
-    }
-    fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
-        assert_eq!(self.inner.draft(seq, next, k)?.len(), k);
-        let vocab = self.config().vocab_size as u32;
-        Ok((0..k)
-            .map(|j| {
-                let right = self.truth.get(self.position + 1 + j).copied().unwrap_or(0);
-                if self.rng.uniform() < self.wrong {
-                    (right + 1) % vocab
-                } else {
-                    right
-                }
-            })
-            .collect())
-    }
-    fn forward_verify_argmax(
-        &mut self,
-        seq: SeqId,
-        tokens: &[u32],
-        vocab_limit: usize,
-    ) -> anyhow::Result<Vec<u32>> {
-        self.inner.forward_verify_argmax(seq, tokens, vocab_limit)
-    }
-    fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
-        self.inner.verified_logits(seq, row)
-    }
-    fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
-        self.inner.forward_verify(seq, tokens)
-    }
-    fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
-        self.position += rows;
-        self.inner.keep_verified(seq, rows)
-    }
-}
-
 #[test]
 fn greedy_output_with_drafts_is_plain_gpu_decodings_up_to_near_ties() {
     let mut rng = Rng::new("greedy_output_with_drafts_is_plain_gpu_decodings_up_to_near_ties");
@@ -193,13 +127,8 @@ fn greedy_output_with_drafts_is_plain_gpu_decodings_up_to_near_ties() {
             plain.push(argmax(logits.last().unwrap()));
         }
         gpu.free_sequence(seq);
-        let mut oracle = Oracle {
-            inner: &mut gpu,
-            truth: p.iter().chain(&plain).copied().collect(),
-            position: 0,
-            wrong,
-            rng: Rng::new("oracle drafts"),
-        };
+        let truth = p.iter().chain(&plain).copied().collect();
+        let mut oracle = ForcedDrafts::new(&mut gpu, truth, 1.0 - wrong, rng.next_u64());
         let seq = seq + 1;
         oracle.create_sequence(seq).unwrap();
         let (drafted, stats) = speculative::greedy(&mut oracle, seq, &p, n, k, |_| false).unwrap();

@@ -6,12 +6,13 @@
 mod common;
 
 use common::Rng;
+use lily::bench::drafts::ForcedDrafts;
 use lily::checkpoint::{self, synth, tensor::DType};
 use lily::config::ModelConfig;
 use lily::model::cpu::{self, mtp, Logits};
 use lily::model::speculative::{self, DraftStats};
 use lily::model::state::KvCache;
-use lily::model::{argmax, Backend, CpuBackend, SeqId, SequenceState, Weights};
+use lily::model::{argmax, Backend, CpuBackend, SequenceState, Weights};
 
 /// A random tiny model with an MTP head (fresh weights each run; the seed is printed).
 fn model_with_mtp(rng: &mut Rng) -> Weights {
@@ -48,78 +49,6 @@ fn random_prompt(rng: &mut Rng, c: &ModelConfig) -> Vec<u32> {
     (0..len).map(|_| rng.below(c.vocab_size) as u32).collect()
 }
 
-/// A backend whose drafts are the true greedy tokens, each replaced by a wrong one with
-/// probability `wrong` (the MTP head still runs, so its cache moves as it would): every number
-/// of accepted drafts happens, which a random head's drafts (almost never right) cannot give.
-struct Oracle {
-    inner: CpuBackend,
-    /// The prompt, then plain greedy decoding's tokens.
-    truth: Vec<u32>,
-    /// Rows the model has kept (the position of the token after them).
-    position: usize,
-    wrong: f64,
-    rng: Rng,
-}
-
-impl Backend for Oracle {
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn device_name(&self) -> String {
-        "oracle".into()
-    }
-    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
-        self.inner.create_sequence(seq)
-    }
-    fn free_sequence(&mut self, seq: SeqId) {
-        self.inner.free_sequence(seq)
-    }
-    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
-        self.position += tokens.len();
-        self.inner.forward(seq, tokens)
-    }
-    fn can_draft(&self) -> bool {
-        true
-    }
-    fn start_drafting(&mut self, seq: SeqId) -> anyhow::Result<()> {
-        self.inner.start_drafting(seq)
-    }
-    fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
-        let drafted = self.inner.draft(seq, next, k)?;
-        assert_eq!(drafted.len(), k);
-        let vocab = self.config().vocab_size as u32;
-        // Draft j is the token at position + 1 + j (the one at `position` is `next`).
-        Ok((0..k)
-            .map(|j| {
-                let right = self.truth[self.position + 1 + j];
-                if self.rng.uniform() < self.wrong {
-                    (right + 1) % vocab
-                } else {
-                    right
-                }
-            })
-            .collect())
-    }
-    fn forward_verify_argmax(
-        &mut self,
-        seq: SeqId,
-        tokens: &[u32],
-        vocab_limit: usize,
-    ) -> anyhow::Result<Vec<u32>> {
-        self.inner.forward_verify_argmax(seq, tokens, vocab_limit)
-    }
-    fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
-        self.inner.verified_logits(seq, row)
-    }
-    fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
-        self.inner.forward_verify(seq, tokens)
-    }
-    fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
-        self.position += rows;
-        self.inner.keep_verified(seq, rows)
-    }
-}
-
 #[test]
 fn drafted_greedy_decoding_equals_plain_greedy_decoding() {
     let mut rng = Rng::new("drafted_greedy_decoding_equals_plain_greedy_decoding");
@@ -150,15 +79,12 @@ fn every_number_of_accepted_drafts_keeps_the_output_and_the_state_exact() {
         let prompt = random_prompt(&mut rng, &w.config);
         let n = 20 + rng.below(20);
         let (mut plain, expected) = plain_greedy(&w, &prompt, n);
-        let mut oracle = Oracle {
-            inner: CpuBackend::new(w.clone()),
-            truth: prompt.iter().chain(&expected).copied().collect(),
-            position: 0,
-            wrong,
-            rng: Rng::new("oracle drafts"),
-        };
+        let mut cpu = CpuBackend::new(w.clone());
+        let truth = prompt.iter().chain(&expected).copied().collect();
+        let mut oracle = ForcedDrafts::new(&mut cpu, truth, 1.0 - wrong, rng.next_u64());
         oracle.create_sequence(0).unwrap();
         let (got, stats) = speculative::greedy(&mut oracle, 0, &prompt, n, k, |_| false).unwrap();
+        let position = oracle.position();
         assert_eq!(got, expected[..n], "k = {k}, wrong {wrong}");
         let DraftStats {
             passes,
@@ -173,10 +99,10 @@ fn every_number_of_accepted_drafts_keeps_the_output_and_the_state_exact() {
         }
         // Continuing after the last token: identical logits, bit for bit.
         let last = [got[n - 1]];
-        let a = oracle.inner.forward(0, &last).unwrap();
+        let a = cpu.forward(0, &last).unwrap();
         assert_same(&a, &plain.forward(0, &last).unwrap());
         // ... and drafting goes on from the kept rows (their MTP rows commit).
-        assert_eq!(oracle.position + 1, prompt.len() + n);
+        assert_eq!(position + 1, prompt.len() + n);
     }
 }
 
@@ -189,13 +115,9 @@ fn a_stop_token_ends_the_output_where_plain_decoding_would() {
     let stop_at = 3 + rng.below(18);
     let stop = expected[stop_at];
     let first = expected.iter().position(|&t| t == stop).unwrap();
-    let mut oracle = Oracle {
-        inner: CpuBackend::new(w.clone()),
-        truth: prompt.iter().chain(&expected).copied().collect(),
-        position: 0,
-        wrong: 0.0,
-        rng: Rng::new("oracle drafts"),
-    };
+    let mut cpu = CpuBackend::new(w.clone());
+    let truth = prompt.iter().chain(&expected).copied().collect();
+    let mut oracle = ForcedDrafts::new(&mut cpu, truth, 1.0, rng.next_u64());
     oracle.create_sequence(0).unwrap();
     let (got, _) = speculative::greedy(&mut oracle, 0, &prompt, 24, 4, |t| t == stop).unwrap();
     assert_eq!(got, expected[..=first]);

@@ -84,14 +84,8 @@ pub fn forced_drafts(
     let mut points = Vec::new();
     for (i, &k) in drafts.iter().enumerate() {
         let drafted = seq + 1;
-        let mut forced = ForcedDrafts {
-            inner: &mut *backend,
-            truth: prompt.iter().chain(&truth).copied().collect(),
-            position: 0,
-            acceptance,
-            state: 0x9E37_79B9_7F4A_7C15 ^ (i as u64 + 1),
-            seconds: [0.0; 3],
-        };
+        let truth = prompt.iter().chain(&truth).copied().collect();
+        let mut forced = ForcedDrafts::new(&mut *backend, truth, acceptance, i as u64 + 1);
         forced.create_sequence(drafted)?;
         let run = (|| -> anyhow::Result<(DraftStats, f64)> {
             forced.start_drafting(drafted)?;
@@ -154,8 +148,9 @@ pub fn to_markdown(points: &[DraftPoint]) -> String {
 }
 
 /// A backend whose drafts are `truth`'s next tokens, each wrong with probability 1 − a; the
-/// head still runs for every draft, so the cost is real.
-struct ForcedDrafts<'a> {
+/// head still runs for every draft, so the cost is real (this benchmark, and the tests that need
+/// every number of kept drafts, which a random head cannot give).
+pub struct ForcedDrafts<'a> {
     inner: &'a mut dyn Backend,
     /// The prompt, then plain decoding's tokens.
     truth: Vec<u32>,
@@ -168,7 +163,25 @@ struct ForcedDrafts<'a> {
     seconds: [f64; 3],
 }
 
-impl ForcedDrafts<'_> {
+impl<'a> ForcedDrafts<'a> {
+    /// Over `inner`: `truth` is the prompt, then plain greedy decoding's tokens; `seed` seeds
+    /// the coin flips.
+    pub fn new(inner: &'a mut dyn Backend, truth: Vec<u32>, acceptance: f64, seed: u64) -> Self {
+        ForcedDrafts {
+            inner,
+            truth,
+            position: 0,
+            acceptance,
+            state: 0x9E37_79B9_7F4A_7C15 ^ seed,
+            seconds: [0.0; 3],
+        }
+    }
+
+    /// Rows the model has kept since the sequence was created.
+    pub fn position(&self) -> usize {
+        self.position
+    }
+
     fn coin(&mut self) -> f64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
