@@ -85,7 +85,8 @@ fn the_heads_drafts_on_the_gpu_are_the_references() {
         let hidden = state.mtp.take().unwrap().pending;
         let following: Vec<u32> = p[1..].iter().copied().chain([next]).collect();
         let mut kv = KvCache::default();
-        let (_, logits) = mtp::forward(&w, head, &hidden, &following, 0, &mut kv, Logits::Last);
+        let (normed, logits) =
+            mtp::forward(&w, head, &hidden, &following, 0, &mut kv, Logits::Last);
         let want = argmax(&logits);
         gpu.create_sequence(seq).unwrap();
         gpu.start_drafting(seq).unwrap();
@@ -102,6 +103,31 @@ fn the_heads_drafts_on_the_gpu_are_the_references() {
             "prompt {n}: the GPU's first draft {} is no near-tie of the reference's {want}",
             got[0]
         );
+        // The later drafts (the head on its own output, one row at a time): each against the
+        // reference's step on the GPU's draft before it, so that a near-tie taken the other
+        // way does not end the comparison.
+        let hd = w.config.hidden_size;
+        let mut own = normed[normed.len() - hd..].to_vec();
+        for j in 1..got.len() {
+            let (normed, logits) = mtp::forward(
+                &w,
+                head,
+                &own,
+                &[got[j - 1]],
+                n + j - 1,
+                &mut kv,
+                Logits::Last,
+            );
+            let want = argmax(&logits);
+            let gap = top_gap(&logits, want, got[j]);
+            assert!(
+                gap <= TOLERANCE,
+                "prompt {n}: the GPU's draft {j} {} is no near-tie of the reference's {want} \
+                 ({gap:.2e})",
+                got[j]
+            );
+            own = normed;
+        }
         gpu.free_sequence(seq);
     }
 }
@@ -159,6 +185,24 @@ fn a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches() {
     let mut gpu = gpu(&w);
     let p = prompt(&mut rng, 60);
     let rows = prompt(&mut rng, 4);
+    // The reference of the drafts after the cut back: the model's state after the prompt, and
+    // the head's cache of its rows (as the first drafts below run them, rows[0] after it).
+    let head = w.mtp.as_ref().unwrap();
+    let mut prompted = SequenceState::new(&w.config);
+    prompted.mtp = Some(MtpState::default());
+    cpu::forward(&w, &p, &mut prompted, Logits::Last);
+    let hidden = prompted.mtp.replace(MtpState::default()).unwrap().pending;
+    let following: Vec<u32> = p[1..].iter().copied().chain([rows[0]]).collect();
+    let mut prompt_kv = KvCache::default();
+    mtp::forward(
+        &w,
+        head,
+        &hidden,
+        &following,
+        0,
+        &mut prompt_kv,
+        Logits::Last,
+    );
     for kept in 1..=4 {
         gpu.create_sequence(0).unwrap();
         gpu.forward(0, &p).unwrap();
@@ -198,8 +242,35 @@ fn a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches() {
             / scale;
         println!("kept {kept} of 4: logits after it rel. error {err:.2e}");
         assert!(err <= TOLERANCE, "kept {kept}: {err:.2e}");
-        // Drafting goes on from the kept rows.
-        gpu.draft(1, next, 2).unwrap();
+        // Drafting goes on from the kept rows and `next`, as the reference's: the model over
+        // the kept rows and `next`, then the head over them from the prompt's end.
+        let mut state = prompted.clone();
+        cpu::forward_verify(&w, &rows[..kept], &mut state);
+        let pick = argmax(&cpu::forward(&w, &[next], &mut state, Logits::Last));
+        let pending = state.mtp.take().unwrap().pending;
+        let following: Vec<u32> = rows[1..kept].iter().copied().chain([next, pick]).collect();
+        let mut kv = prompt_kv.clone();
+        let (_, logits) = mtp::forward(
+            &w,
+            head,
+            &pending,
+            &following,
+            p.len(),
+            &mut kv,
+            Logits::Last,
+        );
+        let want = argmax(&logits);
+        let drafts = gpu.draft(1, pick, 2).unwrap();
+        let gap = top_gap(&logits, want, drafts[0]);
+        println!(
+            "kept {kept}: draft after it cpu {want} gpu {} (gap {gap:.2e})",
+            drafts[0]
+        );
+        assert!(
+            gap <= TOLERANCE,
+            "kept {kept}: the GPU's draft {} is no near-tie of the reference's {want}",
+            drafts[0]
+        );
         gpu.free_sequence(1);
     }
 }

@@ -291,6 +291,14 @@ impl CudaBackend {
             c.num_experts_per_tok
         );
         let st = dev.stream().clone();
+        let batch = batch_rows(&options);
+        // A pass's sampled rows are drawn at once (a verify pass's too): their scratch is
+        // allocated with the rest.
+        let logit_rows = if model.mtp.is_some() {
+            batch.max(mtp::MAX_VERIFY_ROWS)
+        } else {
+            batch
+        };
         let mut k = Kernels {
             norm: NormKernels::load(&dev)?,
             gemv: GemvKernels::load(&dev)?,
@@ -303,21 +311,16 @@ impl CudaBackend {
             } else {
                 None
             },
-            sample: SampleKernels::load(&dev, batch_rows(&options))?,
+            // The argmax scratch holds every logits row of a pass: a verify pass's are more
+            // than a decode pass's (body's argmax refused a verify pass of more rows than
+            // `batch_rows` when this was `batch_rows`).
+            sample: SampleKernels::load(&dev, logit_rows)?,
             gdn: GdnKernels::load(&dev)?,
             attn: AttentionKernels::load(&dev, &c)?,
             fp8: None,
             cublas_from_rows: options.cublas_from_rows,
         };
-        let rows = options.prefill_chunk.max(batch_rows(&options)).max(1);
-        let batch = batch_rows(&options);
-        // A pass's sampled rows are drawn at once (a verify pass's too): their scratch is
-        // allocated with the rest.
-        let logit_rows = if model.mtp.is_some() {
-            batch.max(mtp::MAX_VERIFY_ROWS)
-        } else {
-            batch
-        };
+        let rows = options.prefill_chunk.max(batch).max(1);
         k.sample.reserve(c.vocab_size, logit_rows)?;
         let h = c.hidden_size;
         // The shared expert is one more expert (DeviceMoe): one more router row and slot.

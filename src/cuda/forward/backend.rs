@@ -84,10 +84,12 @@ impl Backend for CudaBackend {
     }
     fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
         let slot = self.sequence(seq)?.slot;
-        anyhow::ensure!(
-            self.verifying_slot(slot),
-            "sequence {seq} has no verify pass open"
-        );
+        let ran = self
+            .verify_rows(slot)
+            .ok_or_else(|| anyhow::anyhow!("sequence {seq} has no verify pass open"))?;
+        // As the CPU backend: a row past the pass's would read another pass's logits (or
+        // past the buffer).
+        anyhow::ensure!(row < ran, "row {row} of a verify pass of {ran}");
         self.row_logits(row)
     }
     fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
@@ -269,6 +271,12 @@ impl CudaBackend {
         anyhow::ensure!(!tokens.is_empty(), "no tokens to run");
         let s = self.sequence(seq)?;
         let (slot, position) = (s.slot, s.position);
+        // As the CPU backend: rows run past an open verify pass would be lost to its cut back
+        // (which puts back the GDN states of before the pass).
+        anyhow::ensure!(
+            !self.verifying_slot(slot),
+            "sequence {seq} runs on before its verify pass was cut back"
+        );
         self.run(slot, position, tokens)?;
         if let Some(s) = self.sequences.get_mut(&seq) {
             s.position += tokens.len();
@@ -296,7 +304,13 @@ impl CudaBackend {
         };
         let sequence = |seq| self.sequences.get(&seq).map(|s| (s.slot, s.position));
         let runnable = |step: &Step, position: usize| {
-            step.tokens.iter().all(|&t| (t as usize) < vocab)
+            // A sequence with a verify pass open runs alone, which refuses it (`step`).
+            let verifying = self
+                .sequences
+                .get(&step.seq)
+                .is_some_and(|s| self.verifying_slot(s.slot));
+            !verifying
+                && step.tokens.iter().all(|&t| (t as usize) < vocab)
                 && position + step.tokens.len() <= self.options.max_context
                 && step
                     .sample

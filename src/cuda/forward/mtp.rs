@@ -499,9 +499,13 @@ impl CudaBackend {
                 )
                 .during(|| "copying conv states aside".into())?;
             }
-            d.verify = Some((tokens.to_vec(), position));
         }
         self.pass_with(&[(slot, position, tokens)], &[], true)?;
+        // Open only once the pass ran (as the CPU backend's): a failed pass left open would
+        // refuse the sequence's drafts and let a cut back replay inputs it never kept.
+        if let Some(d) = self.drafting.get_mut(&slot) {
+            d.verify = Some((tokens.to_vec(), position));
+        }
         Ok(())
     }
 
@@ -541,7 +545,15 @@ impl CudaBackend {
 
     /// Whether the sequence in `slot` has a verify pass open.
     pub(super) fn verifying_slot(&self, slot: usize) -> bool {
-        self.drafting.get(&slot).is_some_and(|d| d.verify.is_some())
+        self.verify_rows(slot).is_some()
+    }
+
+    /// The rows of the verify pass open for the sequence in `slot`, if one is.
+    pub(super) fn verify_rows(&self, slot: usize) -> Option<usize> {
+        self.drafting
+            .get(&slot)
+            .and_then(|d| d.verify.as_ref())
+            .map(|(tokens, _)| tokens.len())
     }
 
     /// Keeps the first `rows` rows of the open verify pass of `slot`; returns the position after
