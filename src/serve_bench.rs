@@ -491,10 +491,10 @@ pub fn to_markdown(o: &ServeBenchOptions, r: &ServeReport) -> String {
     );
     if let Some(d) = r.decode.alone_drafts {
         md += &format!(
-            "
-The lone stream with {} MTP drafts a pass: {} passes checked {} drafts, {} kept              ({:.1} %).
-",
+            "\nThe lone stream with up to {} MTP drafts a pass ({:?} schedule): {} passes \
+             checked {} drafts, {} kept ({:.1} %).\n",
             o.engine.draft_tokens,
+            o.engine.draft_schedule,
             d.passes,
             d.drafted,
             d.accepted,

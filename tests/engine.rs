@@ -544,6 +544,7 @@ fn random_load_with_cancellations_ends_at_baseline() {
             prefix_cache_bytes: cache_budget,
             snapshot_interval: 8,
             draft_tokens: 0,
+            draft_schedule: lily::engine::DraftSchedule::Adaptive,
         },
     );
     let mut rng = rand::rng();

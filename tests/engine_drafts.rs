@@ -12,8 +12,8 @@ use common::{fixture_dir, Rng};
 use lily::checkpoint;
 use lily::config::ModelConfig;
 use lily::engine::{
-    greedy_device_sampler, greedy_sampler, DeviceSampler, Engine, EngineOptions, Event,
-    FinishReason, GenerateRequest, SampledToken,
+    greedy_device_sampler, greedy_sampler, DeviceSampler, DraftSchedule, Engine, EngineOptions,
+    Event, FinishReason, GenerateRequest, SampledToken,
 };
 use lily::model::cpu::{forward, Logits};
 use lily::model::{
@@ -173,8 +173,9 @@ fn collect(
     panic!("the request ended without Done")
 }
 
+/// Three drafts every pass (`DraftSchedule::Fixed`), whatever they cost.
 fn drafting_engine(wrong: f64, rng: &mut Rng, prefix_cache_bytes: u64) -> (Engine, Weights) {
-    engine_over(wrong, rng, prefix_cache_bytes, false)
+    engine_over(wrong, rng, prefix_cache_bytes, false, DraftSchedule::Fixed)
 }
 
 fn engine_over(
@@ -182,6 +183,7 @@ fn engine_over(
     rng: &mut Rng,
     prefix_cache_bytes: u64,
     refuse: bool,
+    draft_schedule: DraftSchedule,
 ) -> (Engine, Weights) {
     let w = weights();
     let oracle = Oracle {
@@ -201,6 +203,7 @@ fn engine_over(
             max_sequences: 3,
             prefix_cache_bytes,
             draft_tokens: 3,
+            draft_schedule,
             ..EngineOptions::default()
         },
     );
@@ -248,6 +251,56 @@ fn a_request_decoding_alone_with_drafts_gives_the_plain_output() {
     }
 }
 
+/// The adaptive schedule (the server's default): output unchanged whatever lengths it picks;
+/// each position's accepted drafts counted (no more at a position than at the one before it,
+/// all of them together the accepted total); and drafts that never stand, from a backend whose
+/// drafts cost far more than a step (this oracle decodes the whole context again for them), are
+/// soon left for plain steps.
+#[test]
+fn the_adaptive_schedule_changes_no_output_and_leaves_drafts_that_fail() {
+    let mut rng = Rng::new("the_adaptive_schedule_changes_no_output_and_leaves_drafts_that_fail");
+    for wrong in [0.0, 0.4, 1.0] {
+        let (engine, w) = engine_over(wrong, &mut rng, 0, false, DraftSchedule::Adaptive);
+        let vocab = w.config.vocab_size;
+        let mut tokens = 0;
+        for _ in 0..3 {
+            let prompt: Vec<u32> = (0..1 + rng.below(12))
+                .map(|_| rng.below(vocab) as u32)
+                .collect();
+            let n = 40 + rng.below(20);
+            let (got, _, _) = collect(engine.submit(request(prompt.clone(), n, vec![], vocab)));
+            assert_eq!(
+                got,
+                alone(&w, &prompt, n),
+                "wrong {wrong}, prompt {prompt:?}"
+            );
+            tokens += n;
+        }
+        let stats = engine.stats();
+        let passes = stats.draft_passes_total.load(Ordering::Relaxed);
+        let accepted = stats.accepted_draft_tokens_total.load(Ordering::Relaxed);
+        let at: Vec<u64> = (stats.accepted_per_position.iter())
+            .map(|a| a.load(Ordering::Relaxed))
+            .collect();
+        println!("wrong {wrong}: {passes} passes with drafts of {tokens} tokens, accepted {at:?}");
+        assert_eq!(stats.draft_positions.load(Ordering::Relaxed), 3);
+        assert_eq!(at.iter().sum::<u64>(), accepted);
+        assert!(at.windows(2).all(|w| w[1] <= w[0]), "{at:?}");
+        assert!(
+            at[3..].iter().all(|&a| a == 0),
+            "only 3 drafts a pass: {at:?}"
+        );
+        if wrong == 1.0 {
+            assert_eq!(accepted, 0);
+            // Each length tried once, then now and then a hopeful retry.
+            assert!(
+                passes as usize <= tokens / 4,
+                "{passes} passes of {tokens} tokens"
+            );
+        }
+    }
+}
+
 #[test]
 fn drafts_beside_other_requests_and_the_prefix_cache_change_no_output() {
     let mut rng = Rng::new("drafts_beside_other_requests_and_the_prefix_cache_change_no_output");
@@ -285,7 +338,7 @@ fn drafts_beside_other_requests_and_the_prefix_cache_change_no_output() {
 fn a_backend_that_drafts_nothing_leaves_the_request_decoding_without_drafts() {
     let mut rng =
         Rng::new("a_backend_that_drafts_nothing_leaves_the_request_decoding_without_drafts");
-    let (engine, w) = engine_over(0.0, &mut rng, 0, true);
+    let (engine, w) = engine_over(0.0, &mut rng, 0, true, DraftSchedule::Fixed);
     let vocab = w.config.vocab_size;
     let prompt: Vec<u32> = (0..12).map(|_| rng.below(vocab) as u32).collect();
     let (got, reason, _) = collect(engine.submit(request(prompt.clone(), 16, vec![], vocab)));

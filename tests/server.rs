@@ -126,9 +126,9 @@ async fn models_health_and_metrics() {
         "vllm:num_requests_waiting",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
-        "vllm:spec_decode_num_drafts",
-        "vllm:spec_decode_num_draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens",
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
     ] {
         assert!(
             metrics.contains(&format!("{name}{{model_name=\"lily-demo\"}}")),
@@ -150,6 +150,35 @@ async fn models_health_and_metrics() {
     assert_eq!(preflight.status, 200);
     assert!(preflight.header("access-control-allow-origin").is_some());
     server.stop().await;
+}
+
+/// Drafts accepted by position, as vLLM's `spec_decode_num_accepted_tokens_per_pos`: one
+/// series a position the engine drafts (none when it does not), each with its count.
+#[test]
+fn accepted_drafts_are_reported_by_position() {
+    use lily::engine::EngineStats;
+    use std::sync::atomic::Ordering;
+    let metrics = lily::server::metrics::Metrics::new("per-position-test");
+    let stats = EngineStats::default();
+    stats.draft_positions.store(3, Ordering::Relaxed);
+    for (p, n) in [7, 4, 1].into_iter().enumerate() {
+        stats.accepted_per_position[p].store(n, Ordering::Relaxed);
+    }
+    let text = metrics.render(Some(&stats));
+    let name = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
+    let series: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains("per-position-test"))
+        .collect();
+    assert_eq!(series.len(), 3, "{series:?}");
+    for (p, n) in [7, 4, 1].into_iter().enumerate() {
+        assert!(
+            series
+                .iter()
+                .any(|l| l.contains(&format!("position=\"{p}\"")) && l.ends_with(&format!(" {n}"))),
+            "position {p}: {series:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

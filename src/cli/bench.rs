@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 
 use lily::bench::{self, BenchOptions};
 use lily::checkpoint;
-use lily::engine::EngineOptions;
+use lily::engine::{DraftSchedule, EngineOptions};
 use lily::model::Backend;
 use lily::sampling::SamplingParams;
 use lily::serve_bench::{self, ServeBenchOptions};
@@ -130,6 +130,10 @@ pub struct BenchArgs {
     /// what drafting costs, not what it gains.
     #[arg(long, requires = "serve", default_value_t = 0)]
     pub draft_tokens: usize,
+    /// --serve: how many of the `--draft-tokens` a pass checks (`serve --draft-schedule`):
+    /// `adaptive` (default) or `fixed` (always all, which measures their cost).
+    #[arg(long, requires = "serve", default_value = "adaptive")]
+    pub draft_schedule: DraftSchedule,
 }
 
 /// The --serve requests' sampling: `None` (greedy) unless a sampling flag is given.
@@ -352,6 +356,7 @@ fn serve_engine(args: &BenchArgs, device: &str) -> EngineOptions {
         max_sequences: args.streams.max(args.decode_streams),
         prefix_cache_bytes: args.prefix_cache_mb << 20,
         draft_tokens: args.draft_tokens,
+        draft_schedule: args.draft_schedule,
         ..EngineOptions::for_device(device)
     };
     match args.batch_tokens {

@@ -7,7 +7,7 @@ use clap::Args;
 
 use std::sync::Arc;
 
-use lily::engine::EngineOptions;
+use lily::engine::{DraftSchedule, EngineOptions};
 use lily::server::{self, ModelSource, ServeOptions, DEMO_MODEL_NAME};
 
 #[derive(Args)]
@@ -73,6 +73,11 @@ pub struct ServeArgs {
     /// output); on the GPU the path is built but not yet run on one. Metrics: vllm:spec_decode_*.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16))]
     pub draft_tokens: u32,
+    /// How many of the `--draft-tokens` a pass checks: `adaptive` (default) picks, pass by
+    /// pass, the number (0 included) with the most tokens a second by the request's acceptance
+    /// so far and what passes of each length cost; `fixed` always checks them all.
+    #[arg(long, default_value = "adaptive")]
+    pub draft_schedule: DraftSchedule,
     /// Test only: reply from this script instead of running a model.
     #[arg(long, hide = true)]
     pub scripted_tokens: Option<PathBuf>,
@@ -116,6 +121,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         prefix_cache_bytes: args.prefix_cache_mb << 20,
         memory_budget: args.state_memory_mb.map(|mb| mb << 20),
         draft_tokens: args.draft_tokens as usize,
+        draft_schedule: args.draft_schedule,
         ..defaults
     };
     let engine = match args.batch_tokens {

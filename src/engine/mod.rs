@@ -7,9 +7,12 @@
 //! matched) is cancelled before its next step. A panic while serving one request ends that
 //! request with an error and leaves the others untouched.
 
+pub mod draft_lengths;
 pub mod generate;
 pub mod prefix_cache;
 pub mod scheduler;
+
+pub use draft_lengths::{DraftSchedule, MAX_DRAFT_TOKENS};
 
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{mpsc, Arc, Mutex};
@@ -134,6 +137,9 @@ pub struct EngineOptions {
     /// backend that cannot draft. Greedy output is what decoding without drafts gives; sampled
     /// tokens keep their distribution.
     pub draft_tokens: usize,
+    /// How many of those a pass checks: adaptive (by acceptance and cost so far, 0 included)
+    /// or always all ([`DraftSchedule`]).
+    pub draft_schedule: DraftSchedule,
 }
 
 impl EngineOptions {
@@ -181,6 +187,7 @@ impl Default for EngineOptions {
             prefix_cache_bytes: 0,
             snapshot_interval: 2048,
             draft_tokens: 0,
+            draft_schedule: DraftSchedule::Adaptive,
         }
     }
 }
@@ -237,6 +244,10 @@ pub struct EngineStats {
     pub draft_passes_total: AtomicU64,
     pub draft_tokens_total: AtomicU64,
     pub accepted_draft_tokens_total: AtomicU64,
+    /// The most drafts a pass checks (0: the engine does not draft), and the drafts accepted
+    /// at each position of their pass (0: the first draft).
+    pub draft_positions: AtomicUsize,
+    pub accepted_per_position: [AtomicU64; MAX_DRAFT_TOKENS],
 }
 
 impl Engine {

@@ -26,6 +26,7 @@ use std::sync::{mpsc, Arc};
 
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::draft_lengths::{Acceptance, DraftLengths, MAX_DRAFT_TOKENS};
 use super::prefix_cache::PrefixCache;
 use super::{
     EngineOptions, EngineStats, Event, FinishReason, GenerateRequest, SampledToken, Sampler,
@@ -52,6 +53,8 @@ struct Running {
     reserved: u64,
     /// The sequence keeps what the MTP head needs (EngineOptions::draft_tokens).
     drafting: bool,
+    /// How its drafts have fared, for the choice of how many a pass checks.
+    acceptance: Acceptance,
 }
 
 impl Running {
@@ -146,6 +149,8 @@ pub(super) struct EngineLoop {
     prefill_turn: usize,
     /// `None` when off, or when the backend has no snapshots.
     cache: Option<PrefixCache>,
+    /// How many drafts a pass of a sequence decoding alone checks.
+    draft_lengths: DraftLengths,
 }
 
 impl EngineLoop {
@@ -156,6 +161,13 @@ impl EngineLoop {
     ) -> EngineLoop {
         let cache = (options.prefix_cache_bytes > 0 && backend.can_snapshot())
             .then(|| PrefixCache::new(options.prefix_cache_bytes));
+        let draft_lengths = DraftLengths::new(options.draft_tokens, options.draft_schedule);
+        let positions = if backend.can_draft() {
+            options.draft_tokens.min(MAX_DRAFT_TOKENS)
+        } else {
+            0
+        };
+        stats.draft_positions.store(positions, Ordering::Relaxed);
         EngineLoop {
             backend,
             options,
@@ -166,6 +178,7 @@ impl EngineLoop {
             reserved: 0,
             prefill_turn: 0,
             cache,
+            draft_lengths,
         }
     }
 
@@ -290,6 +303,7 @@ impl EngineLoop {
                 next: None,
                 reserved: need,
                 drafting,
+                acceptance: Acceptance::default(),
             });
         }
     }
@@ -387,19 +401,21 @@ impl EngineLoop {
                 device.device_step()
             })
             .collect();
+        // A plain step of a sequence that could have drafted: its time is what drafts compete with.
+        let mut timed_plain = None;
         if let ([(i, Work::Decode(token))], [Some(first)]) = (work.as_slice(), sampling.as_slice())
         {
             let r = &self.running[*i];
-            // A pass yields up to one token more than its drafts: no more than the request wants.
-            let k = self
-                .options
-                .draft_tokens
-                .min(r.request.max_tokens.saturating_sub(r.generated.len() + 1));
-            if self.running.len() == 1 && r.drafting && k > 0 {
+            if self.running.len() == 1 && r.drafting {
+                // A pass yields up to one token more than its drafts: no more than the request
+                // wants.
+                let limit = r.request.max_tokens.saturating_sub(r.generated.len() + 1);
+                let k = self.draft_lengths.choose(&r.acceptance, limit);
                 let (i, token, first) = (*i, *token, first.clone());
-                if self.decode_with_drafts(i, token, k, first) {
+                if k > 0 && self.decode_with_drafts(i, token, k, first) {
                     return;
                 }
+                timed_plain = Some(i);
             }
         }
         let steps: Vec<Step> = work
@@ -466,6 +482,10 @@ impl EngineLoop {
                     .collect()
             }
         };
+        if let Some(i) = timed_plain {
+            let acceptance = &mut self.running[i].acceptance;
+            (self.draft_lengths).record(acceptance, 0, took.as_secs_f64(), 0, 0);
+        }
         // The picks made beside the pass: their requests join the next one.
         self.restore_picks(picks);
         let mut failed = Vec::new();
@@ -581,8 +601,10 @@ impl EngineLoop {
         };
         let v = self.backend.config().vocab_size;
         let mut sampling = first;
-        // Rows of the pass whose tokens stand (the first always does).
+        // Rows of the pass whose tokens stand (the first always does); drafts checked, and
+        // those that stood (the first `accepted`).
         let mut kept = 1;
+        let mut checked_drafts = 0;
         let mut accepted = 0;
         let mut ended = None;
         for j in 0..=drafts.len() {
@@ -614,6 +636,7 @@ impl EngineLoop {
             let stands = match checked {
                 Ok(Ok(draft)) => draft,
                 Ok(Err(pick)) => {
+                    checked_drafts = checked_drafts.max((j + 1).min(drafts.len()));
                     self.running[i].next = Some(Next::Sampled(pick));
                     break;
                 }
@@ -624,6 +647,7 @@ impl EngineLoop {
             };
             self.running[i].next = Some(Next::Sampled(stands));
             // The draft is the pick: sent now, and the row it was drafted for stands.
+            checked_drafts = j + 1;
             accepted += 1;
             match self.sample(i) {
                 Ok(None) => {}
@@ -652,12 +676,18 @@ impl EngineLoop {
             .draft_tokens_total
             .fetch_add(drafted, Ordering::Relaxed);
         let accepted_total = &stats.accepted_draft_tokens_total;
-        accepted_total.fetch_add(accepted, Ordering::Relaxed);
+        accepted_total.fetch_add(accepted as u64, Ordering::Relaxed);
+        for at in stats.accepted_per_position.iter().take(accepted) {
+            at.fetch_add(1, Ordering::Relaxed);
+        }
         let backend = &mut self.backend;
         let cut = catch_unwind(AssertUnwindSafe(|| backend.keep_verified(seq, kept)))
             .unwrap_or_else(|panic| {
                 Err(anyhow::anyhow!("internal error: {}", panic_message(panic)))
             });
+        let seconds = started.elapsed().as_secs_f64();
+        let acceptance = &mut self.running[i].acceptance;
+        (self.draft_lengths).record(acceptance, k, seconds, checked_drafts, accepted);
         match (ended, cut) {
             (Some(Ok(Some(reason))), Ok(())) => {
                 let r = self.remove(i);

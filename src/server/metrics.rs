@@ -85,12 +85,27 @@ impl Metrics {
                 .set(stats.reserved_bytes.load(Ordering::Relaxed) as f64);
             // Speculative decoding, named as vLLM names it: passes that checked drafts, the
             // drafts, and those accepted.
-            counter!("vllm:spec_decode_num_drafts", "model_name" => label.clone())
+            counter!("vllm:spec_decode_num_drafts_total", "model_name" => label.clone())
                 .absolute(stats.draft_passes_total.load(Ordering::Relaxed));
-            counter!("vllm:spec_decode_num_draft_tokens", "model_name" => label.clone())
+            counter!("vllm:spec_decode_num_draft_tokens_total", "model_name" => label.clone())
                 .absolute(stats.draft_tokens_total.load(Ordering::Relaxed));
-            counter!("vllm:spec_decode_num_accepted_tokens", "model_name" => label)
+            counter!("vllm:spec_decode_num_accepted_tokens_total", "model_name" => label.clone())
                 .absolute(stats.accepted_draft_tokens_total.load(Ordering::Relaxed));
+            // Acceptance by position (0: a pass's first draft), as vLLM's per-position counter.
+            let positions = stats.draft_positions.load(Ordering::Relaxed);
+            for (p, accepted) in stats
+                .accepted_per_position
+                .iter()
+                .enumerate()
+                .take(positions)
+            {
+                counter!(
+                    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                    "model_name" => label.clone(),
+                    "position" => p.to_string()
+                )
+                .absolute(accepted.load(Ordering::Relaxed));
+            }
         }
         handle()
             .as_ref()
