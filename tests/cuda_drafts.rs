@@ -274,3 +274,42 @@ fn a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches() {
         gpu.free_sequence(1);
     }
 }
+
+/// A prefix-cache snapshot of a drafting sequence taken mid-prompt (its head has run over none
+/// of the prompt yet) and restored into another sequence: the drafts after the rest of the
+/// prompt are those of the sequence that never stopped, bit for bit (the same kernels over the
+/// same rows). Without the head's pending rows in the snapshot, the restored head would read
+/// cache rows never written.
+#[test]
+fn drafts_after_a_prefix_cache_restore_are_those_without_it() {
+    let mut rng = Rng::new("drafts_after_a_prefix_cache_restore_are_those_without_it");
+    let w = weights(&mut rng);
+    let mut gpu = gpu(&w);
+    for cut in [1, 120, 299] {
+        // A prompt of its own each time: the slots' head cache rows of an earlier prompt would
+        // otherwise be right by chance.
+        let p = prompt(&mut rng, 300);
+        let next = rng.below(2000) as u32;
+        gpu.create_sequence(0).unwrap();
+        gpu.start_drafting(0).unwrap();
+        gpu.forward(0, &p[..cut]).unwrap();
+        let saved = gpu.snapshot(0).unwrap();
+        gpu.forward(0, &p[cut..]).unwrap();
+        let want = gpu.draft(0, next, 3).unwrap();
+        gpu.free_sequence(0);
+
+        gpu.create_sequence(1).unwrap();
+        gpu.start_drafting(1).unwrap();
+        assert_eq!(gpu.restore(saved.id, 1).unwrap(), cut);
+        gpu.forward(1, &p[cut..]).unwrap();
+        let got = gpu.draft(1, next, 3).unwrap();
+        gpu.free_sequence(1);
+        gpu.drop_snapshot(saved.id);
+        assert_eq!(
+            got,
+            want,
+            "snapshot after {cut} of {} prompt tokens",
+            p.len()
+        );
+    }
+}

@@ -41,7 +41,7 @@ use super::timeline::Timeline;
 use super::weights::DeviceMatrices;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
 use crate::config::LayerKind;
-use crate::model::{RoutingTrace, SeqId};
+use crate::model::{RoutingTrace, SeqId, SnapshotId};
 use experts::moe_experts;
 use projection::{first_projection, gemv_rows};
 use residual::ResidualStream;
@@ -263,6 +263,8 @@ pub struct CudaBackend {
     /// The sequences that draft with the MTP head, by slot, and the head's buffers
     /// (forward/mtp.rs); the head's KV cache is the attention layers' last.
     drafting: HashMap<usize, mtp::Drafting>,
+    /// What the prefix cache's snapshots of drafting sequences keep for the head.
+    head_snapshots: HashMap<SnapshotId, mtp::HeadSnapshot>,
     mtp_io: Option<mtp::MtpBuffers>,
 }
 
@@ -418,6 +420,7 @@ impl CudaBackend {
             routing: None,
             timeline: None,
             drafting: HashMap::new(),
+            head_snapshots: HashMap::new(),
             mtp_io,
             options,
         })

@@ -176,14 +176,20 @@ impl Backend for CudaBackend {
     fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
         let s = self.sequence(seq)?;
         let (slot, position) = (s.slot, s.position);
+        let head = self.save_head(slot)?;
         let pools = StatePools {
             ssm: &mut self.ssm,
             conv: &mut self.conv,
             kv: &mut self.kv,
         };
-        Ok(self
+        let mut snapshot = self
             .snapshots
-            .take(self.dev.stream(), pools, slot, position)?)
+            .take(self.dev.stream(), pools, slot, position)?;
+        if let Some(head) = head {
+            snapshot.bytes += head.bytes();
+            self.head_snapshots.insert(snapshot.id, head);
+        }
+        Ok(snapshot)
     }
     fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
         let slot = self.sequence(seq)?.slot;
@@ -198,11 +204,17 @@ impl Backend for CudaBackend {
         if let Some(s) = self.sequences.get_mut(&seq) {
             s.position = position;
         }
-        self.restart_drafting_slot(slot, position);
+        let head = self.head_snapshots.remove(&snapshot);
+        let restored = self.restore_head(slot, position, head.as_ref());
+        if let Some(head) = head {
+            self.head_snapshots.insert(snapshot, head);
+        }
+        restored?;
         Ok(position)
     }
     fn drop_snapshot(&mut self, snapshot: SnapshotId) {
         self.snapshots.drop_snapshot(snapshot);
+        self.head_snapshots.remove(&snapshot);
     }
     fn peak_memory(&self) -> Option<u64> {
         Some(self.peak_memory)

@@ -76,6 +76,21 @@ impl Drafting {
     }
 }
 
+/// What a prefix-cache snapshot of a drafting sequence keeps for its head (`save_head`).
+pub struct HeadSnapshot {
+    committed: usize,
+    rows: usize,
+    tokens: Vec<u32>,
+    /// `[rows][hidden]` (one element when empty).
+    pending: CudaSlice<bf16>,
+}
+
+impl HeadSnapshot {
+    pub fn bytes(&self) -> u64 {
+        (self.pending.len() * size_of::<bf16>() + self.tokens.len() * size_of::<u32>()) as u64
+    }
+}
+
 /// The head's inputs for a pass of up to `rows` rows, and its last output.
 pub struct MtpBuffers {
     /// `[rows][hidden]`: the normed embeddings, the normed hidden states.
@@ -146,16 +161,81 @@ impl CudaBackend {
         self.drafting.remove(&slot);
     }
 
-    /// After a prefix-cache restore into `slot` at `position`: the head's cache rows of the
-    /// restored positions are whatever the snapshot held (drafts from them may be worse, never
-    /// wrong: a draft only decides what the verify pass checks), and nothing is pending.
-    pub(super) fn restart_drafting_slot(&mut self, slot: usize, position: usize) {
-        if let Some(d) = self.drafting.get_mut(&slot) {
-            d.rows = 0;
-            d.tokens.clear();
-            d.committed = position;
-            d.verify = None;
+    /// What a snapshot of the drafting sequence in `slot` keeps for its head beside the KV
+    /// rows (the head's cache is one more attention layer of the KV cache, saved with it): the
+    /// rows it has not taken yet, as `cpu::mtp`'s state does. Its first snapshot of a prompt
+    /// holds the whole prompt's rows this way (the head runs when the first drafts are asked
+    /// for), so without them a restored conversation's head would read cache rows never
+    /// written. `None` for a sequence that does not draft.
+    pub(super) fn save_head(&self, slot: usize) -> Result<Option<HeadSnapshot>> {
+        let Some(d) = self.drafting.get(&slot) else {
+            return Ok(None);
+        };
+        ensure!(
+            d.verify.is_none(),
+            "a snapshot of a sequence with a verify pass open"
+        );
+        let h = self.model.config.hidden_size;
+        let st = self.dev.stream().clone();
+        let mut pending = alloc(&st, (d.rows * h).max(1))?;
+        if d.rows > 0 {
+            st.memcpy_dtod(
+                &d.pending.slice(..d.rows * h),
+                &mut pending.slice_mut(..d.rows * h),
+            )
+            .during(|| "saving the head's pending rows".into())?;
         }
+        Ok(Some(HeadSnapshot {
+            committed: d.committed,
+            rows: d.rows,
+            tokens: d.tokens.clone(),
+            pending,
+        }))
+    }
+
+    /// After a prefix-cache restore into `slot` at `position`: the head's pending rows as the
+    /// snapshot kept them. A snapshot without them (its sequence did not draft) leaves the
+    /// head's cache rows of the restored positions whatever the snapshot held: drafts from
+    /// them may be worse, never wrong (a draft only decides what the verify pass checks).
+    pub(super) fn restore_head(
+        &mut self,
+        slot: usize,
+        position: usize,
+        saved: Option<&HeadSnapshot>,
+    ) -> Result<()> {
+        let h = self.model.config.hidden_size;
+        let st = self.dev.stream().clone();
+        let Some(d) = self.drafting.get_mut(&slot) else {
+            return Ok(());
+        };
+        d.verify = None;
+        d.tokens.clear();
+        d.rows = 0;
+        d.committed = position;
+        let Some(saved) = saved else {
+            return Ok(());
+        };
+        ensure!(
+            saved.committed + saved.rows == position && saved.tokens.len() == saved.rows,
+            "a head snapshot of {} + {} rows for a state of {position} tokens",
+            saved.committed,
+            saved.rows
+        );
+        ensure!(
+            saved.rows * h <= d.pending.len(),
+            "a head snapshot of more rows than the context"
+        );
+        if saved.rows > 0 {
+            st.memcpy_dtod(
+                &saved.pending.slice(..saved.rows * h),
+                &mut d.pending.slice_mut(..saved.rows * h),
+            )
+            .during(|| "restoring the head's pending rows".into())?;
+        }
+        d.rows = saved.rows;
+        d.tokens.clone_from(&saved.tokens);
+        d.committed = saved.committed;
+        Ok(())
     }
 
     /// After `pass`: the final-normed rows of each drafting sequence in it, and their tokens,
