@@ -36,8 +36,11 @@ impl Sim<'_> {
         // The check stops at the first draft that does not stand.
         let checked = (stood + 1).min(k);
         let seconds = (self.cost)(k);
-        self.lengths
-            .record(&mut self.request, k, seconds, checked, stood);
+        if k == 0 {
+            self.lengths.record_plain(&mut [&mut self.request], seconds);
+        } else {
+            (self.lengths).record_drafted(&mut self.request, k, seconds, checked, stood);
+        }
         k
     }
 
@@ -175,4 +178,64 @@ fn a_new_request_starts_from_the_acceptance_earlier_ones_saw() {
         assert_eq!(k > 0, drafts, "acceptance {a}: chose {k}");
         assert!((sim.lengths.acceptance(&sim.request, 0) - a).abs() < 0.2);
     }
+}
+
+/// Requests decoding together: drafting each in a pass of its own, one after another, against
+/// one plain step of all, with costs shaped as the H200's (a step of 2 rows costs half a step
+/// more than one, 4 rows little more than 2: bench/NOTES.md v1.78). Two requests with a good
+/// head draft; four step together (their plain step yields more a second than four drafted
+/// passes); more than MAX_DRAFT_STREAMS never draft; a request with no room for a draft
+/// keeps all of them stepping together.
+#[test]
+fn requests_decoding_together_draft_only_where_their_passes_beat_the_shared_step() {
+    let drafted = |k: usize| 1.55 + 0.12 * k as f64;
+    let plain = |n: usize| [0.0, 1.0, 1.5, 1.65, 1.7, 1.75][n];
+    let mut rng = Rng::new("requests decoding together");
+    // (requests, acceptance, drafted passes expected mostly)
+    for (n, a, drafts) in [
+        (2, 0.9, true),
+        (2, 0.0, false),
+        (4, 0.9, false),
+        (3, 1.0, true),
+    ] {
+        let mut lengths = DraftLengths::new(3, DraftSchedule::Adaptive);
+        let mut requests = vec![Acceptance::default(); n];
+        let mut drafted_steps = 0;
+        for step in 0..300 {
+            let asked: Vec<(&Acceptance, usize)> = requests.iter().map(|r| (r, 100)).collect();
+            let ks = lengths.plan(&asked);
+            assert!(
+                ks.iter().all(|&k| k > 0) || ks.iter().all(|&k| k == 0),
+                "{ks:?}"
+            );
+            if ks[0] == 0 {
+                let mut all: Vec<&mut Acceptance> = requests.iter_mut().collect();
+                lengths.record_plain(&mut all, plain(n));
+                continue;
+            }
+            drafted_steps += usize::from(step >= 50);
+            for (r, &k) in requests.iter_mut().zip(&ks) {
+                let mut stood = 0;
+                while stood < k && rng.uniform() < a {
+                    stood += 1;
+                }
+                lengths.record_drafted(r, k, drafted(k), (stood + 1).min(k), stood);
+            }
+        }
+        println!("{n} requests, acceptance {a}: {drafted_steps} of 250 steps drafted");
+        if drafts {
+            assert!(drafted_steps >= 200, "{n} requests at {a}: {drafted_steps}");
+        } else {
+            assert!(drafted_steps <= 50, "{n} requests at {a}: {drafted_steps}");
+        }
+    }
+    let mut lengths = DraftLengths::new(3, DraftSchedule::Adaptive);
+    let fresh = Acceptance::default();
+    let many: Vec<(&Acceptance, usize)> = vec![(&fresh, 100); 5];
+    assert_eq!(lengths.plan(&many), [0; 5]);
+    let mut fixed = DraftLengths::new(3, DraftSchedule::Fixed);
+    assert_eq!(fixed.plan(&many), [0; 5]);
+    assert_eq!(fixed.plan(&many[..3]), [3; 3]);
+    assert_eq!(fixed.plan(&[(&fresh, 2), (&fresh, 100)]), [2, 3]);
+    assert_eq!(fixed.plan(&[(&fresh, 0), (&fresh, 100)]), [0, 0]);
 }

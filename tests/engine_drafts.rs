@@ -334,6 +334,33 @@ fn drafts_beside_other_requests_and_the_prefix_cache_change_no_output() {
     assert_eq!(got, alone(&w, &turn, 20));
 }
 
+/// Requests decoding together (no more than MAX_DRAFT_STREAMS) draft too, each in a pass of its
+/// own (the fixed schedule: every step), and each one's output is its plain greedy output.
+/// Three prompts of one length start and decode together: without drafting together they would
+/// step in one batch to the end and never draft.
+#[test]
+fn requests_decoding_together_each_draft_in_a_pass_of_their_own() {
+    let mut rng = Rng::new("requests_decoding_together_each_draft_in_a_pass_of_their_own");
+    let (engine, w) = drafting_engine(0.3, &mut rng, 0);
+    let vocab = w.config.vocab_size;
+    let n = 30;
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|_| (0..8).map(|_| rng.below(vocab) as u32).collect())
+        .collect();
+    let rxs: Vec<_> = (prompts.iter())
+        .map(|p| engine.submit(request(p.clone(), n, vec![], vocab)))
+        .collect();
+    for (rx, p) in rxs.into_iter().zip(&prompts) {
+        assert_eq!(collect(rx).0, alone(&w, p, n));
+    }
+    let passes = engine.stats().draft_passes_total.load(Ordering::Relaxed);
+    // Each request's passes yield at most 4 tokens (3 drafts and the next).
+    assert!(
+        passes >= 3 * (n as u64 - 1) / 4,
+        "{passes} passes with drafts"
+    );
+}
+
 #[test]
 fn a_backend_that_drafts_nothing_leaves_the_request_decoding_without_drafts() {
     let mut rng =

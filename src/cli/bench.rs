@@ -125,7 +125,7 @@ pub struct BenchArgs {
     /// tokenizer's (a real Qwen3.6 checkpoint: 248077 of the model's 248320 rows).
     #[arg(long, requires = "serve")]
     pub vocab_limit: Option<usize>,
-    /// --serve: requests decoding alone check this many MTP drafts a pass (`serve
+    /// --serve: requests decoding alone (or a few together) check this many MTP drafts a pass (`serve
     /// --draft-tokens`); a synthetic model's random head drafts random tokens, so this measures
     /// what drafting costs, not what it gains.
     #[arg(long, requires = "serve", default_value_t = 0)]

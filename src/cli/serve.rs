@@ -66,16 +66,17 @@ pub struct ServeArgs {
     /// token. Default: 8192 on a GPU, 2048 on the CPU.
     #[arg(long)]
     pub batch_tokens: Option<usize>,
-    /// Speculative decoding: a request decoding alone checks this many tokens drafted by the
-    /// checkpoint's MTP head in each pass (greedy output unchanged, sampled tokens' distribution
-    /// unchanged). Off (0) by default; needs a
+    /// Speculative decoding: while at most 4 requests run and all decode, each checks up to this
+    /// many tokens drafted by the checkpoint's MTP head in a pass of its own (greedy output
+    /// unchanged, sampled tokens' distribution unchanged). Off (0) by default; needs a
     /// checkpoint with the head (Hugging Face bf16/FP8, GGUF with nextn tensors, `lily quantize`
     /// output); on the GPU the path is built but not yet run on one. Metrics: vllm:spec_decode_*.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16))]
     pub draft_tokens: u32,
     /// How many of the `--draft-tokens` a pass checks: `adaptive` (default) picks, pass by
     /// pass, the number (0 included) with the most tokens a second by the request's acceptance
-    /// so far and what passes of each length cost; `fixed` always checks them all.
+    /// so far and what passes of each length cost, and whether requests decoding together draft
+    /// at all; `fixed` always checks them all.
     #[arg(long, default_value = "adaptive")]
     pub draft_schedule: DraftSchedule,
     /// Test only: reply from this script instead of running a model.

@@ -2,12 +2,15 @@
 //!
 //! A pass that checks k drafts yields on average E(k) = 1 + a₁ + a₁a₂ + … + a₁⋯a_k tokens, a_j
 //! being the chance that draft j stands once those before it stood, and takes what passes with
-//! k drafts took lately (k = 0: a plain step). The adaptive schedule picks the k with the most
-//! tokens a second, 0 included: drafting backs off where the head is often wrong (late in a long
-//! context, a hard passage) and stops where it cannot win (a backend whose verify rows cost as
-//! much as steps), and comes back when the head does better. Output never depends on k: greedy
-//! tokens are plain greedy decoding's and sampled ones keep their distribution whatever the
-//! drafts (see `Scheduler::decode_with_drafts`); only the speed does.
+//! k drafts took lately. The adaptive schedule picks, for a request decoding alone, the k with
+//! the most tokens a second, 0 (a plain step) included: drafting backs off where the head is
+//! often wrong (late in a long context, a hard passage) and stops where it cannot win (a
+//! backend whose verify rows cost as much as steps), and comes back when the head does better.
+//! A few requests decoding together either step together without drafts, or each checks its
+//! best number of drafts in a pass of its own, one after another: whichever yields more
+//! tokens a second. Output never depends on these choices: greedy tokens are plain greedy
+//! decoding's and sampled ones keep their distribution whatever the drafts (see
+//! `Scheduler::decode_with_drafts`); only the speed does.
 //!
 //! Acceptance is learnt per request (a code completion and a story differ), starting from what
 //! the engine's recent requests saw; costs per engine (they are the backend's), measured on the
@@ -43,6 +46,9 @@ impl std::str::FromStr for DraftSchedule {
 
 /// The most drafts a pass checks (a GPU's verify pass holds 17 rows).
 pub const MAX_DRAFT_TOKENS: usize = 16;
+/// The most requests decoding together that may draft (each its own pass, one after another);
+/// more step together without drafts.
+pub const MAX_DRAFT_STREAMS: usize = 4;
 /// Every this many passes, the length chosen is the best by hopeful acceptances.
 pub const EXPLORE_EVERY: u64 = 8;
 /// What a draft position's acceptance is taken to be before anything is known of it.
@@ -91,15 +97,16 @@ impl Acceptance {
     }
 }
 
-/// The engine's choice of draft lengths: costs of each length, and acceptance pooled over
-/// requests.
+/// The engine's choice of draft lengths: what passes cost, and acceptance pooled over requests.
 #[derive(Clone, Debug)]
 pub struct DraftLengths {
     schedule: DraftSchedule,
     max: usize,
-    /// Seconds a pass with k drafts took lately (moving average).
-    cost: Vec<Option<f64>>,
-    /// Passes chosen so far.
+    /// Seconds (moving averages) a drafted pass of one sequence took lately, by its drafts
+    /// (index 0 unused), and a plain step of n sequences decoding together (index n).
+    drafted: Vec<Option<f64>>,
+    plain: Vec<Option<f64>>,
+    /// Passes planned so far.
     passes: u64,
     pooled: Acceptance,
 }
@@ -111,44 +118,82 @@ impl DraftLengths {
         DraftLengths {
             schedule,
             max,
-            cost: vec![None; max + 1],
+            drafted: vec![None; max + 1],
+            plain: vec![None; MAX_DRAFT_STREAMS + 1],
             passes: 0,
             pooled: Acceptance::default(),
         }
     }
 
-    /// The drafts the next pass of a request with `acceptance` so far checks, at most `limit`
-    /// (what is left of its tokens): 0 is a plain step.
+    /// The drafts the next pass of a request decoding alone checks: [`DraftLengths::plan`]
+    /// for one.
     pub fn choose(&mut self, acceptance: &Acceptance, limit: usize) -> usize {
-        let top = self.max.min(limit);
-        if top == 0 || self.schedule == DraftSchedule::Fixed {
-            return top;
-        }
-        self.passes += 1;
-        // Each length once, the longest (the one asked for) first.
-        if let Some(k) = (0..=top).rev().find(|&k| self.cost[k].is_none()) {
-            return k;
-        }
-        // Now and then the length that would be best were each position's acceptance as high
-        // as what is known of it allows: what is seldom checked gets checked again.
-        let hopeful = self.passes % EXPLORE_EVERY == 0;
-        self.best(acceptance, top, hopeful)
+        self.plan(&[(acceptance, limit)])[0]
     }
 
-    /// The length of `0..=top` (each measured) with the most tokens a second, by each
-    /// position's estimated acceptance (`hopeful`: one standard error above it); the shorter of
-    /// two equal ones.
-    fn best(&self, acceptance: &Acceptance, top: usize, hopeful: bool) -> usize {
-        let mut best = (0, f64::MIN);
-        for k in 0..=top {
-            let Some(cost) = self.cost[k] else { continue };
+    /// The next step of requests decoding together (each with its acceptance so far and the
+    /// most drafts it leaves room for): all zeros, one plain step of all of them; else each
+    /// one's drafts, checked in a pass of its own, one request after another. Drafting wins
+    /// where the tokens those passes yield a second beat the plain step's: with a few
+    /// requests and a head that is often right, or with one alone. More than
+    /// [`MAX_DRAFT_STREAMS`] requests always step together.
+    pub fn plan(&mut self, requests: &[(&Acceptance, usize)]) -> Vec<usize> {
+        let n = requests.len();
+        let tops: Vec<usize> = requests.iter().map(|r| self.max.min(r.1)).collect();
+        let plain = vec![0; n];
+        if n == 0 || n > MAX_DRAFT_STREAMS || tops.contains(&0) {
+            return plain;
+        }
+        if self.schedule == DraftSchedule::Fixed {
+            return tops;
+        }
+        self.passes += 1;
+        // Each drafted length once, the longest (the one asked for) first; then the plain step.
+        let top = tops.iter().copied().min().unwrap_or(0);
+        if let Some(k) = (1..=top).rev().find(|&k| self.drafted[k].is_none()) {
+            return vec![k; n];
+        }
+        let Some(step) = self.plain[n] else {
+            return plain;
+        };
+        // Now and then by acceptances as high as what is known of them allows: what is seldom
+        // checked (drafting at all, or positions past the lengths chosen lately) gets checked.
+        let hopeful = self.passes % EXPLORE_EVERY == 0;
+        let (mut tokens, mut seconds) = (0.0, 0.0);
+        let mut ks = Vec::with_capacity(n);
+        for (&(acceptance, _), &top) in requests.iter().zip(&tops) {
+            let (k, e, cost) = self.best_drafted(acceptance, top, hopeful);
+            ks.push(k);
+            tokens += e;
+            seconds += cost;
+        }
+        // The plain step where drafting is no better.
+        if tokens * step > n as f64 * seconds {
+            ks
+        } else {
+            plain
+        }
+    }
+
+    /// The drafted length of `1..=top` (those measured) with the most tokens a second for a
+    /// request with `acceptance`; its expected tokens and cost. The shorter of two equal ones.
+    fn best_drafted(
+        &self,
+        acceptance: &Acceptance,
+        top: usize,
+        hopeful: bool,
+    ) -> (usize, f64, f64) {
+        let mut best = (0, 0.0, f64::INFINITY);
+        for k in 1..=top {
+            let Some(cost) = self.drafted[k] else {
+                continue;
+            };
             let tokens = self.expected_tokens(acceptance, k, hopeful);
-            let rate = tokens / cost.max(f64::MIN_POSITIVE);
-            if rate > best.1 {
-                best = (k, rate);
+            if tokens * best.2 > best.1 * cost {
+                best = (k, tokens, cost);
             }
         }
-        best.0
+        best
     }
 
     /// E(k): tokens a pass with `k` drafts yields on average, for a request with `acceptance`
@@ -174,9 +219,9 @@ impl DraftLengths {
         acceptance.estimate(p, self.pooled.estimate(p, PRIOR_ACCEPTANCE))
     }
 
-    /// A pass with `k` drafts took `seconds`, and checked `checked` of them of which `stood`
-    /// stood (a plain step: k = 0 and no checks).
-    pub fn record(
+    /// A request's drafted pass with `k` drafts took `seconds`, and checked `checked` of them
+    /// of which `stood` stood.
+    pub fn record_drafted(
         &mut self,
         acceptance: &mut Acceptance,
         k: usize,
@@ -184,11 +229,8 @@ impl DraftLengths {
         checked: usize,
         stood: usize,
     ) {
-        if let Some(cost) = self.cost.get_mut(k) {
-            *cost = Some(match *cost {
-                Some(c) => c + COST_WEIGHT * (seconds - c),
-                None => seconds,
-            });
+        if let Some(cost) = self.drafted.get_mut(k).filter(|_| k > 0) {
+            average(cost, seconds);
         }
         acceptance.record(checked, stood, REQUEST_DECAY);
         // The engine's memory of the head fades only as it is checked.
@@ -196,4 +238,22 @@ impl DraftLengths {
             self.pooled.record(checked, stood, POOLED_DECAY);
         }
     }
+
+    /// A plain step of the requests with these acceptances, decoding together, took `seconds`.
+    pub fn record_plain(&mut self, acceptances: &mut [&mut Acceptance], seconds: f64) {
+        if let Some(cost) = self.plain.get_mut(acceptances.len()) {
+            average(cost, seconds);
+        }
+        for acceptance in acceptances {
+            acceptance.record(0, 0, REQUEST_DECAY);
+        }
+    }
+}
+
+/// A new measurement into a moving average.
+fn average(cost: &mut Option<f64>, seconds: f64) {
+    *cost = Some(match *cost {
+        Some(c) => c + COST_WEIGHT * (seconds - c),
+        None => seconds,
+    });
 }

@@ -133,9 +133,10 @@ pub struct EngineOptions {
     /// chunk that reaches the mark), besides the end of the prompt and of the turn.
     pub snapshot_interval: usize,
     /// Tokens drafted by the checkpoint's MTP head and checked in each decode pass of a request
-    /// that decodes alone (speculative decoding, MODEL.md §4.2); 0 turns drafting off, as does a
-    /// backend that cannot draft. Greedy output is what decoding without drafts gives; sampled
-    /// tokens keep their distribution.
+    /// that decodes alone or beside a few others (speculative decoding, MODEL.md §4.2; how many
+    /// and when: `draft_schedule`); 0 turns drafting off, as does a backend that cannot draft.
+    /// Greedy output is what decoding without drafts gives; sampled tokens keep their
+    /// distribution.
     pub draft_tokens: usize,
     /// How many of those a pass checks: adaptive (by acceptance and cost so far, 0 included)
     /// or always all ([`DraftSchedule`]).

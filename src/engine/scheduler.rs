@@ -105,6 +105,9 @@ fn taken_sampler(_: &mut [f32], _: &[u32]) -> SampledToken {
     unreachable!("a request's sampler was called while its pick was running")
 }
 
+/// A step's sampling on the device and its uniform draw, or `None`: its logits come back.
+type DeviceStep = Option<(DeviceSampling, f64)>;
+
 /// What a running sequence does in this iteration's batch.
 enum Work {
     /// Prompt tokens `[from, to)`.
@@ -149,7 +152,7 @@ pub(super) struct EngineLoop {
     prefill_turn: usize,
     /// `None` when off, or when the backend has no snapshots.
     cache: Option<PrefixCache>,
-    /// How many drafts a pass of a sequence decoding alone checks.
+    /// Whether requests decoding draft, and how many drafts a pass checks.
     draft_lengths: DraftLengths,
 }
 
@@ -389,7 +392,7 @@ impl EngineLoop {
         }
         // Steps that end with a token the request's device sampler can pick bring back the
         // token; the others the logits.
-        let sampling: Vec<Option<(DeviceSampling, f64)>> = work
+        let mut sampling: Vec<DeviceStep> = work
             .iter()
             .map(|(i, w)| {
                 let r = &mut self.running[*i];
@@ -401,21 +404,34 @@ impl EngineLoop {
                 device.device_step()
             })
             .collect();
-        // A plain step of a sequence that could have drafted: its time is what drafts compete with.
-        let mut timed_plain = None;
-        if let ([(i, Work::Decode(token))], [Some(first)]) = (work.as_slice(), sampling.as_slice())
-        {
-            let r = &self.running[*i];
-            if self.running.len() == 1 && r.drafting {
-                // A pass yields up to one token more than its drafts: no more than the request
-                // wants.
-                let limit = r.request.max_tokens.saturating_sub(r.generated.len() + 1);
-                let k = self.draft_lengths.choose(&r.acceptance, limit);
-                let (i, token, first) = (*i, *token, first.clone());
-                if k > 0 && self.decode_with_drafts(i, token, k, first) {
+        // Every running request decodes, may draft and is sampled on the device: the step may
+        // be a drafted pass for each (DraftLengths::plan); a plain step of them is timed, as
+        // what drafts compete with.
+        let all_may_draft = work.len() == self.running.len()
+            && work.iter().zip(&sampling).all(|((i, w), s)| {
+                matches!(w, Work::Decode(_)) && s.is_some() && self.running[*i].drafting
+            });
+        let mut timed_plain = false;
+        if all_may_draft {
+            let requests: Vec<(&Acceptance, usize)> = (work.iter())
+                .map(|(i, _)| {
+                    let r = &self.running[*i];
+                    // A pass yields up to one token more than its drafts: no more than the
+                    // request wants.
+                    let left = r.request.max_tokens.saturating_sub(r.generated.len() + 1);
+                    (&r.acceptance, left)
+                })
+                .collect();
+            let ks = self.draft_lengths.plan(&requests);
+            if ks.iter().all(|&k| k == 0) {
+                timed_plain = true;
+            } else {
+                let plain = self.drafted_passes(&work, &sampling, &ks);
+                if plain.is_empty() {
                     return;
                 }
-                timed_plain = Some(i);
+                // Those the backend drafted nothing for step as any other.
+                (work, sampling) = plain.into_iter().unzip();
             }
         }
         let steps: Vec<Step> = work
@@ -482,9 +498,10 @@ impl EngineLoop {
                     .collect()
             }
         };
-        if let Some(i) = timed_plain {
-            let acceptance = &mut self.running[i].acceptance;
-            (self.draft_lengths).record(acceptance, 0, took.as_secs_f64(), 0, 0);
+        if timed_plain {
+            let mut acceptances: Vec<&mut Acceptance> =
+                self.running.iter_mut().map(|r| &mut r.acceptance).collect();
+            (self.draft_lengths).record_plain(&mut acceptances, took.as_secs_f64());
         }
         // The picks made beside the pass: their requests join the next one.
         self.restore_picks(picks);
@@ -521,7 +538,37 @@ impl EngineLoop {
         self.options.draft_tokens > 0 && self.backend.can_draft()
     }
 
-    /// The decode step of `running[i]`, a sequence decoding alone, with drafts: the MTP head
+    /// The decode steps `work` (each sampled on the device: `sampling`) as drafted passes, one
+    /// a request with its `ks` drafts, one after another (`decode_with_drafts`). Returns the
+    /// steps still to run, re-indexed: those whose backend drafted nothing.
+    fn drafted_passes(
+        &mut self,
+        work: &[(usize, Work)],
+        sampling: &[DeviceStep],
+        ks: &[usize],
+    ) -> Vec<((usize, Work), DeviceStep)> {
+        let mut plain = Vec::new();
+        // Highest index first: a request that ends leaves the indices still to come as they are.
+        for (((i, w), s), &k) in work.iter().zip(sampling).zip(ks).rev() {
+            let (Work::Decode(token), Some(first)) = (w, s) else {
+                continue;
+            };
+            let seq = self.running[*i].seq;
+            if k == 0 || !self.decode_with_drafts(*i, *token, k, first.clone()) {
+                plain.push((seq, *token, s.clone()));
+            }
+        }
+        plain
+            .into_iter()
+            .rev()
+            .filter_map(|(seq, token, s)| {
+                let i = self.running.iter().position(|r| r.seq == seq)?;
+                Some(((i, Work::Decode(token)), s))
+            })
+            .collect()
+    }
+
+    /// The decode step of `running[i]` as a pass of its own with drafts: the MTP head
     /// drafts `k` tokens after `token` (just sampled, not run), one pass runs `token` and the
     /// drafts, and the request's sampling checks each draft in turn (`first` is its sampling
     /// for the first row): greedy keeps a draft that is its argmax, sampling keeps it with its
@@ -687,7 +734,7 @@ impl EngineLoop {
             });
         let seconds = started.elapsed().as_secs_f64();
         let acceptance = &mut self.running[i].acceptance;
-        (self.draft_lengths).record(acceptance, k, seconds, checked_drafts, accepted);
+        (self.draft_lengths).record_drafted(acceptance, k, seconds, checked_drafts, accepted);
         match (ended, cut) {
             (Some(Ok(Some(reason))), Ok(())) => {
                 let r = self.remove(i);
