@@ -521,11 +521,54 @@ impl Backend for Counting {
             .is_some());
         self.inner.drop_snapshot(snapshot)
     }
+    fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
+        self.inner.forward_batch(steps)
+    }
+    fn can_draft(&self) -> bool {
+        self.inner.can_draft()
+    }
+    fn start_drafting(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.inner.start_drafting(seq)
+    }
+    fn draft(&mut self, seq: SeqId, next: u32, k: usize) -> anyhow::Result<Vec<u32>> {
+        self.inner.draft(seq, next, k)
+    }
+    fn forward_verify(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.inner.forward_verify(seq, tokens)
+    }
+    fn forward_verify_argmax(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        limit: usize,
+    ) -> anyhow::Result<Vec<u32>> {
+        self.inner.forward_verify_argmax(seq, tokens, limit)
+    }
+    fn verified_logits(&mut self, seq: SeqId, row: usize) -> anyhow::Result<Vec<f32>> {
+        self.inner.verified_logits(seq, row)
+    }
+    fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
+        self.inner.keep_verified(seq, rows)
+    }
 }
 
 #[test]
 fn random_load_with_cancellations_ends_at_baseline() {
-    let w = weights();
+    random_load(weights(), 0);
+}
+
+/// The same with requests that draft (the fixed schedule: every step of up to 4 requests that
+/// all decode), their verify passes cut short by cancellations too.
+#[test]
+fn random_load_with_drafts_and_cancellations_ends_at_baseline() {
+    let w = checkpoint::load(&fixture_dir("tiny-a-mtp")).unwrap();
+    random_load(w, 3);
+}
+
+/// 300 requests of random prompts (sharing stems, for the prefix cache) and lengths, a third
+/// cancelled at once or after a few tokens: each ends as it should, and the engine ends with
+/// nothing running, nothing reserved, and exactly the snapshots its cache accounts for.
+fn random_load(w: lily::model::Weights, draft_tokens: usize) {
     let live = Arc::new(Mutex::new(Live::default()));
     let backend = Counting {
         inner: CpuBackend::new(w.clone()),
@@ -543,10 +586,11 @@ fn random_load_with_cancellations_ends_at_baseline() {
             memory_budget: Some(4 * per_request),
             prefix_cache_bytes: cache_budget,
             snapshot_interval: 8,
-            draft_tokens: 0,
-            draft_schedule: lily::engine::DraftSchedule::Adaptive,
+            draft_tokens,
+            draft_schedule: lily::engine::DraftSchedule::Fixed,
         },
     );
+    let vocab = w.config.vocab_size;
     let mut rng = rand::rng();
     // Prompts share a few stems so that the cache is used.
     let stems: Vec<Vec<u32>> = (0..4).map(|_| random_tokens(20)).collect();
@@ -557,7 +601,12 @@ fn random_load_with_cancellations_ends_at_baseline() {
         prompt.extend(random_tokens(rng.random_range(1..30)));
         let max_tokens = rng.random_range(0..12);
         let key = (i % 3 == 0).then_some("k");
-        let rx = engine.submit(greedy(prompt.clone(), max_tokens, key));
+        let mut request = greedy(prompt.clone(), max_tokens, key);
+        if draft_tokens > 0 {
+            request.device_sampler = Some(greedy_device_sampler(vocab));
+            request.draft = true;
+        }
+        let rx = engine.submit(request);
         // A third are cancelled: at once, or after a few tokens.
         let cancel_after = (rng.random_range(0..3) == 0).then(|| rng.random_range(0..4usize));
         pending.push((prompt, max_tokens, rx, cancel_after));
@@ -595,6 +644,9 @@ fn random_load_with_cancellations_ends_at_baseline() {
         }
     }
     assert!(cancelled > 0);
+    if draft_tokens > 0 {
+        assert!(engine.stats().draft_passes_total.load(Ordering::Relaxed) > 0);
+    }
     // Back to baseline: nothing running, queued, reserved; the cache within its budget and the
     // backend holding exactly the snapshots the cache accounts for.
     let stats = engine.stats();
