@@ -438,6 +438,46 @@ async fn streaming_and_whole_responses_agree_under_greedy_decoding() {
     server.stop().await;
 }
 
+/// `--draft-tokens 3` on the demo model (which has an MTP head): greedy answers, streamed (a
+/// pass's kept drafts arrive as several tokens at once) and whole, with thinking and tools, are
+/// the ones the server without drafts gives, and the drafts show in `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafting_changes_no_greedy_answer() {
+    let plain = TestServer::demo().await;
+    let mut opts = options();
+    opts.engine.draft_tokens = 3;
+    opts.engine.draft_schedule = lily::engine::DraftSchedule::Fixed;
+    let drafting = TestServer::start(opts, None).await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    for (thinking, with_tools) in [(true, false), (false, false), (false, true)] {
+        let mut body = json!({
+            "messages": user("Tell me a story."),
+            "temperature": 0,
+            "max_tokens": 48,
+            "chat_template_kwargs": {"enable_thinking": thinking},
+        });
+        if with_tools {
+            body["tools"] = tools.clone();
+        }
+        let want = plain.chat(body.clone()).await;
+        let got = drafting.chat(body.clone()).await;
+        assert_eq!(got["choices"], want["choices"], "thinking {thinking}");
+        assert_eq!(got["usage"], want["usage"]);
+        let want = assemble(&plain.chat_stream(body.clone()).await, false);
+        let got = assemble(&drafting.chat_stream(body).await, false);
+        assert_eq!(
+            (got.content, got.reasoning, got.finish_reason),
+            (want.content, want.reasoning, want.finish_reason),
+            "streamed, thinking {thinking}"
+        );
+    }
+    // (Both servers' series share the demo's model name: each scrape shows its own engine's.)
+    assert!(drafting.metric("vllm:spec_decode_num_drafts_total").await > 0.0);
+    plain.stop().await;
+    drafting.stop().await;
+}
+
 /// vLLM's `stream_options.continuous_usage_stats`: with `include_usage`, every chunk after the
 /// first carries the usage so far; the counts only grow and end at the final usage chunk's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

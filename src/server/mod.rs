@@ -435,12 +435,14 @@ fn text_model(path: &Path) -> anyhow::Result<TextModel> {
     TextModel::new(tokenizer, template, GenerationDefaults::load(dir)?)
 }
 
-/// The demo model's config: the `tiny` preset with the demo tokenizer's vocabulary and
-/// `<|im_end|>` as its end-of-sequence token.
+/// The demo model's config: the `tiny` preset with the demo tokenizer's vocabulary,
+/// `<|im_end|>` as its end-of-sequence token, and an MTP head (as the real checkpoint has), so
+/// that `--draft-tokens` runs on it too.
 fn demo_config(vocab_size: usize, im_end: u32) -> serde_json::Value {
     let mut config = synth::preset("tiny").unwrap_or_default();
     config["text_config"]["vocab_size"] = json!(vocab_size);
     config["text_config"]["eos_token_id"] = json!(im_end);
+    config["text_config"]["mtp_num_hidden_layers"] = json!(1);
     config
 }
 
