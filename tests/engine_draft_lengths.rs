@@ -76,12 +76,23 @@ fn the_fixed_schedule_checks_every_draft_the_request_leaves_room_for() {
     assert_eq!(many.choose(&Acceptance::default(), usize::MAX), 16);
 }
 
+/// Each length runs twice (its first run may pay for warming up) before any is chosen, the
+/// longest first; a first run ten times dearer than the others does not keep a length away.
 #[test]
-fn each_length_is_tried_once_the_longest_first() {
+fn each_length_is_tried_until_its_cost_is_known_the_longest_first() {
     let cost = |k: usize| 1.0 + 0.1 * k as f64;
     let mut sim = Sim::new(3, DraftSchedule::Adaptive, &cost);
-    let first: Vec<usize> = (0..4).map(|_| sim.pass(0.8, usize::MAX)).collect();
-    assert_eq!(first, [3, 2, 1, 0]);
+    let first: Vec<usize> = (0..8).map(|_| sim.pass(0.8, usize::MAX)).collect();
+    assert_eq!(first, [3, 3, 2, 2, 1, 1, 0, 0]);
+    let runs = std::cell::Cell::new(0);
+    let cold = |k: usize| {
+        runs.set(runs.get() + 1);
+        let warm = if runs.get() == 1 { 10.0 } else { 1.0 };
+        warm * (1.0 + 0.1 * k as f64)
+    };
+    let mut sim = Sim::new(3, DraftSchedule::Adaptive, &cold);
+    let seen = sim.passes(100, 0.95);
+    assert!(seen[3] >= 80, "{seen:?}");
     // A request near its end: only lengths it leaves room for.
     let mut sim = Sim::new(3, DraftSchedule::Adaptive, &cost);
     for _ in 0..40 {
@@ -92,7 +103,8 @@ fn each_length_is_tried_once_the_longest_first() {
 /// Over costs shaped as the H200's (verify rows cheap after the second) and as a backend
 /// whose rows cost as much as steps, and acceptances from none to nearly all: the length
 /// chosen most is the one that the formula says is best, and the tokens a second are within a
-/// tenth of always choosing it (what learning the acceptance and retrying costs).
+/// tenth of always choosing it (what learning the acceptance and retrying costs; 15 % where
+/// the best is within 10 % of another).
 #[test]
 fn the_length_chosen_is_the_one_with_the_most_tokens_a_second() {
     let gpu = |k: usize| if k == 0 { 1.0 } else { 1.55 + 0.12 * k as f64 };
@@ -133,8 +145,10 @@ fn the_length_chosen_is_the_one_with_the_most_tokens_a_second() {
         });
         let rate = tokens / seconds;
         let ideal = expected(want) / cost(want);
+        // Where two lengths are near ties, telling them apart takes more passes than it gains.
+        let bound = if ideal > 1.1 * runner_up { 0.9 } else { 0.85 };
         assert!(
-            rate >= 0.9 * ideal,
+            rate >= bound * ideal,
             "acceptance {a}: {rate:.3} tokens a second against {ideal:.3}"
         );
     }

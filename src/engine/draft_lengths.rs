@@ -14,7 +14,8 @@
 //!
 //! Acceptance is learnt per request (a code completion and a story differ), starting from what
 //! the engine's recent requests saw; costs per engine (they are the backend's), measured on the
-//! wall clock. Each length is tried once before any is chosen; a request's acceptance drifts
+//! wall clock (a length's first run, which may pay for warming up, left out). Each length is
+//! tried until its cost is known before any is chosen; a request's acceptance drifts
 //! back towards the engine's between checks, so that a request that stopped drafting tries
 //! again after a while; and every [`EXPLORE_EVERY`]th pass takes each position's acceptance one
 //! standard error above its estimate, so that positions seldom checked (those past the length
@@ -104,8 +105,8 @@ pub struct DraftLengths {
     max: usize,
     /// Seconds (moving averages) a drafted pass of one sequence took lately, by its drafts
     /// (index 0 unused), and a plain step of n sequences decoding together (index n).
-    drafted: Vec<Option<f64>>,
-    plain: Vec<Option<f64>>,
+    drafted: Vec<Cost>,
+    plain: Vec<Cost>,
     /// Passes planned so far.
     passes: u64,
     pooled: Acceptance,
@@ -118,8 +119,8 @@ impl DraftLengths {
         DraftLengths {
             schedule,
             max,
-            drafted: vec![None; max + 1],
-            plain: vec![None; MAX_DRAFT_STREAMS + 1],
+            drafted: vec![Cost::default(); max + 1],
+            plain: vec![Cost::default(); MAX_DRAFT_STREAMS + 1],
             passes: 0,
             pooled: Acceptance::default(),
         }
@@ -148,12 +149,13 @@ impl DraftLengths {
             return tops;
         }
         self.passes += 1;
-        // Each drafted length once, the longest (the one asked for) first; then the plain step.
+        // Each drafted length until its cost is known, the longest (the one asked for) first;
+        // then the plain step.
         let top = tops.iter().copied().min().unwrap_or(0);
-        if let Some(k) = (1..=top).rev().find(|&k| self.drafted[k].is_none()) {
+        if let Some(k) = (1..=top).rev().find(|&k| self.drafted[k].known().is_none()) {
             return vec![k; n];
         }
-        let Some(step) = self.plain[n] else {
+        let Some(step) = self.plain[n].known() else {
             return plain;
         };
         // Now and then by acceptances as high as what is known of them allows: what is seldom
@@ -185,7 +187,7 @@ impl DraftLengths {
     ) -> (usize, f64, f64) {
         let mut best = (0, 0.0, f64::INFINITY);
         for k in 1..=top {
-            let Some(cost) = self.drafted[k] else {
+            let Some(cost) = self.drafted[k].known() else {
                 continue;
             };
             let tokens = self.expected_tokens(acceptance, k, hopeful);
@@ -230,7 +232,7 @@ impl DraftLengths {
         stood: usize,
     ) {
         if let Some(cost) = self.drafted.get_mut(k).filter(|_| k > 0) {
-            average(cost, seconds);
+            cost.add(seconds);
         }
         acceptance.record(checked, stood, REQUEST_DECAY);
         // The engine's memory of the head fades only as it is checked.
@@ -242,7 +244,7 @@ impl DraftLengths {
     /// A plain step of the requests with these acceptances, decoding together, took `seconds`.
     pub fn record_plain(&mut self, acceptances: &mut [&mut Acceptance], seconds: f64) {
         if let Some(cost) = self.plain.get_mut(acceptances.len()) {
-            average(cost, seconds);
+            cost.add(seconds);
         }
         for acceptance in acceptances {
             acceptance.record(0, 0, REQUEST_DECAY);
@@ -250,10 +252,25 @@ impl DraftLengths {
     }
 }
 
-/// A new measurement into a moving average.
-fn average(cost: &mut Option<f64>, seconds: f64) {
-    *cost = Some(match *cost {
-        Some(c) => c + COST_WEIGHT * (seconds - c),
-        None => seconds,
-    });
+/// What passes of one kind cost lately: a moving average of their seconds.
+#[derive(Clone, Copy, Debug, Default)]
+struct Cost {
+    seconds: f64,
+    runs: u32,
+}
+
+impl Cost {
+    /// Known from the second run on: the first of a kind may pay for warming up (memory
+    /// allocated, code paged in), and a length that once looked dear might never run again.
+    fn known(&self) -> Option<f64> {
+        (self.runs >= 2).then_some(self.seconds)
+    }
+
+    fn add(&mut self, seconds: f64) {
+        self.seconds = match self.runs {
+            0 | 1 => seconds,
+            _ => self.seconds + COST_WEIGHT * (seconds - self.seconds),
+        };
+        self.runs = self.runs.saturating_add(1);
+    }
 }
