@@ -42,6 +42,8 @@
 # tests/cuda_*.rs (cuda_forward, cuda_prefix_cache, ...), found by name. The binaries need only
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
 # (src/cuda/mod.rs), so no LD_LIBRARY_PATH is set here.
+# GPU_CHECK_SPANS (default 1,2,3,4; none to skip) times passes of that many tokens of one sequence
+# (`bench --span-tokens`, spans.md) at the same contexts.
 set -uo pipefail
 
 cmd="${1:-}"
@@ -236,6 +238,17 @@ PY
             rc=$?
             grep "^| [0-9]" "$logs/bench-drafts.log"
             echo "bench --forced-drafts: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+        fi
+        # Passes of k tokens of one sequence (a verify pass's shape) against one token's, as
+        # the prompt path runs them (spans.md; GPU_CHECK_SPANS=none skips it).
+        if [[ "${GPU_CHECK_SPANS:-1,2,3,4}" != none ]]; then
+            echo "=== bench --span-tokens"
+            timeout 150 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+                --contexts "${GPU_CHECK_DRAFTS_CONTEXTS:-4096,32768}" --decode-steps 32 \
+                --span-tokens "${GPU_CHECK_SPANS:-1,2,3,4}" --out "$out" > "$logs/bench-spans.log" 2>&1
+            rc=$?
+            grep "^| [0-9]" "$logs/bench-spans.log"
+            echo "bench --span-tokens: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
         fi
     fi
     # A/B: the q4 sweep again at 4K and 32K (GPU_CHECK_AB_CONTEXTS) with one setting changed, once

@@ -447,6 +447,9 @@ async fn drafting_changes_no_greedy_answer() {
     let mut opts = options();
     opts.engine.draft_tokens = 3;
     opts.engine.draft_schedule = lily::engine::DraftSchedule::Fixed;
+    // A name of its own: the metrics recorder is the process's, and other tests' demo servers
+    // write their own engines' counters under the demo's name.
+    opts.served_model_name = "lily-demo-drafting".into();
     let drafting = TestServer::start(opts, None).await;
     let tools = json!([{"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
@@ -472,8 +475,14 @@ async fn drafting_changes_no_greedy_answer() {
             "streamed, thinking {thinking}"
         );
     }
-    // (Both servers' series share the demo's model name: each scrape shows its own engine's.)
-    assert!(drafting.metric("vllm:spec_decode_num_drafts_total").await > 0.0);
+    let metrics = drafting.get("/metrics").await.text();
+    let drafts: f64 = (metrics.lines())
+        .find_map(|l| {
+            l.strip_prefix("vllm:spec_decode_num_drafts_total{model_name=\"lily-demo-drafting\"} ")
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(drafts > 0.0, "{metrics}");
     plain.stop().await;
     drafting.stop().await;
 }
