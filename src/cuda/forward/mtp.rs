@@ -294,11 +294,11 @@ impl CudaBackend {
             (next as usize) < vocab,
             "token id {next} is outside the model's vocabulary ({vocab})"
         );
-        anyhow::ensure!(
-            (1..MAX_VERIFY_ROWS).contains(&k),
-            "{k} drafts (1 to {})",
-            MAX_VERIFY_ROWS - 1
-        );
+        // The verify pass that checks them runs k + 1 rows as one pass: refused here, where the
+        // engine decodes on without drafts, rather than in the verify pass, which fails its
+        // request.
+        let most = (MAX_VERIFY_ROWS.min(self.s.logit_rows).min(self.s.rows)).saturating_sub(1);
+        anyhow::ensure!((1..=most).contains(&k), "{k} drafts (1 to {most})");
         let mut d = self
             .drafting
             .remove(&slot)
