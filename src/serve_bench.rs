@@ -162,6 +162,12 @@ pub fn run(
         "the prefix cache needs memory"
     );
     let vocab = backend.config().vocab_size;
+    let drafting = o.engine.draft_tokens > 0 && backend.can_draft();
+    if o.engine.draft_tokens > 0 && !drafting {
+        progress(
+            "--draft-tokens: this model has no MTP head (or the backend cannot draft): no drafts",
+        );
+    }
     let vocab_limit = o.vocab_limit.unwrap_or(vocab);
     anyhow::ensure!(
         (1..=vocab).contains(&vocab_limit),
@@ -265,7 +271,7 @@ pub fn run(
         per_stream_tok_s: together.iter().map(Timing::decode_tok_s).sum::<f64>()
             / together.len() as f64,
         steady_per_stream_tok_s: steady_per_stream_tok_s(&times),
-        alone_drafts: (o.engine.draft_tokens > 0).then_some(drafts),
+        alone_drafts: drafting.then_some(drafts),
     };
     if let Some(d) = decode.alone_drafts {
         progress(&format!(
