@@ -313,3 +313,91 @@ fn drafts_after_a_prefix_cache_restore_are_those_without_it() {
         );
     }
 }
+
+/// The engine on the GPU with drafts (the fixed schedule: every step of up to 4 requests that
+/// all decode drafts, each in a pass of its own): 4 requests at once, their prompts longer than
+/// a drafting sequence's first buffer of hidden rows (it grows), then a second turn of one of
+/// them restored from the prefix cache. Every request ends with its tokens, and drafted passes
+/// ran while they decoded together and in the restored turn (what the tokens are is checked
+/// against plain decoding in the tests above).
+#[test]
+fn the_engine_drafts_for_several_requests_on_the_gpu() {
+    use lily::engine::{
+        greedy_device_sampler, greedy_sampler, DraftSchedule, Engine, EngineOptions, Event,
+        GenerateRequest,
+    };
+    let mut rng = Rng::new("the_engine_drafts_for_several_requests_on_the_gpu");
+    let w = weights(&mut rng);
+    let vocab = w.config.vocab_size;
+    let dev = CudaDevice::new(0).expect("a CUDA GPU (run through scripts/gpu-check.sh)");
+    let model = CudaModel::upload(&dev, &w).unwrap();
+    let options = CudaOptions {
+        max_sequences: 4,
+        max_context: 4096,
+        prefill_chunk: 512,
+        ..CudaOptions::default()
+    };
+    let engine = Engine::start(
+        Box::new(CudaBackend::new(dev, model, options).unwrap()),
+        EngineOptions {
+            prefill_chunk: 512,
+            max_sequences: 4,
+            prefix_cache_bytes: 1 << 30,
+            draft_tokens: 3,
+            draft_schedule: DraftSchedule::Fixed,
+            ..EngineOptions::default()
+        },
+    );
+    let run = |prompt: Vec<u32>, n: usize| {
+        engine.submit(GenerateRequest {
+            prompt,
+            max_tokens: n,
+            stop_token_ids: vec![],
+            sampler: greedy_sampler(),
+            prompt_cache_key: None,
+            device_sampler: Some(greedy_device_sampler(vocab)),
+            prompt_logprobs: None,
+            draft: true,
+        })
+    };
+    let collect = |mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>| {
+        let mut ids = vec![];
+        loop {
+            match rx.blocking_recv().expect("an event") {
+                Event::Token(t) => ids.push(t.id),
+                Event::Done { cached_tokens, .. } => return (ids, cached_tokens),
+                Event::Error(e) => panic!("{e}"),
+                _ => {}
+            }
+        }
+    };
+    let prompts: Vec<Vec<u32>> = (0..4).map(|_| prompt(&mut rng, 1500)).collect();
+    let rxs: Vec<_> = prompts.iter().map(|p| run(p.clone(), 24)).collect();
+    let answers: Vec<Vec<u32>> = (rxs.into_iter())
+        .map(|rx| {
+            let (ids, _) = collect(rx);
+            assert_eq!(ids.len(), 24);
+            ids
+        })
+        .collect();
+    let passes = engine
+        .stats()
+        .draft_passes_total
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(passes > 0, "no drafted passes");
+    // A second turn of the first conversation: restored, then drafting on.
+    let turn: Vec<u32> = prompts[0]
+        .iter()
+        .chain(&answers[0])
+        .copied()
+        .chain(prompt(&mut rng, 30))
+        .collect();
+    let (ids, cached) = collect(run(turn, 16));
+    assert_eq!(ids.len(), 16);
+    assert!(cached > 0, "the first turn's state is restored");
+    let after = engine
+        .stats()
+        .draft_passes_total
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(after > passes, "the second turn drafts too");
+}

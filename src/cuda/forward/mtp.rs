@@ -35,13 +35,18 @@ use crate::sampling::DeviceSampling;
 /// The most rows of a verify pass: 16 drafts and the token before them.
 pub const MAX_VERIFY_ROWS: usize = 17;
 
-/// Sequences that may draft at once: each holds a buffer of its context's hidden states and a
-/// copy of its GDN states (≈ 0.19 GB at 32K context).
-pub const MAX_DRAFTING: usize = 2;
+/// Sequences that may draft at once (the engine drafts for up to 4 decoding together): each
+/// holds a copy of its GDN states (≈ 63 MB at the full shape), its verify pass's GDN inputs and
+/// a buffer of the hidden states its head has not taken yet, grown as rows come (a whole prompt's
+/// before its first drafts).
+pub const MAX_DRAFTING: usize = 4;
+
+/// Rows a drafting sequence's buffer of hidden states starts with.
+const PENDING_ROWS: usize = 1024;
 
 /// What a drafting sequence keeps for its head.
 pub struct Drafting {
-    /// `[max_context][hidden]`: the final-normed hidden states of the rows run since the last
+    /// `[≥ rows][hidden]`: the final-normed hidden states of the rows run since the last
     /// drafts, `rows` of them, and their tokens.
     pending: CudaSlice<bf16>,
     rows: usize,
@@ -58,6 +63,34 @@ pub struct Drafting {
 }
 
 impl Drafting {
+    /// Makes room for `rows` pending rows of `hidden` (no more than `most`), keeping those held.
+    fn reserve(
+        &mut self,
+        st: &Arc<CudaStream>,
+        rows: usize,
+        hidden: usize,
+        most: usize,
+    ) -> Result<()> {
+        if rows * hidden <= self.pending.len() {
+            return Ok(());
+        }
+        ensure!(
+            rows <= most,
+            "a drafting sequence's hidden states exceed its context ({rows} rows of {most})"
+        );
+        let grown_rows = (2 * self.pending.len() / hidden).clamp(rows, most);
+        let mut grown = alloc(st, grown_rows * hidden)?;
+        if self.rows > 0 {
+            st.memcpy_dtod(
+                &self.pending.slice(..self.rows * hidden),
+                &mut grown.slice_mut(..self.rows * hidden),
+            )
+            .during(|| "moving the head's pending rows".into())?;
+        }
+        self.pending = grown;
+        Ok(())
+    }
+
     /// Keeps GDN layer `layer`'s input projections of the verify pass's rows (`width` each).
     pub(super) fn keep_projections(
         &mut self,
@@ -141,9 +174,7 @@ impl CudaBackend {
         let n_gdn = self.ssm.len();
         let width = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
         let d = Drafting {
-            pending: st
-                .alloc_zeros::<bf16>(self.options.max_context * h)
-                .during(|| "allocating a drafting sequence's hidden states".into())?,
+            pending: alloc(&st, PENDING_ROWS.min(self.options.max_context).max(1) * h)?,
             rows: 0,
             tokens: Vec::new(),
             committed: 0,
@@ -204,6 +235,7 @@ impl CudaBackend {
         saved: Option<&HeadSnapshot>,
     ) -> Result<()> {
         let h = self.model.config.hidden_size;
+        let most = self.options.max_context;
         let st = self.dev.stream().clone();
         let Some(d) = self.drafting.get_mut(&slot) else {
             return Ok(());
@@ -221,10 +253,7 @@ impl CudaBackend {
             saved.committed,
             saved.rows
         );
-        ensure!(
-            saved.rows * h <= d.pending.len(),
-            "a head snapshot of more rows than the context"
-        );
+        d.reserve(&st, saved.rows, h, most)?;
         if saved.rows > 0 {
             st.memcpy_dtod(
                 &saved.pending.slice(..saved.rows * h),
@@ -247,6 +276,7 @@ impl CudaBackend {
         rows: &[DecodeRow],
     ) -> Result<()> {
         let h = self.model.config.hidden_size;
+        let most = self.options.max_context;
         let st = self.dev.stream().clone();
         // (slot, first row in the pass, tokens)
         let runs = pass
@@ -266,10 +296,7 @@ impl CudaBackend {
                 continue;
             };
             let n = tokens.len();
-            ensure!(
-                (d.rows + n) * h <= d.pending.len(),
-                "a drafting sequence's hidden states exceed its context"
-            );
+            d.reserve(&st, d.rows + n, h, most)?;
             st.memcpy_dtod(
                 &self.s.xn.slice(first * h..(first + n) * h),
                 &mut d.pending.slice_mut(d.rows * h..(d.rows + n) * h),
