@@ -684,6 +684,84 @@ fn prefill_then_decode_matches_decode_only() {
     );
 }
 
+/// `decode_tokens` (a verify pass's rows: consecutive tokens of one sequence in three launches)
+/// gives each row, the recurrent state and the conv state after the last row bit for bit what
+/// that many one-token `decode` steps give, for 1 to 17 rows (fewer than the conv's history, and
+/// more), and so the CPU reference's values within the decode tolerance.
+#[test]
+fn decode_tokens_equal_one_token_steps() {
+    let dev = device();
+    let stream = dev.stream().clone();
+    let kernels = GdnKernels::load(&dev).expect("load");
+    let mut rng = rng("decode_tokens_equal_one_token_steps");
+    let mut ws = GdnWorkspace::new(&stream, 17).expect("workspace");
+    let slot0 = stream.clone_htod(&[0i32]).expect("upload");
+    let stride = PROJ_DIM + 8; // not the packed width: the rows' stride is honoured
+    for n in [1, 2, 3, 4, 5, 17] {
+        let layer = HostLayer::random(&mut rng);
+        let dl = DevLayer::upload(&stream, &layer);
+        let x = HostInputs::random(&mut rng, n);
+        let initial = HostState::random(&mut rng);
+        let proj = stream.clone_htod(&x.fused(stride)).expect("upload");
+
+        let mut steps = DevPools::upload(&stream, std::slice::from_ref(&initial));
+        let mut y_steps = stream
+            .clone_htod(&vec![bf16::NAN; n * VALUE_DIM])
+            .expect("upload");
+        for i in 0..n {
+            let view = proj.slice(i * stride..);
+            let inputs = GdnInputs::fused(&view, stride).expect("fused inputs");
+            kernels
+                .decode(
+                    &dl.weights(),
+                    &inputs,
+                    &slot0.slice(..),
+                    &mut steps.ssm.slice_mut(..),
+                    &mut steps.conv.slice_mut(..),
+                    None,
+                    &mut y_steps.slice_mut(i * VALUE_DIM..(i + 1) * VALUE_DIM),
+                )
+                .expect("decode");
+        }
+
+        let mut rows = DevPools::upload(&stream, std::slice::from_ref(&initial));
+        let mut y_rows = stream
+            .clone_htod(&vec![bf16::NAN; n * VALUE_DIM])
+            .expect("upload");
+        let view = proj.slice(..);
+        let inputs = GdnInputs::fused(&view, stride).expect("fused inputs");
+        kernels
+            .decode_tokens(
+                &dl.weights(),
+                &inputs,
+                n,
+                &mut rows.ssm.slice_mut(..),
+                &mut rows.conv.slice_mut(..),
+                &mut ws,
+                &mut y_rows.slice_mut(..),
+            )
+            .expect("decode_tokens");
+
+        let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+        let (y_steps, y_rows) = (download(&stream, &y_steps), download(&stream, &y_rows));
+        assert!(bits(&y_rows) == bits(&y_steps), "{n} rows: outputs differ");
+        let (ssm_s, conv_s) = &steps.download(&stream)[0];
+        let (ssm_r, conv_r) = &rows.download(&stream)[0];
+        let ssm_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        assert!(
+            ssm_bits(ssm_r) == ssm_bits(ssm_s),
+            "{n} rows: recurrent states differ"
+        );
+        assert!(bits(conv_r) == bits(conv_s), "{n} rows: conv states differ");
+
+        let mut want = initial.clone();
+        let y_ref = reference(&layer, &x, &mut want, false);
+        let (rel, _) = check_y("decode_tokens vs CPU", &y_rows, &y_ref, Y_REL, None);
+        let err = check_state("decode_tokens vs CPU", ssm_r, conv_r, &want);
+        println!("{n} rows: bit for bit the one-token steps; vs CPU y {rel:.2e}, state {err:.2e}");
+    }
+}
+
 #[test]
 fn zero_clears_listed_slots() {
     let dev = device();

@@ -86,6 +86,11 @@ pub struct CudaOptions {
     /// (dense.rs) instead of our 4-bit kernels (forward/projection.rs says why); default: more
     /// rows than one GEMV launch takes; `LILY_CUBLAS_FROM_ROWS` sets it.
     pub cublas_from_rows: usize,
+    /// A verify pass's GDN layers step their rows one token after another
+    /// (`GdnKernels::decode_tokens`: each row the bits one-token decoding gives, three launches)
+    /// rather than as a prefill chunk (five launches over a 64-row chunk, rounding as prefill
+    /// does). On by default; `LILY_VERIFY_GDN=chunked` turns it off (to compare).
+    pub verify_gdn_steps: bool,
 }
 
 impl Default for CudaOptions {
@@ -105,6 +110,7 @@ impl Default for CudaOptions {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(MAX_TOKENS + 1)
                 .max(1),
+            verify_gdn_steps: std::env::var("LILY_VERIFY_GDN").map_or(true, |v| v != "chunked"),
         }
     }
 }
@@ -734,7 +740,18 @@ impl CudaBackend {
                         let mut conv = self.conv[gdn_i].slice_mut(
                             slot * gdn::CONV_STATE_LEN..(slot + 1) * gdn::CONV_STATE_LEN,
                         );
-                        k.gdn.prefill(
+                        // A verify pass's rows step as decoding steps them (CudaOptions::
+                        // verify_gdn_steps).
+                        let run = if pass.all_logits
+                            && self.options.verify_gdn_steps
+                            && span.len <= mtp::MAX_VERIFY_ROWS
+                        {
+                            GdnKernels::decode_tokens
+                        } else {
+                            GdnKernels::prefill
+                        };
+                        run(
+                            &k.gdn,
                             &w,
                             &inputs,
                             span.len,

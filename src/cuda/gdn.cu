@@ -20,6 +20,8 @@
 //   gdn_decode          one token for each of B sequences (state pools addressed by slot ids)
 //   gdn_decode_prep     the same for many sequences, in two kernels: conv, norms and gates,
 //   gdn_decode_state      then the state's update and the gated norm
+//   gdn_decode_prep_rows  the two for consecutive tokens of one sequence (a verify pass's rows):
+//   gdn_decode_state_rows   each token's bits as one-token decoding gives them
 //   gdn_prefill_qk      prefill, per (chunk of 64, key head): conv and norms of q, k; gates
 //   gdn_prefill_prep    prefill, per (chunk of 64, value head): conv of v, WY form
 //   gdn_prefill_state   prefill, per (value head, 32 dv columns): the state carried over chunks
@@ -132,16 +134,9 @@ __device__ __forceinline__ void st_cluster(float* local, u32 rank, float v) {
 // Pieces of a decode step, shared by gdn_decode and the two kernels of many sequences (which must
 // give the same bits: the same operations in the same order).
 
-// Conv + SiLU of the 8 channels from `ch` of sequence `seq` (its conv state at `slot`). The old
-// history rows h1, h2 and the new row xn are returned for the state's shift (shift_conv_state),
-// which comes once nothing reads the old rows any more.
-__device__ __forceinline__ uint4* conv8_silu(const GdnArgs& p, int slot, int seq, int ch, uint4& h1, uint4& h2,
-                                             uint4& xn, float res[8]) {
-    uint4* hist = reinterpret_cast<uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE + ch);
-    const uint4 h0 = hist[0];
-    h1 = hist[GDN_CONV_DIM / 8];
-    h2 = hist[2 * GDN_CONV_DIM / 8];
-    xn = *reinterpret_cast<const uint4*>(p.qkv + seq * p.qkv_stride + ch);
+// The conv's arithmetic for 8 channels from `ch`: history rows h0 (oldest) .. h2, the new row xn.
+__device__ __forceinline__ void conv8_taps(const GdnArgs& p, int ch, uint4 h0, uint4 h1, uint4 h2, uint4 xn,
+                                           float res[8]) {
     float4 w[8];  // all loads before the first store to shared memory, which could alias them
 #pragma unroll
     for (int j = 0; j < 8; ++j) w[j] = reinterpret_cast<const float4*>(p.conv_w)[ch + j];
@@ -158,7 +153,36 @@ __device__ __forceinline__ uint4* conv8_silu(const GdnArgs& p, int slot, int seq
         acc += w[j].w * f3[j];
         res[j] = silu(acc);
     }
+}
+
+// Conv + SiLU of the 8 channels from `ch` of sequence `seq` (its conv state at `slot`). The old
+// history rows h1, h2 and the new row xn are returned for the state's shift (shift_conv_state),
+// which comes once nothing reads the old rows any more.
+__device__ __forceinline__ uint4* conv8_silu(const GdnArgs& p, int slot, int seq, int ch, uint4& h1, uint4& h2,
+                                             uint4& xn, float res[8]) {
+    uint4* hist = reinterpret_cast<uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE + ch);
+    const uint4 h0 = hist[0];
+    h1 = hist[GDN_CONV_DIM / 8];
+    h2 = hist[2 * GDN_CONV_DIM / 8];
+    xn = *reinterpret_cast<const uint4*>(p.qkv + seq * p.qkv_stride + ch);
+    conv8_taps(p, ch, h0, h1, h2, xn, res);
     return hist;
+}
+
+// conv8_silu for token `row` of consecutive tokens of one sequence (gdn_decode_prep_rows): its
+// history is the conv state (at p.conv_state, not yet shifted) for tokens before the first and
+// the earlier rows' inputs after it, the same bf16 values the state would hold after their steps.
+__device__ __forceinline__ void conv8_silu_row(const GdnArgs& p, int row, int ch, float res[8]) {
+    const uint4* hist = reinterpret_cast<const uint4*>(p.conv_state + ch);
+    uint4 h[GDN_HIST];
+#pragma unroll
+    for (int j = 0; j < GDN_HIST; ++j) {
+        const int src = row - GDN_HIST + j;  // token index; negative: state row src + 3
+        h[j] = src < 0 ? hist[(src + GDN_HIST) * (GDN_CONV_DIM / 8)]
+                       : *reinterpret_cast<const uint4*>(p.qkv + src * p.qkv_stride + ch);
+    }
+    const uint4 xn = *reinterpret_cast<const uint4*>(p.qkv + row * p.qkv_stride + ch);
+    conv8_taps(p, ch, h[0], h[1], h[2], xn, res);
 }
 
 __device__ __forceinline__ void shift_conv_state(uint4* hist, uint4 h1, uint4 h2, uint4 xn) {
@@ -444,12 +468,18 @@ gdn_decode(const GdnArgs p) {
 
 // Grid (16 key heads, B), 128 threads: threads 0..63 convolve one set of 8 each of the key head's
 // 512 channels (q 128 ‖ k 128 ‖ v of its two value heads 256); all 128 then take the norms.
-extern "C" __global__ void __launch_bounds__(DEC_THREADS) gdn_decode_prep(const GdnArgs p) {
+//
+// ROWS (gdn_decode_prep_rows): the B rows are consecutive tokens of one sequence, its state at
+// p.ssm / p.conv_state (a pool of one, as prefill's); the conv reads its history from the state
+// and the rows before (conv8_silu_row) and leaves the state as it is (gdn_conv_update shifts it
+// after gdn_decode_state_rows).
+template <bool ROWS>
+__device__ __forceinline__ void decode_prep(const GdnArgs& p) {
     __shared__ float q_s[GDN_DK], k_s[GDN_DK];
     __shared__ float sums[3][DEC_THREADS / 32];
     const int tid = threadIdx.x;
     const int kh = blockIdx.x, seq = blockIdx.y;
-    const int slot = p.slots[seq];
+    const int slot = ROWS ? 0 : p.slots[seq];
     if (slot < 0 || slot >= p.n_slots) return;
     // Sets 0..15: q channels kh·128 + 8i; 16..31: k; 32..63: v of value heads 2kh, 2kh + 1.
     const int ch = tid < 16   ? kh * GDN_DK + tid * 8
@@ -467,14 +497,19 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) gdn_decode_prep(const 
     pdl_launch_dependents();
     if (tid < 64) {
         uint4 h1, h2, xn;
+        uint4* hist = nullptr;
         float res[8];
-        uint4* hist = conv8_silu(p, slot, seq, ch, h1, h2, xn, res);
+        if (ROWS) {
+            conv8_silu_row(p, seq, ch, res);
+        } else {
+            hist = conv8_silu(p, slot, seq, ch, h1, h2, xn, res);
+        }
         float* out = tid < 16   ? q_s + tid * 8
                      : tid < 32 ? k_s + (tid - 16) * 8
                                 : p.ws_u + ((i64)seq * GDN_VALUE_HEADS + 2 * kh) * GDN_DV + (tid - 32) * 8;
 #pragma unroll
         for (int j = 0; j < 8; ++j) out[j] = res[j];
-        shift_conv_state(hist, h1, h2, xn);
+        if (!ROWS) shift_conv_state(hist, h1, h2, xn);
     }
     if (tid < 2) {  // the gates of value heads 2kh + tid
         const int hv = 2 * kh + tid;
@@ -489,6 +524,12 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS) gdn_decode_prep(const 
     p.ws_q[at] = q_s[tid] * rq;
     p.ws_kn[at] = k_s[tid] * rk;
     if (tid == 0) p.ws_w[seq * GDN_KEY_HEADS + kh] = qk * rq * rk;
+}
+
+extern "C" __global__ void __launch_bounds__(DEC_THREADS) gdn_decode_prep(const GdnArgs p) { decode_prep<false>(p); }
+
+extern "C" __global__ void __launch_bounds__(DEC_THREADS) gdn_decode_prep_rows(const GdnArgs p) {
+    decode_prep<true>(p);
 }
 
 // Grid (128, B), clusters of the 4 blocks of one value head; block, thread and state slice as in
@@ -551,6 +592,62 @@ gdn_decode_state(const GdnArgs p) {
     store_state(S, s, kd, alpha, delta);
     const float rinv = rsqrtf((norm_part[0] + norm_part[1] + norm_part[2] + norm_part[3]) / GDN_DV + p.eps);
     if (tid < 8) write_gated(p, seq, col, z4, w4, ob, rinv);
+}
+
+// gdn_decode_state over p.rows consecutive tokens of one sequence (state at p.ssm, a pool of one;
+// intermediates from gdn_decode_prep_rows), in order: each row is one gdn_decode_state step, its
+// state stored and read back by the thread that owns it (the same bits as launching the kernel
+// once a token, without the launches). Grid (128, 1), clusters of a value head's 4 slices. The
+// gated norm's Σo² goes through norm_part by row parity: a block writes row r + 2's parts only
+// after the barrier of row r + 1, which every block passes only after reading row r's.
+extern "C" __global__ void __cluster_dims__(DEC_SLICES, 1, 1) __launch_bounds__(DEC_THREADS)
+gdn_decode_state_rows(const GdnArgs p) {
+    __shared__ float q_s[GDN_DK], k_s[GDN_DK];
+    __shared__ float v_s[DEC_COLS];
+    __shared__ float red[2][DEC_THREADS / 32][DEC_COLS];
+    __shared__ float norm_part[2][DEC_SLICES];
+
+    const int tid = threadIdx.x;
+    const int hv = blockIdx.x / DEC_SLICES, kh = hv / 2;
+    const int rank = blockIdx.x % DEC_SLICES, v0 = rank * DEC_COLS;
+    cluster_arrive_relaxed();  // waited on before the first remote store
+
+    const int c = tid % 8, r = tid / 8;
+    float* S = p.ssm + (i64)hv * GDN_HEAD_STATE + v0 + 4 * c;
+    pdl_wait();
+    pdl_launch_dependents();
+    const int col = hv * GDN_DV + v0 + 4 * c;
+    float4 w4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (tid < 8) w4 = *reinterpret_cast<const float4*>(p.norm_w + v0 + 4 * c);
+    cluster_wait();  // every block of the cluster has started
+    for (int seq = 0; seq < p.rows; ++seq) {
+        float4 s[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = *reinterpret_cast<const float4*>(S + (r + 16 * i) * GDN_DV);
+        uint2 z4 = make_uint2(0u, 0u);
+        if (tid < 8) z4 = *reinterpret_cast<const uint2*>(p.z + seq * p.z_stride + col);
+        __syncthreads();  // the previous row's reads of q_s, k_s and v_s are done
+        const i64 qk_at = ((i64)seq * GDN_KEY_HEADS + kh) * GDN_DK + tid;
+        q_s[tid] = __ldcg(p.ws_q + qk_at);
+        k_s[tid] = __ldcg(p.ws_kn + qk_at);
+        if (tid < DEC_COLS) v_s[tid] = __ldcg(p.ws_u + ((i64)seq * GDN_VALUE_HEADS + hv) * GDN_DV + v0 + tid);
+        const float beta = __ldcg(p.ws_beta + seq * GDN_VALUE_HEADS + hv);
+        const float alpha = __ldcg(p.ws_g + seq * GDN_VALUE_HEADS + hv);
+        const float kq = __ldcg(p.ws_w + seq * GDN_KEY_HEADS + kh);
+        __syncthreads();
+
+        float kd[8], delta[4], o[4];
+        slice_step(s, k_s, q_s, 1.0f, 1.0f, v_s, beta, alpha, kq, red, kd, delta, o);
+        float ob[4];
+        const float ss = rounded_square_sum(o, ob);
+        float* part = norm_part[seq % 2];
+        if (tid < DEC_SLICES) st_cluster(&part[rank], tid, ss);
+        cluster_sync();  // this row's parts complete in every block
+
+        store_state(S, s, kd, alpha, delta);
+        const float rinv = rsqrtf((part[0] + part[1] + part[2] + part[3]) / GDN_DV + p.eps);
+        if (tid < 8) write_gated(p, seq, col, z4, w4, ob, rinv);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

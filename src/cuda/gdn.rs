@@ -287,6 +287,9 @@ pub struct GdnKernels {
     /// Decode of many sequences in two kernels (gdn.cu): conv, norms and gates, then the state.
     decode_prep: CudaFunction,
     decode_state: CudaFunction,
+    /// The same two for consecutive tokens of one sequence (`decode_tokens`).
+    decode_prep_rows: CudaFunction,
+    decode_state_rows: CudaFunction,
     /// The fewest sequences a decode runs as the two kernels (given a workspace to hold their
     /// intermediates); `LILY_GDN_SPLIT_ROWS` sets it (0: never).
     split_rows: usize,
@@ -319,6 +322,8 @@ impl GdnKernels {
             early_state: super::gemm::early_reads(),
             decode_prep: dev.function("gdn", "gdn_decode_prep")?,
             decode_state: dev.function("gdn", "gdn_decode_state")?,
+            decode_prep_rows: dev.function("gdn", "gdn_decode_prep_rows")?,
+            decode_state_rows: dev.function("gdn", "gdn_decode_state_rows")?,
             split_rows: match std::env::var("LILY_GDN_SPLIT_ROWS") {
                 Err(_) => SPLIT_ROWS,
                 Ok(v) => match v.parse::<usize>() {
@@ -544,6 +549,83 @@ impl GdnKernels {
                 launch!(self.stream, &self.out, out, &args)?;
             }
             // Last: the kernels above read the old conv state.
+            launch!(self.stream, &self.conv_update, conv_update, &args)
+        }
+    }
+
+    /// `tokens` consecutive tokens of one sequence through one GDN layer as decode steps, one
+    /// after another: the arguments as [`Self::prefill`]'s, each row of `y` (and the state after
+    /// the last) bit for bit what `tokens` one-token [`Self::decode`] steps give — where the
+    /// chunked prefill rounds differently. For a verify pass's few rows (forward/mtp.rs), where
+    /// prefill's 64-row chunks would be mostly padding: three launches (conv, norms and gates of
+    /// every row at once; the state stepped over the rows in order; the conv state's shift). The
+    /// workspace holds the rows' intermediates.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_tokens(
+        &self,
+        w: &GdnWeights,
+        x: &GdnInputs,
+        tokens: usize,
+        ssm: &mut CudaViewMut<f32>,
+        conv: &mut CudaViewMut<bf16>,
+        ws: &mut GdnWorkspace,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        ensure!(
+            ssm.len() == SSM_STATE_LEN && conv.len() == CONV_STATE_LEN,
+            "gdn decode_tokens: the state of one sequence is {SSM_STATE_LEN} + {CONV_STATE_LEN} values, got {} + {}",
+            ssm.len(),
+            conv.len()
+        );
+        ensure!(
+            tokens <= ws.max_tokens && tokens <= 65535,
+            "gdn decode_tokens: {tokens} tokens, the workspace holds {}",
+            ws.max_tokens
+        );
+        ensure!(
+            y.len() == tokens * VALUE_DIM,
+            "gdn decode_tokens: y has {} values, expected {tokens}×{VALUE_DIM}",
+            y.len()
+        );
+        ensure_aligned(ssm, &self.stream, "gdn ssm state")?;
+        ensure_aligned(conv, &self.stream, "gdn conv state")?;
+        ensure_aligned(y, &self.stream, "gdn y")?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let stream = &*self.stream;
+        let mut guards = Vec::new();
+        let mut args = self.common_args(w, x, tokens, &mut guards)?;
+        let (ssm_ptr, _s) = ssm.device_ptr_mut(stream);
+        let (conv_ptr, _c) = conv.device_ptr_mut(stream);
+        let (y_ptr, _y) = y.device_ptr_mut(stream);
+        let _ws = ws.bind(stream, &mut args);
+        args.ssm = ssm_ptr;
+        args.conv_state = conv_ptr;
+        args.y = y_ptr;
+        args.n_slots = 1;
+        args.state_early = 0;
+        let prep = LaunchConfig {
+            grid_dim: (KEY_HEADS as u32, tokens as u32, 1),
+            block_dim: (DEC_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let state = LaunchConfig {
+            grid_dim: (DEC_BLOCKS, 1, 1),
+            ..prep
+        };
+        let conv_update = LaunchConfig {
+            grid_dim: ((CONV_DIM / 8) as u32 / PF_THREADS, 1, 1),
+            block_dim: (PF_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: common_args checked the inputs for `tokens` rows, the state views hold exactly
+        // one sequence's state, and the workspace holds `tokens` rows' intermediates ([tokens]
+        // [heads][128] or [tokens][heads] each, within its chunks' buffers).
+        unsafe {
+            launch!(self.stream, &self.decode_prep_rows, prep, &args)?;
+            launch!(self.stream, &self.decode_state_rows, state, &args)?;
+            // Last: the conv above reads the old conv state.
             launch!(self.stream, &self.conv_update, conv_update, &args)
         }
     }

@@ -12,8 +12,10 @@
 //! states back and steps them over the kept rows with those inputs, one-token decode kernels a
 //! row at a time (30 launches a row at the full shape, instead of running the rows again).
 //! Attention needs nothing: its positions past the kept rows are written over later. The span
-//! runs the prompt path (chunked GDN), whose rounding differs from one-token decoding: on the
-//! GPU, greedy output with drafts equals plain decoding's up to near-ties.
+//! runs the prompt path, but for its GDN layers, which step the rows one token after another
+//! (`GdnKernels::decode_tokens`: one-token decoding's bits, where the prompt path's 64-row chunks
+//! would be mostly padding); its projections, experts and attention round as the prompt path
+//! does, so on the GPU greedy output with drafts equals plain decoding's up to near-ties.
 
 use std::sync::Arc;
 
