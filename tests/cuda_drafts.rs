@@ -1,9 +1,10 @@
 //! Drafting with the MTP head on the GPU (src/cuda/forward/mtp.rs) against the CPU reference
 //! and against plain GPU decoding (run on the H200 by scripts/gpu-check.sh). The model has the
 //! real head shapes with 4 layers and an MTP head (tests/common `real_shaped_config`), bf16
-//! weights. The GPU's verify pass runs its rows as a prompt span (chunked GDN), so greedy output
-//! with drafts equals plain GPU decoding up to near-ties: a divergence is accepted only where
-//! plain decoding's top two logits are within the tolerance of tests/cuda_forward.rs.
+//! weights. The GPU's verify pass runs its rows as a prompt span (its GDN layers stepped as
+//! decoding steps them, the rest rounding as the prompt path does), so greedy output with drafts
+//! equals plain GPU decoding up to near-ties: a divergence is accepted only where plain
+//! decoding's top two logits are within the tolerance of tests/cuda_forward.rs.
 #![cfg(feature = "cuda")]
 
 mod common;

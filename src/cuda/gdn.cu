@@ -284,18 +284,21 @@ __device__ __forceinline__ float rounded_square_sum(const float o[4], float ob[4
 }
 
 // S' = α S + k δᵀ for the thread's 8 rows (at S, row pitch 128) and 4 columns.
+// Row i of the thread's 8 of S': α s + kd[i] δ (one place, so that every kernel rounds it alike).
+__device__ __forceinline__ float4 state_row(const float4 s, float kd, float alpha, const float delta[4]) {
+    float4 n;
+    n.x = alpha * s.x + kd * delta[0];
+    n.y = alpha * s.y + kd * delta[1];
+    n.z = alpha * s.z + kd * delta[2];
+    n.w = alpha * s.w + kd * delta[3];
+    return n;
+}
+
 __device__ __forceinline__ void store_state(float* S, const float4 s[8], const float kd[8], float alpha,
                                             const float delta[4]) {
     const int r = threadIdx.x / 8;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        float4 n;
-        n.x = alpha * s[i].x + kd[i] * delta[0];
-        n.y = alpha * s[i].y + kd[i] * delta[1];
-        n.z = alpha * s[i].z + kd[i] * delta[2];
-        n.w = alpha * s[i].w + kd[i] * delta[3];
-        *reinterpret_cast<float4*>(S + (r + 16 * i) * GDN_DV) = n;
-    }
+    for (int i = 0; i < 8; ++i) *reinterpret_cast<float4*>(S + (r + 16 * i) * GDN_DV) = state_row(s[i], kd[i], alpha, delta);
 }
 
 // The gated norm's output of 4 columns (row group 0's threads): w · (o · rinv) · silu(z), rounded
@@ -595,9 +598,10 @@ gdn_decode_state(const GdnArgs p) {
 }
 
 // gdn_decode_state over p.rows consecutive tokens of one sequence (state at p.ssm, a pool of one;
-// intermediates from gdn_decode_prep_rows), in order: each row is one gdn_decode_state step, its
-// state stored and read back by the thread that owns it (the same bits as launching the kernel
-// once a token, without the launches). Grid (128, 1), clusters of a value head's 4 slices. The
+// intermediates from gdn_decode_prep_rows), in order: each row is one gdn_decode_state step, the
+// state kept in registers from row to row (state_row, as store_state rounds it; fp32 stores and
+// loads are exact) and stored once at the end: the same bits as launching the kernel once a
+// token, without the launches. Grid (128, 1), clusters of a value head's 4 slices. The
 // gated norm's Σo² goes through norm_part by row parity: a block writes row r + 2's parts only
 // after the barrier of row r + 1, which every block passes only after reading row r's.
 extern "C" __global__ void __cluster_dims__(DEC_SLICES, 1, 1) __launch_bounds__(DEC_THREADS)
@@ -619,11 +623,11 @@ gdn_decode_state_rows(const GdnArgs p) {
     const int col = hv * GDN_DV + v0 + 4 * c;
     float4 w4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (tid < 8) w4 = *reinterpret_cast<const float4*>(p.norm_w + v0 + 4 * c);
+    float4 s[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = *reinterpret_cast<const float4*>(S + (r + 16 * i) * GDN_DV);
     cluster_wait();  // every block of the cluster has started
     for (int seq = 0; seq < p.rows; ++seq) {
-        float4 s[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] = *reinterpret_cast<const float4*>(S + (r + 16 * i) * GDN_DV);
         uint2 z4 = make_uint2(0u, 0u);
         if (tid < 8) z4 = *reinterpret_cast<const uint2*>(p.z + seq * p.z_stride + col);
         __syncthreads();  // the previous row's reads of q_s, k_s and v_s are done
@@ -644,10 +648,13 @@ gdn_decode_state_rows(const GdnArgs p) {
         if (tid < DEC_SLICES) st_cluster(&part[rank], tid, ss);
         cluster_sync();  // this row's parts complete in every block
 
-        store_state(S, s, kd, alpha, delta);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = state_row(s[i], kd[i], alpha, delta);
         const float rinv = rsqrtf((part[0] + part[1] + part[2] + part[3]) / GDN_DV + p.eps);
         if (tid < 8) write_gated(p, seq, col, z4, w4, ob, rinv);
     }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) *reinterpret_cast<float4*>(S + (r + 16 * i) * GDN_DV) = s[i];
 }
 
 // ---------------------------------------------------------------------------------------------
