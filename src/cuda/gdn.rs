@@ -470,25 +470,7 @@ impl GdnKernels {
         ws: &mut GdnWorkspace,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
-        ensure!(
-            ssm.len() == SSM_STATE_LEN && conv.len() == CONV_STATE_LEN,
-            "gdn prefill: the state of one sequence is {SSM_STATE_LEN} + {CONV_STATE_LEN} values, got {} + {}",
-            ssm.len(),
-            conv.len()
-        );
-        ensure!(
-            tokens <= ws.max_tokens,
-            "gdn prefill: {tokens} tokens, the workspace holds {}",
-            ws.max_tokens
-        );
-        ensure!(
-            y.len() == tokens * VALUE_DIM,
-            "gdn prefill: y has {} values, expected {tokens}×{VALUE_DIM}",
-            y.len()
-        );
-        ensure_aligned(ssm, &self.stream, "gdn ssm state")?;
-        ensure_aligned(conv, &self.stream, "gdn conv state")?;
-        ensure_aligned(y, &self.stream, "gdn y")?;
+        self.check_one_sequence("gdn prefill", tokens, ssm, conv, ws, y)?;
         if tokens == 0 {
             return Ok(());
         }
@@ -571,25 +553,11 @@ impl GdnKernels {
         ws: &mut GdnWorkspace,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
+        self.check_one_sequence("gdn decode_tokens", tokens, ssm, conv, ws, y)?;
         ensure!(
-            ssm.len() == SSM_STATE_LEN && conv.len() == CONV_STATE_LEN,
-            "gdn decode_tokens: the state of one sequence is {SSM_STATE_LEN} + {CONV_STATE_LEN} values, got {} + {}",
-            ssm.len(),
-            conv.len()
+            tokens <= 65535,
+            "gdn decode_tokens: {tokens} tokens; one launch takes at most 65535"
         );
-        ensure!(
-            tokens <= ws.max_tokens && tokens <= 65535,
-            "gdn decode_tokens: {tokens} tokens, the workspace holds {}",
-            ws.max_tokens
-        );
-        ensure!(
-            y.len() == tokens * VALUE_DIM,
-            "gdn decode_tokens: y has {} values, expected {tokens}×{VALUE_DIM}",
-            y.len()
-        );
-        ensure_aligned(ssm, &self.stream, "gdn ssm state")?;
-        ensure_aligned(conv, &self.stream, "gdn conv state")?;
-        ensure_aligned(y, &self.stream, "gdn y")?;
         if tokens == 0 {
             return Ok(());
         }
@@ -628,6 +596,38 @@ impl GdnKernels {
             // Last: the conv above reads the old conv state.
             launch!(self.stream, &self.conv_update, conv_update, &args)
         }
+    }
+
+    /// The checks of a pass over `tokens` tokens of one sequence (prefill, decode_tokens): its
+    /// states, the workspace's room and the output's size.
+    fn check_one_sequence(
+        &self,
+        what: &str,
+        tokens: usize,
+        ssm: &CudaViewMut<f32>,
+        conv: &CudaViewMut<bf16>,
+        ws: &GdnWorkspace,
+        y: &CudaViewMut<bf16>,
+    ) -> Result<()> {
+        ensure!(
+            ssm.len() == SSM_STATE_LEN && conv.len() == CONV_STATE_LEN,
+            "{what}: the state of one sequence is {SSM_STATE_LEN} + {CONV_STATE_LEN} values, got {} + {}",
+            ssm.len(),
+            conv.len()
+        );
+        ensure!(
+            tokens <= ws.max_tokens,
+            "{what}: {tokens} tokens, the workspace holds {}",
+            ws.max_tokens
+        );
+        ensure!(
+            y.len() == tokens * VALUE_DIM,
+            "{what}: y has {} values, expected {tokens}×{VALUE_DIM}",
+            y.len()
+        );
+        ensure_aligned(ssm, &self.stream, "gdn ssm state")?;
+        ensure_aligned(conv, &self.stream, "gdn conv state")?;
+        ensure_aligned(y, &self.stream, "gdn y")
     }
 
     /// Zeroes states in the pools `ssm` (`[n_slots][SSM_STATE_LEN]`) and `conv`
