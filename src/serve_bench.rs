@@ -5,7 +5,8 @@
 //!   and total (prompt + output) tokens per second of wall time;
 //! * an agent conversation: T turns, each prompt the previous prompt plus the previous answer
 //!   plus a new message, growing to about C tokens; time to first token per turn without and
-//!   with the prefix cache;
+//!   with the prefix cache. The first turn may open with S tokens of system prompt (an agent's
+//!   instructions and tool schemas), the rest of C shared equally by the turns;
 //! * decode scaling: the decode speed of one stream alone and per stream among K concurrent.
 //!
 //! Requests have no stop token, so every one generates exactly M tokens; they are greedy, or
@@ -35,6 +36,9 @@ pub struct ServeBenchOptions {
     pub turns: usize,
     /// The conversation's length at its last turn, about.
     pub conversation_tokens: usize,
+    /// Tokens of system prompt before the first turn's message (0: every turn adds an equal
+    /// share from the start).
+    pub system_tokens: usize,
     /// Concurrent streams of the decode-scaling measurement.
     pub decode_streams: usize,
     /// Engine settings; the conversation runs once with `prefix_cache_bytes` 0 and once with
@@ -156,6 +160,12 @@ pub fn run(
         o.streams > 0 && o.decode_streams > 0 && o.turns > 0,
         "streams and turns must be positive"
     );
+    anyhow::ensure!(
+        o.system_tokens < o.conversation_tokens,
+        "the system prompt ({} tokens) must be shorter than the conversation ({})",
+        o.system_tokens,
+        o.conversation_tokens
+    );
     anyhow::ensure!(o.prompt_tokens > 0, "prompts need at least one token");
     anyhow::ensure!(
         o.engine.prefix_cache_bytes > 0,
@@ -218,16 +228,17 @@ pub fn run(
         throughput.seconds
     ));
 
-    // Each turn adds a message and an answer of `output_tokens`.
-    let message = (o.conversation_tokens / o.turns)
-        .saturating_sub(o.output_tokens)
-        .max(1);
-    let (backend, cold) = with_engine(backend, &no_cache, |e| {
-        conversation(e, o.turns, message, o.output_tokens, asks)
-    })?;
-    let (backend, cached) = with_engine(backend, &o.engine, |e| {
-        conversation(e, o.turns, message, o.output_tokens, asks)
-    })?;
+    // Each turn adds a message and an answer of `output_tokens`, after the system prompt.
+    let shape = Conversation {
+        turns: o.turns,
+        system: o.system_tokens,
+        message: ((o.conversation_tokens - o.system_tokens) / o.turns)
+            .saturating_sub(o.output_tokens)
+            .max(1),
+        max_tokens: o.output_tokens,
+    };
+    let (backend, cold) = with_engine(backend, &no_cache, |e| conversation(e, &shape, asks))?;
+    let (backend, cached) = with_engine(backend, &o.engine, |e| conversation(e, &shape, asks))?;
     let turns: Vec<Turn> = cold
         .iter()
         .zip(&cached)
@@ -392,25 +403,34 @@ fn concurrent(
     })
 }
 
-/// A conversation of `turns` turns; returns (prompt length, timing) per turn.
+/// The shape of the agent conversation, in tokens.
+struct Conversation {
+    turns: usize,
+    /// The system prompt before the first message.
+    system: usize,
+    /// Each turn's new message.
+    message: usize,
+    /// Each turn's answer.
+    max_tokens: usize,
+}
+
+/// Runs the conversation; returns (prompt length, timing) per turn.
 fn conversation(
     engine: &Engine,
-    turns: usize,
-    message: usize,
-    max_tokens: usize,
+    shape: &Conversation,
     asks: Asks,
 ) -> anyhow::Result<Vec<(usize, Timing)>> {
-    let mut prompt = Vec::new();
-    let mut out = Vec::with_capacity(turns);
-    for turn in 0..turns {
+    let mut prompt = synthetic_prompt(shape.system, asks.vocab_limit, 4999);
+    let mut out = Vec::with_capacity(shape.turns);
+    for turn in 0..shape.turns {
         prompt.extend(synthetic_prompt(
-            message,
+            shape.message,
             asks.vocab_limit,
             5000 + turn as u64,
         ));
         let start = Instant::now();
         let timing = follow(
-            engine.submit(request(prompt.clone(), max_tokens, asks)),
+            engine.submit(request(prompt.clone(), shape.max_tokens, asks)),
             start,
         )?;
         let len = prompt.len();
@@ -469,9 +489,13 @@ pub fn to_markdown(o: &ServeBenchOptions, r: &ServeReport) -> String {
         r.throughput.total_tok_s
     );
     md += &format!(
-        "### Agent conversation, {} turns, time to first token\n\n\
+        "### Agent conversation, {} turns{}, time to first token\n\n\
          | turn | prompt tokens | TTFT cold s | TTFT cached s | reused tokens |\n|---:|---:|---:|---:|---:|\n",
-        r.turns.len()
+        r.turns.len(),
+        match o.system_tokens {
+            0 => String::new(),
+            n => format!(" after a system prompt of {n} tokens"),
+        }
     );
     for (i, t) in r.turns.iter().enumerate() {
         md += &format!(

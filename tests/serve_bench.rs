@@ -52,6 +52,39 @@ fn the_serve_benchmark_takes_a_vocabulary_limit() {
     }
 }
 
+/// `--system-tokens`: the first turn opens with the system prompt, the turns share the rest of
+/// the conversation, and every later turn reuses all of the one before it; a system prompt as
+/// long as the conversation is refused.
+#[test]
+fn the_conversation_can_open_with_a_system_prompt() {
+    let weights = lily::checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
+    let options = ServeBenchOptions {
+        system_tokens: 80,
+        ..small_options(None)
+    };
+    let (report, backend) =
+        run(Box::new(CpuBackend::new(weights)), &options, |_| {}).expect("the benchmark runs");
+    // 80 system tokens, then 4 turns of a 24-token message ((200 − 80) / 4 − 6) and 6 answered.
+    let lengths: Vec<usize> = report.turns.iter().map(|t| t.prompt_tokens).collect();
+    assert_eq!(lengths, vec![104, 134, 164, 194]);
+    for (i, t) in report.turns.iter().enumerate().skip(1) {
+        assert_eq!(t.cached_tokens, lengths[i - 1] + 5, "turn {i}");
+    }
+    let md = to_markdown(&options, &report);
+    assert!(
+        md.contains("4 turns after a system prompt of 80 tokens"),
+        "{md}"
+    );
+    let too_long = ServeBenchOptions {
+        system_tokens: 200,
+        ..small_options(None)
+    };
+    let err = run(backend, &too_long, |_| {})
+        .err()
+        .expect("a system prompt as long as the conversation ran");
+    assert!(err.to_string().contains("system prompt"), "{err:#}");
+}
+
 fn small_options(sampling: Option<SamplingParams>) -> ServeBenchOptions {
     ServeBenchOptions {
         streams: 3,
@@ -59,6 +92,7 @@ fn small_options(sampling: Option<SamplingParams>) -> ServeBenchOptions {
         output_tokens: 6,
         turns: 4,
         conversation_tokens: 200,
+        system_tokens: 0,
         decode_streams: 3,
         engine: EngineOptions {
             prefill_chunk: 16,

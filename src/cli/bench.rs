@@ -97,6 +97,10 @@ pub struct BenchArgs {
     /// --serve: the conversation's length at its last turn (about).
     #[arg(long, default_value_t = 32768)]
     pub conversation_tokens: usize,
+    /// --serve: tokens of system prompt (an agent's instructions and tool schemas) before the
+    /// conversation's first message; the turns share the rest of --conversation-tokens.
+    #[arg(long, default_value_t = 0)]
+    pub system_tokens: usize,
     /// --serve: concurrent streams of the decode-speed comparison with one stream.
     #[arg(long, default_value_t = 8)]
     pub decode_streams: usize,
@@ -372,6 +376,7 @@ fn serve(backend: Box<dyn Backend>, args: &BenchArgs) -> anyhow::Result<()> {
         output_tokens: args.output_tokens,
         turns: args.turns,
         conversation_tokens: args.conversation_tokens,
+        system_tokens: args.system_tokens,
         decode_streams: args.decode_streams,
         engine: serve_engine(args, &backend.device_name()),
         sampling: serve_sampling(args)?,
