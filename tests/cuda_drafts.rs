@@ -48,12 +48,19 @@ fn weights(rng: &mut Rng) -> Weights {
 }
 
 fn gpu(w: &Weights) -> CudaBackend {
+    gpu_with(w, CudaOptions::default().verify_gdn_steps)
+}
+
+/// `verify_gdn_steps`: a verify pass's GDN layers as one-token steps keeping the states after
+/// each row (the default), or as a prefill chunk with the states copied aside before it.
+fn gpu_with(w: &Weights, verify_gdn_steps: bool) -> CudaBackend {
     let dev = CudaDevice::new(0).expect("a CUDA GPU (run through scripts/gpu-check.sh)");
     let model = CudaModel::upload(&dev, w).unwrap();
     let options = CudaOptions {
         max_sequences: 2,
         max_context: 2048,
         prefill_chunk: 256,
+        verify_gdn_steps,
         ..CudaOptions::default()
     };
     CudaBackend::new(dev, model, options).unwrap()
@@ -183,20 +190,28 @@ fn greedy_output_with_drafts_is_plain_gpu_decodings_up_to_near_ties() {
 fn a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches() {
     let mut rng = Rng::new("a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches");
     let w = weights(&mut rng);
-    let mut gpu = gpu(&w);
-    let p = prompt(&mut rng, 60);
-    let rows = prompt(&mut rng, 4);
+    for steps in [true, false] {
+        println!("verify passes' GDN layers as one-token steps: {steps}");
+        cut_back(&mut rng, &w, &mut gpu_with(&w, steps));
+    }
+}
+
+/// Verify passes of 4 rows cut back to each length, on `gpu`: the logits after it are plain
+/// decoding's, and the drafts after it the reference's.
+fn cut_back(rng: &mut Rng, w: &Weights, gpu: &mut CudaBackend) {
+    let p = prompt(rng, 60);
+    let rows = prompt(rng, 4);
     // The reference of the drafts after the cut back: the model's state after the prompt, and
     // the head's cache of its rows (as the first drafts below run them, rows[0] after it).
     let head = w.mtp.as_ref().unwrap();
     let mut prompted = SequenceState::new(&w.config);
     prompted.mtp = Some(MtpState::default());
-    cpu::forward(&w, &p, &mut prompted, Logits::Last);
+    cpu::forward(w, &p, &mut prompted, Logits::Last);
     let hidden = prompted.mtp.replace(MtpState::default()).unwrap().pending;
     let following: Vec<u32> = p[1..].iter().copied().chain([rows[0]]).collect();
     let mut prompt_kv = KvCache::default();
     mtp::forward(
-        &w,
+        w,
         head,
         &hidden,
         &following,
@@ -246,13 +261,13 @@ fn a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches() {
         // Drafting goes on from the kept rows and `next`, as the reference's: the model over
         // the kept rows and `next`, then the head over them from the prompt's end.
         let mut state = prompted.clone();
-        cpu::forward_verify(&w, &rows[..kept], &mut state);
-        let pick = argmax(&cpu::forward(&w, &[next], &mut state, Logits::Last));
+        cpu::forward_verify(w, &rows[..kept], &mut state);
+        let pick = argmax(&cpu::forward(w, &[next], &mut state, Logits::Last));
         let pending = state.mtp.take().unwrap().pending;
         let following: Vec<u32> = rows[1..kept].iter().copied().chain([next, pick]).collect();
         let mut kv = prompt_kv.clone();
         let (_, logits) = mtp::forward(
-            &w,
+            w,
             head,
             &pending,
             &following,
@@ -274,6 +289,34 @@ fn a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches() {
         );
         gpu.free_sequence(1);
     }
+}
+
+/// One verify pass is open at a time (the GDN states it keeps are the backend's): a second
+/// sequence's pass is refused until the first is cut back, then runs; the first sequence's
+/// decoding after its pass is as if the second never tried.
+#[test]
+fn a_second_verify_pass_waits_for_the_first_to_be_cut_back() {
+    let mut rng = Rng::new("a_second_verify_pass_waits_for_the_first_to_be_cut_back");
+    let w = weights(&mut rng);
+    let mut gpu = gpu(&w);
+    let p = prompt(&mut rng, 40);
+    let rows = prompt(&mut rng, 3);
+    for seq in [0, 1] {
+        gpu.create_sequence(seq).unwrap();
+        gpu.start_drafting(seq).unwrap();
+        gpu.forward(seq, &p).unwrap();
+        gpu.draft(seq, rows[0], 2).unwrap();
+    }
+    gpu.forward_verify(0, &rows).unwrap();
+    let err = gpu.forward_verify(1, &rows).unwrap_err();
+    assert!(format!("{err:#}").contains("one at a time"), "{err:#}");
+    gpu.keep_verified(0, 2).unwrap();
+    gpu.forward_verify(1, &rows).unwrap();
+    gpu.keep_verified(1, 2).unwrap();
+    // Both cut back to the same rows after the same prompt: the same next logits.
+    let a = gpu.forward(0, &[5]).unwrap();
+    let b = gpu.forward(1, &[5]).unwrap();
+    assert_eq!(a, b, "the refused pass changed nothing");
 }
 
 /// A prefix-cache snapshot of a drafting sequence taken mid-prompt (its head has run over none

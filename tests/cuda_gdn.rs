@@ -687,7 +687,8 @@ fn prefill_then_decode_matches_decode_only() {
 /// `decode_tokens` (a verify pass's rows: consecutive tokens of one sequence in three launches)
 /// gives each row, the recurrent state and the conv state after the last row bit for bit what
 /// that many one-token `decode` steps give, for 1 to 17 rows (fewer than the conv's history, and
-/// more), and so the CPU reference's values within the decode tolerance.
+/// more), and so the CPU reference's values within the decode tolerance; the states it keeps
+/// after each row but the last are bit for bit those of the steps.
 #[test]
 fn decode_tokens_equal_one_token_steps() {
     let dev = device();
@@ -708,6 +709,8 @@ fn decode_tokens_equal_one_token_steps() {
         let mut y_steps = stream
             .clone_htod(&vec![bf16::NAN; n * VALUE_DIM])
             .expect("upload");
+        // The states after each step but the last, as decode_tokens keeps them.
+        let mut after_each = Vec::new();
         for i in 0..n {
             let view = proj.slice(i * stride..);
             let inputs = GdnInputs::fused(&view, stride).expect("fused inputs");
@@ -722,6 +725,9 @@ fn decode_tokens_equal_one_token_steps() {
                     &mut y_steps.slice_mut(i * VALUE_DIM..(i + 1) * VALUE_DIM),
                 )
                 .expect("decode");
+            if i + 1 < n {
+                after_each.push(steps.download(&stream).remove(0));
+            }
         }
 
         let mut rows = DevPools::upload(&stream, std::slice::from_ref(&initial));
@@ -730,6 +736,15 @@ fn decode_tokens_equal_one_token_steps() {
             .expect("upload");
         let view = proj.slice(..);
         let inputs = GdnInputs::fused(&view, stride).expect("fused inputs");
+        // Room for the states after each row (NaN: a state not written shows); one row has none.
+        let mut kept_ssm = stream
+            .clone_htod(&vec![f32::NAN; (n - 1).max(1) * SSM_STATE_LEN])
+            .expect("upload");
+        let mut kept_conv = stream
+            .clone_htod(&vec![bf16::NAN; (n - 1).max(1) * CONV_STATE_LEN])
+            .expect("upload");
+        let mut kept_ssm_view = kept_ssm.slice_mut(..(n - 1) * SSM_STATE_LEN);
+        let mut kept_conv_view = kept_conv.slice_mut(..(n - 1) * CONV_STATE_LEN);
         kernels
             .decode_tokens(
                 &dl.weights(),
@@ -737,6 +752,7 @@ fn decode_tokens_equal_one_token_steps() {
                 n,
                 &mut rows.ssm.slice_mut(..),
                 &mut rows.conv.slice_mut(..),
+                (n > 1).then_some((&mut kept_ssm_view, &mut kept_conv_view)),
                 &mut ws,
                 &mut y_rows.slice_mut(..),
             )
@@ -753,6 +769,18 @@ fn decode_tokens_equal_one_token_steps() {
             "{n} rows: recurrent states differ"
         );
         assert!(bits(conv_r) == bits(conv_s), "{n} rows: conv states differ");
+        let (kept_ssm, kept_conv) = (download(&stream, &kept_ssm), download(&stream, &kept_conv));
+        for (i, (ssm_i, conv_i)) in after_each.iter().enumerate() {
+            let at = |len: usize| i * len..(i + 1) * len;
+            assert!(
+                ssm_bits(&kept_ssm[at(SSM_STATE_LEN)]) == ssm_bits(ssm_i),
+                "{n} rows: the recurrent state kept after row {i} differs from its step's"
+            );
+            assert!(
+                bits(&kept_conv[at(CONV_STATE_LEN)]) == bits(conv_i),
+                "{n} rows: the conv state kept after row {i} differs from its step's"
+            );
+        }
 
         let mut want = initial.clone();
         let y_ref = reference(&layer, &x, &mut want, false);

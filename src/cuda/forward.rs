@@ -269,6 +269,8 @@ pub struct CudaBackend {
     /// The sequences that draft with the MTP head, by slot, and the head's buffers
     /// (forward/mtp.rs); the head's KV cache is the attention layers' last.
     drafting: HashMap<usize, mtp::Drafting>,
+    /// The GDN states the open verify pass keeps (forward/mtp.rs).
+    verify_states: Option<mtp::VerifyStates>,
     /// What the prefix cache's snapshots of drafting sequences keep for the head.
     head_snapshots: HashMap<SnapshotId, mtp::HeadSnapshot>,
     mtp_io: Option<mtp::MtpBuffers>,
@@ -426,6 +428,7 @@ impl CudaBackend {
             routing: None,
             timeline: None,
             drafting: HashMap::new(),
+            verify_states: None,
             head_snapshots: HashMap::new(),
             mtp_io,
             options,
@@ -713,12 +716,15 @@ impl CudaBackend {
                     let ahead = L2Ahead::default().matrices(&out_proj.view(), &st);
                     let combine = pending_combine.then_some((&mut stream, &layer.input_norm));
                     first_projection(&c, k, in_proj, s, t, combine, ahead)?;
-                    // A verify pass keeps its GDN inputs, to step the states over the rows it
-                    // keeps (forward/mtp.rs).
-                    if pass.all_logits {
-                        let slot = pass.spans[0].slot;
-                        if let Some(d) = self.drafting.get_mut(&slot) {
-                            d.keep_projections(&st, gdn_i, &s.proj.slice(..t * width), width)?;
+                    // A verify pass's rows step as decoding steps them (CudaOptions::
+                    // verify_gdn_steps), keeping the states after each; chunked, it keeps its
+                    // GDN inputs, to step the states over the rows it keeps (forward/mtp.rs).
+                    let verify_steps = pass.all_logits
+                        && self.options.verify_gdn_steps
+                        && t <= mtp::MAX_VERIFY_ROWS;
+                    if pass.all_logits && !verify_steps {
+                        if let Some(kept) = self.verify_states.as_mut() {
+                            kept.keep_projections(&st, gdn_i, &s.proj.slice(..t * width), width)?;
                         }
                     }
                     let w = GdnWeights {
@@ -740,26 +746,33 @@ impl CudaBackend {
                         let mut conv = self.conv[gdn_i].slice_mut(
                             slot * gdn::CONV_STATE_LEN..(slot + 1) * gdn::CONV_STATE_LEN,
                         );
-                        // A verify pass's rows step as decoding steps them (CudaOptions::
-                        // verify_gdn_steps).
-                        let run = if pass.all_logits
-                            && self.options.verify_gdn_steps
-                            && span.len <= mtp::MAX_VERIFY_ROWS
-                        {
-                            GdnKernels::decode_tokens
+                        let y = &mut s.mixed.slice_mut(a * vd..z * vd);
+                        if verify_steps {
+                            let kept = self.verify_states.as_mut().ok_or_else(|| {
+                                CudaError::Shape("no room for a verify pass's GDN states".into())
+                            })?;
+                            let (mut ssm_rows, mut conv_rows) = kept.states(gdn_i, 0..span.len - 1);
+                            k.gdn.decode_tokens(
+                                &w,
+                                &inputs,
+                                span.len,
+                                &mut ssm,
+                                &mut conv,
+                                Some((&mut ssm_rows, &mut conv_rows)),
+                                &mut self.gdn_ws,
+                                y,
+                            )?;
                         } else {
-                            GdnKernels::prefill
-                        };
-                        run(
-                            &k.gdn,
-                            &w,
-                            &inputs,
-                            span.len,
-                            &mut ssm,
-                            &mut conv,
-                            &mut self.gdn_ws,
-                            &mut s.mixed.slice_mut(a * vd..z * vd),
-                        )?;
+                            k.gdn.prefill(
+                                &w,
+                                &inputs,
+                                span.len,
+                                &mut ssm,
+                                &mut conv,
+                                &mut self.gdn_ws,
+                                y,
+                            )?;
+                        }
                     }
                     if b > 0 {
                         let proj = s.proj.slice(d * width..t * width);

@@ -95,6 +95,11 @@ struct GdnArgs {
     // Decode: read the recurrent state before the PDL wait (its DRAM latency then overlaps the
     // previous kernel). Only when no kernel still in flight can be writing it: gdn.rs decode_in_pass.
     int state_early;
+    // gdn_decode_state_rows and gdn_conv_update of a verify pass (null: not kept): the states
+    // after each row but the last, [rows − 1][GDN_SEQ_STATE] and [rows − 1][GDN_CONV_STATE], so
+    // that keeping fewer rows copies a state instead of stepping one again.
+    float* ssm_rows;
+    bf16* conv_rows;
 };
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -650,6 +655,11 @@ gdn_decode_state_rows(const GdnArgs p) {
 
 #pragma unroll
         for (int i = 0; i < 8; ++i) s[i] = state_row(s[i], kd[i], alpha, delta);
+        if (p.ssm_rows && seq + 1 < p.rows) {  // the state after this row, kept for a cut back
+            float* kept = p.ssm_rows + (i64)seq * GDN_SEQ_STATE + (S - p.ssm);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) *reinterpret_cast<float4*>(kept + (r + 16 * i) * GDN_DV) = s[i];
+        }
         const float rinv = rsqrtf((part[0] + part[1] + part[2] + part[3]) / GDN_DV + p.eps);
         if (tid < 8) write_gated(p, seq, col, z4, w4, ob, rinv);
     }
@@ -1620,7 +1630,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out_tf32
 
 // The conv state after T = p.rows tokens: the last 3 rows of (old state ‖ inputs). One thread per
 // 8 channels; it reads all three old rows before writing, so T < 3 (which keeps some old rows)
-// works in place.
+// works in place. With p.conv_rows, also the state after each token but the last (a verify pass).
 extern "C" __global__ void gdn_conv_update(const GdnArgs p) {
     pdl_wait();
     pdl_launch_dependents();
@@ -1628,10 +1638,18 @@ extern "C" __global__ void gdn_conv_update(const GdnArgs p) {
     if (v >= GDN_CONV_DIM / 8) return;
     uint4* hist = reinterpret_cast<uint4*>(p.conv_state) + v;
     const uint4 old0 = hist[0], old1 = hist[GDN_CONV_DIM / 8], old2 = hist[2 * GDN_CONV_DIM / 8];
-#pragma unroll
-    for (int i = 0; i < GDN_HIST; ++i) {
-        const int src = p.rows - GDN_HIST + i;  // token index; negative: old row src + 3
+    // The history after `tokens` tokens, row i (i < 3).
+    auto after = [&](int tokens, int i) {
+        const int src = tokens - GDN_HIST + i;  // token index; negative: old row src + 3
         const uint4 keep = src == -3 ? old0 : src == -2 ? old1 : old2;
-        hist[i * (GDN_CONV_DIM / 8)] = src < 0 ? keep : *reinterpret_cast<const uint4*>(p.qkv + src * p.qkv_stride + v * 8);
-    }
+        return src < 0 ? keep : *reinterpret_cast<const uint4*>(p.qkv + src * p.qkv_stride + v * 8);
+    };
+    if (p.conv_rows)
+        for (int t = 1; t < p.rows; ++t) {
+            uint4* kept = reinterpret_cast<uint4*>(p.conv_rows + (i64)(t - 1) * GDN_CONV_STATE) + v;
+#pragma unroll
+            for (int i = 0; i < GDN_HIST; ++i) kept[i * (GDN_CONV_DIM / 8)] = after(t, i);
+        }
+#pragma unroll
+    for (int i = 0; i < GDN_HIST; ++i) hist[i * (GDN_CONV_DIM / 8)] = after(p.rows, i);
 }

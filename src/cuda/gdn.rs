@@ -263,6 +263,8 @@ struct GdnArgs {
     n_slots: i32,
     eps: f32,
     state_early: i32,
+    ssm_rows: u64,
+    conv_rows: u64,
 }
 
 // SAFETY: plain integers and floats, laid out as the C struct the kernels take by value.
@@ -541,7 +543,9 @@ impl GdnKernels {
     /// chunked prefill rounds differently. For a verify pass's few rows (forward/mtp.rs), where
     /// prefill's 64-row chunks would be mostly padding: three launches (conv, norms and gates of
     /// every row at once; the state stepped over the rows in order; the conv state's shift). The
-    /// workspace holds the rows' intermediates.
+    /// workspace holds the rows' intermediates. With `each_row`, the states after each row but
+    /// the last are also written there, `[tokens − 1][SSM_STATE_LEN]` and `[tokens − 1]
+    /// [CONV_STATE_LEN]` (the verify pass's, so that keeping fewer rows copies a state back).
     #[allow(clippy::too_many_arguments)]
     pub fn decode_tokens(
         &self,
@@ -550,6 +554,7 @@ impl GdnKernels {
         tokens: usize,
         ssm: &mut CudaViewMut<f32>,
         conv: &mut CudaViewMut<bf16>,
+        each_row: Option<(&mut CudaViewMut<f32>, &mut CudaViewMut<bf16>)>,
         ws: &mut GdnWorkspace,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
@@ -573,6 +578,24 @@ impl GdnKernels {
         args.y = y_ptr;
         args.n_slots = 1;
         args.state_early = 0;
+        let mut _rows = None;
+        if let Some((ssm_rows, conv_rows)) = each_row {
+            let n = tokens - 1;
+            ensure!(
+                ssm_rows.len() == n * SSM_STATE_LEN && conv_rows.len() == n * CONV_STATE_LEN,
+                "gdn decode_tokens: the states after {n} rows are {} + {} values, got {} + {}",
+                n * SSM_STATE_LEN,
+                n * CONV_STATE_LEN,
+                ssm_rows.len(),
+                conv_rows.len()
+            );
+            ensure_aligned(ssm_rows, stream, "gdn states after each row")?;
+            ensure_aligned(conv_rows, stream, "gdn conv states after each row")?;
+            let (s, sg) = ssm_rows.device_ptr_mut(stream);
+            let (c, cg) = conv_rows.device_ptr_mut(stream);
+            (args.ssm_rows, args.conv_rows) = (s, c);
+            _rows = Some((sg, cg));
+        }
         let prep = LaunchConfig {
             grid_dim: (KEY_HEADS as u32, tokens as u32, 1),
             block_dim: (DEC_THREADS, 1, 1),

@@ -7,19 +7,20 @@
 //! attention layers' last KV cache, `mtp.norm`, the LM head and its argmax).
 //!
 //! A verify pass is one prompt span of the next token and the drafts with every row's logits.
-//! Before it the slot's GDN states are copied aside (≈ 63 MB at the full shape, ≈ 25 µs), and it
-//! keeps each GDN layer's input projections of its rows; keeping fewer rows than it ran puts the
-//! states back and steps them over the kept rows with those inputs, one-token decode kernels a
-//! row at a time (30 launches a row at the full shape, instead of running the rows again).
-//! Attention needs nothing: its positions past the kept rows are written over later. The span
-//! runs the prompt path, but for its GDN layers, which step the rows one token after another
-//! (`GdnKernels::decode_tokens`: one-token decoding's bits, where the prompt path's 64-row chunks
-//! would be mostly padding); its projections, experts and attention round as the prompt path
-//! does, so on the GPU greedy output with drafts equals plain decoding's up to near-ties.
+//! Its GDN layers step the rows one token after another (`GdnKernels::decode_tokens`:
+//! one-token decoding's bits, where the prompt path's 64-row chunks would be mostly padding)
+//! and keep the states after each row but the last ([`VerifyStates`], ≈ 63 MB a row at the full
+//! shape): keeping fewer rows than it ran copies the kept row's states into the slot. Attention
+//! needs nothing: its positions past the kept rows are written over later. With
+//! `LILY_VERIFY_GDN=chunked` (to compare) the GDN layers run as a prefill chunk instead: the
+//! states are copied aside before the pass, which keeps each GDN layer's input projections,
+//! and a cut back puts the states back and steps them over the kept rows with those inputs. The
+//! span's projections, experts and attention round as the prompt path does, so on the GPU
+//! greedy output with drafts equals plain decoding's up to near-ties.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
 use super::experts::moe_experts;
@@ -38,9 +39,8 @@ use crate::sampling::DeviceSampling;
 pub const MAX_VERIFY_ROWS: usize = 17;
 
 /// Sequences that may draft at once (the engine drafts for up to 4 decoding together): each
-/// holds a copy of its GDN states (≈ 63 MB at the full shape), its verify pass's GDN inputs and
-/// a buffer of the hidden states its head has not taken yet, grown as rows come (a whole prompt's
-/// before its first drafts).
+/// holds a buffer of the hidden states its head has not taken yet, grown as rows come (a whole
+/// prompt's before its first drafts). One verify pass is open at a time.
 pub const MAX_DRAFTING: usize = 4;
 
 /// Rows a drafting sequence's buffer of hidden states starts with.
@@ -55,13 +55,86 @@ pub struct Drafting {
     tokens: Vec<u32>,
     /// Positions whose head rows are in its KV cache.
     committed: usize,
-    /// The slot's GDN states before the open verify pass, its tokens and first position.
-    backup_ssm: CudaSlice<f32>,
-    backup_conv: CudaSlice<bf16>,
+    /// The open verify pass's tokens and first position.
     verify: Option<(Vec<u32>, usize)>,
-    /// `[gdn layer][MAX_VERIFY_ROWS][in_proj width]`: each GDN layer's input projections of
-    /// the open verify pass's rows.
-    verify_proj: CudaSlice<bf16>,
+}
+
+/// The GDN states of the open verify pass (one for the backend: one pass is open at a time),
+/// grown to the longest pass run: with one-token steps the states after each row but the last;
+/// chunked, the states before the pass (row 0) and each GDN layer's input projections.
+pub struct VerifyStates {
+    /// `[gdn layer][rows][SSM_STATE_LEN]`, `[gdn layer][rows][CONV_STATE_LEN]`.
+    ssm: CudaSlice<f32>,
+    conv: CudaSlice<bf16>,
+    rows: usize,
+    /// Chunked: `[gdn layer][MAX_VERIFY_ROWS][in_proj width]`.
+    proj: Option<CudaSlice<bf16>>,
+}
+
+impl VerifyStates {
+    /// Room for `rows` states a GDN layer (and the projections, if `chunked`); what was kept is
+    /// not.
+    fn reserve(
+        held: &mut Option<VerifyStates>,
+        st: &Arc<CudaStream>,
+        n_gdn: usize,
+        rows: usize,
+        chunked: Option<usize>,
+    ) -> Result<()> {
+        let fits = held.as_ref().is_some_and(|v| v.rows >= rows);
+        if !fits {
+            *held = None; // freed before the larger ones are taken
+            *held = Some(VerifyStates {
+                ssm: alloc(st, n_gdn * rows * gdn::SSM_STATE_LEN)?,
+                conv: alloc(st, n_gdn * rows * gdn::CONV_STATE_LEN)?,
+                rows,
+                proj: None,
+            });
+        }
+        let v = held.as_mut().expect("set above");
+        if let (Some(width), None) = (chunked, &v.proj) {
+            v.proj = Some(alloc(st, n_gdn * MAX_VERIFY_ROWS * width)?);
+        }
+        Ok(())
+    }
+
+    /// GDN layer `layer`'s states `rows` (a range of its rows), as views.
+    pub(super) fn states(
+        &mut self,
+        layer: usize,
+        rows: std::ops::Range<usize>,
+    ) -> (CudaViewMut<'_, f32>, CudaViewMut<'_, bf16>) {
+        let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
+        let at = layer * self.rows;
+        (
+            self.ssm
+                .slice_mut((at + rows.start) * ssm..(at + rows.end) * ssm),
+            self.conv
+                .slice_mut((at + rows.start) * conv..(at + rows.end) * conv),
+        )
+    }
+
+    /// Chunked: keeps GDN layer `layer`'s input projections of the verify pass's rows (`width`
+    /// each).
+    pub(super) fn keep_projections(
+        &mut self,
+        st: &Arc<CudaStream>,
+        layer: usize,
+        proj: &CudaView<bf16>,
+        width: usize,
+    ) -> Result<()> {
+        let at = layer * MAX_VERIFY_ROWS * width;
+        let kept = self
+            .proj
+            .as_mut()
+            .ok_or_else(|| CudaError::Shape("no room for a verify pass's GDN inputs".into()))?;
+        ensure!(
+            proj.len() <= MAX_VERIFY_ROWS * width && at + proj.len() <= kept.len(),
+            "a verify pass's GDN inputs exceed their buffer"
+        );
+        st.memcpy_dtod(proj, &mut kept.slice_mut(at..at + proj.len()))
+            .during(|| "keeping a verify pass's GDN inputs".into())
+    }
 }
 
 impl Drafting {
@@ -91,23 +164,6 @@ impl Drafting {
         }
         self.pending = grown;
         Ok(())
-    }
-
-    /// Keeps GDN layer `layer`'s input projections of the verify pass's rows (`width` each).
-    pub(super) fn keep_projections(
-        &mut self,
-        st: &Arc<CudaStream>,
-        layer: usize,
-        proj: &CudaView<bf16>,
-        width: usize,
-    ) -> Result<()> {
-        let at = layer * MAX_VERIFY_ROWS * width;
-        ensure!(
-            proj.len() <= MAX_VERIFY_ROWS * width && at + proj.len() <= self.verify_proj.len(),
-            "a verify pass's GDN inputs exceed their buffer"
-        );
-        st.memcpy_dtod(proj, &mut self.verify_proj.slice_mut(at..at + proj.len()))
-            .during(|| "keeping a verify pass's GDN inputs".into())
     }
 }
 
@@ -171,19 +227,13 @@ impl CudaBackend {
             "{MAX_DRAFTING} sequences draft already"
         );
         let st = self.dev.stream().clone();
-        let c = &self.model.config;
-        let h = c.hidden_size;
-        let n_gdn = self.ssm.len();
-        let width = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
+        let h = self.model.config.hidden_size;
         let d = Drafting {
             pending: alloc(&st, PENDING_ROWS.min(self.options.max_context).max(1) * h)?,
             rows: 0,
             tokens: Vec::new(),
             committed: 0,
-            backup_ssm: alloc(&st, n_gdn * gdn::SSM_STATE_LEN)?,
-            backup_conv: alloc(&st, n_gdn * gdn::CONV_STATE_LEN)?,
             verify: None,
-            verify_proj: alloc(&st, n_gdn * MAX_VERIFY_ROWS * width)?,
         };
         self.drafting.insert(slot, d);
         Ok(())
@@ -564,8 +614,8 @@ impl CudaBackend {
     }
 
     /// Runs `tokens` of the drafting sequence in `slot` from `position` as one verify pass:
-    /// every row's logits left in `s.logits`, each row's argmax in `s.next`. Its GDN states are
-    /// copied aside first.
+    /// every row's logits left in `s.logits`, each row's argmax in `s.next`; the GDN states it
+    /// keeps in `verify_states` (see the top).
     pub(super) fn verify_slot(
         &mut self,
         slot: usize,
@@ -588,23 +638,35 @@ impl CudaBackend {
             position + tokens.len(),
             self.options.max_context
         );
+        let d = self
+            .drafting
+            .get(&slot)
+            .ok_or_else(|| anyhow::anyhow!("the sequence does not draft"))?;
+        anyhow::ensure!(d.verify.is_none(), "a verify pass is open already");
+        anyhow::ensure!(
+            self.drafting.values().all(|d| d.verify.is_none()),
+            "another sequence's verify pass is open (one at a time)"
+        );
         let st = self.dev.stream().clone();
-        {
-            let d = self
-                .drafting
-                .get_mut(&slot)
-                .ok_or_else(|| anyhow::anyhow!("the sequence does not draft"))?;
-            anyhow::ensure!(d.verify.is_none(), "a verify pass is open already");
+        let c = &self.model.config;
+        let n_gdn = self.ssm.len();
+        if self.options.verify_gdn_steps {
+            VerifyStates::reserve(&mut self.verify_states, &st, n_gdn, tokens.len() - 1, None)?;
+        } else {
+            let width = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
+            VerifyStates::reserve(&mut self.verify_states, &st, n_gdn, 1, Some(width))?;
+            let kept = self.verify_states.as_mut().expect("reserved");
             let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
             for (g, (layer_ssm, layer_conv)) in self.ssm.iter().zip(&self.conv).enumerate() {
+                let (mut ssm_aside, mut conv_aside) = kept.states(g, 0..1);
                 st.memcpy_dtod(
                     &layer_ssm.slice(slot * ssm..(slot + 1) * ssm),
-                    &mut d.backup_ssm.slice_mut(g * ssm..(g + 1) * ssm),
+                    &mut ssm_aside,
                 )
                 .during(|| "copying GDN states aside".into())?;
                 st.memcpy_dtod(
                     &layer_conv.slice(slot * conv..(slot + 1) * conv),
-                    &mut d.backup_conv.slice_mut(g * conv..(g + 1) * conv),
+                    &mut conv_aside,
                 )
                 .during(|| "copying conv states aside".into())?;
             }
@@ -666,12 +728,12 @@ impl CudaBackend {
     }
 
     /// Keeps the first `rows` rows of the open verify pass of `slot`; returns the position after
-    /// them. The GDN states go back to the copy taken before the pass and step over the kept
-    /// rows with the pass's own inputs (one-token decode kernels, a row at a time); attention
+    /// them. The GDN states become those after the last kept row: copied from those the pass
+    /// kept, or (chunked) put back to the copy taken before the pass and stepped over the kept
+    /// rows with the pass's own inputs (one-token decode kernels, a row at a time). Attention
     /// needs nothing, and the head keeps the kept rows' hidden states.
     pub(super) fn keep_verified_slot(&mut self, slot: usize, rows: usize) -> anyhow::Result<usize> {
         let st = self.dev.stream().clone();
-        let c = self.model.config.clone();
         let d = self
             .drafting
             .get_mut(&slot)
@@ -692,19 +754,46 @@ impl CudaBackend {
         }
         d.rows -= ran - rows;
         d.tokens.truncate(d.tokens.len() - (ran - rows));
+        let kept = self
+            .verify_states
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("the verify pass kept no GDN states"))?;
         let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
+        // The states after row rows − 1, or (chunked) before the pass.
+        let from = if self.options.verify_gdn_steps {
+            rows - 1
+        } else {
+            0
+        };
         for (g, (layer_ssm, layer_conv)) in self.ssm.iter_mut().zip(&mut self.conv).enumerate() {
+            let (ssm_kept, conv_kept) = kept.states(g, from..from + 1);
             st.memcpy_dtod(
-                &d.backup_ssm.slice(g * ssm..(g + 1) * ssm),
+                &ssm_kept,
                 &mut layer_ssm.slice_mut(slot * ssm..(slot + 1) * ssm),
             )
             .during(|| "restoring GDN states".into())?;
             st.memcpy_dtod(
-                &d.backup_conv.slice(g * conv..(g + 1) * conv),
+                &conv_kept,
                 &mut layer_conv.slice_mut(slot * conv..(slot + 1) * conv),
             )
             .during(|| "restoring conv states".into())?;
         }
+        if !self.options.verify_gdn_steps {
+            self.step_kept_rows(slot, rows)?;
+        }
+        Ok(position + rows)
+    }
+
+    /// Chunked verify passes: steps the GDN states of `slot` (as they were before the pass) over
+    /// its first `rows` rows with the inputs the pass kept.
+    fn step_kept_rows(&mut self, slot: usize, rows: usize) -> anyhow::Result<()> {
+        let st = self.dev.stream().clone();
+        let c = self.model.config.clone();
+        let proj_kept = self
+            .verify_states
+            .as_ref()
+            .and_then(|v| v.proj.as_ref())
+            .ok_or_else(|| anyhow::anyhow!("the verify pass kept no GDN inputs"))?;
         st.memcpy_htod(&[slot as i32], &mut self.s.slots.slice_mut(..1))
             .during(|| "copying the slot".into())?;
         let width = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
@@ -730,7 +819,7 @@ impl CudaBackend {
                     eps: c.rms_norm_eps,
                 };
                 let at = (g * MAX_VERIFY_ROWS + r) * width;
-                let proj = d.verify_proj.slice(at..at + width);
+                let proj = proj_kept.slice(at..at + width);
                 // The decode kernel that reads the states after its wait: the previous row's
                 // launch on this layer is a whole layer sweep back, but no earlier than that.
                 self.k.gdn.decode(
@@ -744,6 +833,6 @@ impl CudaBackend {
                 )?;
             }
         }
-        Ok(position + rows)
+        Ok(())
     }
 }
