@@ -378,6 +378,10 @@ impl CudaBackend {
         // request.
         let most = (MAX_VERIFY_ROWS.min(self.s.logit_rows).min(self.s.rows)).saturating_sub(1);
         anyhow::ensure!((1..=most).contains(&k), "{k} drafts (1 to {most})");
+        // Room for the states the verify pass will keep, taken here: memory short refuses the
+        // drafts (the engine decodes on without them), not the verify pass (which fails its
+        // request).
+        self.reserve_verify_states(k + 1)?;
         let mut d = self
             .drafting
             .remove(&slot)
@@ -648,13 +652,8 @@ impl CudaBackend {
             "another sequence's verify pass is open (one at a time)"
         );
         let st = self.dev.stream().clone();
-        let c = &self.model.config;
-        let n_gdn = self.ssm.len();
-        if self.options.verify_gdn_steps {
-            VerifyStates::reserve(&mut self.verify_states, &st, n_gdn, tokens.len() - 1, None)?;
-        } else {
-            let width = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
-            VerifyStates::reserve(&mut self.verify_states, &st, n_gdn, 1, Some(width))?;
+        self.reserve_verify_states(tokens.len())?;
+        if !self.options.verify_gdn_steps {
             let kept = self.verify_states.as_mut().expect("reserved");
             let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
             for (g, (layer_ssm, layer_conv)) in self.ssm.iter().zip(&self.conv).enumerate() {
@@ -678,6 +677,32 @@ impl CudaBackend {
             d.verify = Some((tokens.to_vec(), position));
         }
         Ok(())
+    }
+
+    /// Room for what a verify pass of `rows` rows keeps of its GDN states (see the top).
+    fn reserve_verify_states(&mut self, rows: usize) -> Result<()> {
+        let st = self.dev.stream().clone();
+        let c = &self.model.config;
+        let n_gdn = self.ssm.len();
+        let (rows, chunked) = if self.options.verify_gdn_steps {
+            (rows - 1, None)
+        } else {
+            let width = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
+            (1, Some(width))
+        };
+        let fits = self
+            .verify_states
+            .as_ref()
+            .is_some_and(|v| v.rows >= rows && (chunked.is_none() || v.proj.is_some()));
+        if fits {
+            return Ok(());
+        }
+        // Growing drops what the open pass kept.
+        ensure!(
+            self.drafting.values().all(|d| d.verify.is_none()),
+            "room for a longer verify pass while another sequence's is open (one at a time)"
+        );
+        VerifyStates::reserve(&mut self.verify_states, &st, n_gdn, rows, chunked)
     }
 
     /// Every row's logits of the last verify pass (`rows` of them), as f32 `[rows][vocab]`.
