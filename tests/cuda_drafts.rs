@@ -292,8 +292,9 @@ fn cut_back(rng: &mut Rng, w: &Weights, gpu: &mut CudaBackend) {
 }
 
 /// One verify pass is open at a time (the GDN states it keeps are the backend's): a second
-/// sequence's pass is refused until the first is cut back, then runs; the first sequence's
-/// decoding after its pass is as if the second never tried.
+/// sequence's pass is refused until the first is cut back, then runs, with the first's logits
+/// bit for bit (the same state and rows). Another sequence's step while a pass is open leaves
+/// its cut back right, but its logits are gone (refused, not another pass's rows).
 #[test]
 fn a_second_verify_pass_waits_for_the_first_to_be_cut_back() {
     let mut rng = Rng::new("a_second_verify_pass_waits_for_the_first_to_be_cut_back");
@@ -307,16 +308,23 @@ fn a_second_verify_pass_waits_for_the_first_to_be_cut_back() {
         gpu.forward(seq, &p).unwrap();
         gpu.draft(seq, rows[0], 2).unwrap();
     }
-    gpu.forward_verify(0, &rows).unwrap();
+    let first = gpu.forward_verify(0, &rows).unwrap();
     let err = gpu.forward_verify(1, &rows).unwrap_err();
     assert!(format!("{err:#}").contains("one at a time"), "{err:#}");
     gpu.keep_verified(0, 2).unwrap();
-    gpu.forward_verify(1, &rows).unwrap();
+    let second = gpu.forward_verify(1, &rows).unwrap();
+    assert_eq!(first, second, "the same pass over the same state");
+    // Sequence 0 steps while sequence 1's pass is open.
+    let a = gpu.forward(0, &[5]).unwrap();
+    let err = gpu.verified_logits(1, 0).unwrap_err();
+    assert!(format!("{err:#}").contains("overwritten"), "{err:#}");
     gpu.keep_verified(1, 2).unwrap();
     // Both cut back to the same rows after the same prompt: the same next logits.
-    let a = gpu.forward(0, &[5]).unwrap();
     let b = gpu.forward(1, &[5]).unwrap();
-    assert_eq!(a, b, "the refused pass changed nothing");
+    assert_eq!(
+        a, b,
+        "the refused pass and the other's step changed nothing"
+    );
 }
 
 /// A prefix-cache snapshot of a drafting sequence taken mid-prompt (its head has run over none

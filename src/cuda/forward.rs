@@ -271,6 +271,8 @@ pub struct CudaBackend {
     drafting: HashMap<usize, mtp::Drafting>,
     /// The GDN states the open verify pass keeps (forward/mtp.rs).
     verify_states: Option<mtp::VerifyStates>,
+    /// Whether `s.logits` still holds the open verify pass's rows (no pass or head pass since).
+    verify_logits_kept: bool,
     /// What the prefix cache's snapshots of drafting sequences keep for the head.
     head_snapshots: HashMap<SnapshotId, mtp::HeadSnapshot>,
     mtp_io: Option<mtp::MtpBuffers>,
@@ -429,6 +431,7 @@ impl CudaBackend {
             timeline: None,
             drafting: HashMap::new(),
             verify_states: None,
+            verify_logits_kept: false,
             head_snapshots: HashMap::new(),
             mtp_io,
             options,
@@ -496,6 +499,7 @@ impl CudaBackend {
         rows: &[DecodeRow],
         all_logits: bool,
     ) -> Result<()> {
+        self.verify_logits_kept = false;
         let mut pass = Pass {
             spans: Vec::with_capacity(spans.len()),
             decode: rows.len(),

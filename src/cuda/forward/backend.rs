@@ -90,6 +90,11 @@ impl Backend for CudaBackend {
         // As the CPU backend: a row past the pass's would read another pass's logits (or
         // past the buffer).
         anyhow::ensure!(row < ran, "row {row} of a verify pass of {ran}");
+        // Another sequence's pass (or drafts) since would have written over them.
+        anyhow::ensure!(
+            self.verify_logits_kept,
+            "sequence {seq}'s verify logits were overwritten by a later pass"
+        );
         self.row_logits(row)
     }
     fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {

@@ -105,6 +105,11 @@ impl VerifyStates {
         rows: std::ops::Range<usize>,
     ) -> (CudaViewMut<'_, f32>, CudaViewMut<'_, bf16>) {
         let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
+        assert!(
+            rows.start <= rows.end && rows.end <= self.rows,
+            "rows {rows:?} of a layer's {} kept states",
+            self.rows
+        );
         let at = layer * self.rows;
         (
             self.ssm
@@ -381,6 +386,8 @@ impl CudaBackend {
         // Room for the states the verify pass will keep, taken here: memory short refuses the
         // drafts (the engine decodes on without them), not the verify pass (which fails its
         // request).
+        let open = self.drafting.get(&slot).is_some_and(|d| d.verify.is_some());
+        anyhow::ensure!(!open, "drafting before the verify pass was cut back");
         self.reserve_verify_states(k + 1)?;
         let mut d = self
             .drafting
@@ -446,6 +453,7 @@ impl CudaBackend {
         };
         let (hd, v, eps) = (c.hidden_size, c.vocab_size, c.rms_norm_eps);
         ensure!(t >= 1 && t <= self.s.rows, "a head pass of {t} rows");
+        self.verify_logits_kept = false; // its logits take the verify pass's place
         ensure!(
             start + t <= self.options.max_context,
             "the head's rows pass the context of {}",
@@ -671,6 +679,7 @@ impl CudaBackend {
             }
         }
         self.pass_with(&[(slot, position, tokens)], &[], true)?;
+        self.verify_logits_kept = true;
         // Open only once the pass ran (as the CPU backend's): a failed pass left open would
         // refuse the sequence's drafts and let a cut back replay inputs it never kept.
         if let Some(d) = self.drafting.get_mut(&slot) {
@@ -758,10 +767,9 @@ impl CudaBackend {
     /// rows with the pass's own inputs (one-token decode kernels, a row at a time). Attention
     /// needs nothing, and the head keeps the kept rows' hidden states.
     pub(super) fn keep_verified_slot(&mut self, slot: usize, rows: usize) -> anyhow::Result<usize> {
-        let st = self.dev.stream().clone();
         let d = self
             .drafting
-            .get_mut(&slot)
+            .get(&slot)
             .ok_or_else(|| anyhow::anyhow!("the sequence does not draft"))?;
         let ran = d
             .verify
@@ -773,12 +781,22 @@ impl CudaBackend {
             (1..=ran).contains(&rows),
             "keeping {rows} rows of a verify pass of {ran}"
         );
-        let (_, position) = d.verify.take().expect("checked above");
-        if rows == ran {
-            return Ok(position + rows);
+        let position = d.verify.as_ref().expect("checked above").1;
+        if rows < ran {
+            self.restore_kept_states(slot, rows)?;
         }
+        // The pass closes only once the states are the kept rows' (a failed copy leaves it open).
+        let d = self.drafting.get_mut(&slot).expect("checked above");
+        d.verify = None;
         d.rows -= ran - rows;
         d.tokens.truncate(d.tokens.len() - (ran - rows));
+        self.verify_logits_kept = false;
+        Ok(position + rows)
+    }
+
+    /// The GDN states of `slot` after the first `rows` rows of its open verify pass.
+    fn restore_kept_states(&mut self, slot: usize, rows: usize) -> anyhow::Result<()> {
+        let st = self.dev.stream().clone();
         let kept = self
             .verify_states
             .as_mut()
@@ -806,7 +824,7 @@ impl CudaBackend {
         if !self.options.verify_gdn_steps {
             self.step_kept_rows(slot, rows)?;
         }
-        Ok(position + rows)
+        Ok(())
     }
 
     /// Chunked verify passes: steps the GDN states of `slot` (as they were before the pass) over
