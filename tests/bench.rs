@@ -224,7 +224,8 @@ fn span_passes_report_each_length_and_free_their_sequence() {
 }
 
 /// `lily bench --forced-drafts`: drafts forced right always stand (every drafted token kept,
-/// fewer passes than tokens), forced wrong never do (a pass a token); the sequences are freed;
+/// fewer passes than tokens), forced wrong never do (a pass a token), forced at 0.6 stand at
+/// about that rate; the sequences are freed;
 /// a model without an MTP head, or a pass of no drafts, is refused.
 #[test]
 fn forced_drafts_stand_at_the_rate_asked_and_free_their_sequences() {
@@ -241,7 +242,11 @@ fn forced_drafts_stand_at_the_rate_asked_and_free_their_sequences() {
     let wrong = bench::drafts::forced_drafts(&mut cpu, 410, 12, &[2], 0.0, steps).unwrap();
     assert_eq!(wrong[0].accepted, 0.0);
     assert_eq!(wrong[0].passes, steps, "a pass a token");
-    for seq in [400, 401, 410, 411] {
+    // In between, the drafts stand at about the rate asked (≈ 190 drafts checked: a standard
+    // error of ≈ 0.035).
+    let half = bench::drafts::forced_drafts(&mut cpu, 412, 12, &[1], 0.6, 400).unwrap();
+    assert!((half[0].accepted - 0.6).abs() < 0.15, "{:?}", half[0]);
+    for seq in [400, 401, 410, 411, 412, 413] {
         assert!(
             cpu.forward(seq, &[1]).is_err(),
             "sequence {seq} was not freed"
