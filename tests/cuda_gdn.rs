@@ -26,8 +26,9 @@ use std::sync::Arc;
 use half::bf16;
 use lily::config::ModelConfig;
 use lily::cuda::gdn::{
-    check_config, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace, Rows, CONV_DIM, CONV_KERNEL,
-    CONV_STATE_LEN, HEAD_DIM, KEY_DIM, KEY_HEADS, PROJ_DIM, SSM_STATE_LEN, VALUE_DIM, VALUE_HEADS,
+    check_config, GdnInputs, GdnKernels, GdnWeights, GdnWorkspace, Rows, StateCopy, CONV_DIM,
+    CONV_KERNEL, CONV_STATE_LEN, HEAD_DIM, KEY_DIM, KEY_HEADS, PROJ_DIM, SSM_STATE_LEN, VALUE_DIM,
+    VALUE_HEADS,
 };
 use lily::cuda::profile::OpProfile;
 use lily::cuda::{CudaDevice, CudaSlice, CudaStream};
@@ -788,6 +789,64 @@ fn decode_tokens_equal_one_token_steps() {
         let err = check_state("decode_tokens vs CPU", ssm_r, conv_r, &want);
         println!("{n} rows: bit for bit the one-token steps; vs CPU y {rel:.2e}, state {err:.2e}");
     }
+}
+
+/// `copy_states` (a verify pass's cut back: every layer's kept states into the slot, one
+/// launch): each copy's states arrive bit for bit, and nothing else in the pools changes.
+#[test]
+fn copy_states_copies_whole_states_in_one_launch() {
+    let dev = device();
+    let stream = dev.stream().clone();
+    let kernels = GdnKernels::load(&dev).expect("load");
+    let mut rng = rng("copy_states_copies_whole_states_in_one_launch");
+    let from: Vec<HostState> = (0..3).map(|_| HostState::random(&mut rng)).collect();
+    let before: Vec<HostState> = (0..4).map(|_| HostState::random(&mut rng)).collect();
+    let src = DevPools::upload(&stream, &from);
+    // Three layers' pools of 4 slots; slot 1 of each gets state i.
+    let mut pools: Vec<DevPools> = (0..3).map(|_| DevPools::upload(&stream, &before)).collect();
+    let mut table = stream.clone_htod(&[0u64; 12]).expect("upload");
+    let (ssm, conv) = (SSM_STATE_LEN, CONV_STATE_LEN);
+    let mut copies: Vec<StateCopy> = pools
+        .iter_mut()
+        .enumerate()
+        .map(|(i, p)| StateCopy {
+            ssm_from: src.ssm.slice(i * ssm..(i + 1) * ssm),
+            ssm_to: p.ssm.slice_mut(ssm..2 * ssm),
+            conv_from: src.conv.slice(i * conv..(i + 1) * conv),
+            conv_to: p.conv.slice_mut(conv..2 * conv),
+        })
+        .collect();
+    kernels.copy_states(&mut copies, &mut table).expect("copy");
+    drop(copies);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let wanted = src.download(&stream);
+    for (i, p) in pools.iter().enumerate() {
+        for (slot, (s, c)) in p.download(&stream).iter().enumerate() {
+            let (want_s, want_c) = if slot == 1 {
+                (bits(&wanted[i].0), wanted[i].1.clone())
+            } else {
+                (bits(&before[slot].ssm), to_bf16(&before[slot].conv))
+            };
+            assert!(bits(s) == want_s, "layer {i} slot {slot}: recurrent state");
+            assert!(c == &want_c, "layer {i} slot {slot}: conv state");
+        }
+    }
+    // A table too small for the copies is refused.
+    let mut small = stream.clone_htod(&[0u64; 4]).expect("upload");
+    let mut two: Vec<StateCopy> = pools
+        .iter_mut()
+        .take(2)
+        .map(|p| {
+            let (s, c) = (&mut p.ssm, &mut p.conv);
+            StateCopy {
+                ssm_from: src.ssm.slice(..ssm),
+                ssm_to: s.slice_mut(..ssm),
+                conv_from: src.conv.slice(..conv),
+                conv_to: c.slice_mut(..conv),
+            }
+        })
+        .collect();
+    assert!(kernels.copy_states(&mut two, &mut small).is_err());
 }
 
 #[test]

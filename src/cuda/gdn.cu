@@ -685,6 +685,23 @@ extern "C" __global__ void gdn_zero_state(const GdnArgs p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Copies of whole states in one launch (a verify pass's cut back: each GDN layer's kept states
+// into the slot). Grid (x, n): copy i takes table[4i .. 4i + 4] = recurrent state from, to, conv
+// state from, to (device addresses of one sequence's state each).
+extern "C" __global__ void gdn_copy_states(const unsigned long long* table) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const unsigned long long* t = table + 4 * blockIdx.y;
+    const float4* ssm_from = reinterpret_cast<const float4*>(t[0]);
+    float4* ssm_to = reinterpret_cast<float4*>(t[1]);
+    const uint4* conv_from = reinterpret_cast<const uint4*>(t[2]);
+    uint4* conv_to = reinterpret_cast<uint4*>(t[3]);
+    const int stride = gridDim.x * blockDim.x;
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < GDN_SEQ_STATE / 4; e += stride) ssm_to[e] = ssm_from[e];
+    for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < GDN_CONV_STATE / 8; e += stride) conv_to[e] = conv_from[e];
+}
+
+// ---------------------------------------------------------------------------------------------
 // Prefill of T = p.rows tokens of one sequence, in chunks of 64 (MODEL.md §3.6.6). Per value head,
 // with G the in-chunk cumulative log-decay and rows padded with zeros to a whole chunk:
 //   gdn_prefill_qk     (chunk, key head) in parallel: q, k (conv, SiLU, l2 norm), β, G

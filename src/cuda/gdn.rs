@@ -232,6 +232,14 @@ impl GdnWorkspace {
     }
 }
 
+/// One sequence's states copied by [`GdnKernels::copy_states`].
+pub struct StateCopy<'a> {
+    pub ssm_from: CudaView<'a, f32>,
+    pub ssm_to: CudaViewMut<'a, f32>,
+    pub conv_from: CudaView<'a, bf16>,
+    pub conv_to: CudaViewMut<'a, bf16>,
+}
+
 /// Kernel arguments, field for field the `GdnArgs` struct of gdn.cu.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -274,6 +282,7 @@ pub struct GdnKernels {
     stream: Arc<CudaStream>,
     decode: CudaFunction,
     zero: CudaFunction,
+    copy_states: CudaFunction,
     qk: CudaFunction,
     prep: CudaFunction,
     state: CudaFunction,
@@ -314,6 +323,7 @@ impl GdnKernels {
             stream: dev.stream().clone(),
             decode: dev.function("gdn", "gdn_decode")?,
             zero: dev.function("gdn", "gdn_zero_state")?,
+            copy_states: dev.function("gdn", "gdn_copy_states")?,
             qk: big("gdn_prefill_qk", QK_SMEM)?,
             prep: big("gdn_prefill_prep", PREP_SMEM)?,
             state: big("gdn_prefill_state", STATE_SMEM)?,
@@ -692,7 +702,64 @@ impl GdnKernels {
         unsafe { launch!(self.stream, &self.zero, cfg, &args) }
     }
 
-    /// The argument fields shared by decode and prefill: inputs for `rows` rows and the weights,
+    /// Copies whole states of one sequence, `(recurrent from, to, conv from, to)` each, in one
+    /// launch; `table` (4 entries a copy) is the device scratch for their addresses.
+    pub fn copy_states(&self, copies: &mut [StateCopy], table: &mut CudaSlice<u64>) -> Result<()> {
+        ensure!(
+            copies.len() <= 65535 && 4 * copies.len() <= table.len(),
+            "gdn copy_states: {} copies, a table of {} addresses",
+            copies.len(),
+            table.len()
+        );
+        if copies.is_empty() {
+            return Ok(());
+        }
+        let n = copies.len();
+        let stream = &*self.stream;
+        let mut guards = Vec::new();
+        let mut addresses = Vec::with_capacity(4 * n);
+        for c in copies.iter_mut() {
+            ensure!(
+                c.ssm_from.len() == SSM_STATE_LEN
+                    && c.ssm_to.len() == SSM_STATE_LEN
+                    && c.conv_from.len() == CONV_STATE_LEN
+                    && c.conv_to.len() == CONV_STATE_LEN,
+                "gdn copy_states: a copy is of one sequence's states"
+            );
+            ensure_aligned(&c.ssm_from, stream, "gdn ssm state")?;
+            ensure_aligned(&c.ssm_to, stream, "gdn ssm state")?;
+            ensure_aligned(&c.conv_from, stream, "gdn conv state")?;
+            ensure_aligned(&c.conv_to, stream, "gdn conv state")?;
+            addresses.push(addr(&c.ssm_from, stream, &mut guards));
+            let (to, g) = c.ssm_to.device_ptr_mut(stream);
+            guards.push(g);
+            addresses.push(to);
+            addresses.push(addr(&c.conv_from, stream, &mut guards));
+            let (to, g) = c.conv_to.device_ptr_mut(stream);
+            guards.push(g);
+            addresses.push(to);
+        }
+        self.stream
+            .memcpy_htod(&addresses, &mut table.slice_mut(..addresses.len()))
+            .during(|| "copying the states' addresses".into())?;
+        let cfg = LaunchConfig {
+            grid_dim: (64, n as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every address is a whole, aligned state of one sequence (checked above), held
+        // by its guard until the launch is enqueued.
+        unsafe {
+            launch!(
+                self.stream,
+                &self.copy_states,
+                cfg,
+                &table.slice(..addresses.len())
+            )
+        }
+    }
+
+    /// The argument fields shared by decode and prefill    /// The argument fields shared by decode and prefill: inputs for `rows` rows and the weights,
     /// after checking their sizes and alignment.
     fn common_args<'s>(
         &'s self,

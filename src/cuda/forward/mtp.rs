@@ -69,6 +69,8 @@ pub struct VerifyStates {
     rows: usize,
     /// Chunked: `[gdn layer][MAX_VERIFY_ROWS][in_proj width]`.
     proj: Option<CudaSlice<bf16>>,
+    /// The addresses of a cut back's copies (`GdnKernels::copy_states`), 4 a GDN layer.
+    table: CudaSlice<u64>,
 }
 
 impl VerifyStates {
@@ -89,6 +91,7 @@ impl VerifyStates {
                 conv: alloc(st, n_gdn * rows * gdn::CONV_STATE_LEN)?,
                 rows,
                 proj: None,
+                table: alloc(st, 4 * n_gdn)?,
             });
         }
         let v = held.as_mut().expect("set above");
@@ -796,31 +799,43 @@ impl CudaBackend {
 
     /// The GDN states of `slot` after the first `rows` rows of its open verify pass.
     fn restore_kept_states(&mut self, slot: usize, rows: usize) -> anyhow::Result<()> {
-        let st = self.dev.stream().clone();
         let kept = self
             .verify_states
             .as_mut()
             .ok_or_else(|| anyhow::anyhow!("the verify pass kept no GDN states"))?;
         let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
-        // The states after row rows − 1, or (chunked) before the pass.
+        // The states after row rows − 1, or (chunked) before the pass: every layer's in one
+        // launch (60 copies of their own cost ≈ 3 µs each to enqueue).
         let from = if self.options.verify_gdn_steps {
             rows - 1
         } else {
             0
         };
-        for (g, (layer_ssm, layer_conv)) in self.ssm.iter_mut().zip(&mut self.conv).enumerate() {
-            let (ssm_kept, conv_kept) = kept.states(g, from..from + 1);
-            st.memcpy_dtod(
-                &ssm_kept,
-                &mut layer_ssm.slice_mut(slot * ssm..(slot + 1) * ssm),
-            )
-            .during(|| "restoring GDN states".into())?;
-            st.memcpy_dtod(
-                &conv_kept,
-                &mut layer_conv.slice_mut(slot * conv..(slot + 1) * conv),
-            )
-            .during(|| "restoring conv states".into())?;
-        }
+        anyhow::ensure!(from < kept.rows, "row {from} of {} kept states", kept.rows);
+        let VerifyStates {
+            ssm: kept_ssm,
+            conv: kept_conv,
+            rows: kept_rows,
+            table,
+            ..
+        } = kept;
+        let mut copies: Vec<gdn::StateCopy> = self
+            .ssm
+            .iter_mut()
+            .zip(&mut self.conv)
+            .enumerate()
+            .map(|(g, (layer_ssm, layer_conv))| {
+                let at = g * *kept_rows + from;
+                gdn::StateCopy {
+                    ssm_from: kept_ssm.slice(at * ssm..(at + 1) * ssm),
+                    ssm_to: layer_ssm.slice_mut(slot * ssm..(slot + 1) * ssm),
+                    conv_from: kept_conv.slice(at * conv..(at + 1) * conv),
+                    conv_to: layer_conv.slice_mut(slot * conv..(slot + 1) * conv),
+                }
+            })
+            .collect();
+        self.k.gdn.copy_states(&mut copies, table)?;
+        drop(copies);
         if !self.options.verify_gdn_steps {
             self.step_kept_rows(slot, rows)?;
         }
