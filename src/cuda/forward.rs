@@ -273,6 +273,8 @@ pub struct CudaBackend {
     verify_states: Option<mtp::VerifyStates>,
     /// Whether `s.logits` still holds the open verify pass's rows (no pass or head pass since).
     verify_logits_kept: bool,
+    /// The MTP head's draft step on its own last draft, captured on first use (forward/mtp.rs).
+    draft_graph: Option<DecodeGraph>,
     /// What the prefix cache's snapshots of drafting sequences keep for the head.
     head_snapshots: HashMap<SnapshotId, mtp::HeadSnapshot>,
     mtp_io: Option<mtp::MtpBuffers>,
@@ -432,6 +434,7 @@ impl CudaBackend {
             drafting: HashMap::new(),
             verify_states: None,
             verify_logits_kept: false,
+            draft_graph: None,
             head_snapshots: HashMap::new(),
             mtp_io,
             options,

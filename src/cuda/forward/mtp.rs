@@ -20,12 +20,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{sys, CudaSlice, CudaView, CudaViewMut};
 use half::bf16;
 
 use super::experts::moe_experts;
 use super::projection::{first_projection, gemv_rows};
-use super::{alloc, CudaBackend, DecodeRow, Pass};
+use super::{alloc, CudaBackend, DecodeGraph, DecodeRow, Pass};
 use crate::cuda::attention::QKV_WIDTH;
 use crate::cuda::gdn;
 use crate::cuda::gemm::L2Ahead;
@@ -449,12 +449,10 @@ impl CudaBackend {
     /// in `s.xn`, the last one also in the head's `last`, the last row's logits in `s.logits`
     /// and its argmax in `s.next[0]`.
     fn head_pass(&mut self, input: HeadInput, slot: usize, start: usize) -> Result<()> {
-        let c = self.model.config.clone();
         let t = match &input {
             HeadInput::Rows(_, tokens) => tokens.len(),
             HeadInput::OwnDraft => 1,
         };
-        let (hd, v, eps) = (c.hidden_size, c.vocab_size, c.rms_norm_eps);
         ensure!(t >= 1 && t <= self.s.rows, "a head pass of {t} rows");
         self.verify_logits_kept = false; // its logits take the verify pass's place
         ensure!(
@@ -462,6 +460,55 @@ impl CudaBackend {
             "the head's rows pass the context of {}",
             self.options.max_context
         );
+        // The inputs that come from the host; a draft step's token is its last draft, which
+        // the body copies on the device.
+        let st = self.dev.stream().clone();
+        if let HeadInput::Rows(_, tokens) = &input {
+            let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
+            st.memcpy_htod(&ids, &mut self.s.ids.slice_mut(..t))
+                .during(|| "copying the head's tokens".into())?;
+        }
+        if t == 1 {
+            st.memcpy_htod(&[slot as i32], &mut self.s.slots.slice_mut(..1))
+                .during(|| "copying the head's slot".into())?;
+            st.memcpy_htod(&[start as i32], &mut self.s.positions.slice_mut(..1))
+                .during(|| "copying the head's position".into())?;
+        }
+        // A draft step after the first reads only device memory: replayed from its graph.
+        let captured = !self.decodes_uncaptured() && self.timeline.is_none();
+        if !matches!(input, HeadInput::OwnDraft) || !captured {
+            return self.head_body(input, slot, start);
+        }
+        if self.draft_graph.is_none() {
+            st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .during(|| "starting the draft step's capture".into())?;
+            let body = self.head_body(HeadInput::OwnDraft, slot, start);
+            let graph = st
+                .end_capture(sys::CUgraphInstantiate_flags(0))
+                .during(|| "capturing the draft step".into());
+            body?;
+            let graph = graph?
+                .ok_or_else(|| CudaError::Shape("the draft step's capture was empty".into()))?;
+            self.draft_graph = Some(DecodeGraph(graph, Vec::new()));
+        }
+        self.draft_graph
+            .as_ref()
+            .expect("captured above")
+            .0
+            .launch()
+            .during(|| "replaying the draft step".into())
+    }
+
+    /// The launches of [`head_pass`](Self::head_pass) once its host inputs are in device
+    /// memory (`slot` and `start` only for passes of several rows; one row reads them from
+    /// `s.slots` and `s.positions`), so that a draft step can be captured.
+    fn head_body(&mut self, input: HeadInput, slot: usize, start: usize) -> Result<()> {
+        let c = self.model.config.clone();
+        let t = match &input {
+            HeadInput::Rows(_, tokens) => tokens.len(),
+            HeadInput::OwnDraft => 1,
+        };
+        let (hd, v, eps) = (c.hidden_size, c.vocab_size, c.rms_norm_eps);
         let st = self.dev.stream().clone();
         let section = |name| profile::section(&st, name);
         let (m, k, s) = (&self.model, &mut self.k, &mut self.s);
@@ -486,15 +533,9 @@ impl CudaBackend {
             ));
         };
         section("mtp head")?;
-        match &input {
-            HeadInput::Rows(_, tokens) => {
-                let ids: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
-                st.memcpy_htod(&ids, &mut s.ids.slice_mut(..t))
-                    .during(|| "copying the head's tokens".into())?;
-            }
-            HeadInput::OwnDraft => st
-                .memcpy_dtod(&s.next.slice(..1), &mut s.ids.slice_mut(..1))
-                .during(|| "feeding the head its draft".into())?,
+        if let HeadInput::OwnDraft = &input {
+            st.memcpy_dtod(&s.next.slice(..1), &mut s.ids.slice_mut(..1))
+                .during(|| "feeding the head its draft".into())?;
         }
         // e = norm(embed(token)), hn = norm(hidden): the embedding into r first.
         k.embed.gather(
@@ -566,10 +607,6 @@ impl CudaBackend {
                 &mut s.mixed.slice_mut(..t * od),
             )?;
         } else {
-            st.memcpy_htod(&[slot as i32], &mut s.slots.slice_mut(..1))
-                .during(|| "copying the head's slot".into())?;
-            st.memcpy_htod(&[start as i32], &mut s.positions.slice_mut(..1))
-                .during(|| "copying the head's position".into())?;
             k.attn.decode(
                 &s.proj.slice(..QKV_WIDTH),
                 &q_norm.as_view(),
