@@ -357,6 +357,10 @@ impl ModelConfig {
     pub fn linear_value_dim(&self) -> usize {
         self.linear_num_value_heads * self.linear_value_head_dim
     }
+    /// Rows of a GDN layer's fused input projection: q‖k‖v (the conv's input), z, b and a.
+    pub fn linear_in_proj_rows(&self) -> usize {
+        self.conv_dim() + self.linear_value_dim() + 2 * self.linear_num_value_heads
+    }
 
     /// Parameters of the text model (no MTP, no vision), counted from the shapes.
     pub fn parameter_counts(&self) -> ParameterCounts {

@@ -343,8 +343,7 @@ impl CudaBackend {
             c.num_experts_per_tok + 1,
             c.moe_intermediate_size,
         );
-        let proj_width =
-            (c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads).max(QKV_WIDTH);
+        let proj_width = c.linear_in_proj_rows().max(QKV_WIDTH);
         let mixed_width = c.linear_value_dim().max(c.num_attention_heads * c.head_dim);
         // Passes of up to this many rows may gather their experts' rows (GemvKernels).
         let gathered_rows = k.gemv.max_gathered_rows().min(rows);
@@ -704,6 +703,10 @@ impl CudaBackend {
             Ok(())
         };
         let mut stream = ResidualStream::default();
+        // A verify pass's GDN rows step as decoding steps them (CudaOptions::verify_gdn_steps),
+        // keeping the states after each (forward/mtp.rs).
+        let verify_steps =
+            pass.all_logits && self.options.verify_gdn_steps && t <= mtp::MAX_VERIFY_ROWS;
         let slots = c.num_experts_per_tok + 1;
         let (mut gdn_i, mut attn_i) = (0, 0);
         for (li, layer) in m.layers.iter().enumerate() {
@@ -723,12 +726,8 @@ impl CudaBackend {
                     let ahead = L2Ahead::default().matrices(&out_proj.view(), &st);
                     let combine = pending_combine.then_some((&mut stream, &layer.input_norm));
                     first_projection(&c, k, in_proj, s, t, combine, ahead)?;
-                    // A verify pass's rows step as decoding steps them (CudaOptions::
-                    // verify_gdn_steps), keeping the states after each; chunked, it keeps its
-                    // GDN inputs, to step the states over the rows it keeps (forward/mtp.rs).
-                    let verify_steps = pass.all_logits
-                        && self.options.verify_gdn_steps
-                        && t <= mtp::MAX_VERIFY_ROWS;
+                    // Chunked, a verify pass keeps its GDN inputs, to step the states over the
+                    // rows it keeps (forward/mtp.rs).
                     if pass.all_logits && !verify_steps {
                         if let Some(kept) = self.verify_states.as_mut() {
                             kept.keep_projections(&st, gdn_i, &s.proj.slice(..t * width), width)?;

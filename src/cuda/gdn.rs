@@ -759,7 +759,7 @@ impl GdnKernels {
         }
     }
 
-    /// The argument fields shared by decode and prefill    /// The argument fields shared by decode and prefill: inputs for `rows` rows and the weights,
+    /// The argument fields shared by decode and prefill: inputs for `rows` rows and the weights,
     /// after checking their sizes and alignment.
     fn common_args<'s>(
         &'s self,

@@ -269,7 +269,7 @@ impl CudaModel {
         let mut layer = |kind: LayerKind| {
             let mixer = match kind {
                 LayerKind::LinearAttention => {
-                    let rows = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
+                    let rows = c.linear_in_proj_rows();
                     DeviceMixer::DeltaNet {
                         // No FP8 form for in_proj, as a real checkpoint's (its b and a are 32 rows).
                         in_proj: k.matrices(bits, 1, rows, h, next())?,

@@ -74,31 +74,23 @@ pub struct VerifyStates {
 }
 
 impl VerifyStates {
-    /// Room for `rows` states a GDN layer (and the projections, if `chunked`); what was kept is
-    /// not.
-    fn reserve(
-        held: &mut Option<VerifyStates>,
+    /// Room for `rows` states a GDN layer (and, `chunked` with the in_proj width, the
+    /// projections).
+    fn new(
         st: &Arc<CudaStream>,
         n_gdn: usize,
         rows: usize,
         chunked: Option<usize>,
-    ) -> Result<()> {
-        let fits = held.as_ref().is_some_and(|v| v.rows >= rows);
-        if !fits {
-            *held = None; // freed before the larger ones are taken
-            *held = Some(VerifyStates {
-                ssm: alloc(st, n_gdn * rows * gdn::SSM_STATE_LEN)?,
-                conv: alloc(st, n_gdn * rows * gdn::CONV_STATE_LEN)?,
-                rows,
-                proj: None,
-                table: alloc(st, 4 * n_gdn)?,
-            });
-        }
-        let v = held.as_mut().expect("set above");
-        if let (Some(width), None) = (chunked, &v.proj) {
-            v.proj = Some(alloc(st, n_gdn * MAX_VERIFY_ROWS * width)?);
-        }
-        Ok(())
+    ) -> Result<Self> {
+        Ok(VerifyStates {
+            ssm: alloc(st, n_gdn * rows * gdn::SSM_STATE_LEN)?,
+            conv: alloc(st, n_gdn * rows * gdn::CONV_STATE_LEN)?,
+            rows,
+            proj: chunked
+                .map(|width| alloc(st, n_gdn * MAX_VERIFY_ROWS * width))
+                .transpose()?,
+            table: alloc(st, 4 * n_gdn)?,
+        })
     }
 
     /// GDN layer `layer`'s states `rows` (a range of its rows), as views.
@@ -736,14 +728,9 @@ impl CudaBackend {
         let (rows, chunked) = if self.options.verify_gdn_steps {
             (rows - 1, None)
         } else {
-            let width = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
-            (1, Some(width))
+            (1, Some(c.linear_in_proj_rows()))
         };
-        let fits = self
-            .verify_states
-            .as_ref()
-            .is_some_and(|v| v.rows >= rows && (chunked.is_none() || v.proj.is_some()));
-        if fits {
+        if self.verify_states.as_ref().is_some_and(|v| v.rows >= rows) {
             return Ok(());
         }
         // Growing drops what the open pass kept.
@@ -751,7 +738,9 @@ impl CudaBackend {
             self.drafting.values().all(|d| d.verify.is_none()),
             "room for a longer verify pass while another sequence's is open (one at a time)"
         );
-        VerifyStates::reserve(&mut self.verify_states, &st, n_gdn, rows, chunked)
+        self.verify_states = None; // freed before the larger ones are taken
+        self.verify_states = Some(VerifyStates::new(&st, n_gdn, rows, chunked)?);
+        Ok(())
     }
 
     /// Every row's logits of the last verify pass (`rows` of them), as f32 `[rows][vocab]`.
@@ -891,7 +880,7 @@ impl CudaBackend {
             .ok_or_else(|| anyhow::anyhow!("the verify pass kept no GDN inputs"))?;
         st.memcpy_htod(&[slot as i32], &mut self.s.slots.slice_mut(..1))
             .during(|| "copying the slot".into())?;
-        let width = c.conv_dim() + c.linear_value_dim() + 2 * c.linear_num_value_heads;
+        let width = c.linear_in_proj_rows();
         let vd = c.linear_value_dim();
         // Row by row, each layer in turn: two launches on one layer's states are never adjacent.
         for r in 0..rows {
