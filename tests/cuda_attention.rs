@@ -676,6 +676,74 @@ fn decode_matches_cpu() {
     }
 }
 
+/// `decode_one_sequence` (a verify pass: `n` consecutive tokens of one sequence as decode rows)
+/// against the reference: each row attends over the rows before it in the same launch, every
+/// row's key and value is appended, nothing else in the cache is written.
+#[test]
+fn decode_one_sequence_matches_cpu() {
+    let g = gpu();
+    let seed = seed("decode_one_sequence_matches_cpu");
+    let (slots, capacity, slot, layer) = (3usize, 32768usize, 1usize, 1usize);
+    // First positions at 0, across a tile boundary (64), across a split chunk, and far in.
+    for (i, (first, n)) in [(0usize, 4usize), (61, 4), (4094, 3), (20000, 17), (32766, 2)]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = seed.wrapping_add(1000 * i as u64);
+        println!("{n} rows of one sequence from position {first}");
+        let mut cache = poisoned_cache(&g, slots, 2, capacity);
+        let mut host = HostCache::new(first + n);
+        random_prefix(&g, &mut cache, &mut host, slot, layer, first, seed);
+        let qkv = random_qkv(n, seed ^ 7);
+        let (q_norm, k_norm) = (random_norm(seed ^ 8), random_norm(seed ^ 9));
+        let rows = to_f32(&qkv);
+        let prepared: Vec<PreparedToken> = (0..n)
+            .map(|r| {
+                let row = &rows[r * QKV_WIDTH..(r + 1) * QKV_WIDTH];
+                prepare_ref(&g.config, row, first + r, &q_norm, &k_norm)
+            })
+            .collect();
+        for (r, p) in prepared.iter().enumerate() {
+            append_ref(&mut host, p, first + r);
+        }
+        let reference: Vec<f32> = prepared
+            .iter()
+            .enumerate()
+            .flat_map(|(r, p)| attend_ref(&host, p, first + r))
+            .collect();
+        let d_slots = upload(&g, &vec![slot as i32; n]);
+        let d_pos = upload(&g, &(first..first + n).map(|p| p as i32).collect::<Vec<_>>());
+        let mut ws = AttentionWorkspace::new(&g.kernels, 0, n, capacity).unwrap();
+        let (d_qkv, d_qn, d_kn) = (upload(&g, &qkv), upload(&g, &q_norm), upload(&g, &k_norm));
+        let mut out = poisoned_out(&g, n);
+        g.kernels
+            .decode_one_sequence(
+                &d_qkv.slice(..),
+                &d_qn.slice(..),
+                &d_kn.slice(..),
+                &mut cache,
+                layer,
+                &d_slots.slice(..),
+                &d_pos.slice(..),
+                &mut ws,
+                &mut out.slice_mut(..),
+            )
+            .unwrap();
+        println!("  {} splits", g.kernels.decode_splits(n, capacity));
+        for (r, p) in prepared.iter().enumerate() {
+            check_appended(&g, &cache, slot, layer, first + r, p, &format!("row {r}"));
+        }
+        check_untouched(&g, &cache, &[(slot, layer, 0..first + n)]);
+        check_rows(
+            "output",
+            &to_f32(&download(&g, &out)),
+            &reference,
+            OUT_WIDTH,
+            OUT_TOLERANCE,
+        );
+    }
+}
+
 #[test]
 fn decode_bad_positions_give_nan_and_no_writes() {
     let g = gpu();

@@ -1,10 +1,11 @@
 //! Drafting with the MTP head on the GPU (src/cuda/forward/mtp.rs) against the CPU reference
 //! and against plain GPU decoding (run on the H200 by scripts/gpu-check.sh). The model has the
 //! real head shapes with 4 layers and an MTP head (tests/common `real_shaped_config`), bf16
-//! weights. The GPU's verify pass runs its rows as a prompt span (its GDN layers stepped as
-//! decoding steps them, the rest rounding as the prompt path does), so greedy output with drafts
-//! equals plain GPU decoding up to near-ties: a divergence is accepted only where plain
-//! decoding's top two logits are within the tolerance of tests/cuda_forward.rs.
+//! weights. The GPU's verify pass runs its rows as decode rows of one sequence (its GDN layers
+//! stepped as decoding steps them, the rest rounding as a batched decode pass of that many rows
+//! does), so greedy output with drafts equals plain GPU decoding up to near-ties: a divergence is
+//! accepted only where plain decoding's top two logits are within the tolerance of
+//! tests/cuda_forward.rs.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -12,7 +13,7 @@ mod common;
 use common::Rng;
 use lily::bench::drafts::ForcedDrafts;
 use lily::checkpoint::{self, synth, tensor::DType};
-use lily::cuda::forward::{CudaBackend, CudaOptions};
+use lily::cuda::forward::{CudaBackend, CudaOptions, VerifyPass};
 use lily::cuda::model::CudaModel;
 use lily::cuda::CudaDevice;
 use lily::model::cpu::{self, mtp, Logits};
@@ -48,19 +49,18 @@ fn weights(rng: &mut Rng) -> Weights {
 }
 
 fn gpu(w: &Weights) -> CudaBackend {
-    gpu_with(w, CudaOptions::default().verify_gdn_steps)
+    gpu_with(w, CudaOptions::default().verify_pass)
 }
 
-/// `verify_gdn_steps`: a verify pass's GDN layers as one-token steps keeping the states after
-/// each row (the default), or as a prefill chunk with the states copied aside before it.
-fn gpu_with(w: &Weights, verify_gdn_steps: bool) -> CudaBackend {
+/// With verify passes run as `verify_pass` says (`CudaOptions::verify_pass`).
+fn gpu_with(w: &Weights, verify_pass: VerifyPass) -> CudaBackend {
     let dev = CudaDevice::new(0).expect("a CUDA GPU (run through scripts/gpu-check.sh)");
     let model = CudaModel::upload(&dev, w).unwrap();
     let options = CudaOptions {
         max_sequences: 2,
         max_context: 2048,
         prefill_chunk: 256,
-        verify_gdn_steps,
+        verify_pass,
         ..CudaOptions::default()
     };
     CudaBackend::new(dev, model, options).unwrap()
@@ -190,9 +190,9 @@ fn greedy_output_with_drafts_is_plain_gpu_decodings_up_to_near_ties() {
 fn a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches() {
     let mut rng = Rng::new("a_cut_back_verify_pass_leaves_the_state_plain_decoding_reaches");
     let w = weights(&mut rng);
-    for steps in [true, false] {
-        println!("verify passes' GDN layers as one-token steps: {steps}");
-        cut_back(&mut rng, &w, &mut gpu_with(&w, steps));
+    for verify in [VerifyPass::Rows, VerifyPass::Span, VerifyPass::Chunked] {
+        println!("verify passes as {verify:?}");
+        cut_back(&mut rng, &w, &mut gpu_with(&w, verify));
     }
 }
 

@@ -791,6 +791,105 @@ fn decode_tokens_equal_one_token_steps() {
     }
 }
 
+/// `decode_tokens_in_slot` (a verify pass in a captured graph: the slot read on the device)
+/// gives `decode_tokens`' bits on the listed slot of a pool, keeps the same states after each
+/// row, and leaves the other slots alone; a slot outside the pool writes nothing.
+#[test]
+fn decode_tokens_in_slot_equal_decode_tokens() {
+    let dev = device();
+    let stream = dev.stream().clone();
+    let kernels = GdnKernels::load(&dev).expect("load");
+    let mut rng = rng("decode_tokens_in_slot_equal_decode_tokens");
+    let mut ws = GdnWorkspace::new(&stream, 17).expect("workspace");
+    let stride = PROJ_DIM;
+    let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+    let ssm_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for (n, slot) in [(2usize, 2usize), (4, 0), (17, 1)] {
+        let layer = HostLayer::random(&mut rng);
+        let dl = DevLayer::upload(&stream, &layer);
+        let x = HostInputs::random(&mut rng, n);
+        let states: Vec<HostState> = (0..3).map(|_| HostState::random(&mut rng)).collect();
+        let proj = stream.clone_htod(&x.fused(stride)).expect("upload");
+        let view = proj.slice(..);
+        let inputs = GdnInputs::fused(&view, stride).expect("fused inputs");
+        let kept = |stream: &Arc<CudaStream>| {
+            (
+                stream
+                    .clone_htod(&vec![f32::NAN; (n - 1) * SSM_STATE_LEN])
+                    .expect("upload"),
+                stream
+                    .clone_htod(&vec![bf16::NAN; (n - 1) * CONV_STATE_LEN])
+                    .expect("upload"),
+            )
+        };
+
+        // decode_tokens on that slot's state alone.
+        let mut one = DevPools::upload(&stream, std::slice::from_ref(&states[slot]));
+        let mut y_one = stream.clone_htod(&vec![bf16::NAN; n * VALUE_DIM]).expect("upload");
+        let (mut ssm_one, mut conv_one) = kept(&stream);
+        kernels
+            .decode_tokens(
+                &dl.weights(),
+                &inputs,
+                n,
+                &mut one.ssm.slice_mut(..),
+                &mut one.conv.slice_mut(..),
+                Some((&mut ssm_one.slice_mut(..), &mut conv_one.slice_mut(..))),
+                &mut ws,
+                &mut y_one.slice_mut(..),
+            )
+            .expect("decode_tokens");
+
+        // decode_tokens_in_slot on the pool of three, then on a slot outside it.
+        let mut pool = DevPools::upload(&stream, &states);
+        let mut y_pool = stream.clone_htod(&vec![bf16::NAN; n * VALUE_DIM]).expect("upload");
+        let (mut ssm_pool, mut conv_pool) = kept(&stream);
+        let mut y_outside = stream.clone_htod(&vec![bf16::NAN; n * VALUE_DIM]).expect("upload");
+        for (at, y) in [(slot as i32, &mut y_pool), (3, &mut y_outside)] {
+            let slots = stream.clone_htod(&[at, 0]).expect("upload");
+            kernels
+                .decode_tokens_in_slot(
+                    &dl.weights(),
+                    &inputs,
+                    n,
+                    &slots.slice(..),
+                    &mut pool.ssm.slice_mut(..),
+                    &mut pool.conv.slice_mut(..),
+                    Some((&mut ssm_pool.slice_mut(..), &mut conv_pool.slice_mut(..))),
+                    &mut ws,
+                    &mut y.slice_mut(..),
+                )
+                .expect("decode_tokens_in_slot");
+        }
+        assert!(
+            download(&stream, &y_outside).iter().all(|v| v.is_nan()),
+            "{n} rows: a slot outside the pool wrote outputs"
+        );
+
+        let (y_one, y_pool) = (download(&stream, &y_one), download(&stream, &y_pool));
+        assert!(bits(&y_pool) == bits(&y_one), "{n} rows: outputs differ");
+        let (ones, pools) = (one.download(&stream), pool.download(&stream));
+        for (i, (ssm, conv)) in pools.iter().enumerate() {
+            let (want_ssm, want_conv) = if i == slot {
+                (ones[0].0.clone(), ones[0].1.clone())
+            } else {
+                let untouched = DevPools::upload(&stream, std::slice::from_ref(&states[i]));
+                untouched.download(&stream).remove(0)
+            };
+            assert!(
+                ssm_bits(ssm) == ssm_bits(&want_ssm) && bits(conv) == bits(&want_conv),
+                "{n} rows in slot {slot}: slot {i}'s states are not what they should be"
+            );
+        }
+        assert!(
+            ssm_bits(&download(&stream, &ssm_pool)) == ssm_bits(&download(&stream, &ssm_one))
+                && bits(&download(&stream, &conv_pool)) == bits(&download(&stream, &conv_one)),
+            "{n} rows: the states kept after each row differ"
+        );
+        println!("{n} rows in slot {slot} of 3: bit for bit decode_tokens; slot 3 wrote nothing");
+    }
+}
+
 /// `copy_states` (a verify pass's cut back: every layer's kept states into the slot, one
 /// launch): each copy's states arrive bit for bit, and nothing else in the pools changes.
 #[test]

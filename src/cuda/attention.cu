@@ -345,7 +345,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     attn_decode_split(const bf16* __restrict__ qkv, const float* __restrict__ q_norm, const float* __restrict__ k_norm,
                       const __grid_constant__ RopeFreqs rope, float eps, bf16* __restrict__ q_out, const KvCacheArgs c,
                       const int* __restrict__ slots, const int* __restrict__ positions, float* __restrict__ part_o,
-                      float* __restrict__ part_ml, int max_splits, float scale_log2, int min_chunk, int early) {
+                      float* __restrict__ part_ml, int max_splits, float scale_log2, int min_chunk, int early,
+                      int one_seq) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ float s_m[DEC_WARPS][GROUP], s_l[DEC_WARPS][GROUP];
     __shared__ __align__(16) bf16 q_s[GROUP * HEAD_DIM];  // the block's 8 query heads, normed and rotated
@@ -353,6 +354,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     // Slots and positions come from host copies before the pass, which no kernel overlaps.
     const int slot = slots[b], pos = positions[b];
     if (!in_cache(c, slot, pos)) return;  // attn_combine writes NaN for this sequence
+    // The pass's first new key: this row's own, or (one_seq: the rows are consecutive tokens of
+    // one sequence, a verify pass) row 0's, whose keys this row sees too.
+    const int first = one_seq ? pos - b : pos;
     const int len = pos + 1, chunk = split_chunk(len, max_splits, min_chunk);
     const int k0 = split * chunk;
     if (k0 >= len) return;
@@ -376,11 +380,11 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
             cp_async16(sv + r * ROW_BYTES + part * 16, vg + off, ok);
         }
     };
-    // With `early`, the first stages whose keys are all older than this step's go out before the
+    // With `early`, the first stages whose keys are all older than the pass's go out before the
     // wait: those rows were written by earlier passes, and no kernel of this pass writes any of
-    // them (the step's own row pos is written by this kernel, below). The rest go out after the
+    // them (the pass's own keys are written by this kernel, below). The rest go out after the
     // wait and the append.
-    auto older_than_pos = [&](int j) { return min(k0 + (j + 1) * DEC_TILE, k1) <= pos; };
+    auto older_than_pos = [&](int j) { return min(k0 + (j + 1) * DEC_TILE, k1) <= first; };
     int issued = 0;
     for (; early && issued < DEC_STAGES - 1 && issued < ntiles && older_than_pos(issued); ++issued) {
         load_kv(issued, issued);
@@ -389,8 +393,10 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     pdl_wait();
     pdl_launch_dependents();
     // What attn_prepare does for a prefill, for this block's share: its 8 query heads (warp w:
-    // heads 2w, 2w + 1 of the group), and in the block whose chunk ends with the step's key the
-    // append of that key and value to the cache.
+    // heads 2w, 2w + 1 of the group), and the append of the pass's keys and values in its chunk
+    // (the step's own, in the block whose chunk ends with it; one_seq, also the earlier rows'
+    // that fall in the chunk: every block reading such a key writes it, the same bytes, so that
+    // no block waits for another).
     const bf16* src = qkv + (u64)b * QKV_STRIDE;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -398,15 +404,18 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
         reinterpret_cast<uint4*>(q_s + hg * HEAD_DIM)[lane] =
             norm_rope_lane(src + (kvh * GROUP + hg) * 2 * HEAD_DIM, q_norm, pos, lane, rope, eps);
     }
-    if (k1 == len) {
-        if (warp == 0)
-            reinterpret_cast<uint4*>(kg + (u64)pos * HEAD_DIM)[lane] =
-                norm_rope_lane(src + K_OFFSET + kvh * HEAD_DIM, k_norm, pos, lane, rope, eps);
-        else if (warp == 1)
-            reinterpret_cast<uint4*>(vg + (u64)pos * HEAD_DIM)[lane] =
-                reinterpret_cast<const uint4*>(src + V_OFFSET + kvh * HEAD_DIM)[lane];
-        __threadfence_block();
+    const int new_lo = max(k0, first), n_new = max(k1 - new_lo, 0);
+    for (int u = warp; u < 2 * n_new; u += DEC_WARPS) {  // even u: a key, odd: its value
+        const int key = new_lo + u / 2;
+        const bf16* row = qkv + (u64)(b - (pos - key)) * QKV_STRIDE;  // key's row of the pass
+        if (u % 2 == 0)
+            reinterpret_cast<uint4*>(kg + (u64)key * HEAD_DIM)[lane] =
+                norm_rope_lane(row + K_OFFSET + kvh * HEAD_DIM, k_norm, key, lane, rope, eps);
+        else
+            reinterpret_cast<uint4*>(vg + (u64)key * HEAD_DIM)[lane] =
+                reinterpret_cast<const uint4*>(row + V_OFFSET + kvh * HEAD_DIM)[lane];
     }
+    if (n_new > 0) __threadfence_block();
     __syncthreads();  // q_s complete; the appended row visible to the block's copies below
     if (split == 0)  // the queries, as attn_prepare writes them (q_out [batch][16][256], for tests)
         for (int i = tid; i < GROUP * HEAD_DIM / 8; i += DEC_THREADS)

@@ -586,6 +586,45 @@ impl AttentionKernels {
         ws: &mut AttentionWorkspace,
         out: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
+        self.decode_with(qkv, q_norm, k_norm, cache, layer, slots, positions, ws, out, false)
+    }
+
+    /// [`Self::decode`] where the `B` rows are consecutive tokens of one sequence (a verify
+    /// pass): row `b` at `positions[b] = positions[0] + b`, all in slot `slots[b] = slots[0]`
+    /// (read on the device, so a captured graph serves any slot and position), each row
+    /// attending over the rows before it too. One launch as for distinct sequences: the blocks
+    /// of a row write the pass's keys that fall in their chunk themselves (the same bytes as
+    /// the other rows' blocks write), so none waits for another.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_one_sequence(
+        &self,
+        qkv: &CudaView<bf16>,
+        q_norm: &CudaView<f32>,
+        k_norm: &CudaView<f32>,
+        cache: &mut KvCache,
+        layer: usize,
+        slots: &CudaView<i32>,
+        positions: &CudaView<i32>,
+        ws: &mut AttentionWorkspace,
+        out: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        self.decode_with(qkv, q_norm, k_norm, cache, layer, slots, positions, ws, out, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decode_with(
+        &self,
+        qkv: &CudaView<bf16>,
+        q_norm: &CudaView<f32>,
+        k_norm: &CudaView<f32>,
+        cache: &mut KvCache,
+        layer: usize,
+        slots: &CudaView<i32>,
+        positions: &CudaView<i32>,
+        ws: &mut AttentionWorkspace,
+        out: &mut CudaViewMut<bf16>,
+        one_seq: bool,
+) -> Result<()> {
         let b = slots.len();
         ensure!(
             b > 0 && b <= 65_535,
@@ -656,7 +695,8 @@ impl AttentionKernels {
                 &splits_i,
                 &self.scale_log2,
                 &self.min_chunk,
-                &i32::from(self.early_reads)
+                &i32::from(self.early_reads),
+                &i32::from(one_seq)
             )?;
             // With positions, attn_combine takes the positions from the device and the chunks from
             // the same rule as the split kernel: `start` is unused, `chunk` is the min chunk.

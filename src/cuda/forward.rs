@@ -86,11 +86,40 @@ pub struct CudaOptions {
     /// (dense.rs) instead of our 4-bit kernels (forward/projection.rs says why); default: more
     /// rows than one GEMV launch takes; `LILY_CUBLAS_FROM_ROWS` sets it.
     pub cublas_from_rows: usize,
-    /// A verify pass's GDN layers step their rows one token after another
-    /// (`GdnKernels::decode_tokens`: each row the bits one-token decoding gives, three launches)
-    /// rather than as a prefill chunk (five launches over a 64-row chunk, rounding as prefill
-    /// does). On by default; `LILY_VERIFY_GDN=chunked` turns it off (to compare).
-    pub verify_gdn_steps: bool,
+    /// How a verify pass of the MTP head's drafts runs (forward/mtp.rs); `LILY_VERIFY_PASS`
+    /// (`rows`, `span` or `chunked`) sets it.
+    pub verify_pass: VerifyPass,
+}
+
+/// How a verify pass runs (forward/mtp.rs). Its GDN layers step the rows one token after
+/// another (`GdnKernels::decode_tokens`: each row the bits one-token decoding gives, three
+/// launches) and keep the states after each, except `Chunked`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyPass {
+    /// Decode rows of one sequence, replayed from a graph captured per row count (default).
+    Rows,
+    /// One prompt span with every row's logits, launch by launch (v1.80–v1.81's, to compare).
+    Span,
+    /// One prompt span whose GDN layers run as a prefill chunk (five launches over a 64-row
+    /// chunk, rounding as prefill does): the states copied aside before the pass and stepped
+    /// again over the kept rows on a cut back (to compare).
+    Chunked,
+}
+
+impl VerifyPass {
+    /// `LILY_VERIFY_PASS`, or the default.
+    fn from_env() -> Self {
+        match std::env::var("LILY_VERIFY_PASS").as_deref() {
+            Ok("span") => VerifyPass::Span,
+            Ok("chunked") => VerifyPass::Chunked,
+            _ => VerifyPass::Rows,
+        }
+    }
+
+    /// Whether the pass keeps the GDN states after each row (all but `Chunked`).
+    pub fn keeps_row_states(self) -> bool {
+        self != VerifyPass::Chunked
+    }
 }
 
 impl Default for CudaOptions {
@@ -110,7 +139,7 @@ impl Default for CudaOptions {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(MAX_TOKENS + 1)
                 .max(1),
-            verify_gdn_steps: std::env::var("LILY_VERIFY_GDN").map_or(true, |v| v != "chunked"),
+            verify_pass: VerifyPass::from_env(),
         }
     }
 }
@@ -189,9 +218,14 @@ struct Scratch {
 struct Pass {
     spans: Vec<Span>,
     decode: usize,
-    /// Logits of every row (a verify pass: one span), not only of each span's last.
+    /// Logits of every row (a chunked verify pass: one span), not only of each span's last.
     all_logits: bool,
+    /// The decode rows are consecutive tokens of one sequence (a verify pass stepping its GDN
+    /// rows as decoding does, forward/mtp.rs): its GDN layers step them in order and keep the
+    /// states after each, its attention rows see the rows before them.
+    one_seq: bool,
 }
+
 
 /// Prompt tokens of one sequence in a pass: rows `first .. first + len` (at least 2), at
 /// positions `start ..`.
@@ -248,8 +282,9 @@ pub struct CudaBackend {
     attn_ws: AttentionWorkspace,
     sequences: HashMap<SeqId, Sequence>,
     free_slots: Vec<usize>,
-    /// Captured decode passes, by batch size.
-    decode_graphs: HashMap<usize, DecodeGraph>,
+    /// Captured decode passes, by batch size and whether their rows are one sequence's (a
+    /// verify pass; dropped when its kept states move, `reserve_verify_states`).
+    decode_graphs: HashMap<(usize, bool), DecodeGraph>,
     /// Saved sequence states for the prefix cache (snapshot.rs).
     snapshots: SnapshotPool,
     /// Most device memory seen in use after a forward call since the last reset (bytes).
@@ -373,10 +408,11 @@ impl CudaBackend {
             logits: alloc(&st, logit_rows * c.vocab_size)?,
             next: alloc(&st, logit_rows)?,
             logit_rows,
-            slots: alloc(&st, batch)?,
+            // A verify pass's rows are decode rows too (`logit_rows` of them at most).
+            slots: alloc(&st, logit_rows)?,
             topk_counter: alloc(&st, 1)?,
             vec_ss: alloc(&st, h.div_ceil(8))?,
-            positions: alloc(&st, batch)?,
+            positions: alloc(&st, logit_rows)?,
         };
         // An FP8 checkpoint's prefill: activations of up to `rows` rows of the widest FP8 matrix's
         // input, or of the experts' SwiGLU outputs (`slots` per row).
@@ -404,7 +440,7 @@ impl CudaBackend {
             None => None,
         };
         let gdn_ws = GdnWorkspace::new(&st, rows)?;
-        let attn_ws = AttentionWorkspace::new(&k.attn, rows, batch, options.max_context)?;
+        let attn_ws = AttentionWorkspace::new(&k.attn, rows, logit_rows, options.max_context)?;
         let fused_rows = if options.fused_norms {
             residual::fused_rows(&k.gemv, &model)
         } else {
@@ -493,19 +529,22 @@ impl CudaBackend {
         self.pass_with(spans, rows, false)
     }
 
-    /// [`pass`](Self::pass), with `all_logits` the logits of every row (one span: a verify
-    /// pass); then the rows of drafting sequences are kept for their MTP head.
+    /// [`pass`](Self::pass), or a `verify` pass (`CudaOptions::verify_pass`: one span with every
+    /// row's logits, or decode rows of one sequence); then the rows of drafting sequences are kept for their MTP head.
     fn pass_with(
         &mut self,
         spans: &[(usize, usize, &[u32])],
         rows: &[DecodeRow],
-        all_logits: bool,
+        verify: bool,
     ) -> Result<()> {
         self.verify_logits_kept = false;
+        let one_seq = verify && self.options.verify_pass == VerifyPass::Rows;
+        let all_logits = verify && !one_seq;
         let mut pass = Pass {
             spans: Vec::with_capacity(spans.len()),
             decode: rows.len(),
             all_logits,
+            one_seq,
         };
         let mut ids: Vec<i32> = Vec::new();
         for &(slot, start, tokens) in spans {
@@ -524,7 +563,7 @@ impl CudaBackend {
         }
         ids.extend(rows.iter().map(|r| r.token as i32));
         let (t, b, n) = (pass.rows(), pass.decode, pass.logit_rows());
-        let most = if all_logits {
+        let most = if verify {
             self.s.logit_rows
         } else {
             batch_rows(&self.options)
@@ -536,7 +575,16 @@ impl CudaBackend {
         );
         ensure!(
             !all_logits || (spans.len() == 1 && rows.is_empty()),
-            "a pass with every row's logits is one span"
+            "a verify pass of {:?} is one span",
+            self.options.verify_pass
+        );
+        ensure!(
+            !pass.one_seq
+                || (spans.is_empty()
+                    && rows.windows(2).all(|r| {
+                        r[1].slot == r[0].slot && r[1].position == r[0].position + 1
+                    })),
+            "a verify pass's rows are consecutive tokens of one sequence"
         );
         let st = self.dev.stream().clone();
         st.memcpy_htod(&ids, &mut self.s.ids.slice_mut(..t))
@@ -573,7 +621,7 @@ impl CudaBackend {
         if !pass.spans.is_empty() || self.decodes_uncaptured() {
             return self.body(pass);
         }
-        self.capture_decode_graph(b)?;
+        self.capture_decode_graph(b, pass.one_seq)?;
         if let Some((_, replayed)) = &mut self.timeline {
             ensure!(
                 replayed.is_none_or(|r| r == b),
@@ -581,23 +629,24 @@ impl CudaBackend {
             );
             *replayed = Some(b);
         }
-        self.decode_graphs[&b]
+        self.decode_graphs[&(b, pass.one_seq)]
             .0
             .launch()
             .during(|| "replaying the decode graph".into())
     }
 
-    /// Captures the decode pass of `b` rows as a graph, unless it has been. A decode pass reads
-    /// its tokens, slots and positions from device memory, so one captured graph per batch size
-    /// serves every step: ~600 launches become one.
-    fn capture_decode_graph(&mut self, b: usize) -> Result<()> {
-        if self.decode_graphs.contains_key(&b) {
+    /// Captures the decode pass of `b` rows (`one_seq`: of one sequence) as a graph, unless it
+    /// has been. A decode pass reads its tokens, slots and positions from device memory, so one
+    /// captured graph per batch size serves every step: ~600 launches become one.
+    fn capture_decode_graph(&mut self, b: usize, one_seq: bool) -> Result<()> {
+        if self.decode_graphs.contains_key(&(b, one_seq)) {
             return Ok(());
         }
         let pass = Pass {
             spans: Vec::new(),
             decode: b,
             all_logits: false,
+            one_seq,
         };
         let st = self.dev.stream().clone();
         st.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -609,7 +658,8 @@ impl CudaBackend {
         captured?;
         let graph =
             graph?.ok_or_else(|| CudaError::Shape("the decode graph capture was empty".into()))?;
-        self.decode_graphs.insert(b, DecodeGraph(graph, labels));
+        self.decode_graphs
+            .insert((b, one_seq), DecodeGraph(graph, labels));
         Ok(())
     }
 
@@ -632,7 +682,7 @@ impl CudaBackend {
             1
         };
         for b in 1..=most {
-            self.capture_decode_graph(b)?;
+            self.capture_decode_graph(b, false)?;
         }
         Ok(())
     }
@@ -703,10 +753,9 @@ impl CudaBackend {
             Ok(())
         };
         let mut stream = ResidualStream::default();
-        // A verify pass's GDN rows step as decoding steps them (CudaOptions::verify_gdn_steps),
-        // keeping the states after each (forward/mtp.rs).
-        let verify_steps =
-            pass.all_logits && self.options.verify_gdn_steps && t <= mtp::MAX_VERIFY_ROWS;
+        // A span verify pass's GDN rows step as decoding steps them, keeping the states after
+        // each (forward/mtp.rs).
+        let span_steps = pass.all_logits && self.options.verify_pass == VerifyPass::Span;
         let slots = c.num_experts_per_tok + 1;
         let (mut gdn_i, mut attn_i) = (0, 0);
         for (li, layer) in m.layers.iter().enumerate() {
@@ -728,7 +777,7 @@ impl CudaBackend {
                     first_projection(&c, k, in_proj, s, t, combine, ahead)?;
                     // Chunked, a verify pass keeps its GDN inputs, to step the states over the
                     // rows it keeps (forward/mtp.rs).
-                    if pass.all_logits && !verify_steps {
+                    if pass.all_logits && !span_steps {
                         if let Some(kept) = self.verify_states.as_mut() {
                             kept.keep_projections(&st, gdn_i, &s.proj.slice(..t * width), width)?;
                         }
@@ -753,7 +802,7 @@ impl CudaBackend {
                             slot * gdn::CONV_STATE_LEN..(slot + 1) * gdn::CONV_STATE_LEN,
                         );
                         let y = &mut s.mixed.slice_mut(a * vd..z * vd);
-                        if verify_steps {
+                        if span_steps {
                             let kept = self.verify_states.as_mut().ok_or_else(|| {
                                 CudaError::Shape("no room for a verify pass's GDN states".into())
                             })?;
@@ -780,7 +829,26 @@ impl CudaBackend {
                             )?;
                         }
                     }
-                    if b > 0 {
+                    if b > 0 && pass.one_seq {
+                        // A verify pass: its rows stepped in order, the state after each but
+                        // the last kept (forward/mtp.rs).
+                        let proj = s.proj.slice(d * width..t * width);
+                        let kept = self.verify_states.as_mut().ok_or_else(|| {
+                            CudaError::Shape("no room for a verify pass's GDN states".into())
+                        })?;
+                        let (mut ssm_rows, mut conv_rows) = kept.states(gdn_i, 0..b - 1);
+                        k.gdn.decode_tokens_in_slot(
+                            &w,
+                            &GdnInputs::fused(&proj, width)?,
+                            b,
+                            &s.slots.slice(..1),
+                            &mut self.ssm[gdn_i].as_view_mut(),
+                            &mut self.conv[gdn_i].as_view_mut(),
+                            Some((&mut ssm_rows, &mut conv_rows)),
+                            &mut self.gdn_ws,
+                            &mut s.mixed.slice_mut(d * vd..t * vd),
+                        )?;
+                    } else if b > 0 {
                         let proj = s.proj.slice(d * width..t * width);
                         k.gdn.decode_in_pass(
                             &w,
@@ -831,7 +899,13 @@ impl CudaBackend {
                         )?;
                     }
                     if b > 0 {
-                        k.attn.decode(
+                        let decode = if pass.one_seq {
+                            AttentionKernels::decode_one_sequence
+                        } else {
+                            AttentionKernels::decode
+                        };
+                        decode(
+                            &k.attn,
                             &s.proj.slice(d * QKV_WIDTH..t * QKV_WIDTH),
                             &q_norm.as_view(),
                             &k_norm.as_view(),

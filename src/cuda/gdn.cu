@@ -75,6 +75,9 @@ struct GdnArgs {
     const float* norm_w;
     // Decode and zeroing: pools of n_slots states, sequence i uses slot slots[i].
     // Prefill: the one sequence's state (n_slots = 1, slots unused).
+    // Consecutive tokens of one sequence (gdn_decode_prep_rows, gdn_decode_state_rows,
+    // gdn_conv_update): slot slots[0] of the pools when slots is set (a verify pass in a
+    // captured graph reads it on the device), else the one state at ssm / conv_state.
     float* ssm;
     bf16* conv_state;
     const int* slots;
@@ -174,11 +177,17 @@ __device__ __forceinline__ uint4* conv8_silu(const GdnArgs& p, int slot, int seq
     return hist;
 }
 
+// The slot of consecutive tokens of one sequence (see GdnArgs::slots), or −1 when out of range.
+__device__ __forceinline__ int rows_slot(const GdnArgs& p) {
+    const int slot = p.slots ? p.slots[0] : 0;
+    return slot >= 0 && slot < p.n_slots ? slot : -1;
+}
+
 // conv8_silu for token `row` of consecutive tokens of one sequence (gdn_decode_prep_rows): its
-// history is the conv state (at p.conv_state, not yet shifted) for tokens before the first and
-// the earlier rows' inputs after it, the same bf16 values the state would hold after their steps.
-__device__ __forceinline__ void conv8_silu_row(const GdnArgs& p, int row, int ch, float res[8]) {
-    const uint4* hist = reinterpret_cast<const uint4*>(p.conv_state + ch);
+// history is the conv state (at `slot`, not yet shifted) for tokens before the first and the
+// earlier rows' inputs after it, the same bf16 values the state would hold after their steps.
+__device__ __forceinline__ void conv8_silu_row(const GdnArgs& p, int slot, int row, int ch, float res[8]) {
+    const uint4* hist = reinterpret_cast<const uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE + ch);
     uint4 h[GDN_HIST];
 #pragma unroll
     for (int j = 0; j < GDN_HIST; ++j) {
@@ -477,8 +486,8 @@ gdn_decode(const GdnArgs p) {
 // Grid (16 key heads, B), 128 threads: threads 0..63 convolve one set of 8 each of the key head's
 // 512 channels (q 128 ‖ k 128 ‖ v of its two value heads 256); all 128 then take the norms.
 //
-// ROWS (gdn_decode_prep_rows): the B rows are consecutive tokens of one sequence, its state at
-// p.ssm / p.conv_state (a pool of one, as prefill's); the conv reads its history from the state
+// ROWS (gdn_decode_prep_rows): the B rows are consecutive tokens of one sequence, its state that
+// of rows_slot; the conv reads its history from the state
 // and the rows before (conv8_silu_row) and leaves the state as it is (gdn_conv_update shifts it
 // after gdn_decode_state_rows).
 template <bool ROWS>
@@ -487,7 +496,7 @@ __device__ __forceinline__ void decode_prep(const GdnArgs& p) {
     __shared__ float sums[3][DEC_THREADS / 32];
     const int tid = threadIdx.x;
     const int kh = blockIdx.x, seq = blockIdx.y;
-    const int slot = ROWS ? 0 : p.slots[seq];
+    const int slot = ROWS ? rows_slot(p) : p.slots[seq];
     if (slot < 0 || slot >= p.n_slots) return;
     // Sets 0..15: q channels kh·128 + 8i; 16..31: k; 32..63: v of value heads 2kh, 2kh + 1.
     const int ch = tid < 16   ? kh * GDN_DK + tid * 8
@@ -508,7 +517,7 @@ __device__ __forceinline__ void decode_prep(const GdnArgs& p) {
         uint4* hist = nullptr;
         float res[8];
         if (ROWS) {
-            conv8_silu_row(p, seq, ch, res);
+            conv8_silu_row(p, slot, seq, ch, res);
         } else {
             hist = conv8_silu(p, slot, seq, ch, h1, h2, xn, res);
         }
@@ -602,7 +611,7 @@ gdn_decode_state(const GdnArgs p) {
     if (tid < 8) write_gated(p, seq, col, z4, w4, ob, rinv);
 }
 
-// gdn_decode_state over p.rows consecutive tokens of one sequence (state at p.ssm, a pool of one;
+// gdn_decode_state over p.rows consecutive tokens of one sequence (the state of rows_slot;
 // intermediates from gdn_decode_prep_rows), in order: each row is one gdn_decode_state step, the
 // state kept in registers from row to row (state_row, as store_state rounds it; fp32 stores and
 // loads are exact) and stored once at the end: the same bits as launching the kernel once a
@@ -619,10 +628,13 @@ gdn_decode_state_rows(const GdnArgs p) {
     const int tid = threadIdx.x;
     const int hv = blockIdx.x / DEC_SLICES, kh = hv / 2;
     const int rank = blockIdx.x % DEC_SLICES, v0 = rank * DEC_COLS;
+    const int slot = rows_slot(p);
+    if (slot < 0) return;  // the whole grid leaves
     cluster_arrive_relaxed();  // waited on before the first remote store
 
     const int c = tid % 8, r = tid / 8;
-    float* S = p.ssm + (i64)hv * GDN_HEAD_STATE + v0 + 4 * c;
+    const i64 in_state = (i64)hv * GDN_HEAD_STATE + v0 + 4 * c;
+    float* S = p.ssm + (i64)slot * GDN_SEQ_STATE + in_state;
     pdl_wait();
     pdl_launch_dependents();
     const int col = hv * GDN_DV + v0 + 4 * c;
@@ -656,7 +668,7 @@ gdn_decode_state_rows(const GdnArgs p) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) s[i] = state_row(s[i], kd[i], alpha, delta);
         if (p.ssm_rows && seq + 1 < p.rows) {  // the state after this row, kept for a cut back
-            float* kept = p.ssm_rows + (i64)seq * GDN_SEQ_STATE + (S - p.ssm);
+            float* kept = p.ssm_rows + (i64)seq * GDN_SEQ_STATE + in_state;
 #pragma unroll
             for (int i = 0; i < 8; ++i) *reinterpret_cast<float4*>(kept + (r + 16 * i) * GDN_DV) = s[i];
         }
@@ -1648,12 +1660,14 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) gdn_prefill_out_tf32
 // The conv state after T = p.rows tokens: the last 3 rows of (old state ‖ inputs). One thread per
 // 8 channels; it reads all three old rows before writing, so T < 3 (which keeps some old rows)
 // works in place. With p.conv_rows, also the state after each token but the last (a verify pass).
+// The state is that of rows_slot.
 extern "C" __global__ void gdn_conv_update(const GdnArgs p) {
     pdl_wait();
     pdl_launch_dependents();
     const int v = blockIdx.x * blockDim.x + threadIdx.x;
-    if (v >= GDN_CONV_DIM / 8) return;
-    uint4* hist = reinterpret_cast<uint4*>(p.conv_state) + v;
+    const int slot = rows_slot(p);
+    if (v >= GDN_CONV_DIM / 8 || slot < 0) return;
+    uint4* hist = reinterpret_cast<uint4*>(p.conv_state + (i64)slot * GDN_CONV_STATE) + v;
     const uint4 old0 = hist[0], old1 = hist[GDN_CONV_DIM / 8], old2 = hist[2 * GDN_CONV_DIM / 8];
     // The history after `tokens` tokens, row i (i < 3).
     auto after = [&](int tokens, int i) {

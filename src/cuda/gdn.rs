@@ -569,6 +569,59 @@ impl GdnKernels {
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
         self.check_one_sequence("gdn decode_tokens", tokens, ssm, conv, ws, y)?;
+        self.decode_tokens_with(w, x, tokens, None, ssm, conv, each_row, ws, y)
+    }
+
+    /// [`Self::decode_tokens`] on the state of slot `slots[0]` (read on the device, so that a
+    /// captured graph serves any slot; out of range: nothing is written) of the pools `ssm`
+    /// (`[n_slots][SSM_STATE_LEN]`) and `conv` (`[n_slots][CONV_STATE_LEN]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_tokens_in_slot(
+        &self,
+        w: &GdnWeights,
+        x: &GdnInputs,
+        tokens: usize,
+        slots: &CudaView<i32>,
+        ssm: &mut CudaViewMut<f32>,
+        conv: &mut CudaViewMut<bf16>,
+        each_row: Option<(&mut CudaViewMut<f32>, &mut CudaViewMut<bf16>)>,
+        ws: &mut GdnWorkspace,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
+        check_pools("gdn decode_tokens_in_slot", &self.stream, ssm, conv)?;
+        ensure!(
+            !slots.is_empty(),
+            "gdn decode_tokens_in_slot: no slot given"
+        );
+        ensure!(
+            tokens <= ws.max_tokens,
+            "gdn decode_tokens_in_slot: {tokens} tokens, the workspace holds {}",
+            ws.max_tokens
+        );
+        ensure!(
+            y.len() == tokens * VALUE_DIM,
+            "gdn decode_tokens_in_slot: y has {} values, expected {tokens}×{VALUE_DIM}",
+            y.len()
+        );
+        ensure_aligned(y, &self.stream, "gdn y")?;
+        self.decode_tokens_with(w, x, tokens, Some(slots), ssm, conv, each_row, ws, y)
+    }
+
+    /// The launches of [`Self::decode_tokens`]: the state is `ssm` / `conv` (one sequence's), or
+    /// with `slots` that of slot `slots[0]` of those pools (the arguments checked by the caller).
+    #[allow(clippy::too_many_arguments)]
+    fn decode_tokens_with(
+        &self,
+        w: &GdnWeights,
+        x: &GdnInputs,
+        tokens: usize,
+        slots: Option<&CudaView<i32>>,
+        ssm: &mut CudaViewMut<f32>,
+        conv: &mut CudaViewMut<bf16>,
+        each_row: Option<(&mut CudaViewMut<f32>, &mut CudaViewMut<bf16>)>,
+        ws: &mut GdnWorkspace,
+        y: &mut CudaViewMut<bf16>,
+    ) -> Result<()> {
         ensure!(
             tokens <= 65535,
             "gdn decode_tokens: {tokens} tokens; one launch takes at most 65535"
@@ -576,6 +629,7 @@ impl GdnKernels {
         if tokens == 0 {
             return Ok(());
         }
+        let n_slots = as_i32(ssm.len() / SSM_STATE_LEN, "gdn decode_tokens n_slots")?;
         let stream = &*self.stream;
         let mut guards = Vec::new();
         let mut args = self.common_args(w, x, tokens, &mut guards)?;
@@ -586,7 +640,10 @@ impl GdnKernels {
         args.ssm = ssm_ptr;
         args.conv_state = conv_ptr;
         args.y = y_ptr;
-        args.n_slots = 1;
+        args.n_slots = n_slots;
+        if let Some(slots) = slots {
+            args.slots = addr(slots, stream, &mut guards);
+        }
         args.state_early = 0;
         let mut _rows = None;
         if let Some((ssm_rows, conv_rows)) = each_row {

@@ -25,7 +25,7 @@ use half::bf16;
 
 use super::experts::moe_experts;
 use super::projection::{first_projection, gemv_rows};
-use super::{alloc, CudaBackend, DecodeGraph, DecodeRow, Pass};
+use super::{alloc, CudaBackend, DecodeGraph, DecodeRow, Pass, VerifyPass};
 use crate::cuda::attention::QKV_WIDTH;
 use crate::cuda::gdn;
 use crate::cuda::gemm::L2Ahead;
@@ -693,7 +693,7 @@ impl CudaBackend {
         );
         let st = self.dev.stream().clone();
         self.reserve_verify_states(tokens.len())?;
-        if !self.options.verify_gdn_steps {
+        if !self.options.verify_pass.keeps_row_states() {
             let kept = self.verify_states.as_mut().expect("reserved");
             let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
             for (g, (layer_ssm, layer_conv)) in self.ssm.iter().zip(&self.conv).enumerate() {
@@ -710,7 +710,19 @@ impl CudaBackend {
                 .during(|| "copying conv states aside".into())?;
             }
         }
-        self.pass_with(&[(slot, position, tokens)], &[], true)?;
+        if self.options.verify_pass == VerifyPass::Rows {
+            let rows: Vec<DecodeRow> = (position..)
+                .zip(tokens)
+                .map(|(position, &token)| DecodeRow {
+                    slot,
+                    position,
+                    token,
+                })
+                .collect();
+            self.pass_with(&[], &rows, true)?;
+        } else {
+            self.pass_with(&[(slot, position, tokens)], &[], true)?;
+        }
         self.verify_logits_kept = true;
         // Open only once the pass ran (as the CPU backend's): a failed pass left open would
         // refuse the sequence's drafts and let a cut back replay inputs it never kept.
@@ -725,7 +737,7 @@ impl CudaBackend {
         let st = self.dev.stream().clone();
         let c = &self.model.config;
         let n_gdn = self.ssm.len();
-        let (rows, chunked) = if self.options.verify_gdn_steps {
+        let (rows, chunked) = if self.options.verify_pass.keeps_row_states() {
             (rows - 1, None)
         } else {
             (1, Some(c.linear_in_proj_rows()))
@@ -739,6 +751,8 @@ impl CudaBackend {
             "room for a longer verify pass while another sequence's is open (one at a time)"
         );
         self.verify_states = None; // freed before the larger ones are taken
+        // The verify graphs write the states where the old ones were.
+        self.decode_graphs.retain(|&(_, one_seq), _| !one_seq);
         self.verify_states = Some(VerifyStates::new(&st, n_gdn, rows, chunked)?);
         Ok(())
     }
@@ -832,7 +846,7 @@ impl CudaBackend {
         let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
         // The states after row rows − 1, or (chunked) before the pass: every layer's in one
         // launch (60 copies of their own cost ≈ 3 µs each to enqueue).
-        let from = if self.options.verify_gdn_steps {
+        let from = if self.options.verify_pass.keeps_row_states() {
             rows - 1
         } else {
             0
@@ -862,7 +876,7 @@ impl CudaBackend {
             .collect();
         self.k.gdn.copy_states(&mut copies, table)?;
         drop(copies);
-        if !self.options.verify_gdn_steps {
+        if !self.options.verify_pass.keeps_row_states() {
             self.step_kept_rows(slot, rows)?;
         }
         Ok(())
