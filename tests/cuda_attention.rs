@@ -685,9 +685,15 @@ fn decode_one_sequence_matches_cpu() {
     let seed = seed("decode_one_sequence_matches_cpu");
     let (slots, capacity, slot, layer) = (3usize, 32768usize, 1usize, 1usize);
     // First positions at 0, across a tile boundary (64), across a split chunk, and far in.
-    for (i, (first, n)) in [(0usize, 4usize), (61, 4), (4094, 3), (20000, 17), (32766, 2)]
-        .into_iter()
-        .enumerate()
+    for (i, (first, n)) in [
+        (0usize, 4usize),
+        (61, 4),
+        (4094, 3),
+        (20000, 17),
+        (32766, 2),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let seed = seed.wrapping_add(1000 * i as u64);
         println!("{n} rows of one sequence from position {first}");
@@ -712,7 +718,10 @@ fn decode_one_sequence_matches_cpu() {
             .flat_map(|(r, p)| attend_ref(&host, p, first + r))
             .collect();
         let d_slots = upload(&g, &vec![slot as i32; n]);
-        let d_pos = upload(&g, &(first..first + n).map(|p| p as i32).collect::<Vec<_>>());
+        let d_pos = upload(
+            &g,
+            &(first..first + n).map(|p| p as i32).collect::<Vec<_>>(),
+        );
         let mut ws = AttentionWorkspace::new(&g.kernels, 0, n, capacity).unwrap();
         let (d_qkv, d_qn, d_kn) = (upload(&g, &qkv), upload(&g, &q_norm), upload(&g, &k_norm));
         let mut out = poisoned_out(&g, n);

@@ -825,7 +825,9 @@ fn decode_tokens_in_slot_equal_decode_tokens() {
 
         // decode_tokens on that slot's state alone.
         let mut one = DevPools::upload(&stream, std::slice::from_ref(&states[slot]));
-        let mut y_one = stream.clone_htod(&vec![bf16::NAN; n * VALUE_DIM]).expect("upload");
+        let mut y_one = stream
+            .clone_htod(&vec![bf16::NAN; n * VALUE_DIM])
+            .expect("upload");
         let (mut ssm_one, mut conv_one) = kept(&stream);
         kernels
             .decode_tokens(
@@ -842,9 +844,13 @@ fn decode_tokens_in_slot_equal_decode_tokens() {
 
         // decode_tokens_in_slot on the pool of three, then on a slot outside it.
         let mut pool = DevPools::upload(&stream, &states);
-        let mut y_pool = stream.clone_htod(&vec![bf16::NAN; n * VALUE_DIM]).expect("upload");
+        let mut y_pool = stream
+            .clone_htod(&vec![bf16::NAN; n * VALUE_DIM])
+            .expect("upload");
         let (mut ssm_pool, mut conv_pool) = kept(&stream);
-        let mut y_outside = stream.clone_htod(&vec![bf16::NAN; n * VALUE_DIM]).expect("upload");
+        let mut y_outside = stream
+            .clone_htod(&vec![bf16::NAN; n * VALUE_DIM])
+            .expect("upload");
         for (at, y) in [(slot as i32, &mut y_pool), (3, &mut y_outside)] {
             let slots = stream.clone_htod(&[at, 0]).expect("upload");
             kernels

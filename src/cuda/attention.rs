@@ -586,7 +586,9 @@ impl AttentionKernels {
         ws: &mut AttentionWorkspace,
         out: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
-        self.decode_with(qkv, q_norm, k_norm, cache, layer, slots, positions, ws, out, false)
+        self.decode_with(
+            qkv, q_norm, k_norm, cache, layer, slots, positions, ws, out, false,
+        )
     }
 
     /// [`Self::decode`] where the `B` rows are consecutive tokens of one sequence (a verify
@@ -608,7 +610,9 @@ impl AttentionKernels {
         ws: &mut AttentionWorkspace,
         out: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
-        self.decode_with(qkv, q_norm, k_norm, cache, layer, slots, positions, ws, out, true)
+        self.decode_with(
+            qkv, q_norm, k_norm, cache, layer, slots, positions, ws, out, true,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -624,7 +628,7 @@ impl AttentionKernels {
         ws: &mut AttentionWorkspace,
         out: &mut CudaViewMut<bf16>,
         one_seq: bool,
-) -> Result<()> {
+    ) -> Result<()> {
         let b = slots.len();
         ensure!(
             b > 0 && b <= 65_535,

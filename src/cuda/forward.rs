@@ -226,7 +226,6 @@ struct Pass {
     one_seq: bool,
 }
 
-
 /// Prompt tokens of one sequence in a pass: rows `first .. first + len` (at least 2), at
 /// positions `start ..`.
 #[derive(Debug, Clone, Copy)]
@@ -581,9 +580,9 @@ impl CudaBackend {
         ensure!(
             !pass.one_seq
                 || (spans.is_empty()
-                    && rows.windows(2).all(|r| {
-                        r[1].slot == r[0].slot && r[1].position == r[0].position + 1
-                    })),
+                    && rows
+                        .windows(2)
+                        .all(|r| { r[1].slot == r[0].slot && r[1].position == r[0].position + 1 })),
             "a verify pass's rows are consecutive tokens of one sequence"
         );
         let st = self.dev.stream().clone();

@@ -249,7 +249,9 @@ impl Backend for CudaBackend {
         };
         use crate::model::timeline::{per_launch, stamped_labels};
         // cuBLAS's kernels (batched passes' dense products, forward/projection.rs) do not stamp.
-        let labels = stamped_labels(&self.decode_graphs[&(batch, false)].1, |k| k == profile::CUBLAS);
+        let labels = stamped_labels(&self.decode_graphs[&(batch, false)].1, |k| {
+            k == profile::CUBLAS
+        });
         let mut t = per_launch(&stamps, &labels)?;
         t.blocks = blocks;
         Ok(Some(t))

@@ -751,7 +751,7 @@ impl CudaBackend {
             "room for a longer verify pass while another sequence's is open (one at a time)"
         );
         self.verify_states = None; // freed before the larger ones are taken
-        // The verify graphs write the states where the old ones were.
+                                   // The verify graphs write the states where the old ones were.
         self.decode_graphs.retain(|&(_, one_seq), _| !one_seq);
         self.verify_states = Some(VerifyStates::new(&st, n_gdn, rows, chunked)?);
         Ok(())
