@@ -35,6 +35,8 @@
 # --profile --profile-batch 8" for the kernels of 8-row decode passes);
 # GPU_CHECK_DRAFTS (default 1,2,3; none to skip) decodes with that many MTP drafts a pass forced
 # right at 0.8 against plain decoding (`bench --forced-drafts`, drafts.md) at GPU_CHECK_DRAFTS_CONTEXTS;
+# GPU_CHECK_DRAFTS_AB="VAR=VALUE ..." (default LILY_VERIFY_PASS=span; none to skip) reruns that
+# table with each setting;
 # GPU_CHECK_SERVE_AB="VAR=VALUE ..." reruns `bench --serve` with each setting;
 # GPU_CHECK_SERVE_SAMPLED (sampling flags, default "--temperature 0.7 --top-p 0.95"; none to skip)
 # reruns it with sampled requests;
@@ -240,6 +242,19 @@ PY
             rc=$?
             grep "^| [0-9]" "$logs/bench-drafts.log"
             echo "bench --forced-drafts: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+            # GPU_CHECK_DRAFTS_AB="VAR=VALUE ..." (default: the verify pass as v1.81 ran it; none
+            # to skip): the same table with each setting, into drafts-<setting>/ in logs.tar.
+            for ab in ${GPU_CHECK_DRAFTS_AB-LILY_VERIFY_PASS=span}; do
+                [[ "$ab" != none ]] || break
+                echo "=== bench --forced-drafts ($ab)"
+                env "$ab" timeout 200 "$dir/lily" bench --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+                    --contexts "${GPU_CHECK_DRAFTS_CONTEXTS:-4096,32768}" --decode-steps 64 \
+                    --forced-drafts "${GPU_CHECK_DRAFTS:-1,2,3}" --forced-acceptance 0.8 \
+                    --out "$logs/drafts-${ab//=/-}" > "$logs/bench-drafts-${ab//=/-}.log" 2>&1
+                rc=$?
+                grep "^| [0-9]" "$logs/bench-drafts-${ab//=/-}.log"
+                echo "bench --forced-drafts with $ab: $([[ $rc == 0 ]] && echo done || echo "FAIL (exit $rc)")" >> "$summary"
+            done
         fi
         # Passes of k tokens of one sequence (a verify pass's shape) against one token's, as
         # the prompt path runs them (spans.md; GPU_CHECK_SPANS=none skips it).
