@@ -6,17 +6,20 @@
 //! (`head_pass`: the norms, `fc` as two products, one full-attention layer with its MoE on the
 //! attention layers' last KV cache, `mtp.norm`, the LM head and its argmax).
 //!
-//! A verify pass is one prompt span of the next token and the drafts with every row's logits.
-//! Its GDN layers step the rows one token after another (`GdnKernels::decode_tokens`:
-//! one-token decoding's bits, where the prompt path's 64-row chunks would be mostly padding)
-//! and keep the states after each row but the last ([`VerifyStates`], ≈ 63 MB a row at the full
-//! shape): keeping fewer rows than it ran copies the kept row's states into the slot. Attention
-//! needs nothing: its positions past the kept rows are written over later. With
-//! `LILY_VERIFY_GDN=chunked` (to compare) the GDN layers run as a prefill chunk instead: the
-//! states are copied aside before the pass, which keeps each GDN layer's input projections,
-//! and a cut back puts the states back and steps them over the kept rows with those inputs. The
-//! span's projections, experts and attention round as the prompt path does, so on the GPU
-//! greedy output with drafts equals plain decoding's up to near-ties.
+//! A verify pass runs the next token and the drafts as decode rows of one sequence, every row's
+//! logits kept, replayed from a graph captured per row count (`Pass::one_seq`: the slot and
+//! positions are read on the device). Its GDN layers step the rows one token after another
+//! (`GdnKernels::decode_tokens_in_slot`: one-token decoding's bits) and keep the states after
+//! each row but the last ([`VerifyStates`], ≈ 63 MB a row at the full shape): keeping fewer rows
+//! than it ran copies the kept row's states into the slot. Its attention rows see the rows
+//! before them (`AttentionKernels::decode_one_sequence`); positions past the kept rows are
+//! written over later. To compare (`CudaOptions::verify_pass`, `LILY_VERIFY_PASS`): `span` runs
+//! the rows as one prompt span launch by launch, the GDN layers stepped the same way; `chunked`
+//! runs the span's GDN layers as a prefill chunk, the states copied aside before the pass with
+//! each GDN layer's input projections, and a cut back puts the states back and steps them over
+//! the kept rows with those inputs. The rows' projections and experts round as a batched decode
+//! pass of that many rows does (a span's as the prompt path does), so on the GPU greedy output
+//! with drafts equals plain decoding's up to near-ties.
 
 use std::sync::Arc;
 
