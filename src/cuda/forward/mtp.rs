@@ -333,19 +333,20 @@ impl CudaBackend {
         let h = self.model.config.hidden_size;
         let most = self.options.max_context;
         let st = self.dev.stream().clone();
-        // (slot, first row in the pass, tokens)
-        let runs = pass
+        // (slot, first row in the pass, tokens): a verify pass's decode rows, one sequence's
+        // in a row, as one run (one copy).
+        let mut runs: Vec<(usize, usize, Vec<u32>)> = pass
             .spans
             .iter()
             .zip(spans)
-            .map(|(span, &(slot, _, tokens))| (slot, span.first, tokens))
-            .chain(rows.iter().enumerate().map(|(j, r)| {
-                (
-                    r.slot,
-                    pass.decode_row() + j,
-                    std::slice::from_ref(&r.token),
-                )
-            }));
+            .map(|(span, &(slot, _, tokens))| (slot, span.first, tokens.to_vec()))
+            .collect();
+        for (j, r) in rows.iter().enumerate() {
+            match runs.last_mut() {
+                Some((slot, _, tokens)) if pass.one_seq && *slot == r.slot => tokens.push(r.token),
+                _ => runs.push((r.slot, pass.decode_row() + j, vec![r.token])),
+            }
+        }
         for (slot, first, tokens) in runs {
             let Some(d) = self.drafting.get_mut(&slot) else {
                 continue;
@@ -358,7 +359,7 @@ impl CudaBackend {
             )
             .during(|| "keeping hidden states for the MTP head".into())?;
             d.rows += n;
-            d.tokens.extend_from_slice(tokens);
+            d.tokens.extend_from_slice(&tokens);
         }
         Ok(())
     }
