@@ -684,7 +684,8 @@ fn decode_one_sequence_matches_cpu() {
     let g = gpu();
     let seed = seed("decode_one_sequence_matches_cpu");
     let (slots, capacity, slot, layer) = (3usize, 32768usize, 1usize, 1usize);
-    // First positions at 0, across a tile boundary (64), across a split chunk, and far in.
+    // First positions at 0, across a tile and split boundary (64), across a tile boundary
+    // (4096), far in, and at the end of the cache.
     for (i, (first, n)) in [
         (0usize, 4usize),
         (61, 4),

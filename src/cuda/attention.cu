@@ -356,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
     if (!in_cache(c, slot, pos)) return;  // attn_combine writes NaN for this sequence
     // The pass's first new key: this row's own, or (one_seq: the rows are consecutive tokens of
     // one sequence, a verify pass) row 0's, whose keys this row sees too.
-    const int first = one_seq ? pos - b : pos;
+    const int first = one_seq ? max(pos - b, 0) : pos;  // max: a bad caller reads no row < 0
     const int len = pos + 1, chunk = split_chunk(len, max_splits, min_chunk);
     const int k0 = split * chunk;
     if (k0 >= len) return;

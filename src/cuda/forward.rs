@@ -107,12 +107,20 @@ pub enum VerifyPass {
 }
 
 impl VerifyPass {
-    /// `LILY_VERIFY_PASS`, or the default.
+    /// `LILY_VERIFY_PASS`, or the default (a warning for a value it does not know, or for the
+    /// variable it replaced).
     fn from_env() -> Self {
+        if std::env::var_os("LILY_VERIFY_GDN").is_some() {
+            tracing::warn!("LILY_VERIFY_GDN is gone: LILY_VERIFY_PASS=chunked is its `chunked`");
+        }
         match std::env::var("LILY_VERIFY_PASS").as_deref() {
             Ok("span") => VerifyPass::Span,
             Ok("chunked") => VerifyPass::Chunked,
-            _ => VerifyPass::Rows,
+            Ok("rows") | Err(_) => VerifyPass::Rows,
+            Ok(other) => {
+                tracing::warn!("LILY_VERIFY_PASS={other}: expected rows, span or chunked; rows");
+                VerifyPass::Rows
+            }
         }
     }
 
@@ -218,7 +226,7 @@ struct Scratch {
 struct Pass {
     spans: Vec<Span>,
     decode: usize,
-    /// Logits of every row (a chunked verify pass: one span), not only of each span's last.
+    /// Logits of every row (a verify pass as one span), not only of each span's last.
     all_logits: bool,
     /// The decode rows are consecutive tokens of one sequence (a verify pass stepping its GDN
     /// rows as decoding does, forward/mtp.rs): its GDN layers step them in order and keep the
@@ -342,11 +350,7 @@ impl CudaBackend {
         let batch = batch_rows(&options);
         // A pass's sampled rows are drawn at once (a verify pass's too): their scratch is
         // allocated with the rest.
-        let logit_rows = if model.mtp.is_some() {
-            batch.max(mtp::MAX_VERIFY_ROWS)
-        } else {
-            batch
-        };
+        let logit_rows = most_decode_rows(&model, &options);
         let mut k = Kernels {
             norm: NormKernels::load(&dev)?,
             gemv: GemvKernels::load(&dev)?,
@@ -529,7 +533,8 @@ impl CudaBackend {
     }
 
     /// [`pass`](Self::pass), or a `verify` pass (`CudaOptions::verify_pass`: one span with every
-    /// row's logits, or decode rows of one sequence); then the rows of drafting sequences are kept for their MTP head.
+    /// row's logits, or decode rows of one sequence); then the rows of drafting sequences are
+    /// kept for their MTP head.
     fn pass_with(
         &mut self,
         spans: &[(usize, usize, &[u32])],
@@ -621,7 +626,7 @@ impl CudaBackend {
             return self.body(pass);
         }
         self.capture_decode_graph(b, pass.one_seq)?;
-        if let Some((_, replayed)) = &mut self.timeline {
+        if let Some((_, replayed)) = self.timeline.as_mut().filter(|_| !pass.one_seq) {
             ensure!(
                 replayed.is_none_or(|r| r == b),
                 "a timeline covers decode passes of one batch size"
@@ -1065,6 +1070,16 @@ fn batch_rows(options: &CudaOptions) -> usize {
     options.max_sequences.clamp(1, dense::MIN_TOKENS - 1)
 }
 
+/// The most decode rows of a pass: `batch_rows`, or a verify pass's when the model drafts
+/// (forward/mtp.rs); also the most rows of logits a pass leaves.
+fn most_decode_rows(m: &CudaModel, options: &CudaOptions) -> usize {
+    if m.mtp.is_some() {
+        batch_rows(options).max(mtp::MAX_VERIFY_ROWS)
+    } else {
+        batch_rows(options)
+    }
+}
+
 /// The matrices the cuBLAS path of long chunks multiplies (dense.rs): every layer's mixer
 /// projections and router, the MTP head's too (its passes over a prompt's rows are as long).
 fn dense_matrices(m: &CudaModel) -> impl Iterator<Item = &DeviceMatrices> {
@@ -1094,7 +1109,7 @@ fn dense_gemm(dev: &CudaDevice, m: &CudaModel, options: &CudaOptions) -> Result<
         .unwrap_or(0);
     let mut dense = DenseGemm::new(dev, if keep { 0 } else { largest })?;
     if keep {
-        let batch = batch_rows(options);
+        let batch = most_decode_rows(m, options);
         if options.cublas_from_rows <= batch {
             let unaligned = dense_matrices(m)
                 .filter(|w| w.rows % 8 != 0)

@@ -496,6 +496,7 @@ impl GdnKernels {
         args.ssm = ssm_ptr;
         args.conv_state = conv_ptr;
         args.y = y_ptr;
+        // `slots` stays null: gdn_conv_update would take the state of slot slots[0].
         args.n_slots = 1;
 
         let chunks = tokens.div_ceil(CHUNK) as u32;

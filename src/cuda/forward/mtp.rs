@@ -754,8 +754,9 @@ impl CudaBackend {
             self.drafting.values().all(|d| d.verify.is_none()),
             "room for a longer verify pass while another sequence's is open (one at a time)"
         );
-        self.verify_states = None; // freed before the larger ones are taken
-                                   // The verify graphs write the states where the old ones were.
+        // Freed before the larger ones are taken; the verify graphs, which write the states
+        // where the old ones were, go with them.
+        self.verify_states = None;
         self.decode_graphs.retain(|&(_, one_seq), _| !one_seq);
         self.verify_states = Some(VerifyStates::new(&st, n_gdn, rows, chunked)?);
         Ok(())
