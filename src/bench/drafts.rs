@@ -43,12 +43,17 @@ pub struct DraftPoint {
 
 /// Tokens a sequence must have room for at `context`.
 pub fn context_needed(context: usize, steps: usize, drafts: &[usize]) -> usize {
-    context + steps + 1 + drafts.iter().max().copied().unwrap_or(0)
+    context + WARM_UP_TOKENS + steps + 1 + drafts.iter().max().copied().unwrap_or(0)
 }
 
+/// Tokens the drafting run decodes before its clock starts: one pass with one draft, whose
+/// head runs over the whole prompt first (prompt work, as the prefill is for plain decoding).
+const WARM_UP_TOKENS: usize = 2;
+
 /// After a prompt of `context` tokens: `steps` tokens of plain greedy decoding (timed from the
-/// first decode step), then for each number of drafts the same tokens decoded with forced drafts
-/// right at rate `acceptance` (timed the same way). Sequences `seq` and `seq + 1`.
+/// first decode step), then for each number of drafts `steps` tokens decoded with forced drafts
+/// right at rate `acceptance`, timed from the second pass (the first runs the MTP head over the
+/// prompt, which belongs to the prompt's time as prefill does). Sequences `seq` and `seq + 1`.
 pub fn forced_drafts(
     backend: &mut dyn Backend,
     seq: SeqId,
@@ -95,11 +100,19 @@ pub fn forced_drafts(
             forced.start_drafting(drafted)?;
             let first = forced.forward(drafted, &prompt)?;
             let mut out = vec![crate::model::argmax(&first)];
+            let warm = 1 + WARM_UP_TOKENS;
+            speculative::decode_greedy(&mut forced, drafted, &mut out, warm, k, |_| false)?;
+            anyhow::ensure!(out.len() == warm, "the warm-up pass decoded {}", out.len());
+            forced.seconds = [0.0; 3];
             let t = Instant::now();
-            let stats =
-                speculative::decode_greedy(&mut forced, drafted, &mut out, steps + 1, k, |_| {
-                    false
-                })?;
+            let stats = speculative::decode_greedy(
+                &mut forced,
+                drafted,
+                &mut out,
+                warm + steps,
+                k,
+                |_| false,
+            )?;
             Ok((stats, t.elapsed().as_secs_f64()))
         })();
         forced.free_sequence(drafted);
