@@ -471,6 +471,8 @@ struct Live {
     sequences: usize,
     snapshots: std::collections::HashMap<SnapshotId, u64>,
     max_sequences: usize,
+    /// Snapshots that fit on the "device": one more fails as out of memory.
+    snapshot_room: Option<usize>,
 }
 
 /// The CPU backend, counting what is alive in it.
@@ -503,6 +505,17 @@ impl Backend for Counting {
         true
     }
     fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        let live = self.live.lock().unwrap();
+        if live
+            .snapshot_room
+            .is_some_and(|room| live.snapshots.len() >= room)
+        {
+            anyhow::bail!(
+                "out of memory (a test's device with room for {} snapshots)",
+                live.snapshots.len()
+            );
+        }
+        drop(live);
         let s = self.inner.snapshot(seq)?;
         self.live.lock().unwrap().snapshots.insert(s.id, s.bytes);
         Ok(s)
@@ -549,6 +562,49 @@ impl Backend for Counting {
     }
     fn keep_verified(&mut self, seq: SeqId, rows: usize) -> anyhow::Result<()> {
         self.inner.keep_verified(seq, rows)
+    }
+}
+
+/// Snapshots that run out of device memory before the cache's budget does: the least recently
+/// used states are evicted to make room, so each turn of a conversation still reuses the turn
+/// before it (not only the first states saved), and greedy outputs are unchanged.
+#[test]
+fn snapshots_out_of_memory_evict_the_oldest_states() {
+    let w = weights();
+    let live = Arc::new(Mutex::new(Live {
+        snapshot_room: Some(2),
+        ..Live::default()
+    }));
+    let backend = Counting {
+        inner: CpuBackend::new(w.clone()),
+        live: live.clone(),
+    };
+    let engine = Engine::start(
+        Box::new(backend),
+        EngineOptions {
+            prefill_chunk: 8,
+            max_sequences: 2,
+            prefix_cache_bytes: 1 << 40,
+            snapshot_interval: 8,
+            ..EngineOptions::default()
+        },
+    );
+    let mut prompt = random_tokens(20);
+    let mut previous_end = 0;
+    for turn in 0..5 {
+        prompt.extend(random_tokens(10));
+        let (ids, _, cached) = collect_cached(engine.submit(greedy(prompt.clone(), 3, None)));
+        assert_eq!(ids, alone(&w, &prompt, 3), "turn {turn}: output");
+        if turn > 0 {
+            assert_eq!(
+                cached, previous_end,
+                "turn {turn} reuses the turn before it"
+            );
+        }
+        // The end of the turn: its prompt and every generated token but the last.
+        previous_end = prompt.len() + ids.len() - 1;
+        prompt.extend(&ids);
+        assert!(live.lock().unwrap().snapshots.len() <= 2);
     }
 }
 

@@ -150,6 +150,14 @@ impl PrefixCache {
         freed
     }
 
+    /// Evicts the least recently used entry; returns its snapshot to free (None: empty).
+    pub fn evict_oldest(&mut self) -> Option<SnapshotId> {
+        let (_, oldest) = self.by_age.pop_first()?;
+        let old = self.entries.remove(&oldest).expect("aged entries exist");
+        self.used -= old.bytes();
+        Some(old.snapshot.id)
+    }
+
     /// Empties the cache; returns every snapshot to free.
     pub fn clear(&mut self) -> Vec<SnapshotId> {
         self.by_age.clear();

@@ -930,14 +930,23 @@ impl EngineLoop {
         if cache.contains(key, &tokens) {
             return;
         }
-        match self.backend.snapshot(seq) {
-            Ok(snapshot) => {
-                for id in cache.insert(key, tokens, snapshot) {
-                    self.backend.drop_snapshot(id);
-                }
+        // Out of device memory, say (the budget is no promise that the device has room): the
+        // least recently used states make room for this newer one, which covers more of its
+        // conversation; with none left the sequence goes on and only this state is not kept.
+        let snapshot = loop {
+            match self.backend.snapshot(seq) {
+                Ok(snapshot) => break snapshot,
+                Err(e) => match cache.evict_oldest() {
+                    Some(id) => self.backend.drop_snapshot(id),
+                    None => {
+                        tracing::warn!("cannot save a state for the prefix cache: {e:#}");
+                        return;
+                    }
+                },
             }
-            // Out of device memory, say: the sequence goes on, only this state is not kept.
-            Err(e) => tracing::warn!("cannot save a state for the prefix cache: {e:#}"),
+        };
+        for id in cache.insert(key, tokens, snapshot) {
+            self.backend.drop_snapshot(id);
         }
     }
 
