@@ -87,23 +87,20 @@ pub struct CudaOptions {
     /// rows than one GEMV launch takes; `LILY_CUBLAS_FROM_ROWS` sets it.
     pub cublas_from_rows: usize,
     /// How a verify pass of the MTP head's drafts runs (forward/mtp.rs); `LILY_VERIFY_PASS`
-    /// (`rows`, `span` or `chunked`) sets it.
+    /// (`rows` or `span`) sets it.
     pub verify_pass: VerifyPass,
 }
 
 /// How a verify pass runs (forward/mtp.rs). Its GDN layers step the rows one token after
 /// another (`GdnKernels::decode_tokens`: each row the bits one-token decoding gives, three
-/// launches) and keep the states after each, except `Chunked`.
+/// launches) and keep the states after each. (A prefill chunk instead, with the states stepped
+/// again over the kept rows on a cut back, cost 1.5 ms more a pass: bench/NOTES.md v1.81.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VerifyPass {
     /// Decode rows of one sequence, replayed from a graph captured per row count (default).
     Rows,
     /// One prompt span with every row's logits, launch by launch (v1.80–v1.81's, to compare).
     Span,
-    /// One prompt span whose GDN layers run as a prefill chunk (five launches over a 64-row
-    /// chunk, rounding as prefill does): the states copied aside before the pass and stepped
-    /// again over the kept rows on a cut back (to compare).
-    Chunked,
 }
 
 impl VerifyPass {
@@ -111,22 +108,16 @@ impl VerifyPass {
     /// variable it replaced).
     fn from_env() -> Self {
         if std::env::var_os("LILY_VERIFY_GDN").is_some() {
-            tracing::warn!("LILY_VERIFY_GDN is gone: LILY_VERIFY_PASS=chunked is its `chunked`");
+            tracing::warn!("LILY_VERIFY_GDN is gone (its chunked verify pass with it)");
         }
         match std::env::var("LILY_VERIFY_PASS").as_deref() {
             Ok("span") => VerifyPass::Span,
-            Ok("chunked") => VerifyPass::Chunked,
             Ok("rows") | Err(_) => VerifyPass::Rows,
             Ok(other) => {
-                tracing::warn!("LILY_VERIFY_PASS={other}: expected rows, span or chunked; rows");
+                tracing::warn!("LILY_VERIFY_PASS={other}: expected rows or span; rows");
                 VerifyPass::Rows
             }
         }
-    }
-
-    /// Whether the pass keeps the GDN states after each row (all but `Chunked`).
-    pub fn keeps_row_states(self) -> bool {
-        self != VerifyPass::Chunked
     }
 }
 
@@ -757,9 +748,6 @@ impl CudaBackend {
             Ok(())
         };
         let mut stream = ResidualStream::default();
-        // A span verify pass's GDN rows step as decoding steps them, keeping the states after
-        // each (forward/mtp.rs).
-        let span_steps = pass.all_logits && self.options.verify_pass == VerifyPass::Span;
         let slots = c.num_experts_per_tok + 1;
         let (mut gdn_i, mut attn_i) = (0, 0);
         for (li, layer) in m.layers.iter().enumerate() {
@@ -779,13 +767,6 @@ impl CudaBackend {
                     let ahead = L2Ahead::default().matrices(&out_proj.view(), &st);
                     let combine = pending_combine.then_some((&mut stream, &layer.input_norm));
                     first_projection(&c, k, in_proj, s, t, combine, ahead)?;
-                    // Chunked, a verify pass keeps its GDN inputs, to step the states over the
-                    // rows it keeps (forward/mtp.rs).
-                    if pass.all_logits && !span_steps {
-                        if let Some(kept) = self.verify_states.as_mut() {
-                            kept.keep_projections(&st, gdn_i, &s.proj.slice(..t * width), width)?;
-                        }
-                    }
                     let w = GdnWeights {
                         conv_w: conv_w.as_view(),
                         a_log: a_log.as_view(),
@@ -806,7 +787,9 @@ impl CudaBackend {
                             slot * gdn::CONV_STATE_LEN..(slot + 1) * gdn::CONV_STATE_LEN,
                         );
                         let y = &mut s.mixed.slice_mut(a * vd..z * vd);
-                        if span_steps {
+                        // A verify pass as a span (`VerifyPass::Span`): its GDN rows step as
+                        // decoding steps them, keeping the states after each (forward/mtp.rs).
+                        if pass.all_logits {
                             let kept = self.verify_states.as_mut().ok_or_else(|| {
                                 CudaError::Shape("no room for a verify pass's GDN states".into())
                             })?;

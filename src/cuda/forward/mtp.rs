@@ -13,13 +13,11 @@
 //! each row but the last ([`VerifyStates`], ≈ 63 MB a row at the full shape): keeping fewer rows
 //! than it ran copies the kept row's states into the slot. Its attention rows see the rows
 //! before them (`AttentionKernels::decode_one_sequence`); positions past the kept rows are
-//! written over later. To compare (`CudaOptions::verify_pass`, `LILY_VERIFY_PASS`): `span` runs
-//! the rows as one prompt span launch by launch, the GDN layers stepped the same way; `chunked`
-//! runs the span's GDN layers as a prefill chunk, the states copied aside before the pass with
-//! each GDN layer's input projections, and a cut back puts the states back and steps them over
-//! the kept rows with those inputs. The rows' projections and experts round as a batched decode
-//! pass of that many rows does (a span's as the prompt path does), so on the GPU greedy output
-//! with drafts equals plain decoding's up to near-ties.
+//! written over later. To compare (`CudaOptions::verify_pass`, `LILY_VERIFY_PASS=span`): the rows
+//! as one prompt span, launch by launch, the GDN layers stepped the same way. The rows'
+//! projections and experts round as a batched decode pass of that many rows does (a span's as
+//! the prompt path does), so on the GPU greedy output with drafts equals plain decoding's up to
+//! near-ties.
 
 use std::sync::Arc;
 
@@ -63,35 +61,23 @@ pub struct Drafting {
 }
 
 /// The GDN states of the open verify pass (one for the backend: one pass is open at a time),
-/// grown to the longest pass run: with one-token steps the states after each row but the last;
-/// chunked, the states before the pass (row 0) and each GDN layer's input projections.
+/// grown to the longest pass run: the states after each row but the last.
 pub struct VerifyStates {
     /// `[gdn layer][rows][SSM_STATE_LEN]`, `[gdn layer][rows][CONV_STATE_LEN]`.
     ssm: CudaSlice<f32>,
     conv: CudaSlice<bf16>,
     rows: usize,
-    /// Chunked: `[gdn layer][MAX_VERIFY_ROWS][in_proj width]`.
-    proj: Option<CudaSlice<bf16>>,
     /// The addresses of a cut back's copies (`GdnKernels::copy_states`), 4 a GDN layer.
     table: CudaSlice<u64>,
 }
 
 impl VerifyStates {
-    /// Room for `rows` states a GDN layer (and, `chunked` with the in_proj width, the
-    /// projections).
-    fn new(
-        st: &Arc<CudaStream>,
-        n_gdn: usize,
-        rows: usize,
-        chunked: Option<usize>,
-    ) -> Result<Self> {
+    /// Room for `rows` states a GDN layer.
+    fn new(st: &Arc<CudaStream>, n_gdn: usize, rows: usize) -> Result<Self> {
         Ok(VerifyStates {
             ssm: alloc(st, n_gdn * rows * gdn::SSM_STATE_LEN)?,
             conv: alloc(st, n_gdn * rows * gdn::CONV_STATE_LEN)?,
             rows,
-            proj: chunked
-                .map(|width| alloc(st, n_gdn * MAX_VERIFY_ROWS * width))
-                .transpose()?,
             table: alloc(st, 4 * n_gdn)?,
         })
     }
@@ -115,28 +101,6 @@ impl VerifyStates {
             self.conv
                 .slice_mut((at + rows.start) * conv..(at + rows.end) * conv),
         )
-    }
-
-    /// Chunked: keeps GDN layer `layer`'s input projections of the verify pass's rows (`width`
-    /// each).
-    pub(super) fn keep_projections(
-        &mut self,
-        st: &Arc<CudaStream>,
-        layer: usize,
-        proj: &CudaView<bf16>,
-        width: usize,
-    ) -> Result<()> {
-        let at = layer * MAX_VERIFY_ROWS * width;
-        let kept = self
-            .proj
-            .as_mut()
-            .ok_or_else(|| CudaError::Shape("no room for a verify pass's GDN inputs".into()))?;
-        ensure!(
-            proj.len() <= MAX_VERIFY_ROWS * width && at + proj.len() <= kept.len(),
-            "a verify pass's GDN inputs exceed their buffer"
-        );
-        st.memcpy_dtod(proj, &mut kept.slice_mut(at..at + proj.len()))
-            .during(|| "keeping a verify pass's GDN inputs".into())
     }
 }
 
@@ -695,25 +659,7 @@ impl CudaBackend {
             self.drafting.values().all(|d| d.verify.is_none()),
             "another sequence's verify pass is open (one at a time)"
         );
-        let st = self.dev.stream().clone();
         self.reserve_verify_states(tokens.len())?;
-        if !self.options.verify_pass.keeps_row_states() {
-            let kept = self.verify_states.as_mut().expect("reserved");
-            let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
-            for (g, (layer_ssm, layer_conv)) in self.ssm.iter().zip(&self.conv).enumerate() {
-                let (mut ssm_aside, mut conv_aside) = kept.states(g, 0..1);
-                st.memcpy_dtod(
-                    &layer_ssm.slice(slot * ssm..(slot + 1) * ssm),
-                    &mut ssm_aside,
-                )
-                .during(|| "copying GDN states aside".into())?;
-                st.memcpy_dtod(
-                    &layer_conv.slice(slot * conv..(slot + 1) * conv),
-                    &mut conv_aside,
-                )
-                .during(|| "copying conv states aside".into())?;
-            }
-        }
         if self.options.verify_pass == VerifyPass::Rows {
             let rows: Vec<DecodeRow> = (position..)
                 .zip(tokens)
@@ -739,13 +685,8 @@ impl CudaBackend {
     /// Room for what a verify pass of `rows` rows keeps of its GDN states (see the top).
     fn reserve_verify_states(&mut self, rows: usize) -> Result<()> {
         let st = self.dev.stream().clone();
-        let c = &self.model.config;
         let n_gdn = self.ssm.len();
-        let (rows, chunked) = if self.options.verify_pass.keeps_row_states() {
-            (rows - 1, None)
-        } else {
-            (1, Some(c.linear_in_proj_rows()))
-        };
+        let rows = rows - 1; // the states after the last row are the slot's
         if self.verify_states.as_ref().is_some_and(|v| v.rows >= rows) {
             return Ok(());
         }
@@ -758,7 +699,7 @@ impl CudaBackend {
         // where the old ones were, go with them.
         self.verify_states = None;
         self.decode_graphs.retain(|&(_, one_seq), _| !one_seq);
-        self.verify_states = Some(VerifyStates::new(&st, n_gdn, rows, chunked)?);
+        self.verify_states = Some(VerifyStates::new(&st, n_gdn, rows)?);
         Ok(())
     }
 
@@ -810,10 +751,8 @@ impl CudaBackend {
     }
 
     /// Keeps the first `rows` rows of the open verify pass of `slot`; returns the position after
-    /// them. The GDN states become those after the last kept row: copied from those the pass
-    /// kept, or (chunked) put back to the copy taken before the pass and stepped over the kept
-    /// rows with the pass's own inputs (one-token decode kernels, a row at a time). Attention
-    /// needs nothing, and the head keeps the kept rows' hidden states.
+    /// them. The GDN states become those after the last kept row, copied from those the pass
+    /// kept. Attention needs nothing, and the head keeps the kept rows' hidden states.
     pub(super) fn keep_verified_slot(&mut self, slot: usize, rows: usize) -> anyhow::Result<usize> {
         let d = self
             .drafting
@@ -849,20 +788,15 @@ impl CudaBackend {
             .as_mut()
             .ok_or_else(|| anyhow::anyhow!("the verify pass kept no GDN states"))?;
         let (ssm, conv) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
-        // The states after row rows − 1, or (chunked) before the pass: every layer's in one
-        // launch (60 copies of their own cost ≈ 3 µs each to enqueue).
-        let from = if self.options.verify_pass.keeps_row_states() {
-            rows - 1
-        } else {
-            0
-        };
+        // The states after row rows − 1: every layer's in one launch (60 copies of their own cost
+        // ≈ 3 µs each to enqueue).
+        let from = rows - 1;
         anyhow::ensure!(from < kept.rows, "row {from} of {} kept states", kept.rows);
         let VerifyStates {
             ssm: kept_ssm,
             conv: kept_conv,
             rows: kept_rows,
             table,
-            ..
         } = kept;
         let mut copies: Vec<gdn::StateCopy> = self
             .ssm
@@ -880,62 +814,6 @@ impl CudaBackend {
             })
             .collect();
         self.k.gdn.copy_states(&mut copies, table)?;
-        drop(copies);
-        if !self.options.verify_pass.keeps_row_states() {
-            self.step_kept_rows(slot, rows)?;
-        }
-        Ok(())
-    }
-
-    /// Chunked verify passes: steps the GDN states of `slot` (as they were before the pass) over
-    /// its first `rows` rows with the inputs the pass kept.
-    fn step_kept_rows(&mut self, slot: usize, rows: usize) -> anyhow::Result<()> {
-        let st = self.dev.stream().clone();
-        let c = self.model.config.clone();
-        let proj_kept = self
-            .verify_states
-            .as_ref()
-            .and_then(|v| v.proj.as_ref())
-            .ok_or_else(|| anyhow::anyhow!("the verify pass kept no GDN inputs"))?;
-        st.memcpy_htod(&[slot as i32], &mut self.s.slots.slice_mut(..1))
-            .during(|| "copying the slot".into())?;
-        let width = c.linear_in_proj_rows();
-        let vd = c.linear_value_dim();
-        // Row by row, each layer in turn: two launches on one layer's states are never adjacent.
-        for r in 0..rows {
-            let gdn_layers = self.model.layers.iter().filter_map(|l| match &l.mixer {
-                DeviceMixer::DeltaNet {
-                    conv_w,
-                    a_log,
-                    dt_bias,
-                    norm,
-                    ..
-                } => Some((conv_w, a_log, dt_bias, norm)),
-                DeviceMixer::Attention { .. } => None,
-            });
-            for (g, (conv_w, a_log, dt_bias, norm)) in gdn_layers.enumerate() {
-                let w = gdn::GdnWeights {
-                    conv_w: conv_w.as_view(),
-                    a_log: a_log.as_view(),
-                    dt_bias: dt_bias.as_view(),
-                    norm_w: norm.as_view(),
-                    eps: c.rms_norm_eps,
-                };
-                let at = (g * MAX_VERIFY_ROWS + r) * width;
-                let proj = proj_kept.slice(at..at + width);
-                // The decode kernel that reads the states after its wait: the previous row's
-                // launch on this layer is a whole layer sweep back, but no earlier than that.
-                self.k.gdn.decode(
-                    &w,
-                    &gdn::GdnInputs::fused(&proj, width)?,
-                    &self.s.slots.slice(..1),
-                    &mut self.ssm[g].as_view_mut(),
-                    &mut self.conv[g].as_view_mut(),
-                    None,
-                    &mut self.s.mixed.slice_mut(..vd),
-                )?;
-            }
-        }
         Ok(())
     }
 }
