@@ -686,6 +686,7 @@ impl CudaBackend {
     fn reserve_verify_states(&mut self, rows: usize) -> Result<()> {
         let st = self.dev.stream().clone();
         let n_gdn = self.ssm.len();
+        ensure!(rows >= 2, "a verify pass of {rows} rows (at least 2)");
         let rows = rows - 1; // the states after the last row are the slot's
         if self.verify_states.as_ref().is_some_and(|v| v.rows >= rows) {
             return Ok(());
