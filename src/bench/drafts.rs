@@ -141,8 +141,11 @@ pub fn to_markdown(points: &[DraftPoint]) -> String {
     let mut md = String::from(
         "The verify passes' picks forced, each draft standing at the given rate (a random head \
          drafts nothing right; the head, verify passes and cut backs run on the tokens this \
-         decides): what a head of that acceptance would give.\n\n\
-         | context | drafts a pass | acceptance forced / measured | plain tok/s | with drafts tok/s | × plain | passes for the tokens | µs a pass: drafts / verify / cut back |\n\
+         decides): what a head of that acceptance would give. Drafts kept is the share of drafts \
+         that stood (a pass ends at its first wrong draft: a + a² + … + a^k of k in \
+         expectation, 0.65 for k = 3 at 0.8). Timed from the second pass: the first runs the head \
+         over the prompt.\n\n\
+         | context | drafts a pass | acceptance forced / drafts kept | plain tok/s | with drafts tok/s | × plain | passes for the tokens | µs a pass: drafts / verify / cut back |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for p in points {
