@@ -589,22 +589,10 @@ impl GdnKernels {
         ws: &mut GdnWorkspace,
         y: &mut CudaViewMut<bf16>,
     ) -> Result<()> {
-        check_pools("gdn decode_tokens_in_slot", &self.stream, ssm, conv)?;
-        ensure!(
-            !slots.is_empty(),
-            "gdn decode_tokens_in_slot: no slot given"
-        );
-        ensure!(
-            tokens <= ws.max_tokens,
-            "gdn decode_tokens_in_slot: {tokens} tokens, the workspace holds {}",
-            ws.max_tokens
-        );
-        ensure!(
-            y.len() == tokens * VALUE_DIM,
-            "gdn decode_tokens_in_slot: y has {} values, expected {tokens}×{VALUE_DIM}",
-            y.len()
-        );
-        ensure_aligned(y, &self.stream, "gdn y")?;
+        let what = "gdn decode_tokens_in_slot";
+        check_pools(what, &self.stream, ssm, conv)?;
+        ensure!(!slots.is_empty(), "{what}: no slot given");
+        self.check_rows(what, tokens, ws, y)?;
         self.decode_tokens_with(w, x, tokens, Some(slots), ssm, conv, each_row, ws, y)
     }
 
@@ -706,6 +694,19 @@ impl GdnKernels {
             ssm.len(),
             conv.len()
         );
+        ensure_aligned(ssm, &self.stream, "gdn ssm state")?;
+        ensure_aligned(conv, &self.stream, "gdn conv state")?;
+        self.check_rows(what, tokens, ws, y)
+    }
+
+    /// The checks of `tokens` rows of one sequence: the workspace's room and the output's size.
+    fn check_rows(
+        &self,
+        what: &str,
+        tokens: usize,
+        ws: &GdnWorkspace,
+        y: &CudaViewMut<bf16>,
+    ) -> Result<()> {
         ensure!(
             tokens <= ws.max_tokens,
             "{what}: {tokens} tokens, the workspace holds {}",
@@ -716,8 +717,6 @@ impl GdnKernels {
             "{what}: y has {} values, expected {tokens}×{VALUE_DIM}",
             y.len()
         );
-        ensure_aligned(ssm, &self.stream, "gdn ssm state")?;
-        ensure_aligned(conv, &self.stream, "gdn conv state")?;
         ensure_aligned(y, &self.stream, "gdn y")
     }
 
