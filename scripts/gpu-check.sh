@@ -45,7 +45,9 @@
 # libcuda and libcublas on the GPU machine; they find them in its usual folders by themselves
 # (src/cuda/mod.rs), so no LD_LIBRARY_PATH is set here.
 # GPU_CHECK_SERVE_SYSTEM (default 8192; none to skip) reruns the serve run's conversation opening
-# with a system prompt of that many tokens (`bench --serve --system-tokens`).
+# with a system prompt of that many tokens (`bench --serve --system-tokens`);
+# GPU_CHECK_SERVE_SYSTEM_AB="VAR=VALUE ..." (default LILY_ATTN_WGMMA_SPLIT=0; none to skip) reruns
+# that conversation with each setting.
 # GPU_CHECK_SPANS (default 1,2,3,4; none to skip) times passes of that many tokens of one sequence
 # (`bench --span-tokens`, spans.md) at the same contexts.
 set -uo pipefail
@@ -370,15 +372,21 @@ PY
         # The conversation again, opening with a system prompt of GPU_CHECK_SERVE_SYSTEM tokens
         # (default 8192: an agent's instructions and tool schemas; none to skip) and its turns
         # sharing the rest of the 32K (serve-system/ in logs.tar; the 10th turn in summary.txt).
+        # GPU_CHECK_SERVE_SYSTEM_AB reruns it with each setting (serve-system-<setting>/).
         if [[ "${GPU_CHECK_SERVE_SYSTEM:-8192}" != none ]]; then
-            echo "=== bench --serve (system prompt of ${GPU_CHECK_SERVE_SYSTEM:-8192} tokens)"
-            timeout 300 "$dir/lily" bench --serve --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
-                --streams 1 --decode-streams 1 --system-tokens "${GPU_CHECK_SERVE_SYSTEM:-8192}" \
-                --out "$logs/serve-system" > "$logs/bench-serve-system.log" 2>&1
-            rc=$?
-            last="$(grep '^turn 10:' "$logs/bench-serve-system.log" | head -1)"
-            echo "$last"
-            echo "bench --serve with a system prompt: $([[ $rc == 0 ]] && echo "done (${last:-no 10th turn})" || echo "FAIL (exit $rc)")" >> "$summary"
+            ab_list="${GPU_CHECK_SERVE_SYSTEM_AB-LILY_ATTN_WGMMA_SPLIT=0}"
+            [[ "$ab_list" == none ]] && ab_list=""
+            for ab in "" $ab_list; do
+                name="serve-system${ab:+-${ab//=/-}}"
+                echo "=== bench --serve (system prompt of ${GPU_CHECK_SERVE_SYSTEM:-8192} tokens${ab:+, $ab})"
+                env ${ab:+"$ab"} timeout 300 "$dir/lily" bench --serve --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
+                    --streams 1 --decode-streams 1 --system-tokens "${GPU_CHECK_SERVE_SYSTEM:-8192}" \
+                    --out "$logs/$name" > "$logs/bench-$name.log" 2>&1
+                rc=$?
+                last="$(grep '^turn 10:' "$logs/bench-$name.log" | head -1)"
+                echo "$last"
+                echo "bench --serve with a system prompt${ab:+ ($ab)}: $([[ $rc == 0 ]] && echo "done (${last:-no 10th turn})" || echo "FAIL (exit $rc)")" >> "$summary"
+            done
         fi
         # GPU_CHECK_SERVE_AB="VAR=VALUE ...": the same again with each setting, into serve-<setting>/
         # in logs.tar.

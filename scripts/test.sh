@@ -15,6 +15,9 @@ echo "== CUDA kernels and GPU tests build (nvcc 13.0 from pinned wheels)"
 scripts/setup-cuda.sh
 cargo build --features cuda --tests --bins
 
+echo "== the CUDA backend's host-side unit tests (launch plans; no GPU needed)"
+cargo test --features cuda --lib cuda::
+
 echo "== lily vs mlx / mlx-lm (bit-identical quantisation, logits)"
 venv="${LILY_MLX_VENV:-target/mlx-venv}"
 [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"

@@ -40,9 +40,12 @@ const QK_ABS: f32 = 2e-3;
 const POISON: bf16 = bf16::from_bits(0x7fc1);
 const GROUP: usize = Q_HEADS / KV_HEADS;
 /// The prefill kernels the tests run on the same inputs: (kernel, name).
-const PREFILL_KERNELS: [(PrefillKernel, &str); 2] = [
+const PREFILL_KERNELS: [(PrefillKernel, &str); 4] = [
     (PrefillKernel::MmaSync, "mma.sync"),
     (PrefillKernel::Wgmma, "wgmma"),
+    (PrefillKernel::WgmmaSplit(3), "wgmma, 3 key splits"),
+    // What the forward pass runs: wgmma at long chunks, split as the waves ask.
+    (PrefillKernel::WgmmaForLong, "default"),
 ];
 
 struct Gpu {
@@ -463,8 +466,8 @@ fn reference_matches_model_cpu_attention() {
 }
 
 /// Every prefill kernel (attn_prefill, split over the keys where it would be, and
-/// attn_prefill_wgmma with Q in shared memory or in registers, never split) on the same inputs,
-/// against the CPU reference.
+/// attn_prefill_wgmma whole and in 3 key splits, whose chunk edges cut through blocks of tokens)
+/// on the same inputs, against the CPU reference.
 #[test]
 fn prefill_matches_cpu() {
     let mut g = gpu();
@@ -1135,7 +1138,8 @@ fn timing_decode_and_prefill() {
     }
     drop(cache);
 
-    // Prefill of a 4K prompt in one chunk, and the last 4K chunk of a 32K prompt.
+    // Prefill of a 4K prompt in one chunk, the last 4K chunk of a 32K prompt, and a turn of a
+    // conversation after a long cached prefix (bench --serve: ≈ 2,330 new tokens at ≈ 28K).
     drop(ws);
     prefill_chunk_timing(
         &mut g,
@@ -1150,6 +1154,14 @@ fn timing_decode_and_prefill() {
         4096,
         28_672,
         seed ^ 13,
+        (&q_norm, &k_norm),
+        (&d_qn, &d_kn),
+    );
+    prefill_chunk_timing(
+        &mut g,
+        2330,
+        28_000,
+        seed ^ 17,
         (&q_norm, &k_norm),
         (&d_qn, &d_kn),
     );
@@ -1193,8 +1205,9 @@ fn prefill_chunk_timing(
                 )
                 .unwrap()
         });
+        let (splits, _) = g.kernels.prefill_splits(t, start, &ws);
         println!(
-            "prefill, {t} tokens after {start} ({name}): {ms:.3} ms per layer, {:.0} TFLOP/s",
+            "prefill, {t} tokens after {start} ({name}, {splits} key splits): {ms:.3} ms per layer, {:.0} TFLOP/s",
             flops / (ms as f64 * 1e-3) / 1e12
         );
         outs.push((name, to_f32(&download(g, &out))));

@@ -18,7 +18,9 @@
 //! fill the GPU (see [`AttentionKernels::decode_splits`]), each chunk is attended by one block,
 //! and a second kernel merges the chunks. Prefill splits the keys the same way when its chunk is
 //! too short to fill the GPU by itself (see [`AttentionKernels::prefill_split`]). Long prefill
-//! chunks can run on Hopper's warpgroup products instead (attention_wgmma.cu, [`PrefillKernel`]).
+//! chunks can run on Hopper's warpgroup products instead (attention_wgmma.cu, [`PrefillKernel`]),
+//! split over the keys too where whole blocks would leave the GPU's last wave mostly idle (a
+//! conversation's turn after a long cached prefix; `wgmma_split`).
 
 use std::sync::Arc;
 
@@ -31,6 +33,8 @@ use super::{
     CudaStream, CudaView, CudaViewMut, Result,
 };
 use crate::config::ModelConfig;
+
+mod wgmma_split;
 
 pub const HEAD_DIM: usize = 256;
 pub const Q_HEADS: usize = 16;
@@ -235,7 +239,15 @@ impl AttentionWorkspace {
                 1 => 0,
                 splits => t * splits,
             });
-        let partials = Q_HEADS * decode.chain(prefill).max().unwrap_or(0).max(1);
+        // attn_prefill_wgmma's splits take what they may (see `prefill_splits`).
+        let wgmma = (max_tokens * WGMMA_MAX_SPLITS).min(WGMMA_SPLIT_ROWS);
+        let partials = Q_HEADS
+            * decode
+                .chain(prefill)
+                .chain([wgmma])
+                .max()
+                .unwrap_or(0)
+                .max(1);
         let stream = &kernels.stream;
         let q = stream
             .alloc_zeros::<bf16>(q_rows * Q_HEADS * HEAD_DIM)
@@ -272,7 +284,16 @@ pub enum PrefillKernel {
     WgmmaForLong,
     /// attn_prefill_wgmma for every chunk, never split over the keys (for tests).
     Wgmma,
+    /// attn_prefill_wgmma for every chunk, split over the keys in about this many chunks (for
+    /// tests; at most [`WGMMA_MAX_SPLITS`]).
+    WgmmaSplit(usize),
 }
+
+/// The most key splits of attn_prefill_wgmma (see `wgmma_split`).
+pub const WGMMA_MAX_SPLITS: usize = wgmma_split::MAX_SPLITS;
+/// (token, split) rows the partials of a split attn_prefill_wgmma may take: 8,192 rows of
+/// `[16][256]` fp32, 128 MiB. A chunk that fills the GPU's waves badly is a few thousand tokens.
+const WGMMA_SPLIT_ROWS: usize = 8192;
 
 pub struct AttentionKernels {
     stream: Arc<CudaStream>,
@@ -280,6 +301,9 @@ pub struct AttentionKernels {
     prefill: CudaFunction,
     prefill_wgmma: CudaFunction,
     prefill_kernel: PrefillKernel,
+    /// attn_prefill_wgmma splits a chunk over the keys where whole blocks would leave the last
+    /// wave mostly idle (`wgmma_split`; off with `LILY_ATTN_WGMMA_SPLIT=0`).
+    wgmma_splits: bool,
     decode_split: CudaFunction,
     combine: CudaFunction,
     rope: RopeFreqs,
@@ -341,6 +365,7 @@ impl AttentionKernels {
             } else {
                 PrefillKernel::WgmmaForLong
             },
+            wgmma_splits: !std::env::var("LILY_ATTN_WGMMA_SPLIT").is_ok_and(|v| v == "0"),
             decode_split: load("attn_decode_split", DEC_SMEM_BYTES)?,
             combine: load("attn_combine", 0)?,
             rope: RopeFreqs { inv_freq },
@@ -382,7 +407,7 @@ impl AttentionKernels {
     fn prefill_on_wgmma(&self, tokens: usize) -> bool {
         match self.prefill_kernel {
             PrefillKernel::MmaSync => false,
-            PrefillKernel::Wgmma => true,
+            PrefillKernel::Wgmma | PrefillKernel::WgmmaSplit(_) => true,
             PrefillKernel::WgmmaForLong => {
                 tokens.div_ceil(PF_WGMMA_TOKENS) * KV_HEADS >= self.sm_count
             }
@@ -402,6 +427,29 @@ impl AttentionKernels {
         }
         let chunk = kv.div_ceil(splits).next_multiple_of(PF_TILE);
         (kv.div_ceil(chunk), chunk)
+    }
+
+    /// `(splits, chunk)` of [`Self::prefill`] for a chunk of `tokens` after `start` cached ones,
+    /// with `ws`'s partial buffers: attn_prefill's [`Self::prefill_split`], or attn_prefill_wgmma's
+    /// `wgmma_split::choose` (whole unless its waves would run mostly idle).
+    pub fn prefill_splits(
+        &self,
+        tokens: usize,
+        start: usize,
+        ws: &AttentionWorkspace,
+    ) -> (usize, usize) {
+        let kv = start + tokens;
+        if !self.prefill_on_wgmma(tokens) {
+            return self.prefill_split(tokens, kv);
+        }
+        let rows = ws.partials / Q_HEADS;
+        match self.prefill_kernel {
+            PrefillKernel::WgmmaSplit(n) => wgmma_split::chunks(kv, n.min(WGMMA_MAX_SPLITS)),
+            PrefillKernel::WgmmaForLong if self.wgmma_splits => {
+                wgmma_split::choose(tokens, start, self.sm_count, rows.min(WGMMA_SPLIT_ROWS))
+            }
+            _ => (1, kv),
+        }
     }
 
     /// The split count before rounding the chunk, which can only lower it; it grows with `kv`,
@@ -466,11 +514,7 @@ impl AttentionKernels {
             cache.capacity
         );
         let wgmma = self.prefill_on_wgmma(t);
-        let (splits, chunk) = if wgmma {
-            (1, start + t)
-        } else {
-            self.prefill_split(t, start + t)
-        };
+        let (splits, chunk) = self.prefill_splits(t, start, ws);
         ensure!(
             splits == 1 || t * Q_HEADS * splits <= ws.partials,
             "attention prefill: {t} tokens with {splits} key splits need {} partials, the \
@@ -509,11 +553,15 @@ impl AttentionKernels {
             )?;
             if wgmma {
                 let cfg = LaunchConfig {
-                    grid_dim: (t.div_ceil(PF_WGMMA_TOKENS) as u32, KV_HEADS as u32, 1),
+                    grid_dim: (
+                        t.div_ceil(PF_WGMMA_TOKENS) as u32,
+                        KV_HEADS as u32,
+                        splits as u32,
+                    ),
                     block_dim: (PF_WGMMA_THREADS as u32, 1, 1),
                     shared_mem_bytes: PF_WGMMA_SMEM_BYTES as u32,
                 };
-                return launch!(
+                launch!(
                     stream,
                     &self.prefill_wgmma,
                     cfg,
@@ -523,26 +571,30 @@ impl AttentionKernels {
                     &slot,
                     &start,
                     &rows,
-                    out,
-                    &self.scale_log2
-                );
+                    &mut *out,
+                    &self.scale_log2,
+                    &chunk,
+                    &mut ws.part_o,
+                    &mut ws.part_ml
+                )?;
+            } else {
+                launch!(
+                    stream,
+                    &self.prefill,
+                    pf_cfg,
+                    &ws.q,
+                    qkv,
+                    &c,
+                    &slot,
+                    &start,
+                    &rows,
+                    &mut *out,
+                    &self.scale_log2,
+                    &chunk,
+                    &mut ws.part_o,
+                    &mut ws.part_ml
+                )?;
             }
-            launch!(
-                stream,
-                &self.prefill,
-                pf_cfg,
-                &ws.q,
-                qkv,
-                &c,
-                &slot,
-                &start,
-                &rows,
-                &mut *out,
-                &self.scale_log2,
-                &chunk,
-                &mut ws.part_o,
-                &mut ws.part_ml
-            )?;
             if splits > 1 {
                 let null = 0u64; // no device slots/positions: prefill passes them as scalars
                 launch!(

@@ -1,6 +1,6 @@
 // attn_prefill_wgmma: attn_prefill (attention.cu) on Hopper's warpgroup products (wgmma.cuh), for long
 // prefill chunks: causal flash attention of T new tokens of one sequence over its cache rows
-// 0 .. start+T-1, output gate fused, no key splits (attention.rs picks the kernel).
+// 0 .. start+T-1, output gate fused (attention.rs picks the kernel).
 //
 // Block: two warpgroups on 16 consecutive tokens × the 8 query heads of one KV head. Warpgroup w
 // takes tokens t0 + 8w .. t0 + 8w + 7 as its 64 rows (row r: token t0 + 8w + r/8, head 8·kvh + r%8),
@@ -13,6 +13,12 @@
 //   of S is the A-fragment layout of keys 16kk..16kk+15 in n-tiles 2kk, 2kk+1), V from shared
 //   memory read MN-major (the transpose bit), O in 128 accumulators per thread.
 // Tiles past a warpgroup's last position (the other warpgroup's last 8 keys) are skipped.
+//
+// Split over keys, as attn_prefill: when the blocks of a chunk would leave the last wave of the
+// GPU mostly idle (a turn's few thousand tokens after a long cached prefix: every block streams
+// about the same keys, so 292 blocks on 132 SMs are 2.2 waves run as 3), the host launches
+// gridDim.z = nsplit > 1 blocks per 16 tokens, block z taking keys [z·chunk, (z+1)·chunk) (chunk a
+// multiple of 64), and the blocks write unnormalised partials for attn_combine (row = token).
 //
 // Each warpgroup reads its Q once into registers (64 per thread) as the A operand of every S product
 // (255 registers in all, no spills): with both operands in shared memory (4 KB per m64n64k16
@@ -44,13 +50,17 @@ __device__ __forceinline__ u32 swizzled(int r, int part) {
 
 __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const bf16* __restrict__ qkv,
                                               const KvCacheArgs& c, int slot, int start, int T,
-                                              bf16* __restrict__ out, float scale_log2) {
+                                              bf16* __restrict__ out, float scale_log2, int chunk,
+                                              float* __restrict__ part_o, float* __restrict__ part_ml) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 base = (smem_u32(smem_raw) + 1023) & ~1023u;
-    const int mt = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y;  // the longest rows first
+    const int mt = gridDim.x - 1 - blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;  // the longest rows first
     const int t0 = mt * WG_TOKENS;
     const int kv_len = start + min(t0 + WG_TOKENS, T);  // keys any row of the block may see
-    const int ntiles = (kv_len + WG_TILE - 1) / WG_TILE;
+    const int k0 = split * chunk;                        // this block's keys: k0 .. k1 - 1
+    if (k0 >= kv_len) return;
+    const int k1 = gridDim.z == 1 ? kv_len : min(k0 + chunk, kv_len);
+    const int ntiles = (k1 - k0 + WG_TILE - 1) / WG_TILE;
     const int tid = threadIdx.x, wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, g = lane >> 2, t = lane & 3;
     const bf16* kg = c.k + cache_offset(c, slot, kvh);
     const bf16* vg = c.v + cache_offset(c, slot, kvh);
@@ -65,14 +75,14 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
         const bf16* src = q + ((u64)(ok ? tok : 0) * N_QHEADS + kvh * GROUP + r % GROUP) * HEAD_DIM + part * 8;
         cp_async16(base + w * WG_MAT_BYTES + swizzled(r, part), src, ok);
     }
-    // K/V tile j (keys 64j ..) into stage s; keys ≥ kv_len are zero rows (and masked below).
+    // K/V tile j (keys k0 + 64j ..) into stage s; keys ≥ k1 are zero rows (and masked below).
     auto load_kv = [&](int j, int s) {
         const u32 sk = stage(s), sv = sk + WG_MAT_BYTES;
 #pragma unroll
         for (int u = 0; u < WG_TILE * 32 / WG_THREADS; ++u) {
             const int i = tid + u * WG_THREADS;
-            const int r = i >> 5, part = i & 31, key = j * WG_TILE + r;
-            const bool ok = key < kv_len;
+            const int r = i >> 5, part = i & 31, key = k0 + j * WG_TILE + r;
+            const bool ok = key < k1;
             const u64 off = (u64)(ok ? key : 0) * HEAD_DIM + part * 8;
             cp_async16(sk + swizzled(r, part), kg + off, ok);
             cp_async16(sv + swizzled(r, part), vg + off, ok);
@@ -107,7 +117,7 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
         cp_async_wait<0>();
         fence_async_shared();
         __syncthreads();  // tile j is in for everyone; both warpgroups are done with tile j - 1
-        const bool work = active && j * WG_TILE <= last;  // the same for the whole warpgroup
+        const bool work = active && k0 + j * WG_TILE <= last;  // the same for the whole warpgroup
         const u32 sk = stage(j & 1), sv = sk + WG_MAT_BYTES;
 
         // S = Q·Kᵀ: s[4i + e] = S[row 16·warp + g + 8(e/2)][key 8i + 2t + e%2].
@@ -132,14 +142,14 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
         wgmma_wait<0>();
         fence_accumulators<64>(s);
 
-        // Mask: row g sees keys ≤ pos_lo, row g + 8 keys ≤ pos_hi (keys ≥ kv_len are beyond both
-        // for every row of a real token). Only the tiles reaching past the warp's first row.
-        if (j * WG_TILE + WG_TILE - 1 > pos_lo) {
+        // Mask: row g sees keys ≤ pos_lo, row g + 8 keys ≤ pos_hi (keys ≥ k1 are beyond both for
+        // every row of a real token). Only the tiles reaching past the warp's first row.
+        if (k0 + j * WG_TILE + WG_TILE - 1 > pos_lo) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int key = j * WG_TILE + 8 * i + 2 * t + e;
+                    const int key = k0 + j * WG_TILE + 8 * i + 2 * t + e;
                     if (key > pos_lo) s[4 * i + e] = NEG_INF;
                     if (key > pos_hi) s[4 * i + 2 + e] = NEG_INF;
                 }
@@ -165,7 +175,7 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
         fence_accumulators<256>(o);
     }
 
-    // Epilogue, for the rows of real tokens: out = O / l · sigmoid(gate).
+    // Epilogue, for the rows of real tokens: out = O / l · sigmoid(gate), or the partials.
     // o[4i + 2·half + e] = O[row g + 8·half][dim 8i + 2t + e].
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {
@@ -173,6 +183,24 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
         l_hi += __shfl_xor_sync(0xffffffffu, l_hi, off);
     }
     const int head = kvh * GROUP + g;
+    if (gridDim.z > 1) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int tok = t0 + 8 * wg + 2 * warp + half;
+            // Rows with no visible key here (position < k0) are never read by attn_combine.
+            if (tok >= T) continue;
+            const u64 entry = ((u64)tok * N_QHEADS + head) * gridDim.z + split;
+            float* po = part_o + entry * HEAD_DIM;
+#pragma unroll
+            for (int i = 0; i < 32; ++i)
+                *reinterpret_cast<float2*>(po + i * 8 + 2 * t) = make_float2(o[4 * i + 2 * half], o[4 * i + 2 * half + 1]);
+            if (t == 0) {
+                part_ml[entry * 2] = half ? m_hi : m_lo;
+                part_ml[entry * 2 + 1] = half ? l_hi : l_lo;
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int tok = t0 + 8 * wg + 2 * warp + half;
@@ -193,8 +221,9 @@ __device__ __forceinline__ void prefill_wgmma(const bf16* __restrict__ q, const 
 
 extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)
     attn_prefill_wgmma(const bf16* __restrict__ q, const bf16* __restrict__ qkv, const KvCacheArgs c, int slot,
-                       int start, int T, bf16* __restrict__ out, float scale_log2) {
+                       int start, int T, bf16* __restrict__ out, float scale_log2, int chunk,
+                       float* __restrict__ part_o, float* __restrict__ part_ml) {
     pdl_wait();
     pdl_launch_dependents();
-    prefill_wgmma(q, qkv, c, slot, start, T, out, scale_log2);
+    prefill_wgmma(q, qkv, c, slot, start, T, out, scale_log2, chunk, part_o, part_ml);
 }
