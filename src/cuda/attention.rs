@@ -285,7 +285,7 @@ pub enum PrefillKernel {
     /// attn_prefill_wgmma for every chunk, never split over the keys (for tests).
     Wgmma,
     /// attn_prefill_wgmma for every chunk, split over the keys in about this many chunks (for
-    /// tests; at most [`WGMMA_MAX_SPLITS`]).
+    /// tests; at most [`WGMMA_MAX_SPLITS`], and fewer where the workspace holds fewer).
     WgmmaSplit(usize),
 }
 
@@ -444,7 +444,10 @@ impl AttentionKernels {
         }
         let rows = ws.partials / Q_HEADS;
         match self.prefill_kernel {
-            PrefillKernel::WgmmaSplit(n) => wgmma_split::chunks(kv, n.min(WGMMA_MAX_SPLITS)),
+            PrefillKernel::WgmmaSplit(n) => {
+                let room = rows.min(WGMMA_SPLIT_ROWS) / tokens;
+                wgmma_split::chunks(kv, n.min(WGMMA_MAX_SPLITS).min(room).max(1))
+            }
             PrefillKernel::WgmmaForLong if self.wgmma_splits => {
                 wgmma_split::choose(tokens, start, self.sm_count, rows.min(WGMMA_SPLIT_ROWS))
             }
