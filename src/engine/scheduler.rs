@@ -285,7 +285,14 @@ impl EngineLoop {
                         tracing::debug!("sequence {seq} decodes without drafts: {e:#}")
                     })
                     .is_ok();
+            let started = std::time::Instant::now();
             let cached = self.restore_prefix(seq, &request);
+            tracing::debug!(
+                seq,
+                cached,
+                micros = started.elapsed().as_micros() as u64,
+                "prefix restored"
+            );
             self.stats
                 .prompt_tokens_total
                 .fetch_add(request.prompt.len() as u64, Ordering::Relaxed);
@@ -933,6 +940,7 @@ impl EngineLoop {
         // Out of device memory, say (the budget is no promise that the device has room): the
         // least recently used states make room for this newer one, which covers more of its
         // conversation; with none left the sequence goes on and only this state is not kept.
+        let started = std::time::Instant::now();
         let snapshot = loop {
             match self.backend.snapshot(seq) {
                 Ok(snapshot) => break snapshot,
@@ -945,9 +953,18 @@ impl EngineLoop {
                 },
             }
         };
+        let taken = started.elapsed();
+        let count = tokens.len();
         for id in cache.insert(key, tokens, snapshot) {
             self.backend.drop_snapshot(id);
         }
+        tracing::debug!(
+            seq,
+            tokens = count,
+            micros = taken.as_micros() as u64,
+            total_micros = started.elapsed().as_micros() as u64,
+            "state saved"
+        );
     }
 
     fn remove(&mut self, i: usize) -> Running {
