@@ -440,6 +440,7 @@ impl CudaBackend {
         } else {
             0
         };
+        dev.keep_freed_memory()?;
         Ok(CudaBackend {
             dev,
             model,
