@@ -440,7 +440,6 @@ impl CudaBackend {
         } else {
             0
         };
-        dev.keep_freed_memory()?;
         Ok(CudaBackend {
             dev,
             model,

@@ -273,32 +273,6 @@ impl CudaDevice {
         &self.name
     }
 
-    /// Lets the device's default memory pool (which cudarc's stream-ordered allocations draw
-    /// from) keep the memory freed from now on instead of handing it back to the driver at the
-    /// next synchronisation. With the pool's default, every prefix-cache snapshot after a
-    /// synchronisation maps fresh memory (hundreds of MB for a long conversation) and every
-    /// evicted one is unmapped at the next synchronisation, on the request's path. Called once
-    /// the up-front allocations are done: what is freed afterwards (snapshots, a verify pass's
-    /// kept states) is only ever reused by the same kinds of buffers. `LILY_KEEP_FREED=0` keeps
-    /// the driver's default.
-    pub fn keep_freed_memory(&self) -> Result<()> {
-        if std::env::var("LILY_KEEP_FREED").is_ok_and(|v| v == "0") || !self.ctx.has_async_alloc() {
-            return Ok(());
-        }
-        let mut threshold = u64::MAX;
-        // SAFETY: the device is this context's; the release threshold is a u64 (cuda.h).
-        unsafe {
-            let pool = cudarc::driver::result::device::get_default_mem_pool(self.ctx.cu_device())
-                .during(|| "cuDeviceGetDefaultMemPool".into())?;
-            cudarc::driver::result::mem_pool::set_attribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold as *mut u64).cast(),
-            )
-            .during(|| "cuMemPoolSetAttribute".into())
-        }
-    }
-
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
