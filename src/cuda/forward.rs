@@ -440,6 +440,7 @@ impl CudaBackend {
         } else {
             0
         };
+        let snapshots = SnapshotPool::new(&dev)?;
         Ok(CudaBackend {
             dev,
             model,
@@ -453,7 +454,7 @@ impl CudaBackend {
             sequences: HashMap::new(),
             free_slots: (0..slots).rev().collect(),
             decode_graphs: HashMap::new(),
-            snapshots: SnapshotPool::default(),
+            snapshots,
             peak_memory: 0,
             shared_passes: 0,
             profile: None,

@@ -7,16 +7,20 @@
 //! every attention layer and KV head into buffers of its own, all device-to-device on the
 //! backend's stream; restoring copies them back into another slot. The KV rows past
 //! `position` in the restored slot are left as they are: attention reads only `[0, position)`.
+//! Either way the copies go as one launch of snapshot.cu's `copy_runs` over a table of runs.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DeviceRepr, DriverError};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DriverError,
+    LaunchConfig,
+};
 use half::bf16;
 
 use super::attention::{KvCache, HEAD_DIM, KV_HEADS};
 use super::gdn::{CONV_STATE_LEN, SSM_STATE_LEN};
-use super::{ensure, Context, CudaStream, Result};
+use super::{ensure, launch, Context, CudaDevice, CudaFunction, CudaStream, Result};
 use crate::model::{Snapshot, SnapshotId};
 
 /// The backend's per-slot state pools, borrowed for one copy.
@@ -46,13 +50,99 @@ impl DeviceSnapshot {
 }
 
 /// The snapshots taken and not yet dropped.
-#[derive(Default)]
 pub struct SnapshotPool {
     snapshots: HashMap<SnapshotId, DeviceSnapshot>,
     next_id: SnapshotId,
+    copy_runs: CudaFunction,
+    /// copy_runs' table of (from, to, bytes), grown to the most runs a copy has had.
+    table: Option<CudaSlice<u64>>,
+}
+
+/// Device-to-device copies gathered for one launch of copy_runs.
+#[derive(Default)]
+struct Runs {
+    /// (from, to, bytes) of each run.
+    table: Vec<u64>,
+}
+
+impl Runs {
+    /// Adds the copy of `from` into `to` (equal lengths, 16-byte aligned, whole 16-byte vectors).
+    fn push<T>(
+        &mut self,
+        stream: &CudaStream,
+        from: &CudaView<'_, T>,
+        to: &mut CudaViewMut<'_, T>,
+    ) -> Result<()> {
+        let bytes = from.len() * size_of::<T>();
+        ensure!(
+            from.len() == to.len() && bytes % 16 == 0,
+            "a state copy of {} values into {}: not whole, equal 16-byte vectors",
+            from.len(),
+            to.len()
+        );
+        // With event tracking off (mod.rs) the guards are no-ops; the addresses stay valid
+        // while the snapshot and the pools are borrowed, up to the launch.
+        let (src, _) = from.device_ptr(stream);
+        let (dst, _) = to.device_ptr_mut(stream);
+        ensure!(
+            (src | dst) % 16 == 0,
+            "a state copy between {src:#x} and {dst:#x}: not 16-byte aligned"
+        );
+        self.table.extend([src, dst, bytes as u64]);
+        Ok(())
+    }
 }
 
 impl SnapshotPool {
+    pub fn new(dev: &CudaDevice) -> Result<Self> {
+        Ok(Self {
+            snapshots: HashMap::new(),
+            next_id: 0,
+            copy_runs: dev.function("snapshot", "copy_runs")?,
+            table: None,
+        })
+    }
+
+    /// Enqueues `runs` as one launch of copy_runs.
+    fn copy(&mut self, stream: &Arc<CudaStream>, runs: Runs) -> Result<()> {
+        let n = runs.table.len() / 3;
+        if n == 0 {
+            return Ok(());
+        }
+        ensure!(n <= 65535, "{n} state copies in one launch");
+        if self
+            .table
+            .as_ref()
+            .is_none_or(|t| t.len() < runs.table.len())
+        {
+            self.table = Some(
+                stream
+                    .alloc_zeros(runs.table.len())
+                    .during(|| "allocating the state copies' table".into())?,
+            );
+        }
+        let table = self.table.as_mut().expect("allocated above");
+        stream
+            .memcpy_htod(&runs.table, &mut table.slice_mut(..runs.table.len()))
+            .during(|| "copying the state copies' table".into())?;
+        // 64 blocks a run: a long sequence's keys (15 MB a run at 30K tokens) over every SM.
+        let cfg = LaunchConfig {
+            grid_dim: (64, n as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every run is a whole, aligned view of one live buffer (Runs::push), and the
+        // buffers outlive the launch (the pools and snapshots are only freed on this stream).
+        unsafe {
+            launch!(
+                stream,
+                &self.copy_runs,
+                cfg,
+                &table.slice(..runs.table.len())
+            )
+        }
+    }
+
     /// Copies the state of `slot`, which covers `position` tokens.
     pub fn take(
         &mut self,
@@ -82,23 +172,22 @@ impl SnapshotPool {
             k: uninit(stream, kv_rows.max(1)).during(|| alloc_err("keys"))?,
             v: uninit(stream, kv_rows.max(1)).during(|| alloc_err("values"))?,
         };
+        let mut runs = Runs::default();
         for (i, (ssm, conv)) in pools.ssm.iter().zip(pools.conv.iter()).enumerate() {
-            stream
-                .memcpy_dtod(
-                    &ssm.slice(slot * SSM_STATE_LEN..(slot + 1) * SSM_STATE_LEN),
-                    &mut snap
-                        .ssm
-                        .slice_mut(i * SSM_STATE_LEN..(i + 1) * SSM_STATE_LEN),
-                )
-                .during(|| "saving a recurrent state".into())?;
-            stream
-                .memcpy_dtod(
-                    &conv.slice(slot * CONV_STATE_LEN..(slot + 1) * CONV_STATE_LEN),
-                    &mut snap
-                        .conv
-                        .slice_mut(i * CONV_STATE_LEN..(i + 1) * CONV_STATE_LEN),
-                )
-                .during(|| "saving a conv window".into())?;
+            runs.push(
+                stream,
+                &ssm.slice(slot * SSM_STATE_LEN..(slot + 1) * SSM_STATE_LEN),
+                &mut snap
+                    .ssm
+                    .slice_mut(i * SSM_STATE_LEN..(i + 1) * SSM_STATE_LEN),
+            )?;
+            runs.push(
+                stream,
+                &conv.slice(slot * CONV_STATE_LEN..(slot + 1) * CONV_STATE_LEN),
+                &mut snap
+                    .conv
+                    .slice_mut(i * CONV_STATE_LEN..(i + 1) * CONV_STATE_LEN),
+            )?;
         }
         let run = position * HEAD_DIM;
         for (j, (layer, head)) in kv_runs(pools.kv).enumerate().filter(|_| run > 0) {
@@ -108,14 +197,14 @@ impl SnapshotPool {
                 (pools.kv.keys(), &mut snap.k),
                 (pools.kv.values(), &mut snap.v),
             ] {
-                stream
-                    .memcpy_dtod(
-                        &cache.slice(from..from + run),
-                        &mut saved.slice_mut(to..to + run),
-                    )
-                    .during(|| "saving KV rows".into())?;
+                runs.push(
+                    stream,
+                    &cache.slice(from..from + run),
+                    &mut saved.slice_mut(to..to + run),
+                )?;
             }
         }
+        self.copy(stream, runs)?;
         let id = self.next_id;
         self.next_id += 1;
         let bytes = snap.bytes();
@@ -125,7 +214,7 @@ impl SnapshotPool {
 
     /// Copies snapshot `id` into `slot`; returns the position it covers.
     pub fn restore(
-        &self,
+        &mut self,
         stream: &Arc<CudaStream>,
         pools: StatePools,
         id: SnapshotId,
@@ -139,41 +228,40 @@ impl SnapshotPool {
             snap.ssm.len() == pools.ssm.len() * SSM_STATE_LEN,
             "snapshot {id} has the states of another model"
         );
+        let mut runs = Runs::default();
         for (i, (ssm, conv)) in pools.ssm.iter_mut().zip(pools.conv.iter_mut()).enumerate() {
-            stream
-                .memcpy_dtod(
-                    &snap.ssm.slice(i * SSM_STATE_LEN..(i + 1) * SSM_STATE_LEN),
-                    &mut ssm.slice_mut(slot * SSM_STATE_LEN..(slot + 1) * SSM_STATE_LEN),
-                )
-                .during(|| "restoring a recurrent state".into())?;
-            stream
-                .memcpy_dtod(
-                    &snap
-                        .conv
-                        .slice(i * CONV_STATE_LEN..(i + 1) * CONV_STATE_LEN),
-                    &mut conv.slice_mut(slot * CONV_STATE_LEN..(slot + 1) * CONV_STATE_LEN),
-                )
-                .during(|| "restoring a conv window".into())?;
+            runs.push(
+                stream,
+                &snap.ssm.slice(i * SSM_STATE_LEN..(i + 1) * SSM_STATE_LEN),
+                &mut ssm.slice_mut(slot * SSM_STATE_LEN..(slot + 1) * SSM_STATE_LEN),
+            )?;
+            runs.push(
+                stream,
+                &snap
+                    .conv
+                    .slice(i * CONV_STATE_LEN..(i + 1) * CONV_STATE_LEN),
+                &mut conv.slice_mut(slot * CONV_STATE_LEN..(slot + 1) * CONV_STATE_LEN),
+            )?;
         }
         let run = snap.position * HEAD_DIM;
-        let runs: Vec<_> = kv_runs(pools.kv).filter(|_| run > 0).collect();
-        for (j, (layer, head)) in runs.into_iter().enumerate() {
+        let kv: Vec<_> = kv_runs(pools.kv).filter(|_| run > 0).collect();
+        for (j, (layer, head)) in kv.into_iter().enumerate() {
             let to = pools.kv.offset(slot, layer, head, 0);
             let from = j * run;
-            stream
-                .memcpy_dtod(
-                    &snap.k.slice(from..from + run),
-                    &mut pools.kv.keys_mut().slice_mut(to..to + run),
-                )
-                .during(|| "restoring keys".into())?;
-            stream
-                .memcpy_dtod(
-                    &snap.v.slice(from..from + run),
-                    &mut pools.kv.values_mut().slice_mut(to..to + run),
-                )
-                .during(|| "restoring values".into())?;
+            runs.push(
+                stream,
+                &snap.k.slice(from..from + run),
+                &mut pools.kv.keys_mut().slice_mut(to..to + run),
+            )?;
+            runs.push(
+                stream,
+                &snap.v.slice(from..from + run),
+                &mut pools.kv.values_mut().slice_mut(to..to + run),
+            )?;
         }
-        Ok(snap.position)
+        let position = snap.position;
+        self.copy(stream, runs)?;
+        Ok(position)
     }
 
     /// Frees snapshot `id` (the device memory returns to the stream's pool); unknown ids are
