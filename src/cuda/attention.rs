@@ -22,6 +22,7 @@
 //! split over the keys too where whole blocks would leave the GPU's last wave mostly idle (a
 //! conversation's turn after a long cached prefix; `wgmma_split`).
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, DevicePtrMut, LaunchConfig, SyncOnDrop};
@@ -295,6 +296,9 @@ pub const WGMMA_MAX_SPLITS: usize = wgmma_split::MAX_SPLITS;
 /// `[16][256]` fp32, 128 MiB. A chunk that fills the GPU's waves badly is a few thousand tokens.
 const WGMMA_SPLIT_ROWS: usize = 8192;
 
+/// What `wgmma_split::choose` was asked: (tokens, start, partial rows).
+type SplitAsked = (usize, usize, usize);
+
 pub struct AttentionKernels {
     stream: Arc<CudaStream>,
     prepare: CudaFunction,
@@ -304,6 +308,9 @@ pub struct AttentionKernels {
     /// attn_prefill_wgmma splits a chunk over the keys where whole blocks would leave the last
     /// wave mostly idle (`wgmma_split`; off with `LILY_ATTN_WGMMA_SPLIT=0`).
     wgmma_splits: bool,
+    /// The last `wgmma_split::choose`: ((tokens, start, rows), (splits, chunk)). Every attention
+    /// layer of a pass asks the same, and the simulation takes ≈ 20–30 µs of host time.
+    last_wgmma_split: Cell<(SplitAsked, (usize, usize))>,
     decode_split: CudaFunction,
     combine: CudaFunction,
     rope: RopeFreqs,
@@ -366,6 +373,7 @@ impl AttentionKernels {
                 PrefillKernel::WgmmaForLong
             },
             wgmma_splits: !std::env::var("LILY_ATTN_WGMMA_SPLIT").is_ok_and(|v| v == "0"),
+            last_wgmma_split: Cell::new(((0, 0, 0), (1, 0))),
             decode_split: load("attn_decode_split", DEC_SMEM_BYTES)?,
             combine: load("attn_combine", 0)?,
             rope: RopeFreqs { inv_freq },
@@ -449,7 +457,14 @@ impl AttentionKernels {
                 wgmma_split::chunks(kv, n.min(WGMMA_MAX_SPLITS).min(room).max(1))
             }
             PrefillKernel::WgmmaForLong if self.wgmma_splits => {
-                wgmma_split::choose(tokens, start, self.sm_count, rows.min(WGMMA_SPLIT_ROWS))
+                let asked = (tokens, start, rows.min(WGMMA_SPLIT_ROWS));
+                let (last, chosen) = self.last_wgmma_split.get();
+                if last == asked {
+                    return chosen;
+                }
+                let chosen = wgmma_split::choose(tokens, start, self.sm_count, asked.2);
+                self.last_wgmma_split.set((asked, chosen));
+                chosen
             }
             _ => (1, kv),
         }
