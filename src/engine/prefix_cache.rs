@@ -90,10 +90,12 @@ impl PrefixCache {
         let namespace = namespace(key);
         let mut hash = namespace;
         let mut best = None;
+        // (`1..=0` would panic: a one-token prompt may reuse nothing.)
         let mut lengths = self
             .lengths
-            .range(1..=max_tokens)
+            .range(1..=max_tokens.max(1))
             .map(|(&n, _)| n)
+            .filter(|&n| n <= max_tokens)
             .peekable();
         for (i, &token) in prompt.iter().take(max_tokens).enumerate() {
             let Some(&next) = lengths.peek() else {
@@ -246,6 +248,10 @@ mod tests {
         assert_eq!(hit(&mut cache, &[1, 2, 3, 4], 3).map(|h| h.tokens), Some(2));
         assert_eq!(hit(&mut cache, &[1, 3, 3, 4], 4), None);
         assert_eq!(hit(&mut cache, &[9, 9], 2), None);
+        // A one-token prompt may reuse nothing (its token must run for the logits).
+        assert!(cache.insert(None, vec![7], snap(3, 10)).is_empty());
+        assert_eq!(hit(&mut cache, &[7], 0), None);
+        assert_eq!(hit(&mut cache, &[7, 8], 1).map(|h| h.tokens), Some(1));
         // Another key sees nothing of these.
         assert_eq!(cache.lookup(Some("user-7"), &[1, 2, 3, 4, 5], 5), None);
         assert!(cache.contains(None, &[9, 9, 9]));
