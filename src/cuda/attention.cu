@@ -691,3 +691,60 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
         d[1] = __floats2bfloat162_rn(y2, y3);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// attn_combine_few: attn_combine for prefill chunks split in at most FEW_SPLITS key chunks (the
+// wgmma prefill's splits, attention_wgmma.cu). attn_combine spreads one (row, head) over four
+// 256-thread blocks, 16 split groups each: with 3 splits most of its threads idle and a 2,330-token
+// chunk makes 149K blocks that are mostly latency (≈ 0.25 ms a layer, bench/NOTES.md v1.83). Here a
+// warp takes one (row, head), each lane 8 of its 256 dims, every load issued at once: block
+// (8 warps) i takes entries 8i .. 8i + 7 of row·16 + head. Row i is token i at position start + i
+// and sees chunks 0 .. pos / chunk; the merge is attn_combine's.
+#define FEW_SPLITS 4
+
+extern "C" __global__ void __launch_bounds__(256)
+    attn_combine_few(const float* __restrict__ part_o, const float* __restrict__ part_ml, const bf16* __restrict__ qkv,
+                     bf16* __restrict__ out, int rows, int splits, int start, int chunk) {
+    pdl_wait();
+    pdl_launch_dependents();
+    const int lane = threadIdx.x % 32;
+    const int entry = blockIdx.x * 8 + threadIdx.x / 32;  // row · 16 + head
+    if (entry >= rows * N_QHEADS) return;
+    const int b = entry / N_QHEADS, h = entry % N_QHEADS;
+    const int nsplit = min((start + b) / chunk + 1, splits);
+    float m[FEW_SPLITS], l[FEW_SPLITS];
+    float4 v[FEW_SPLITS][2];
+#pragma unroll
+    for (int s = 0; s < FEW_SPLITS; ++s) {
+        m[s] = NEG_INF, l[s] = 0.0f;
+        v[s][0] = v[s][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (s < nsplit) {
+            const u64 e = (u64)entry * splits + s;
+            m[s] = part_ml[e * 2];
+            l[s] = part_ml[e * 2 + 1];
+            const float4* po = reinterpret_cast<const float4*>(part_o + e * HEAD_DIM) + 2 * lane;
+            v[s][0] = po[0];
+            v[s][1] = po[1];
+        }
+    }
+    const uint4 gate = *reinterpret_cast<const uint4*>(qkv + (u64)b * QKV_STRIDE + h * 2 * HEAD_DIM + HEAD_DIM + 8 * lane);
+    float mm = m[0];  // finite: every split a row reads saw at least one key
+#pragma unroll
+    for (int s = 1; s < FEW_SPLITS; ++s) mm = fmaxf(mm, m[s]);
+    float ll = 0.0f, acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < FEW_SPLITS; ++s) {
+        if (s >= nsplit) break;
+        const float w = exp2f(m[s] - mm);
+        ll += w * l[s];
+        const float f[8] = {v[s][0].x, v[s][0].y, v[s][0].z, v[s][0].w, v[s][1].x, v[s][1].y, v[s][1].z, v[s][1].w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += w * f[i];
+    }
+    float g[8];
+    unpack8(gate, g);
+    const float inv = 1.0f / ll;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = acc[i] * inv * sigmoid(g[i]);
+    *reinterpret_cast<uint4*>(out + (u64)entry * HEAD_DIM + 8 * lane) = pack8(acc);
+}

@@ -67,6 +67,12 @@ const MAX_SPLITS: usize = 256;
 const COMBINE_THREADS: usize = 256;
 /// attn_combine's dims per block: a head's 256 in four blocks.
 const COMBINE_DIMS: usize = 64;
+/// attn_combine_few: (row, head) entries per block, a warp each; at most FEW_SPLITS splits.
+const COMBINE_FEW_ENTRIES: usize = 8;
+const _: () = assert!(
+    WGMMA_MAX_SPLITS <= 4,
+    "attn_combine_few merges up to FEW_SPLITS = 4"
+);
 
 /// The KV caches of the attention layers for a pool of `slots` sequences of up to `capacity`
 /// tokens each. K and V are separate buffers of bf16 `[slot][layer][kv_head][capacity][256]`:
@@ -313,6 +319,8 @@ pub struct AttentionKernels {
     last_wgmma_split: Cell<(SplitAsked, (usize, usize))>,
     decode_split: CudaFunction,
     combine: CudaFunction,
+    /// attn_combine for the wgmma prefill's few splits (a warp per row and head).
+    combine_few: CudaFunction,
     rope: RopeFreqs,
     eps: f32,
     /// 1/√256 · log2(e): the kernels' softmax runs in the log2 domain (exp2).
@@ -376,6 +384,7 @@ impl AttentionKernels {
             last_wgmma_split: Cell::new(((0, 0, 0), (1, 0))),
             decode_split: load("attn_decode_split", DEC_SMEM_BYTES)?,
             combine: load("attn_combine", 0)?,
+            combine_few: load("attn_combine_few", 0)?,
             rope: RopeFreqs { inv_freq },
             eps: config.rms_norm_eps,
             scale_log2: (HEAD_DIM as f32).sqrt().recip() * std::f32::consts::LOG2_E,
@@ -613,7 +622,26 @@ impl AttentionKernels {
                     &mut ws.part_ml
                 )?;
             }
-            if splits > 1 {
+            if splits > 1 && wgmma {
+                let cfg = LaunchConfig {
+                    grid_dim: ((t * Q_HEADS).div_ceil(COMBINE_FEW_ENTRIES) as u32, 1, 1),
+                    block_dim: (32 * COMBINE_FEW_ENTRIES as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                launch!(
+                    stream,
+                    &self.combine_few,
+                    cfg,
+                    &ws.part_o,
+                    &ws.part_ml,
+                    qkv,
+                    out,
+                    &rows,
+                    &splits_i,
+                    &start,
+                    &chunk
+                )?;
+            } else if splits > 1 {
                 let null = 0u64; // no device slots/positions: prefill passes them as scalars
                 launch!(
                     stream,
