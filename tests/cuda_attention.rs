@@ -1139,7 +1139,8 @@ fn timing_decode_and_prefill() {
     drop(cache);
 
     // Prefill of a 4K prompt in one chunk, the last 4K chunk of a 32K prompt, and a turn of a
-    // conversation after a long cached prefix (bench --serve: ≈ 2,330 new tokens at ≈ 28K).
+    // conversation after a long and a shorter cached prefix (bench --serve: ≈ 2,330 new tokens
+    // after ≈ 28K and ≈ 10.6K).
     drop(ws);
     prefill_chunk_timing(
         &mut g,
@@ -1162,6 +1163,14 @@ fn timing_decode_and_prefill() {
         2330,
         28_000,
         seed ^ 17,
+        (&q_norm, &k_norm),
+        (&d_qn, &d_kn),
+    );
+    prefill_chunk_timing(
+        &mut g,
+        2330,
+        10_648,
+        seed ^ 19,
         (&q_norm, &k_norm),
         (&d_qn, &d_kn),
     );
