@@ -28,6 +28,11 @@ fn config() -> serde_json::Value {
 }
 
 fn backend(max_sequences: usize) -> CudaBackend {
+    backend_with(max_sequences, CudaOptions::default().keep_before_last)
+}
+
+/// [`backend`] with `CudaOptions::keep_before_last` as asked.
+fn backend_with(max_sequences: usize, keep_before_last: bool) -> CudaBackend {
     let dir = tempfile::tempdir().unwrap();
     synth::write_checkpoint(
         &config(),
@@ -46,6 +51,7 @@ fn backend(max_sequences: usize) -> CudaBackend {
         max_sequences,
         max_context: 2048,
         prefill_chunk: 128,
+        keep_before_last,
         ..CudaOptions::default()
     };
     CudaBackend::new(dev, model, options).unwrap()
@@ -124,10 +130,74 @@ fn a_state_saved_while_decoding_resumes_in_decode() {
     assert_eq!(original, restored);
 }
 
+/// A step asked to keep the states before its last token (`Backend::keep_state_before_last`):
+/// a snapshot of them resumes as one taken after all but the last token, and the step's own
+/// logits are those of running the last token after them. Prompts whose last chunk of 128 is a
+/// span (its GDN layers step the last row alone) and a single token (decoded after the states
+/// are copied).
+#[test]
+fn states_kept_before_a_steps_last_token_resume_as_a_snapshot_there() {
+    const TOLERANCE: f32 = 1e-2;
+    let mut gpu = backend_with(4, true);
+    assert!(gpu.can_keep_state_before_last());
+    let spans = rand::rng().random_range(300..380);
+    for n in [spans, 3 * 128 + 1] {
+        let prompt = random_tokens(n);
+        gpu.create_sequence(0).unwrap();
+        gpu.keep_state_before_last(0).unwrap();
+        let whole = gpu.forward(0, &prompt).unwrap();
+        let kept = gpu.snapshot_before_last(0).unwrap();
+        assert!(
+            gpu.snapshot_before_last(0).is_err(),
+            "the kept states are used up"
+        );
+        gpu.create_sequence(1).unwrap();
+        gpu.forward(1, &prompt[..n - 1]).unwrap();
+        let there = gpu.snapshot(1).unwrap();
+        let last = gpu.forward(1, &prompt[n - 1..]).unwrap();
+        let err = common::rel_error(&whole, &last);
+        println!("{n} tokens: the keeping step's logits vs the last token's alone: {err:.2e}");
+        assert!(err <= TOLERANCE, "{n} tokens: logits differ by {err:.2e}");
+        assert_eq!(kept.bytes, there.bytes);
+        // Both snapshots resume at n - 1 and continue alike, over the same tokens.
+        let rest: Vec<u32> = std::iter::once(prompt[n - 1])
+            .chain(random_tokens(6))
+            .collect();
+        let mut continued = Vec::new();
+        for (seq, snap) in [(2, kept.id), (3, there.id)] {
+            gpu.create_sequence(seq).unwrap();
+            assert_eq!(gpu.restore(snap, seq).unwrap(), n - 1);
+            continued.push(
+                rest.iter()
+                    .map(|&t| gpu.forward(seq, &[t]).unwrap())
+                    .collect::<Vec<_>>(),
+            );
+        }
+        for (step, (a, b)) in continued[0].iter().zip(&continued[1]).enumerate() {
+            let err = common::rel_error(a, b);
+            assert!(
+                err <= TOLERANCE,
+                "{n} tokens, step {step}: logits differ by {err:.2e}"
+            );
+        }
+        for seq in 0..4 {
+            gpu.free_sequence(seq);
+        }
+        gpu.drop_snapshot(kept.id);
+        gpu.drop_snapshot(there.id);
+    }
+}
+
 #[test]
 fn the_engine_reuses_prompts_on_the_gpu() {
+    for keep_before_last in [false, true] {
+        the_engine_reuses_prompts(keep_before_last);
+    }
+}
+
+fn the_engine_reuses_prompts(keep_before_last: bool) {
     let engine = Engine::start(
-        Box::new(backend(2)),
+        Box::new(backend_with(2, keep_before_last)),
         EngineOptions {
             prefill_chunk: 128,
             prefix_cache_bytes: 1 << 30,
@@ -165,4 +235,12 @@ fn the_engine_reuses_prompts_on_the_gpu() {
     second.extend(random_tokens(40));
     let (_, cached) = run(&second);
     assert_eq!(cached, first.len() + 7);
+    // The same prompt again resumes before its last token (kept by its last chunk, or saved
+    // after a step that stopped one short).
+    let (_, cached) = run(&second);
+    assert_eq!(
+        cached,
+        second.len() - 1,
+        "keep_before_last {keep_before_last}"
+    );
 }

@@ -465,6 +465,32 @@ fn the_prefix_cache_changes_no_greedy_output() {
 
 const NEW_TOKENS: usize = 7;
 
+#[test]
+fn the_prompts_end_state_is_kept_without_a_step_of_its_own() {
+    // The CPU backend keeps the state before a step's last token: a 20-token prompt in chunks of
+    // 8 runs as 3 steps (8, 8, 4), not 4 (8, 8, 3 and the last token alone), and the state
+    // before its last token is saved all the same.
+    let w = weights();
+    let engine = Engine::start(
+        Box::new(CpuBackend::new(w.clone())),
+        EngineOptions {
+            prefill_chunk: 8,
+            batch_tokens: 8,
+            prefix_cache_bytes: 64 << 20,
+            snapshot_interval: 1000,
+            ..EngineOptions::default()
+        },
+    );
+    let prompt = random_tokens(20);
+    let (ids, _, cached) = collect_cached(engine.submit(greedy(prompt.clone(), 1, None)));
+    assert_eq!((ids, cached), (alone(&w, &prompt, 1), 0));
+    assert_eq!(engine.stats().batches_total.load(Ordering::Relaxed), 3);
+    // The same prompt again resumes before its last token, which runs alone for the logits.
+    let (ids, _, cached) = collect_cached(engine.submit(greedy(prompt.clone(), 2, None)));
+    assert_eq!((ids, cached), (alone(&w, &prompt, 2), 19));
+    assert_eq!(engine.stats().batches_total.load(Ordering::Relaxed), 3 + 2);
+}
+
 /// Live sequences and snapshots of a [`Counting`] backend.
 #[derive(Default)]
 struct Live {

@@ -36,7 +36,7 @@ use super::moe_decode::MoeDecode;
 use super::norm::NormKernels;
 use super::profile::{self, OpProfile};
 use super::sample::SampleKernels;
-use super::snapshot::SnapshotPool;
+use super::snapshot::{KeptStates, SnapshotPool};
 use super::timeline::Timeline;
 use super::weights::DeviceMatrices;
 use super::{ensure, Context, CudaDevice, CudaError, CudaStream, Result};
@@ -89,6 +89,12 @@ pub struct CudaOptions {
     /// How a verify pass of the MTP head's drafts runs (forward/mtp.rs); `LILY_VERIFY_PASS`
     /// (`rows` or `span`) sets it.
     pub verify_pass: VerifyPass,
+    /// A prompt's last chunk keeps the GDN states before its last token for the prefix cache
+    /// (`Backend::keep_state_before_last`: its GDN layers step that token on its own), where
+    /// otherwise the engine runs it as a step of its own. Built after the session's device time
+    /// ran out, so off unless `LILY_KEEP_BEFORE_LAST=1` until cuda_prefix_cache has run it
+    /// (bench/NOTES.md v1.83).
+    pub keep_before_last: bool,
 }
 
 /// How a verify pass runs (forward/mtp.rs). Its GDN layers step the rows one token after
@@ -139,6 +145,7 @@ impl Default for CudaOptions {
                 .unwrap_or(MAX_TOKENS + 1)
                 .max(1),
             verify_pass: VerifyPass::from_env(),
+            keep_before_last: std::env::var("LILY_KEEP_BEFORE_LAST").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -285,6 +292,9 @@ pub struct CudaBackend {
     decode_graphs: HashMap<(usize, bool), DecodeGraph>,
     /// Saved sequence states for the prefix cache (snapshot.rs).
     snapshots: SnapshotPool,
+    /// By slot: the GDN states its next prompt span keeps before its last token
+    /// (`CudaOptions::keep_before_last`), then kept until a snapshot takes them.
+    before_last: HashMap<usize, KeptStates>,
     /// Most device memory seen in use after a forward call since the last reset (bytes).
     peak_memory: u64,
     /// Shared passes run by `forward_batch` (backend.rs).
@@ -455,6 +465,7 @@ impl CudaBackend {
             free_slots: (0..slots).rev().collect(),
             decode_graphs: HashMap::new(),
             snapshots,
+            before_last: HashMap::new(),
             peak_memory: 0,
             shared_passes: 0,
             profile: None,
@@ -492,7 +503,24 @@ impl CudaBackend {
         );
         let chunk = self.s.rows;
         let mut pos = position;
-        for part in tokens.chunks(chunk) {
+        // States to keep before the last token: only the last part's span keeps them (see
+        // `before_last`), so they are set aside while the others run.
+        let mut keep = self
+            .before_last
+            .remove(&slot)
+            .filter(|k| k.position.is_none());
+        let parts = tokens.len().div_ceil(chunk);
+        for (i, part) in tokens.chunks(chunk).enumerate() {
+            if i + 1 == parts {
+                if let Some(mut kept) = keep.take() {
+                    if part.len() == 1 {
+                        // Decoded, not a span: the states before it are the slot's now.
+                        self.keep_slot_states(slot, &mut kept)?;
+                        kept.position = Some(pos);
+                    }
+                    self.before_last.insert(slot, kept);
+                }
+            }
             if let [token] = *part {
                 self.decode(&[DecodeRow {
                     slot,
@@ -598,8 +626,37 @@ impl CudaBackend {
             .during(|| "copying the positions".into())?;
         }
         self.launch(&pass)?;
+        if !all_logits {
+            // The spans whose GDN layers kept the states before their last token (body).
+            for span in &pass.spans {
+                if let Some(kept) =
+                    (self.before_last.get_mut(&span.slot)).filter(|k| k.position.is_none())
+                {
+                    kept.position = Some(span.start + span.len - 1);
+                }
+            }
+        }
         if !self.drafting.is_empty() {
             self.keep_head_rows(&pass, spans, rows)?;
+        }
+        Ok(())
+    }
+
+    /// Copies every GDN layer's state and conv window of `slot` into `kept`.
+    fn keep_slot_states(&self, slot: usize, kept: &mut KeptStates) -> Result<()> {
+        let st = self.dev.stream();
+        let (ssm_len, conv_len) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
+        for (i, (ssm, conv)) in self.ssm.iter().zip(&self.conv).enumerate() {
+            st.memcpy_dtod(
+                &ssm.slice(slot * ssm_len..(slot + 1) * ssm_len),
+                &mut kept.ssm.slice_mut(i * ssm_len..(i + 1) * ssm_len),
+            )
+            .during(|| "keeping a recurrent state".into())?;
+            st.memcpy_dtod(
+                &conv.slice(slot * conv_len..(slot + 1) * conv_len),
+                &mut kept.conv.slice_mut(i * conv_len..(i + 1) * conv_len),
+            )
+            .during(|| "keeping a conv window".into())?;
         }
         Ok(())
     }
@@ -804,6 +861,51 @@ impl CudaBackend {
                                 Some((&mut ssm_rows, &mut conv_rows)),
                                 &mut self.gdn_ws,
                                 y,
+                            )?;
+                        } else if let Some(kept) = self
+                            .before_last
+                            .get_mut(&slot)
+                            .filter(|k| k.position.is_none())
+                        {
+                            // The prompt's end state for the prefix cache: all rows but the
+                            // last as a prefill chunk, the states kept, then the last row as
+                            // one-token decoding steps it.
+                            let rest = span.len - 1;
+                            if rest > 0 {
+                                let proj = s.proj.slice(a * width..(z - 1) * width);
+                                k.gdn.prefill(
+                                    &w,
+                                    &GdnInputs::fused(&proj, width)?,
+                                    rest,
+                                    &mut ssm,
+                                    &mut conv,
+                                    &mut self.gdn_ws,
+                                    &mut s.mixed.slice_mut(a * vd..(z - 1) * vd),
+                                )?;
+                            }
+                            let (ssm_len, conv_len) = (gdn::SSM_STATE_LEN, gdn::CONV_STATE_LEN);
+                            st.memcpy_dtod(
+                                &ssm,
+                                &mut kept.ssm.slice_mut(gdn_i * ssm_len..(gdn_i + 1) * ssm_len),
+                            )
+                            .during(|| "keeping a recurrent state".into())?;
+                            st.memcpy_dtod(
+                                &conv,
+                                &mut kept
+                                    .conv
+                                    .slice_mut(gdn_i * conv_len..(gdn_i + 1) * conv_len),
+                            )
+                            .during(|| "keeping a conv window".into())?;
+                            let proj = s.proj.slice((z - 1) * width..z * width);
+                            k.gdn.decode_tokens(
+                                &w,
+                                &GdnInputs::fused(&proj, width)?,
+                                1,
+                                &mut ssm,
+                                &mut conv,
+                                None,
+                                &mut self.gdn_ws,
+                                &mut s.mixed.slice_mut((z - 1) * vd..z * vd),
                             )?;
                         } else {
                             k.gdn.prefill(

@@ -49,6 +49,42 @@ impl DeviceSnapshot {
     }
 }
 
+/// Device memory of `n` values whose every element is written before anything reads one (the
+/// callers' copies: each layer's state and conv window, every (layer, KV head)'s rows; with no
+/// rows, the one element of k and v is never read). Zeroing first would cost as much again as
+/// the keys' and values' copies (≈ 0.6 GB at 30K tokens).
+fn uninit<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    n: usize,
+) -> std::result::Result<CudaSlice<T>, DriverError> {
+    // SAFETY: see above; a CudaSlice of plain values has no invalid bit patterns.
+    unsafe { stream.alloc(n) }
+}
+
+/// The GDN states of one sequence kept in the middle of a step, before its last token (the
+/// prompt's end state for the prefix cache, `Backend::keep_state_before_last`): the forward
+/// pass copies each GDN layer's state and conv window here before it steps the last token, and
+/// a snapshot takes the buffers over.
+pub struct KeptStates {
+    /// `[layer][SSM_STATE_LEN]` and `[layer][CONV_STATE_LEN]`, as a snapshot holds them.
+    pub ssm: CudaSlice<f32>,
+    pub conv: CudaSlice<bf16>,
+    /// Tokens the kept states cover, once a step filled them (`None`: not yet run).
+    pub position: Option<usize>,
+}
+
+impl KeptStates {
+    pub fn new(stream: &Arc<CudaStream>, layers: usize) -> Result<Self> {
+        Ok(Self {
+            ssm: uninit(stream, layers * SSM_STATE_LEN)
+                .during(|| "allocating kept recurrent states".into())?,
+            conv: uninit(stream, layers * CONV_STATE_LEN)
+                .during(|| "allocating kept conv windows".into())?,
+            position: None,
+        })
+    }
+}
+
 /// The snapshots taken and not yet dropped.
 pub struct SnapshotPool {
     snapshots: HashMap<SnapshotId, DeviceSnapshot>,
@@ -151,29 +187,55 @@ impl SnapshotPool {
         slot: usize,
         position: usize,
     ) -> Result<Snapshot> {
+        self.take_with(stream, pools, slot, position, &mut None)
+    }
+
+    /// [`Self::take`] with the GDN states a step kept before its last token (`kept`, taken out
+    /// of it once the snapshot's other buffers are allocated: on failure it is left as it was)
+    /// instead of the slot's; the KV rows `[0, position)` are the slot's, as the step's last
+    /// token only appended a row after them.
+    pub fn take_with(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        pools: StatePools,
+        slot: usize,
+        position: usize,
+        kept: &mut Option<KeptStates>,
+    ) -> Result<Snapshot> {
         check_slot(&pools, slot, position)?;
         let layers = pools.ssm.len();
+        if let Some(k) = kept {
+            ensure!(
+                k.position == Some(position)
+                    && k.ssm.len() == layers * SSM_STATE_LEN
+                    && k.conv.len() == layers * CONV_STATE_LEN,
+                "the kept states cover {:?} tokens of {} layers, not {position} of {layers}",
+                k.position,
+                k.ssm.len() / SSM_STATE_LEN
+            );
+        }
         let kv_rows = pools.kv.layers() * KV_HEADS * position * HEAD_DIM;
         let alloc_err = |what: &str| format!("allocating a snapshot's {what}");
-        // SAFETY: the copies below write every element before anything reads one: each layer's
-        // state and conv window, and every (layer, KV head)'s `position` rows, `kv_rows` in all
-        // (with no rows, the one element of k and v is never read). Zeroing first would cost
-        // as much again as the keys' and values' copies (≈ 0.6 GB at 30K tokens).
-        fn uninit<T: DeviceRepr>(
-            stream: &Arc<CudaStream>,
-            n: usize,
-        ) -> std::result::Result<CudaSlice<T>, DriverError> {
-            unsafe { stream.alloc(n) }
-        }
+        let k = uninit(stream, kv_rows.max(1)).during(|| alloc_err("keys"))?;
+        let v = uninit(stream, kv_rows.max(1)).during(|| alloc_err("values"))?;
+        let (ssm, conv, copy_gdn) = match kept.take() {
+            Some(k) => (k.ssm, k.conv, false),
+            None => (
+                uninit(stream, layers * SSM_STATE_LEN).during(|| alloc_err("recurrent states"))?,
+                uninit(stream, layers * CONV_STATE_LEN).during(|| alloc_err("conv windows"))?,
+                true,
+            ),
+        };
         let mut snap = DeviceSnapshot {
             position,
-            ssm: uninit(stream, layers * SSM_STATE_LEN).during(|| alloc_err("recurrent states"))?,
-            conv: uninit(stream, layers * CONV_STATE_LEN).during(|| alloc_err("conv windows"))?,
-            k: uninit(stream, kv_rows.max(1)).during(|| alloc_err("keys"))?,
-            v: uninit(stream, kv_rows.max(1)).during(|| alloc_err("values"))?,
+            ssm,
+            conv,
+            k,
+            v,
         };
         let mut runs = Runs::default();
-        for (i, (ssm, conv)) in pools.ssm.iter().zip(pools.conv.iter()).enumerate() {
+        let gdn = pools.ssm.iter().zip(pools.conv.iter()).enumerate();
+        for (i, (ssm, conv)) in gdn.filter(|_| copy_gdn) {
             runs.push(
                 stream,
                 &ssm.slice(slot * SSM_STATE_LEN..(slot + 1) * SSM_STATE_LEN),

@@ -110,10 +110,24 @@ type DeviceStep = Option<(DeviceSampling, f64)>;
 
 /// What a running sequence does in this iteration's batch.
 enum Work {
-    /// Prompt tokens `[from, to)`.
-    Prefill { from: usize, to: usize },
+    /// Prompt tokens `[from, to)`; with `before_last`, the step keeps the state before its last
+    /// token (`Backend::keep_state_before_last`), the prompt's end state for the prefix cache.
+    Prefill {
+        from: usize,
+        to: usize,
+        before_last: bool,
+    },
     /// Feeds back the token it just sampled.
     Decode(u32),
+}
+
+/// Which state of a sequence `save_state` saves.
+#[derive(Clone, Copy)]
+enum Saved {
+    /// Its state now.
+    Now,
+    /// The state its last step kept before its last token.
+    BeforeLast,
 }
 
 /// What a verify pass gave back: every row's argmax (greedy without penalties: the logits stay
@@ -447,7 +461,7 @@ impl EngineLoop {
             .map(|((i, w), device)| {
                 let r = &self.running[*i];
                 let tokens = match w {
-                    Work::Prefill { from, to } => &r.request.prompt[*from..*to],
+                    Work::Prefill { from, to, .. } => &r.request.prompt[*from..*to],
                     Work::Decode(token) => std::slice::from_ref(token),
                 };
                 Step {
@@ -516,9 +530,14 @@ impl EngineLoop {
         for ((i, w), result) in work.into_iter().zip(results) {
             match result {
                 Ok(next) => {
-                    if let Work::Prefill { from, to } = w {
+                    if let Work::Prefill {
+                        from,
+                        to,
+                        before_last,
+                    } = w
+                    {
                         self.running[i].prefilled = to;
-                        self.save_prompt_state(i, from, to);
+                        self.save_prompt_state(i, from, to, before_last);
                         if let Err(message) = self.score_prompt_token(i, to, &next) {
                             failed.push((i, message));
                             continue;
@@ -887,11 +906,21 @@ impl EngineLoop {
                 self.prefill_turn = i;
                 return;
             }
-            let mut end = r.request.prompt.len();
-            if self.cache.is_some() && r.prefilled + 1 < end {
-                // Stop one token short of the end, to save the state there: a later request
-                // with the same prompt, or one that extends it, resumes from it (the last
-                // token must run for the logits anyway).
+            // The prefix cache saves the state before the prompt's last token: a later request
+            // with the same prompt, or one that extends it, resumes from it (the last token
+            // must run for the logits anyway). A backend that can keeps it while the prompt's
+            // last chunk runs; with others the prompt stops one token short and the last token
+            // runs as a step of its own (a decode step's time: ≈ 2 ms at 30K tokens on an H100,
+            // bench/NOTES.md v1.83). Drafting sequences (whose snapshots carry the MTP head's
+            // rows) and scored prompts take the second way.
+            let whole = r.request.prompt.len();
+            let keeps_last = self.cache.is_some()
+                && r.prefilled + 1 < whole
+                && !r.drafting
+                && r.request.prompt_logprobs.is_none()
+                && self.backend.can_keep_state_before_last();
+            let mut end = whole;
+            if self.cache.is_some() && r.prefilled + 1 < end && !keeps_last {
                 end -= 1;
             }
             // A scored prompt runs a token per step: each position's logits are reported.
@@ -901,11 +930,19 @@ impl EngineLoop {
             };
             let len = (end - r.prefilled).min(chunk);
             let len = if planned_any { len.min(budget) } else { len };
+            let to = r.prefilled + len;
+            // (Were it refused, the prompt's end state is not saved; the turn's end still is.)
+            let before_last = keeps_last
+                && to == whole
+                && (self.backend.keep_state_before_last(r.seq))
+                    .inspect_err(|e| tracing::debug!("no state before the prompt's end: {e:#}"))
+                    .is_ok();
             work.push((
                 i,
                 Work::Prefill {
                     from: r.prefilled,
-                    to: r.prefilled + len,
+                    to,
+                    before_last,
                 },
             ));
             budget = budget.saturating_sub(len);
@@ -915,22 +952,28 @@ impl EngineLoop {
     }
 
     /// After the prompt chunk `[from, to)` of `running[i]`: saves the state if the chunk reached
-    /// a multiple of the snapshot interval or the prompt's last token.
-    fn save_prompt_state(&mut self, i: usize, from: usize, to: usize) {
+    /// a multiple of the snapshot interval or the prompt's last token but one; a chunk that
+    /// kept its state before the last token (`before_last`) saves that one, which stands for
+    /// both (the state at the interval mark would cost another snapshot's memory).
+    fn save_prompt_state(&mut self, i: usize, from: usize, to: usize, before_last: bool) {
         let interval = self.options.snapshot_interval.max(1);
         let r = &self.running[i];
         if self.cache.is_none() {
             return;
         }
-        if to / interval > from / interval || to + 1 == r.request.prompt.len() {
-            let (seq, tokens) = (r.seq, r.request.prompt[..to].to_vec());
-            let key = r.request.prompt_cache_key.clone();
-            self.save_state(seq, key.as_deref(), tokens);
+        let (seq, key) = (r.seq, r.request.prompt_cache_key.clone());
+        if before_last {
+            let tokens = r.request.prompt[..to - 1].to_vec();
+            self.save_state(seq, key.as_deref(), tokens, Saved::BeforeLast);
+        } else if to / interval > from / interval || to + 1 == r.request.prompt.len() {
+            let tokens = r.request.prompt[..to].to_vec();
+            self.save_state(seq, key.as_deref(), tokens, Saved::Now);
         }
     }
 
-    /// Saves `seq`'s state, which covers `tokens`, in the prefix cache (unless it is there).
-    fn save_state(&mut self, seq: SeqId, key: Option<&str>, tokens: Vec<u32>) {
+    /// Saves `seq`'s state (now, or the one its last step kept before its last token), which
+    /// covers `tokens`, in the prefix cache (unless it is there).
+    fn save_state(&mut self, seq: SeqId, key: Option<&str>, tokens: Vec<u32>, which: Saved) {
         let Some(cache) = &mut self.cache else {
             return;
         };
@@ -942,7 +985,11 @@ impl EngineLoop {
         // conversation; with none left the sequence goes on and only this state is not kept.
         let started = std::time::Instant::now();
         let snapshot = loop {
-            match self.backend.snapshot(seq) {
+            let taken = match which {
+                Saved::Now => self.backend.snapshot(seq),
+                Saved::BeforeLast => self.backend.snapshot_before_last(seq),
+            };
+            match taken {
                 Ok(snapshot) => break snapshot,
                 Err(e) => match cache.evict_oldest() {
                     Some(id) => self.backend.drop_snapshot(id),
@@ -980,7 +1027,12 @@ impl EngineLoop {
             // the last (sampled, never fed). The next turn's prompt usually starts with these.
             let mut tokens = r.request.prompt.clone();
             tokens.extend_from_slice(&r.generated[..r.generated.len() - 1]);
-            self.save_state(r.seq, r.request.prompt_cache_key.as_deref(), tokens);
+            self.save_state(
+                r.seq,
+                r.request.prompt_cache_key.as_deref(),
+                tokens,
+                Saved::Now,
+            );
         }
         self.backend.free_sequence(r.seq);
         self.stats.requests_finished.fetch_add(1, Ordering::Relaxed);

@@ -145,6 +145,33 @@ pub trait Backend: Send {
     fn drop_snapshot(&mut self, snapshot: SnapshotId) {
         let _ = snapshot;
     }
+    /// Whether [`keep_state_before_last`](Backend::keep_state_before_last) and
+    /// [`snapshot_before_last`](Backend::snapshot_before_last) work here. The prefix cache saves
+    /// a prompt's state before its last token (a later request with the same prompt resumes
+    /// there: the last token must run for the logits); with these, the prompt's last chunk
+    /// keeps that state as it runs, where otherwise the engine stops one token short and runs
+    /// the last token as a step of its own (a decode step's time).
+    fn can_keep_state_before_last(&self) -> bool {
+        false
+    }
+    /// `seq`'s next step keeps the state before its last token (for one
+    /// [`snapshot_before_last`](Backend::snapshot_before_last)).
+    fn keep_state_before_last(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        let _ = seq;
+        anyhow::bail!(
+            "{} cannot keep a state before a step's last token",
+            self.device_name()
+        )
+    }
+    /// A snapshot of the state the last step of `seq` kept (all its tokens but the step's last),
+    /// as [`snapshot`](Backend::snapshot) gives; the kept state is used up, unless this fails.
+    fn snapshot_before_last(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        let _ = seq;
+        anyhow::bail!(
+            "{} cannot keep a state before a step's last token",
+            self.device_name()
+        )
+    }
     /// Whether sequences here can draft tokens with the checkpoint's MTP head (MODEL.md §4):
     /// the methods down to [`keep_verified`](Backend::keep_verified) work.
     fn can_draft(&self) -> bool {
@@ -302,6 +329,8 @@ pub struct CpuBackend {
     /// Per sequence with a verify pass not yet cut back: its state before the pass, the pass's
     /// tokens (the reference rolls back by running the kept rows again) and its logits.
     verifying: HashMap<SeqId, (SequenceState, Vec<u32>, Vec<f32>)>,
+    /// Sequences whose next step keeps its state before the last token (`None` until it runs).
+    before_last: HashMap<SeqId, Option<SequenceState>>,
 }
 
 impl CpuBackend {
@@ -313,12 +342,14 @@ impl CpuBackend {
             next_snapshot: 0,
             routing: None,
             verifying: HashMap::new(),
+            before_last: HashMap::new(),
         }
     }
 
     /// Runs `tokens` of `seq`: the logits `which` names.
     fn run(&mut self, seq: SeqId, tokens: &[u32], which: cpu::Logits) -> anyhow::Result<Vec<f32>> {
         self.check_tokens(seq, tokens)?;
+        let tokens = self.run_all_but_last(seq, tokens, which)?;
         let state = self
             .states
             .get_mut(&seq)
@@ -327,6 +358,35 @@ impl CpuBackend {
             Some(trace) => cpu::forward_recorded(&self.weights, tokens, state, which, trace),
             None => cpu::forward(&self.weights, tokens, state, which),
         })
+    }
+
+    /// For a sequence asked to keep its state before a step's last token: runs all of `tokens`
+    /// but the last, keeps the state and returns the last token, which runs as the step's rest
+    /// (with `which` All, the earlier rows' logits would be lost: refused). Else `tokens`.
+    fn run_all_but_last<'t>(
+        &mut self,
+        seq: SeqId,
+        tokens: &'t [u32],
+        which: cpu::Logits,
+    ) -> anyhow::Result<&'t [u32]> {
+        if !matches!(self.before_last.get(&seq), Some(None)) {
+            return Ok(tokens);
+        }
+        anyhow::ensure!(
+            matches!(which, cpu::Logits::Last),
+            "a step that keeps the state before its last token gives only the last logits"
+        );
+        let (last, rest) = tokens.split_last().expect("checked: some tokens");
+        let state = self
+            .states
+            .get_mut(&seq)
+            .ok_or_else(|| anyhow::anyhow!("unknown sequence {seq}"))?;
+        if !rest.is_empty() {
+            cpu::forward(&self.weights, rest, state, cpu::Logits::Last);
+        }
+        let kept = state.clone();
+        self.before_last.insert(seq, Some(kept));
+        Ok(std::slice::from_ref(last))
     }
 
     /// Whether `tokens` may run next for `seq`: some, in the vocabulary, no verify pass open.
@@ -365,6 +425,7 @@ impl Backend for CpuBackend {
     fn free_sequence(&mut self, seq: SeqId) {
         self.states.remove(&seq);
         self.verifying.remove(&seq);
+        self.before_last.remove(&seq);
     }
     fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
         self.run(seq, tokens, cpu::Logits::Last)
@@ -373,8 +434,10 @@ impl Backend for CpuBackend {
     /// open) run as one [`cpu::forward_batch`]; the others one by one, which reports what is
     /// wrong with them.
     fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
-        if self.routing.is_some() {
-            // Traced rows go in the order the steps come.
+        let keeps_before_last = |s: &Step| matches!(self.before_last.get(&s.seq), Some(None));
+        if self.routing.is_some() || steps.iter().any(keeps_before_last) {
+            // Traced rows go in the order the steps come; a step keeping its state before the
+            // last token runs in two parts (run_all_but_last).
             return steps.iter().map(|s| self.forward_step(s)).collect();
         }
         let vocab = self.weights.config.vocab_size;
@@ -565,5 +628,23 @@ impl Backend for CpuBackend {
     }
     fn drop_snapshot(&mut self, snapshot: SnapshotId) {
         self.snapshots.remove(&snapshot);
+    }
+    fn can_keep_state_before_last(&self) -> bool {
+        true
+    }
+    fn keep_state_before_last(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        anyhow::ensure!(self.states.contains_key(&seq), "unknown sequence {seq}");
+        self.before_last.insert(seq, None);
+        Ok(())
+    }
+    fn snapshot_before_last(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        let Some(Some(kept)) = self.before_last.remove(&seq) else {
+            anyhow::bail!("sequence {seq} kept no state before a step's last token");
+        };
+        let bytes = kept.bytes_held();
+        let id = self.next_snapshot;
+        self.next_snapshot += 1;
+        self.snapshots.insert(id, kept);
+        Ok(Snapshot { id, bytes })
     }
 }

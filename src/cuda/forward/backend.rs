@@ -10,7 +10,7 @@ use crate::config::ModelConfig;
 use crate::cuda::gdn;
 use crate::cuda::profile::{self, OpProfile};
 use crate::cuda::sample::{RowDraw, SampleKernels};
-use crate::cuda::snapshot::StatePools;
+use crate::cuda::snapshot::{KeptStates, StatePools};
 use crate::cuda::timeline::Timeline;
 use crate::cuda::{Context, Result};
 use crate::model::passes::{self, PassLimits, PassStep};
@@ -50,6 +50,7 @@ impl Backend for CudaBackend {
     fn free_sequence(&mut self, seq: SeqId) {
         if let Some(s) = self.sequences.remove(&seq) {
             self.stop_drafting_slot(s.slot);
+            self.before_last.remove(&s.slot);
             self.free_slots.push(s.slot);
         }
     }
@@ -216,6 +217,55 @@ impl Backend for CudaBackend {
         }
         restored?;
         Ok(position)
+    }
+    fn can_keep_state_before_last(&self) -> bool {
+        self.options.keep_before_last
+    }
+    fn keep_state_before_last(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.options.keep_before_last,
+            "keeping states before a step's last token is off (LILY_KEEP_BEFORE_LAST=1)"
+        );
+        let slot = self.sequence(seq)?.slot;
+        // (A drafting sequence's snapshot carries its head's rows, which this does not keep.)
+        anyhow::ensure!(
+            !self.drafting.contains_key(&slot),
+            "sequence {seq} drafts: its states before a step's last token are not kept"
+        );
+        let kept = match self.before_last.remove(&slot) {
+            Some(mut k) => {
+                k.position = None;
+                k
+            }
+            None => KeptStates::new(self.dev.stream(), self.ssm.len())?,
+        };
+        self.before_last.insert(slot, kept);
+        Ok(())
+    }
+    fn snapshot_before_last(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        let s = self.sequence(seq)?;
+        let slot = s.slot;
+        let Some(kept) = self.before_last.remove(&slot) else {
+            anyhow::bail!("sequence {seq} kept no states before a step's last token");
+        };
+        let Some(position) = kept.position else {
+            self.before_last.insert(slot, kept);
+            anyhow::bail!("sequence {seq} has not run the step that keeps its states");
+        };
+        let mut kept = Some(kept);
+        let pools = StatePools {
+            ssm: &mut self.ssm,
+            conv: &mut self.conv,
+            kv: &mut self.kv,
+        };
+        let taken = self
+            .snapshots
+            .take_with(self.dev.stream(), pools, slot, position, &mut kept);
+        if let Some(kept) = kept {
+            // Not taken (out of memory, say): left for another try.
+            self.before_last.insert(slot, kept);
+        }
+        Ok(taken?)
     }
     fn drop_snapshot(&mut self, snapshot: SnapshotId) {
         self.snapshots.drop_snapshot(snapshot);
