@@ -511,14 +511,18 @@ impl CudaBackend {
             .filter(|k| k.position.is_none());
         let parts = tokens.len().div_ceil(chunk);
         for (i, part) in tokens.chunks(chunk).enumerate() {
+            let mut decoded_after = None;
             if i + 1 == parts {
                 if let Some(mut kept) = keep.take() {
                     if part.len() == 1 {
-                        // Decoded, not a span: the states before it are the slot's now.
+                        // Decoded, not a span: the states before it are the slot's now (put
+                        // back after the pass, which drops filled ones as stale).
                         self.keep_slot_states(slot, &mut kept)?;
                         kept.position = Some(pos);
+                        decoded_after = Some(kept);
+                    } else {
+                        self.before_last.insert(slot, kept);
                     }
-                    self.before_last.insert(slot, kept);
                 }
             }
             if let [token] = *part {
@@ -529,6 +533,9 @@ impl CudaBackend {
                 }])?;
             } else {
                 self.prefill_chunk(slot, pos, part)?;
+            }
+            if let Some(kept) = decoded_after {
+                self.before_last.insert(slot, kept);
             }
             pos += part.len();
         }
@@ -624,6 +631,16 @@ impl CudaBackend {
                 &mut self.s.positions.slice_mut(..b),
             )
             .during(|| "copying the positions".into())?;
+        }
+        // States an earlier step of these sequences kept and no snapshot took are stale now.
+        for slot in spans.iter().map(|s| s.0).chain(rows.iter().map(|r| r.slot)) {
+            if self
+                .before_last
+                .get(&slot)
+                .is_some_and(|k| k.position.is_some())
+            {
+                self.before_last.remove(&slot);
+            }
         }
         self.launch(&pass)?;
         if !all_logits {

@@ -191,7 +191,7 @@ impl SnapshotPool {
     }
 
     /// [`Self::take`] with the GDN states a step kept before its last token (`kept`, taken out
-    /// of it once the snapshot's other buffers are allocated: on failure it is left as it was)
+    /// of it once the snapshot's keys and values are copied: on failure it is left as it was)
     /// instead of the slot's; the KV rows `[0, position)` are the slot's, as the step's last
     /// token only appended a row after them.
     pub fn take_with(
@@ -216,49 +216,37 @@ impl SnapshotPool {
         }
         let kv_rows = pools.kv.layers() * KV_HEADS * position * HEAD_DIM;
         let alloc_err = |what: &str| format!("allocating a snapshot's {what}");
-        let k = uninit(stream, kv_rows.max(1)).during(|| alloc_err("keys"))?;
-        let v = uninit(stream, kv_rows.max(1)).during(|| alloc_err("values"))?;
-        let (ssm, conv, copy_gdn) = match kept.take() {
-            Some(k) => (k.ssm, k.conv, false),
-            None => (
-                uninit(stream, layers * SSM_STATE_LEN).during(|| alloc_err("recurrent states"))?,
-                uninit(stream, layers * CONV_STATE_LEN).during(|| alloc_err("conv windows"))?,
-                true,
-            ),
-        };
-        let mut snap = DeviceSnapshot {
-            position,
-            ssm,
-            conv,
-            k,
-            v,
-        };
+        let mut k = uninit(stream, kv_rows.max(1)).during(|| alloc_err("keys"))?;
+        let mut v = uninit(stream, kv_rows.max(1)).during(|| alloc_err("values"))?;
+        let mut gdn_states = None;
+        if kept.is_none() {
+            gdn_states = Some((
+                uninit::<f32>(stream, layers * SSM_STATE_LEN)
+                    .during(|| alloc_err("recurrent states"))?,
+                uninit::<bf16>(stream, layers * CONV_STATE_LEN)
+                    .during(|| alloc_err("conv windows"))?,
+            ));
+        }
         let mut runs = Runs::default();
-        let gdn = pools.ssm.iter().zip(pools.conv.iter()).enumerate();
-        for (i, (ssm, conv)) in gdn.filter(|_| copy_gdn) {
-            runs.push(
-                stream,
-                &ssm.slice(slot * SSM_STATE_LEN..(slot + 1) * SSM_STATE_LEN),
-                &mut snap
-                    .ssm
-                    .slice_mut(i * SSM_STATE_LEN..(i + 1) * SSM_STATE_LEN),
-            )?;
-            runs.push(
-                stream,
-                &conv.slice(slot * CONV_STATE_LEN..(slot + 1) * CONV_STATE_LEN),
-                &mut snap
-                    .conv
-                    .slice_mut(i * CONV_STATE_LEN..(i + 1) * CONV_STATE_LEN),
-            )?;
+        if let Some((saved_ssm, saved_conv)) = gdn_states.as_mut() {
+            for (i, (ssm, conv)) in pools.ssm.iter().zip(pools.conv.iter()).enumerate() {
+                runs.push(
+                    stream,
+                    &ssm.slice(slot * SSM_STATE_LEN..(slot + 1) * SSM_STATE_LEN),
+                    &mut saved_ssm.slice_mut(i * SSM_STATE_LEN..(i + 1) * SSM_STATE_LEN),
+                )?;
+                runs.push(
+                    stream,
+                    &conv.slice(slot * CONV_STATE_LEN..(slot + 1) * CONV_STATE_LEN),
+                    &mut saved_conv.slice_mut(i * CONV_STATE_LEN..(i + 1) * CONV_STATE_LEN),
+                )?;
+            }
         }
         let run = position * HEAD_DIM;
         for (j, (layer, head)) in kv_runs(pools.kv).enumerate().filter(|_| run > 0) {
             let from = pools.kv.offset(slot, layer, head, 0);
             let to = j * run;
-            for (cache, saved) in [
-                (pools.kv.keys(), &mut snap.k),
-                (pools.kv.values(), &mut snap.v),
-            ] {
+            for (cache, saved) in [(pools.kv.keys(), &mut k), (pools.kv.values(), &mut v)] {
                 runs.push(
                     stream,
                     &cache.slice(from..from + run),
@@ -267,6 +255,20 @@ impl SnapshotPool {
             }
         }
         self.copy(stream, runs)?;
+        let (ssm, conv) = match gdn_states {
+            Some(states) => states,
+            None => {
+                let kept = kept.take().expect("checked: kept states");
+                (kept.ssm, kept.conv)
+            }
+        };
+        let snap = DeviceSnapshot {
+            position,
+            ssm,
+            conv,
+            k,
+            v,
+        };
         let id = self.next_id;
         self.next_id += 1;
         let bytes = snap.bytes();

@@ -908,35 +908,40 @@ impl EngineLoop {
             }
             // The prefix cache saves the state before the prompt's last token: a later request
             // with the same prompt, or one that extends it, resumes from it (the last token
-            // must run for the logits anyway). A backend that can keeps it while the prompt's
-            // last chunk runs; with others the prompt stops one token short and the last token
-            // runs as a step of its own (a decode step's time: ≈ 2 ms at 30K tokens on an H100,
-            // bench/NOTES.md v1.83). Drafting sequences (whose snapshots carry the MTP head's
-            // rows) and scored prompts take the second way.
+            // must run for the logits anyway). So the prompt stops one token short, and the last
+            // token runs as a step of its own (a decode step's time: ≈ 2 ms at 30K tokens on an
+            // H100, bench/NOTES.md v1.83), unless the chunk that reaches the stop can take it:
+            // when that state is cached already, or when the backend keeps it as the chunk runs
+            // (not for drafting sequences, whose snapshots carry the MTP head's rows).
             let whole = r.request.prompt.len();
-            let keeps_last = self.cache.is_some()
-                && r.prefilled + 1 < whole
-                && !r.drafting
-                && r.request.prompt_logprobs.is_none()
-                && self.backend.can_keep_state_before_last();
-            let mut end = whole;
-            if self.cache.is_some() && r.prefilled + 1 < end && !keeps_last {
-                end -= 1;
-            }
+            let stops_short = self.cache.is_some() && r.prefilled + 1 < whole;
+            let end = if stops_short { whole - 1 } else { whole };
             // A scored prompt runs a token per step: each position's logits are reported.
             let chunk = match r.request.prompt_logprobs {
                 Some(_) => 1,
                 None => self.options.prefill_chunk.max(1),
             };
-            let len = (end - r.prefilled).min(chunk);
-            let len = if planned_any { len.min(budget) } else { len };
+            let mut len = (end - r.prefilled).min(chunk);
+            if planned_any {
+                len = len.min(budget);
+            }
+            let mut before_last = false;
+            if stops_short && r.prefilled + len == end && len < chunk {
+                let key = r.request.prompt_cache_key.as_deref();
+                let cache = self.cache.as_ref().expect("stops_short: a cache");
+                if cache.contains(key, &r.request.prompt[..end]) {
+                    len += 1;
+                } else if !r.drafting
+                    && self.backend.can_keep_state_before_last()
+                    && (self.backend.keep_state_before_last(r.seq))
+                        .inspect_err(|e| tracing::debug!("stopping one token short: {e:#}"))
+                        .is_ok()
+                {
+                    len += 1;
+                    before_last = true;
+                }
+            }
             let to = r.prefilled + len;
-            // (Were it refused, the prompt's end state is not saved; the turn's end still is.)
-            let before_last = keeps_last
-                && to == whole
-                && (self.backend.keep_state_before_last(r.seq))
-                    .inspect_err(|e| tracing::debug!("no state before the prompt's end: {e:#}"))
-                    .is_ok();
             work.push((
                 i,
                 Work::Prefill {
@@ -952,9 +957,10 @@ impl EngineLoop {
     }
 
     /// After the prompt chunk `[from, to)` of `running[i]`: saves the state if the chunk reached
-    /// a multiple of the snapshot interval or the prompt's last token but one; a chunk that
-    /// kept its state before the last token (`before_last`) saves that one, which stands for
-    /// both (the state at the interval mark would cost another snapshot's memory).
+    /// a multiple of the snapshot interval or the prompt's last token but one. A chunk that took
+    /// the last token past that stop (plan_prefill) saves the state it kept before it
+    /// (`before_last`), or nothing when that state was cached already: the state at an interval
+    /// mark on the way would cost another snapshot's memory for little.
     fn save_prompt_state(&mut self, i: usize, from: usize, to: usize, before_last: bool) {
         let interval = self.options.snapshot_interval.max(1);
         let r = &self.running[i];
@@ -962,10 +968,13 @@ impl EngineLoop {
             return;
         }
         let (seq, key) = (r.seq, r.request.prompt_cache_key.clone());
+        let whole = r.request.prompt.len();
         if before_last {
             let tokens = r.request.prompt[..to - 1].to_vec();
             self.save_state(seq, key.as_deref(), tokens, Saved::BeforeLast);
-        } else if to / interval > from / interval || to + 1 == r.request.prompt.len() {
+        } else if to == whole && to - from >= 2 {
+            // Past a cached stop: nothing new.
+        } else if to / interval > from / interval || to + 1 == whole {
             let tokens = r.request.prompt[..to].to_vec();
             self.save_state(seq, key.as_deref(), tokens, Saved::Now);
         }

@@ -369,8 +369,14 @@ impl CpuBackend {
         tokens: &'t [u32],
         which: cpu::Logits,
     ) -> anyhow::Result<&'t [u32]> {
-        if !matches!(self.before_last.get(&seq), Some(None)) {
-            return Ok(tokens);
+        match self.before_last.get(&seq) {
+            Some(None) => {}
+            Some(Some(_)) => {
+                // Kept by an earlier step and not taken: stale now.
+                self.before_last.remove(&seq);
+                return Ok(tokens);
+            }
+            None => return Ok(tokens),
         }
         anyhow::ensure!(
             matches!(which, cpu::Logits::Last),
@@ -434,11 +440,19 @@ impl Backend for CpuBackend {
     /// open) run as one [`cpu::forward_batch`]; the others one by one, which reports what is
     /// wrong with them.
     fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
-        let keeps_before_last = |s: &Step| matches!(self.before_last.get(&s.seq), Some(None));
+        let keeps_before_last = |s: &Step| self.before_last.contains_key(&s.seq);
         if self.routing.is_some() || steps.iter().any(keeps_before_last) {
             // Traced rows go in the order the steps come; a step keeping its state before the
-            // last token runs in two parts (run_all_but_last).
-            return steps.iter().map(|s| self.forward_step(s)).collect();
+            // last token runs in two parts, and a kept state not taken is dropped
+            // (run_all_but_last).
+            return steps
+                .iter()
+                .map(|s| {
+                    catch_unwind(AssertUnwindSafe(|| self.forward_step(s))).unwrap_or_else(
+                        |panic| Err(anyhow::anyhow!("internal error: {}", panic_message(panic))),
+                    )
+                })
+                .collect();
         }
         let vocab = self.weights.config.vocab_size;
         // One pass of any size; the CPU has no slots (0).
@@ -638,8 +652,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
     fn snapshot_before_last(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
-        let Some(Some(kept)) = self.before_last.remove(&seq) else {
+        if !matches!(self.before_last.get(&seq), Some(Some(_))) {
             anyhow::bail!("sequence {seq} kept no state before a step's last token");
+        }
+        let Some(Some(kept)) = self.before_last.remove(&seq) else {
+            unreachable!("checked above");
         };
         let bytes = kept.bytes_held();
         let id = self.next_snapshot;
