@@ -339,3 +339,54 @@ fn matmul_is_one_dot_per_row_and_token() {
         }
     }
 }
+
+/// `Backend::keep_state_before_last` on the CPU: a step asked to keep the state before its last
+/// token gives the logits a plain step gives, and a snapshot of the kept state resumes exactly
+/// as one taken after all but the last token; a kept state no snapshot took is dropped at the
+/// sequence's next step, and a failed `snapshot_before_last` leaves an unfilled keep in place.
+#[test]
+fn a_state_kept_before_a_steps_last_token_resumes_as_a_snapshot_there() {
+    use lily::model::{Backend, CpuBackend};
+    use rand::RngExt;
+    let weights = checkpoint::load(&fixture_dir("tiny-a")).unwrap();
+    let vocab = weights.config.vocab_size as u32;
+    let mut rng = rand::rng();
+    let prompt: Vec<u32> = (0..23).map(|_| rng.random_range(0..vocab)).collect();
+    let rest: Vec<u32> = (0..4).map(|_| rng.random_range(0..vocab)).collect();
+    let n = prompt.len();
+    let mut cpu = CpuBackend::new(weights);
+    assert!(cpu.can_keep_state_before_last());
+
+    cpu.create_sequence(0).unwrap();
+    cpu.keep_state_before_last(0).unwrap();
+    assert!(
+        cpu.snapshot_before_last(0).is_err(),
+        "nothing kept before the step runs"
+    );
+    let kept_logits = cpu.forward(0, &prompt).unwrap();
+    let kept = cpu.snapshot_before_last(0).unwrap();
+    assert!(cpu.snapshot_before_last(0).is_err(), "used up");
+
+    cpu.create_sequence(1).unwrap();
+    cpu.forward(1, &prompt[..n - 1]).unwrap();
+    let there = cpu.snapshot(1).unwrap();
+    assert_eq!(cpu.forward(1, &prompt[n - 1..]).unwrap(), kept_logits);
+    assert_eq!(kept.bytes, there.bytes);
+
+    let mut continued = Vec::new();
+    for (seq, snap) in [(2, kept.id), (3, there.id)] {
+        cpu.create_sequence(seq).unwrap();
+        assert_eq!(cpu.restore(snap, seq).unwrap(), n - 1);
+        continued.push(cpu.forward(seq, &rest).unwrap());
+    }
+    assert_eq!(continued[0], continued[1]);
+
+    // Kept, not taken, then another step: stale, gone.
+    cpu.keep_state_before_last(2).unwrap();
+    cpu.forward(2, &rest).unwrap();
+    cpu.forward(2, &rest[..1]).unwrap();
+    assert!(
+        cpu.snapshot_before_last(2).is_err(),
+        "a stale keep is dropped"
+    );
+}
