@@ -90,12 +90,13 @@ impl PrefixCache {
         let namespace = namespace(key);
         let mut hash = namespace;
         let mut best = None;
-        // (`1..=0` would panic: a one-token prompt may reuse nothing.)
+        if max_tokens == 0 {
+            return None; // (and `1..=0` below would panic)
+        }
         let mut lengths = self
             .lengths
-            .range(1..=max_tokens.max(1))
+            .range(1..=max_tokens)
             .map(|(&n, _)| n)
-            .filter(|&n| n <= max_tokens)
             .peekable();
         for (i, &token) in prompt.iter().take(max_tokens).enumerate() {
             let Some(&next) = lengths.peek() else {

@@ -45,7 +45,7 @@ const MARGIN: f64 = 0.05;
 /// the cheapest.
 pub fn choose(tokens: usize, start: usize, sms: usize, max_rows: usize) -> (usize, usize) {
     let kv = start + tokens;
-    let whole = whole_cost(tokens, start, sms);
+    let whole = makespan(tokens, start, sms, 1, kv);
     let mut best = (whole * (1.0 - MARGIN), (1, kv));
     for wanted in 2..=MAX_SPLITS {
         let (splits, chunk) = chunks(kv, wanted);
@@ -66,10 +66,6 @@ pub fn choose(tokens: usize, start: usize, sms: usize, max_rows: usize) -> (usiz
 pub fn chunks(kv: usize, wanted: usize) -> (usize, usize) {
     let chunk = kv.div_ceil(wanted.max(1)).next_multiple_of(TILE);
     (kv.div_ceil(chunk), chunk)
-}
-
-fn whole_cost(tokens: usize, start: usize, sms: usize) -> f64 {
-    makespan(tokens, start, sms, 1, start + tokens)
 }
 
 /// Tile times until the last block of the grid ends: blocks in launch order (x fastest, the
