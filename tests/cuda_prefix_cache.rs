@@ -132,17 +132,24 @@ fn a_state_saved_while_decoding_resumes_in_decode() {
 
 /// A step asked to keep the states before its last token (`Backend::keep_state_before_last`):
 /// a snapshot of them resumes as one taken after all but the last token, and the step's own
-/// logits are those of running the last token after them. Prompts whose last chunk of 128 is a
-/// span (its GDN layers step the last row alone) and a single token (decoded after the states
-/// are copied).
+/// logits are those of the same step not keeping them, and of running the last token after them.
+/// Prompts whose last chunk of 128 is a span (its GDN layers step the last row alone) and a single
+/// token (decoded after the states are copied).
+///
+/// The tolerance is that of a pass of many rows against single-row ones (tests/cuda_drafts.rs):
+/// the last token alone runs the decode kernels, bf16 rounding in other places (1.03e-2 measured
+/// on an H100 for the whole prompt against its last token alone).
 #[test]
 fn states_kept_before_a_steps_last_token_resume_as_a_snapshot_there() {
-    const TOLERANCE: f32 = 1e-2;
+    const TOLERANCE: f32 = 8e-2;
     let mut gpu = backend_with(4, true);
     assert!(gpu.can_keep_state_before_last());
     let spans = rand::rng().random_range(300..380);
     for n in [spans, 3 * 128 + 1] {
         let prompt = random_tokens(n);
+        gpu.create_sequence(2).unwrap();
+        let plain = gpu.forward(2, &prompt).unwrap();
+        gpu.free_sequence(2);
         gpu.create_sequence(0).unwrap();
         gpu.keep_state_before_last(0).unwrap();
         let whole = gpu.forward(0, &prompt).unwrap();
@@ -156,8 +163,18 @@ fn states_kept_before_a_steps_last_token_resume_as_a_snapshot_there() {
         let there = gpu.snapshot(1).unwrap();
         let last = gpu.forward(1, &prompt[n - 1..]).unwrap();
         let err = common::rel_error(&whole, &last);
-        println!("{n} tokens: the keeping step's logits vs the last token's alone: {err:.2e}");
+        let err_plain = common::rel_error(&whole, &plain);
+        let plain_last = common::rel_error(&plain, &last);
+        println!(
+            "{n} tokens: the keeping step's logits vs the last token's alone: {err:.2e}, \
+             vs the step not keeping: {err_plain:.2e} (that step vs the last token alone: \
+             {plain_last:.2e})"
+        );
         assert!(err <= TOLERANCE, "{n} tokens: logits differ by {err:.2e}");
+        assert!(
+            err_plain <= TOLERANCE,
+            "{n} tokens: keeping changed the logits by {err_plain:.2e}"
+        );
         assert_eq!(kept.bytes, there.bytes);
         // Both snapshots resume at n - 1 and continue alike, over the same tokens.
         let rest: Vec<u32> = std::iter::once(prompt[n - 1])

@@ -91,9 +91,8 @@ pub struct CudaOptions {
     pub verify_pass: VerifyPass,
     /// A prompt's last chunk keeps the GDN states before its last token for the prefix cache
     /// (`Backend::keep_state_before_last`: its GDN layers step that token on its own), where
-    /// otherwise the engine runs it as a step of its own. Built after the session's device time
-    /// ran out, so off unless `LILY_KEEP_BEFORE_LAST=1` until cuda_prefix_cache has run it
-    /// (bench/NOTES.md v1.83).
+    /// otherwise the engine runs it as a step of its own: a cached turn's first token ≈ 3 ms
+    /// sooner on an H100 (bench/NOTES.md v1.84). `LILY_KEEP_BEFORE_LAST=0` turns it off.
     pub keep_before_last: bool,
 }
 
@@ -145,7 +144,7 @@ impl Default for CudaOptions {
                 .unwrap_or(MAX_TOKENS + 1)
                 .max(1),
             verify_pass: VerifyPass::from_env(),
-            keep_before_last: std::env::var("LILY_KEEP_BEFORE_LAST").is_ok_and(|v| v == "1"),
+            keep_before_last: std::env::var("LILY_KEEP_BEFORE_LAST").map_or(true, |v| v != "0"),
         }
     }
 }

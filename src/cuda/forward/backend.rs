@@ -224,7 +224,7 @@ impl Backend for CudaBackend {
     fn keep_state_before_last(&mut self, seq: SeqId) -> anyhow::Result<()> {
         anyhow::ensure!(
             self.options.keep_before_last,
-            "keeping states before a step's last token is off (LILY_KEEP_BEFORE_LAST=1)"
+            "keeping states before a step's last token is off (LILY_KEEP_BEFORE_LAST=0)"
         );
         let slot = self.sequence(seq)?.slot;
         // (A drafting sequence's snapshot carries its head's rows, which this does not keep.)
