@@ -1022,12 +1022,14 @@ fn timing_grouped_moe_at_4096_tokens() {
     let (xb, _) = activations(&mut rng, T * h, 1.0);
     let dx = upload(s, &xb);
     // The routed experts alone (8 slots per token, 256 experts), for the per-step timings: a
-    // 4K chunk, and the few rows of a 64-sequence decode step or a 512-token prompt, in each tile
+    // 4K chunk, a cached turn's 2,330 rows (bench --serve --system-tokens 8192), and the few
+    // rows of a 64-sequence decode step or a 512-token prompt, in each tile
     // height, and wgmma (tile maps of 128 and of 64 rows).
     let mut groups = ExpertGroups::new(s, T, TOP_K, e, MIN_TILE_ROWS).expect("groups");
     for (routing, tokens) in [
         (Routing::Uniform, T),
         (Routing::Skewed, T),
+        (Routing::Uniform, 2330),
         (Routing::Uniform, 64),
         (Routing::Uniform, 512),
     ] {
