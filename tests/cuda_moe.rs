@@ -286,20 +286,30 @@ impl Experts {
 
 /// Which prefill GEMM kernel a case runs: mma.sync (gemm_prefill.cu) or wgmma (gemm_wgmma.cu),
 /// the latter also with its outputs stored through shared memory (`LILY_WGMMA_STAGED_STORES`),
-/// and with or without the taller last tiles of its 128-row tile maps (`LILY_WGMMA_SPILL`).
+/// with or without the taller last tiles of its 128-row tile maps (`LILY_WGMMA_SPILL`); wgmma in
+/// its wide blocks (256 weight rows), or in its narrow ones (128, two per SM: `WgmmaNarrow`, with
+/// staged stores).
 #[derive(Clone, Copy, Debug)]
 enum Kernel {
     MmaSync,
     Wgmma,
     WgmmaStaged,
     WgmmaUnspilled,
+    WgmmaNarrow,
 }
 
 impl Kernel {
     fn select(self, g: &mut GemmKernels) {
         g.set_wgmma(!matches!(self, Kernel::MmaSync));
-        g.set_staged_stores(matches!(self, Kernel::WgmmaStaged | Kernel::WgmmaUnspilled));
+        g.set_staged_stores(matches!(
+            self,
+            Kernel::WgmmaStaged | Kernel::WgmmaUnspilled | Kernel::WgmmaNarrow
+        ));
         g.set_spill(!matches!(self, Kernel::WgmmaUnspilled));
+        g.set_narrow_rows(match self {
+            Kernel::WgmmaNarrow => usize::MAX,
+            _ => 0,
+        });
     }
 }
 
@@ -427,6 +437,7 @@ fn grouped_experts_match_cpu() {
         (128, Kernel::WgmmaStaged),
         (64, Kernel::WgmmaStaged),
         (128, Kernel::WgmmaUnspilled),
+        (128, Kernel::WgmmaNarrow),
     ] {
         grouped_case(&dev, &mut rng, &real, Routing::Uniform, 256, kernel);
         grouped_case(&dev, &mut rng, &real, Routing::Skewed, 600, kernel);
@@ -436,7 +447,7 @@ fn grouped_experts_match_cpu() {
     // Experts of 70 (one tile of N = 96), 100 (N = 128), 140 (N = 144), 150 and 160 (N = 160),
     // 161 (128 + 33) and 288 rows (128 + 160).
     for tokens in [70, 100, 140, 150, 160, 161, 288] {
-        for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged] {
+        for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged, Kernel::WgmmaNarrow] {
             grouped_case(&dev, &mut rng, &real, Routing::Same, tokens, (128, kernel));
         }
     }
@@ -511,7 +522,7 @@ fn grouped_experts_match_cpu() {
         100,
         (128, Kernel::Wgmma),
     );
-    for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged] {
+    for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged, Kernel::WgmmaNarrow] {
         grouped_case(
             &dev,
             &mut rng,
@@ -537,6 +548,14 @@ fn grouped_experts_match_cpu() {
             routing,
             tokens,
             (rows, Kernel::Wgmma),
+        );
+        grouped_case(
+            &dev,
+            &mut rng,
+            &real_q8,
+            routing,
+            tokens,
+            (rows, Kernel::WgmmaNarrow),
         );
     }
 }
@@ -1042,6 +1061,7 @@ fn timing_grouped_moe_at_4096_tokens() {
             (128, Kernel::Wgmma),
             (128, Kernel::WgmmaStaged),
             (128, Kernel::WgmmaUnspilled),
+            (128, Kernel::WgmmaNarrow),
             (64, Kernel::Wgmma),
             (32, Kernel::MmaSync),
             (16, Kernel::MmaSync),

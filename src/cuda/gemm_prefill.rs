@@ -9,7 +9,8 @@
 //! (gemm_wgmma.cu, the weights dequantised into wgmma's register operand, tiles of up to 128
 //! rows), the default for them since it measured faster (bench/NOTES.md v1.21; `LILY_WGMMA=0`
 //! turns it off for A/B runs). Its tiles of 128 rows halve the dequantisation per product, which
-//! is what bounds both kernels.
+//! is what bounds both kernels. Experts of few rows each (a cached conversation turn's ≈ 2.3K
+//! tokens: ≈ 73 rows an expert) run on its narrow blocks, two per SM ([`WgmmaShape`]).
 
 use std::sync::Arc;
 
@@ -46,15 +47,45 @@ const TILE_COLS: usize = 256;
 const THREADS: u32 = 128;
 /// Columns of a matrix the wgmma kernels take are a multiple of this: four quantisation groups.
 const WGMMA_COL_MULTIPLE: usize = 256;
-/// The wgmma kernels' block: 4 warpgroups (THREADS in gemm_wgmma.cu).
-const WGMMA_THREADS: u32 = 512;
-/// Dynamic shared memory of a wgmma kernel (smem_bytes in gemm_wgmma.cu): six stages of X and
-/// packed weights (32 bytes per row and k-tile in Q4, 64 in Q8), two slots of four k-tiles' scales
-/// and biases, 1 KB to align. Tiles taller by the spill take five stages in the same bytes.
-fn wgmma_shared_bytes(format: Format) -> usize {
-    let row_bytes = if format == Format::Q4 { 32 } else { 64 };
-    6 * (WGMMA_TILE_ROWS * 128 + TILE_COLS * row_bytes) + 2 * (2 * TILE_COLS * 8) + 1024
+/// The wgmma kernels' two block shapes (gemm_wgmma.cu): wide, 256 weight rows, 4 warpgroups and 6
+/// stages, one block per SM; narrow, 128 weight rows, 2 warpgroups and 4 stages, two blocks per
+/// SM, for experts of few rows each, whose tiles' short products leave a wide block's lockstep
+/// warpgroups idle (bench/NOTES.md v1.84).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum WgmmaShape {
+    Wide,
+    Narrow,
 }
+
+impl WgmmaShape {
+    /// Weight rows per block tile (BN in gemm_wgmma.cu).
+    fn tile_cols(self) -> usize {
+        match self {
+            WgmmaShape::Wide => 256,
+            WgmmaShape::Narrow => 128,
+        }
+    }
+    /// Threads per block: a warpgroup per 64 weight rows.
+    fn threads(self) -> u32 {
+        2 * self.tile_cols() as u32
+    }
+    /// Dynamic shared memory (smem_bytes in gemm_wgmma.cu): the stages of X and packed weights
+    /// (32 bytes per row and k-tile in Q4, 64 in Q8), two slots of four k-tiles' scales and
+    /// biases, 1 KB to align. Tiles taller by the spill take a stage less in the same bytes.
+    fn shared_bytes(self, format: Format) -> usize {
+        let row_bytes = if format == Format::Q4 { 32 } else { 64 };
+        let stages = match self {
+            WgmmaShape::Wide => 6,
+            WgmmaShape::Narrow => 4,
+        };
+        let cols = self.tile_cols();
+        stages * (WGMMA_TILE_ROWS * 128 + cols * row_bytes) + 2 * (2 * cols * 8) + 1024
+    }
+}
+
+/// Grouped expert products run on the narrow wgmma blocks while the experts average at most this
+/// many rows (`LILY_WGMMA_NARROW_ROWS`; 0: never).
+const WGMMA_NARROW_ROWS: usize = 96;
 
 /// Kernel arguments, field for field the `GemmArgs` struct of gemm_prefill.cuh (also the table
 /// part of gemm_fp8.rs's arguments).
@@ -138,9 +169,12 @@ pub struct GemmKernels {
     funcs: [[[CudaFunction; 2]; 3]; 3],
     /// `LILY_EXPERT_TILE_ROWS` (16, 32 or 64): one height for every grouped product (A/B runs).
     expert_tile_override: Option<usize>,
-    /// Q4 and Q8 on wgmma (gemm_wgmma.cu), [format][epilogue].
-    wgmma: [[CudaFunction; 2]; 2],
+    /// Q4 and Q8 on wgmma (gemm_wgmma.cu), [shape][format][epilogue].
+    wgmma: [[[CudaFunction; 2]; 2]; 2],
     use_wgmma: bool,
+    /// Grouped products run on the narrow wgmma blocks while the experts average at most this many
+    /// rows ([`WGMMA_NARROW_ROWS`] unless `LILY_WGMMA_NARROW_ROWS`).
+    narrow_rows: usize,
     /// The wgmma kernels' plain (not SwiGLU) products store their outputs through shared memory as
     /// 16-byte row pieces (on unless `LILY_WGMMA_STAGED_STORES=0`): the experts' down GEMM at 4K
     /// tokens 11 % faster, the SwiGLU products no faster or (≤ 512 tokens) 7 % slower
@@ -159,7 +193,30 @@ impl GemmKernels {
             dev.allow_dynamic_shared(&f, name, need)?;
             Ok(f)
         };
-        let wgmma = |name: &str, format| load_from("gemm_wgmma", name, wgmma_shared_bytes(format));
+        let wgmma = |shape: WgmmaShape, kind: &str, format| -> Result<CudaFunction> {
+            let name = match shape {
+                WgmmaShape::Wide => format!("wgmma_{kind}"),
+                WgmmaShape::Narrow => format!("wgmma_narrow_{kind}"),
+            };
+            let f = load_from("gemm_wgmma", &name, shape.shared_bytes(format))?;
+            if shape == WgmmaShape::Narrow {
+                // Two blocks per SM need the most shared memory the SM has.
+                super::prefer_carveout(&f, 100, &name)?;
+            }
+            Ok(f)
+        };
+        let shape = |shape| -> Result<[[CudaFunction; 2]; 2]> {
+            Ok([
+                [
+                    wgmma(shape, "q4", Format::Q4)?,
+                    wgmma(shape, "swiglu_q4", Format::Q4)?,
+                ],
+                [
+                    wgmma(shape, "q8", Format::Q8)?,
+                    wgmma(shape, "swiglu_q8", Format::Q8)?,
+                ],
+            ])
+        };
         // gemm_q4, gemm_swiglu_q4_m32, ...: [format][epilogue] for one height.
         let height = |rows: usize| -> Result<[[CudaFunction; 2]; 3]> {
             let suffix = if rows == TILE_ROWS {
@@ -188,17 +245,10 @@ impl GemmKernels {
             stream: dev.stream().clone(),
             funcs: [height(64)?, height(32)?, height(16)?],
             expert_tile_override,
-            wgmma: [
-                [
-                    wgmma("wgmma_q4", Format::Q4)?,
-                    wgmma("wgmma_swiglu_q4", Format::Q4)?,
-                ],
-                [
-                    wgmma("wgmma_q8", Format::Q8)?,
-                    wgmma("wgmma_swiglu_q8", Format::Q8)?,
-                ],
-            ],
+            wgmma: [shape(WgmmaShape::Wide)?, shape(WgmmaShape::Narrow)?],
             use_wgmma: std::env::var("LILY_WGMMA").map_or(true, |v| v != "0"),
+            narrow_rows: env_count("LILY_WGMMA_NARROW_ROWS", "a number of rows", |_| true)?
+                .unwrap_or(WGMMA_NARROW_ROWS),
             staged_stores: std::env::var("LILY_WGMMA_STAGED_STORES").map_or(true, |v| v != "0"),
             spill: std::env::var("LILY_WGMMA_SPILL").map_or(true, |v| v != "0"),
         })
@@ -207,6 +257,12 @@ impl GemmKernels {
     /// Runs 4- and 8-bit products on the wgmma kernel (or not); on unless `LILY_WGMMA=0`.
     pub fn set_wgmma(&mut self, on: bool) {
         self.use_wgmma = on;
+    }
+
+    /// Runs grouped expert products on the narrow wgmma blocks while the experts average at most
+    /// `rows` rows (0: never); [`WGMMA_NARROW_ROWS`] unless `LILY_WGMMA_NARROW_ROWS`.
+    pub fn set_narrow_rows(&mut self, rows: usize) {
+        self.narrow_rows = rows;
     }
 
     /// Stores the wgmma kernels' plain products through shared memory (or straight from
@@ -495,9 +551,19 @@ impl GemmKernels {
             count: as_i32(w.count, "count")?,
             staged_stores: (self.staged_stores && epilogue == Epilogue::Store) as i32,
         };
+        // Experts of few rows each run on the narrow wgmma blocks.
+        let shape = match rows.grouped {
+            Some((g, _, _))
+                if wgmma && rows.positions.div_ceil(g.experts().max(1)) <= self.narrow_rows =>
+            {
+                WgmmaShape::Narrow
+            }
+            _ => WgmmaShape::Wide,
+        };
+        let tile_cols = if wgmma { shape.tile_cols() } else { TILE_COLS };
         let col_tiles = match epilogue {
-            Epilogue::Store => w.rows.div_ceil(TILE_COLS),
-            Epilogue::SwiGlu => out_width.div_ceil(TILE_COLS / 2),
+            Epilogue::Store => w.rows.div_ceil(tile_cols),
+            Epilogue::SwiGlu => out_width.div_ceil(tile_cols / 2),
         };
         ensure!(
             col_tiles <= 65535,
@@ -512,9 +578,9 @@ impl GemmKernels {
                 THREADS,
             ),
             _ => (
-                &self.wgmma[format as usize][epilogue as usize],
-                wgmma_shared_bytes(format),
-                WGMMA_THREADS,
+                &self.wgmma[shape as usize][format as usize][epilogue as usize],
+                shape.shared_bytes(format),
+                shape.threads(),
             ),
         };
         let cfg = LaunchConfig {

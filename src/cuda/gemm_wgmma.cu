@@ -7,8 +7,8 @@
 // tokens are the N side, read by the tensor cores from shared memory. So the block computes Yᵀ:
 // D[weight row][token] = Σ_k W[row][k] · X[token][k].
 //
-// Block: 4 warpgroups (512 threads), tile of 256 weight rows × up to 128 token rows; warpgroup q
-// owns weight rows 64q..64q+63 and issues m64nNk16 products, N = 128 token rows (64 fp32
+// Block (the wide shape; the narrow one below is half of it): 4 warpgroups (512 threads), tile of
+// 256 weight rows × up to 128 token rows; warpgroup q owns weight rows 64q..64q+63 and issues m64nNk16 products, N = 128 token rows (64 fp32
 // accumulators per thread) or, for a shorter tile (an expert's last few rows), N = 96 or 64. Each
 // dequantised weight serves N tokens: the dequantisation (5 instructions per 2 weights in Q4, 7 in
 // Q8) is what bounds these kernels, not the tensor cores (bench/NOTES.md v1.21), so the taller tile
@@ -50,46 +50,60 @@ enum Format { Q4 = 0, Q8 = 1 };
 constexpr int BM = 128;       // token rows per tile (wgmma N) ...
 constexpr int SPILL = 32;     // ... and up to this many more in an expert's last tile
 constexpr int BM_MAX = BM + SPILL;
-constexpr int BN = 256;       // weight rows per tile: 4 warpgroups × wgmma M = 64
 constexpr int BK = 64;        // k-tile: one quantisation group
-constexpr int THREADS = 512;  // 4 warpgroups
-constexpr int STAGES = 6;
-// Tiles of N = 160 take one stage less, so that they fit in the shared memory of six 128-row
+// Two block shapes, BN weight rows per tile, a warpgroup (wgmma M = 64) per 64 of them:
+//   wide   (BN = 256): 4 warpgroups, 6 stages, one block per SM;
+//   narrow (BN = 128): 2 warpgroups, 4 stages, two blocks per SM.
+// A block's warpgroups meet at a barrier every k-tile, so in a wide block the dequantisation and
+// the products of all four take turns rather than overlap. Where the experts have few rows each,
+// a tile's products are short and that lockstep is what the time goes to (ncu at 2,330 rows: 41 %
+// of issue slots busy, 1.04 eligible warps of 4 per scheduler; neither N = 80 tiles nor a second
+// set of fragments helped, bench/NOTES.md v1.84): two independent blocks per SM fill each other's
+// gaps there, at twice the X-tile reads per weight.
+template <int BN> __host__ __device__ constexpr int threads() { return 2 * BN; }
+template <int BN> __host__ __device__ constexpr int base_stages() { return BN == 256 ? 6 : 4; }
+// Tiles of N = 160 take one stage less, so that they fit in the shared memory of the 128-row
 // stages. Measured against six 160-row stages (a larger allocation, so less L1 beside it): uniform
-// 4K gate‖up 0.415 → 0.384 ms, prefill @4K +1.4 % (bench/NOTES.md v1.46).
-template <int N> __host__ __device__ constexpr int stages() { return N > BM ? STAGES - 1 : STAGES; }
+// 4K gate‖up 0.415 → 0.384 ms, prefill @4K +1.4 % (bench/NOTES.md v1.46). (Short tiles with
+// more stages in the same bytes measured no faster on the narrow blocks: v1.84.)
+template <int BN, int N> __host__ __device__ constexpr int stages() { return N > BM ? base_stages<BN>() - 1 : base_stages<BN>(); }
 // Bytes of one weight row in a k-tile: 32 (Q4) or 64 (Q8).
 template <int F> __host__ __device__ constexpr int row_bytes() { return F == Q4 ? BK / 2 : BK; }
 // A stage: the X tile (N rows of 128 bytes), then the packed weights (BN rows).
-template <int N, int F> __host__ __device__ constexpr int stage_bytes() { return N * BK * 2 + BN * row_bytes<F>(); }
+template <int BN, int N, int F> __host__ __device__ constexpr int stage_bytes() { return N * BK * 2 + BN * row_bytes<F>(); }
 // The scales and biases of the tile's weight rows: a ring of two slots after the stages, each
 // holding SB_KTILES k-tiles' {scale} then {bias} per weight row (8 bytes a row each), copied with
 // the stage of the slot's first k-tile. One 8-byte copy per thread every four k-tiles instead of
 // four 2-byte global loads per k-tile, whose latency the products waited on (bench/NOTES.md v1.28,
 // v1.47). So K must be a multiple of 4 groups (256) and the scales and biases 8-byte aligned.
 constexpr int SB_KTILES = 4;
-constexpr int SB_SLOT_BYTES = 2 * BN * SB_KTILES * 2;
-template <int F> __host__ __device__ constexpr int sb_offset() { return STAGES * stage_bytes<BM, F>(); }
+template <int BN> __host__ __device__ constexpr int sb_slot_bytes() { return 2 * BN * SB_KTILES * 2; }
+template <int BN, int F> __host__ __device__ constexpr int sb_offset() { return base_stages<BN>() * stage_bytes<BN, BM, F>(); }
 // Must match wgmma_shared_bytes in gemm_prefill.rs: the stages, the scale ring and slack to align
 // the start to 1024 bytes (the swizzle pattern repeats every 1024).
-template <int F> __host__ __device__ constexpr int smem_bytes() { return sb_offset<F>() + 2 * SB_SLOT_BYTES + 1024; }
-static_assert(stage_bytes<64, Q4>() % 1024 == 0 && stage_bytes<64, Q8>() % 1024 == 0 &&
-                  stage_bytes<96, Q4>() % 1024 == 0 && stage_bytes<144, Q8>() % 1024 == 0 &&
-                  stage_bytes<BM_MAX, Q4>() % 1024 == 0 && stage_bytes<BM_MAX, Q8>() % 1024 == 0,
-              "X tiles stay 1024-byte aligned");
-static_assert(stages<BM_MAX>() * stage_bytes<BM_MAX, Q4>() <= STAGES * stage_bytes<BM, Q4>() &&
-                  stages<BM_MAX>() * stage_bytes<BM_MAX, Q8>() <= STAGES * stage_bytes<BM, Q8>(),
-              "the taller tiles' stages fit in the 128-row tiles' shared memory");
-static_assert(smem_bytes<Q8>() + 2 * BM_MAX * 4 + 1024 <= 227 * 1024, "one block per SM must fit");
+template <int BN, int F> __host__ __device__ constexpr int smem_bytes() { return sb_offset<BN, F>() + 2 * sb_slot_bytes<BN>() + 1024; }
+// Static shared memory of a block: the X and Y row tables and the weight rows' offsets.
+template <int BN> __host__ __device__ constexpr int static_bytes() { return 2 * BM_MAX * 4 + BN * 4; }
+template <int BN, int F> __host__ __device__ constexpr bool shape_fits() {
+    return stage_bytes<BN, 64, F>() % 1024 == 0 && stage_bytes<BN, 96, F>() % 1024 == 0 &&
+           stage_bytes<BN, 144, F>() % 1024 == 0 && stage_bytes<BN, BM_MAX, F>() % 1024 == 0 &&
+           stages<BN, BM_MAX>() * stage_bytes<BN, BM_MAX, F>() <= base_stages<BN>() * stage_bytes<BN, BM, F>() &&
+           (256 / BN) * (smem_bytes<BN, F>() + static_bytes<BN>() + 1024) <= 228 * 1024;
+}
+static_assert(shape_fits<256, Q4>() && shape_fits<256, Q8>() && shape_fits<128, Q4>() && shape_fits<128, Q8>(),
+              "X tiles stay 1024-byte aligned, the taller tiles' stages fit in the 128-row tiles' shared "
+              "memory, and a wide block or two narrow ones fit an SM");
 
 // The block's products for a tile of `rows` ≤ N token rows of matrix `mat`: the tables of
 // gemm<E> (X row, Y row of each token row; word offset of each weight row) are in place.
-template <int E, int F, int N>
+template <int BN, int E, int F, int N>
 __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, const int* a_row_s, const int* c_row_s,
                                          const int* b_off_s) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    constexpr int X_BYTES = N * BK * 2, STAGE_BYTES = stage_bytes<N, F>(), ROW = row_bytes<F>();
-    constexpr int STAGES = stages<N>();  // this tile height's ring (shadows the 128-row count)
+    constexpr int THREADS = threads<BN>();
+    constexpr int X_BYTES = N * BK * 2, STAGE_BYTES = stage_bytes<BN, N, F>(), ROW = row_bytes<F>();
+    constexpr int STAGES = stages<BN, N>();  // this tile height's ring
+    constexpr int SB_SLOT_BYTES = sb_slot_bytes<BN>();
     constexpr int W_CHUNKS = BN * ROW / 16 / THREADS;  // weight chunks per thread per k-tile: 1 or 2
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
@@ -102,18 +116,18 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     const int r_lo = 16 * warp + g;
     const int sb_row = tile_weight_row<E == SWIGLU, BN>(tid % BN, col_tile, a.n);
     const bf16* sb_src = (tid < BN ? a.scales : a.biases) + (sb_row < 0 ? 0 : ((i64)mat * a.n + sb_row) * ngroups);
-    // What this thread copies per k-tile: X chunk c of rows xr0 + 64u < N (u < X_ROWS), and weight
+    // What this thread copies per k-tile: X chunk c of rows xr0 + X_STEP·u < N (u < X_ROWS), and weight
     // chunk tid % (ROW / 16) of rows tid / (ROW / 16) + u · THREADS / (ROW / 16) (u < W_CHUNKS).
     // The sources are k-tile 0's, each copy's later ones a fixed step on (its row's pointer stays
     // in a register: the per-k-tile 64-bit address arithmetic was ≈ 25 of the k-loop's ≈ 196
     // instructions), and a false `x_ok`/`w_ok` copies zeros.
-    constexpr int X_ROWS = (N + 63) / 64;
+    constexpr int X_STEP = THREADS / 8, X_ROWS = (N + X_STEP - 1) / X_STEP;
     const int xc = tid % 8, xr0 = tid / 8;
     const bf16* x_src[X_ROWS];
     bool x_ok[X_ROWS];
 #pragma unroll
     for (int u = 0; u < X_ROWS; ++u) {
-        const int xr = N % 64 == 0 || xr0 + 64 * u < N ? a_row_s[xr0 + 64 * u] : -1;
+        const int xr = N % X_STEP == 0 || xr0 + X_STEP * u < N ? a_row_s[xr0 + X_STEP * u] : -1;
         x_ok[u] = xr >= 0;
         x_src[u] = a.x + (i64)max(xr, 0) * a.k + xc * 8;
     }
@@ -138,8 +152,8 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     auto load_tile = [&](int kt, int s) {
 #pragma unroll
         for (int u = 0; u < X_ROWS; ++u) {
-            const int r = xr0 + 64 * u;
-            if (N % 64 != 0 && r >= N) continue;  // the last 64-row piece of N = 160
+            const int r = xr0 + X_STEP * u;
+            if (N % X_STEP != 0 && r >= N) continue;  // the last piece of N = 160 (or 144, 96)
             cp_async16(x_tile(s) + r * 128 + ((xc ^ (r & 7)) << 4), x_src[u] + kt * BK, x_ok[u]);
         }
 #pragma unroll
@@ -149,14 +163,14 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
             cp_async16(x_tile(s) + X_BYTES + r * ROW + (pc << 4), w_src[u] + kt * (ROW / 4), w_ok[u]);
         }
         if (kt % SB_KTILES == 0) {
-            const u32 slot = base + sb_offset<F>() + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES;
+            const u32 slot = base + sb_offset<BN, F>() + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES;
             cp_async8(slot + tid * (SB_KTILES * 2), sb_src + kt, sb_row >= 0);
         }
     };
     // {scale, bias} of this thread's two rows for k-tile kt from the ring, as the bf16 pairs
     // dequantise takes: its slot came with an earlier stage, already waited for.
     auto read_sb = [&](int kt, u32 sb[2]) {
-        const unsigned char* slot = smem + sb_offset<F>() + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES + (kt % SB_KTILES) * 2;
+        const unsigned char* slot = smem + sb_offset<BN, F>() + (kt / SB_KTILES) % 2 * SB_SLOT_BYTES + (kt % SB_KTILES) * 2;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = (r_lo + 8 * h) * (SB_KTILES * 2);
@@ -299,7 +313,7 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     store_accumulators<E == SWIGLU, N, BN>(a.y, a.n, d, rows, col_tile, c_row_s);
 }
 
-template <int E, int F>
+template <int BN, int E, int F>
 __device__ __forceinline__ void gemm(const GemmArgs& a) {
     __shared__ int a_row_s[BM_MAX];
     __shared__ int c_row_s[BM_MAX];
@@ -319,19 +333,27 @@ __device__ __forceinline__ void gemm(const GemmArgs& a) {
     // The tile's height decides N for the whole block, in steps of 16 or 32 rows above 64: the
     // products' time follows N, and an expert's rows rarely fill a tile (uniform routing of 4K
     // tokens gives a routed expert 128 ± 11 rows: tiles of 97..160 rows, NOTES v1.49).
-    if (rows > 144) products<E, F, BM_MAX>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else if (rows > BM) products<E, F, 144>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else if (rows > 96) products<E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else if (rows > 64) products<E, F, 96>(a, mat, rows, a_row_s, c_row_s, b_off_s);
-    else products<E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    if (rows > 144) products<BN, E, F, BM_MAX>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else if (rows > BM) products<BN, E, F, 144>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else if (rows > 96) products<BN, E, F, 128>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else if (rows > 64) products<BN, E, F, 96>(a, mat, rows, a_row_s, c_row_s, b_off_s);
+    else products<BN, E, F, 64>(a, mat, rows, a_row_s, c_row_s, b_off_s);
 }
 
 }  // namespace
 
-#define WGMMA_KERNEL(name, E, F) \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const GemmArgs a) { pdl_wait(); pdl_launch_dependents(); gemm<E, F>(a); }
+#define WGMMA_KERNEL(name, BN, E, F)                                                                         \
+    extern "C" __global__ void __launch_bounds__(threads<BN>(), 256 / BN) name(const GemmArgs a) { \
+        pdl_wait();                                                                                  \
+        pdl_launch_dependents();                                                                     \
+        gemm<BN, E, F>(a);                                                                           \
+    }
 
-WGMMA_KERNEL(wgmma_q4, STORE, Q4)
-WGMMA_KERNEL(wgmma_swiglu_q4, SWIGLU, Q4)
-WGMMA_KERNEL(wgmma_q8, STORE, Q8)
-WGMMA_KERNEL(wgmma_swiglu_q8, SWIGLU, Q8)
+WGMMA_KERNEL(wgmma_q4, 256, STORE, Q4)
+WGMMA_KERNEL(wgmma_swiglu_q4, 256, SWIGLU, Q4)
+WGMMA_KERNEL(wgmma_q8, 256, STORE, Q8)
+WGMMA_KERNEL(wgmma_swiglu_q8, 256, SWIGLU, Q8)
+WGMMA_KERNEL(wgmma_narrow_q4, 128, STORE, Q4)
+WGMMA_KERNEL(wgmma_narrow_swiglu_q4, 128, SWIGLU, Q4)
+WGMMA_KERNEL(wgmma_narrow_q8, 128, STORE, Q8)
+WGMMA_KERNEL(wgmma_narrow_swiglu_q8, 128, SWIGLU, Q8)
