@@ -46,7 +46,8 @@
 # (src/cuda/mod.rs), so no LD_LIBRARY_PATH is set here.
 # GPU_CHECK_SERVE_SYSTEM (default 8192; none to skip) reruns the serve run's conversation opening
 # with a system prompt of that many tokens (`bench --serve --system-tokens`);
-# GPU_CHECK_SERVE_SYSTEM_AB="VAR=VALUE ..." (default LILY_ATTN_WGMMA_SPLIT=0 LILY_KEEP_BEFORE_LAST=0;
+# GPU_CHECK_SERVE_SYSTEM_AB="VAR=VALUE ..." (default LILY_ATTN_WGMMA_SPLIT=0 LILY_KEEP_BEFORE_LAST=0
+# LILY_WGMMA_NARROW_ROWS=0;
 # none to skip) reruns that conversation with each setting.
 # GPU_CHECK_SPANS (default 1,2,3,4; none to skip) times passes of that many tokens of one sequence
 # (`bench --span-tokens`, spans.md) at the same contexts.
@@ -374,7 +375,7 @@ PY
         # sharing the rest of the 32K (serve-system/ in logs.tar; the 10th turn in summary.txt).
         # GPU_CHECK_SERVE_SYSTEM_AB reruns it with each setting (serve-system-<setting>/).
         if [[ "${GPU_CHECK_SERVE_SYSTEM:-8192}" != none ]]; then
-            ab_list="${GPU_CHECK_SERVE_SYSTEM_AB-LILY_ATTN_WGMMA_SPLIT=0 LILY_KEEP_BEFORE_LAST=0}"
+            ab_list="${GPU_CHECK_SERVE_SYSTEM_AB-LILY_ATTN_WGMMA_SPLIT=0 LILY_KEEP_BEFORE_LAST=0 LILY_WGMMA_NARROW_ROWS=0}"
             [[ "$ab_list" == none ]] && ab_list=""
             for ab in "" $ab_list; do
                 name="serve-system${ab:+-${ab//=/-}}"
