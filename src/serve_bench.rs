@@ -76,6 +76,13 @@ pub struct Turn {
     pub cached_tokens: usize,
 }
 
+impl Turn {
+    /// How many times sooner the first token comes with the prefix cache (issue 10's measure).
+    pub fn speedup(&self) -> f64 {
+        self.ttft_cold_s / self.ttft_cached_s
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodeScaling {
     pub alone_tok_s: f64,
@@ -251,12 +258,13 @@ pub fn run(
         .collect();
     for (i, t) in turns.iter().enumerate() {
         progress(&format!(
-            "turn {:>2}: {:>6} prompt tokens, first token after {:.3} s cold, {:.3} s cached ({} tokens reused)",
+            "turn {:>2}: {:>6} prompt tokens, first token after {:.4} s cold, {:.4} s cached ({} tokens reused; {:.2}× sooner)",
             i + 1,
             t.prompt_tokens,
             t.ttft_cold_s,
             t.ttft_cached_s,
-            t.cached_tokens
+            t.cached_tokens,
+            t.speedup()
         ));
     }
 
@@ -490,7 +498,7 @@ pub fn to_markdown(o: &ServeBenchOptions, r: &ServeReport) -> String {
     );
     md += &format!(
         "### Agent conversation, {} turns{}, time to first token\n\n\
-         | turn | prompt tokens | TTFT cold s | TTFT cached s | reused tokens |\n|---:|---:|---:|---:|---:|\n",
+         | turn | prompt tokens | TTFT cold s | TTFT cached s | reused tokens | cold / cached |\n|---:|---:|---:|---:|---:|---:|\n",
         r.turns.len(),
         match o.system_tokens {
             0 => String::new(),
@@ -499,12 +507,13 @@ pub fn to_markdown(o: &ServeBenchOptions, r: &ServeReport) -> String {
     );
     for (i, t) in r.turns.iter().enumerate() {
         md += &format!(
-            "| {} | {} | {:.3} | {:.3} | {} |\n",
+            "| {} | {} | {:.4} | {:.4} | {} | {:.2} |\n",
             i + 1,
             t.prompt_tokens,
             t.ttft_cold_s,
             t.ttft_cached_s,
-            t.cached_tokens
+            t.cached_tokens,
+            t.speedup()
         );
     }
     let steady = r

@@ -143,6 +143,16 @@ fn serve_small(sampling: Option<SamplingParams>, vocab_limit: Option<usize>) -> 
     );
     let md = to_markdown(&options, &report);
     assert_eq!(md.matches("\n| 4 | 194 |").count(), 1, "{md}");
+    // The last column: how many times sooner the cached turn's first token came.
+    let row = md.lines().find(|l| l.starts_with("| 4 | 194 |")).unwrap();
+    let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
+    assert_eq!(cells.len(), 6, "{row}");
+    let shown: f64 = cells[5].parse().unwrap();
+    let turn = &report.turns[3];
+    assert!(
+        (shown - turn.ttft_cold_s / turn.ttft_cached_s).abs() <= 0.006,
+        "{row}"
+    );
     md
 }
 
