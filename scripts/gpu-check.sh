@@ -48,7 +48,8 @@
 # with a system prompt of that many tokens (`bench --serve --system-tokens`);
 # GPU_CHECK_SERVE_SYSTEM_AB="VAR=VALUE ..." (default LILY_ATTN_WGMMA_SPLIT=0 LILY_KEEP_BEFORE_LAST=0
 # LILY_WGMMA_NARROW_ROWS=0;
-# none to skip) reruns that conversation with each setting.
+# none to skip) reruns that conversation with each setting; GPU_CHECK_SERVE_SYSTEM_ROUNDS (default 3)
+# runs it that many times with the default settings and reports each turn's medians.
 # GPU_CHECK_SPANS (default 1,2,3,4; none to skip) times passes of that many tokens of one sequence
 # (`bench --span-tokens`, spans.md) at the same contexts.
 set -uo pipefail
@@ -380,9 +381,13 @@ PY
             for ab in "" $ab_list; do
                 name="serve-system${ab:+-${ab//=/-}}"
                 echo "=== bench --serve (system prompt of ${GPU_CHECK_SERVE_SYSTEM:-8192} tokens${ab:+, $ab})"
+                # The default settings' times are medians of GPU_CHECK_SERVE_SYSTEM_ROUNDS runs
+                # (default 3); each A/B setting runs once.
+                rounds=1
+                [[ -z "$ab" ]] && rounds="${GPU_CHECK_SERVE_SYSTEM_ROUNDS:-3}"
                 env ${ab:+"$ab"} timeout 300 "$dir/lily" bench --serve --synthetic qwen3.6-35b-a3b --quant q4 --device cuda \
                     --streams 1 --decode-streams 1 --system-tokens "${GPU_CHECK_SERVE_SYSTEM:-8192}" \
-                    --out "$logs/$name" > "$logs/bench-$name.log" 2>&1
+                    --conversation-rounds "$rounds" --out "$logs/$name" > "$logs/bench-$name.log" 2>&1
                 rc=$?
                 last="$(grep '^turn 10:' "$logs/bench-$name.log" | head -1)"
                 echo "$last"

@@ -34,6 +34,9 @@ pub struct ServeBenchOptions {
     /// Tokens generated per request (every measurement).
     pub output_tokens: usize,
     pub turns: usize,
+    /// Times the conversation runs, cold and cached (each in an engine of its own, so each round's
+    /// cache starts empty): a turn's TTFTs are the medians of the rounds.
+    pub conversation_rounds: usize,
     /// The conversation's length at its last turn, about.
     pub conversation_tokens: usize,
     /// Tokens of system prompt before the first turn's message (0: every turn adds an equal
@@ -164,8 +167,8 @@ pub fn run(
     mut progress: impl FnMut(&str),
 ) -> anyhow::Result<(ServeReport, Box<dyn Backend>)> {
     anyhow::ensure!(
-        o.streams > 0 && o.decode_streams > 0 && o.turns > 0,
-        "streams and turns must be positive"
+        o.streams > 0 && o.decode_streams > 0 && o.turns > 0 && o.conversation_rounds > 0,
+        "streams, turns and conversation rounds must be positive"
     );
     anyhow::ensure!(
         o.system_tokens < o.conversation_tokens,
@@ -244,16 +247,31 @@ pub fn run(
             .max(1),
         max_tokens: o.output_tokens,
     };
-    let (backend, cold) = with_engine(backend, &no_cache, |e| conversation(e, &shape, asks))?;
-    let (backend, cached) = with_engine(backend, &o.engine, |e| conversation(e, &shape, asks))?;
-    let turns: Vec<Turn> = cold
-        .iter()
-        .zip(&cached)
-        .map(|((len, c), (_, w))| Turn {
-            prompt_tokens: *len,
-            ttft_cold_s: c.first_token().as_secs_f64(),
-            ttft_cached_s: w.first_token().as_secs_f64(),
-            cached_tokens: w.cached_tokens,
+    let mut backend = backend;
+    // rounds[r][turn]: (prompt tokens, cold TTFT, cached TTFT, cached tokens).
+    let mut rounds = Vec::with_capacity(o.conversation_rounds);
+    for _ in 0..o.conversation_rounds {
+        let (b, cold) = with_engine(backend, &no_cache, |e| conversation(e, &shape, asks))?;
+        let (b, cached) = with_engine(b, &o.engine, |e| conversation(e, &shape, asks))?;
+        backend = b;
+        let round: Vec<_> = (cold.iter().zip(&cached))
+            .map(|((len, c), (_, w))| {
+                let ttft = |t: &Timing| t.first_token().as_secs_f64();
+                (*len, ttft(c), ttft(w), w.cached_tokens)
+            })
+            .collect();
+        rounds.push(round);
+    }
+    let turns: Vec<Turn> = (0..shape.turns)
+        .map(|i| {
+            let of_turn = || rounds.iter().map(move |r| r[i]);
+            let (prompt_tokens, _, _, cached_tokens) = rounds[0][i];
+            Turn {
+                prompt_tokens,
+                ttft_cold_s: median(of_turn().map(|t| t.1).collect()),
+                ttft_cached_s: median(of_turn().map(|t| t.2).collect()),
+                cached_tokens,
+            }
         })
         .collect();
     for (i, t) in turns.iter().enumerate() {
@@ -411,6 +429,17 @@ fn concurrent(
     })
 }
 
+/// The middle value (the mean of the two middle ones for an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
 /// The shape of the agent conversation, in tokens.
 struct Conversation {
     turns: usize,
@@ -497,12 +526,16 @@ pub fn to_markdown(o: &ServeBenchOptions, r: &ServeReport) -> String {
         r.throughput.total_tok_s
     );
     md += &format!(
-        "### Agent conversation, {} turns{}, time to first token\n\n\
+        "### Agent conversation, {} turns{}, time to first token{}\n\n\
          | turn | prompt tokens | TTFT cold s | TTFT cached s | reused tokens | cold / cached |\n|---:|---:|---:|---:|---:|---:|\n",
         r.turns.len(),
         match o.system_tokens {
             0 => String::new(),
             n => format!(" after a system prompt of {n} tokens"),
+        },
+        match o.conversation_rounds {
+            1 => String::new(),
+            n => format!(" (medians of {n} runs)"),
         }
     );
     for (i, t) in r.turns.iter().enumerate() {

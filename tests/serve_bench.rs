@@ -85,12 +85,52 @@ fn the_conversation_can_open_with_a_system_prompt() {
     assert!(err.to_string().contains("system prompt"), "{err:#}");
 }
 
+/// `--conversation-rounds`: the conversation runs that many times, cold and cached, each round's
+/// cache starting empty (so every round reuses the same tokens), and the table says its times are
+/// medians; no rounds at all is refused.
+#[test]
+fn the_conversation_runs_in_rounds() {
+    let weights = lily::checkpoint::load(&common::fixture_dir("tiny-a")).unwrap();
+    let options = ServeBenchOptions {
+        conversation_rounds: 3,
+        ..small_options(None)
+    };
+    let mut lines = 0;
+    let (report, backend) = run(Box::new(CpuBackend::new(weights)), &options, |_| lines += 1)
+        .expect("the benchmark runs");
+    assert_eq!(lines, 1 + 4 + 1, "a line per measurement and per turn");
+    let lengths: Vec<usize> = report.turns.iter().map(|t| t.prompt_tokens).collect();
+    assert_eq!(lengths, vec![44, 94, 144, 194]);
+    assert_eq!(report.turns[0].cached_tokens, 0);
+    for (i, t) in report.turns.iter().enumerate().skip(1) {
+        assert_eq!(t.cached_tokens, lengths[i - 1] + 5, "turn {i}");
+        assert!(
+            t.ttft_cold_s > 0.0 && t.ttft_cached_s > 0.0,
+            "turn {i}: {t:?}"
+        );
+    }
+    let md = to_markdown(&options, &report);
+    assert!(
+        md.contains("time to first token (medians of 3 runs)"),
+        "{md}"
+    );
+    let none = ServeBenchOptions {
+        conversation_rounds: 0,
+        ..small_options(None)
+    };
+    let err = run(backend, &none, |_| {})
+        .err()
+        .expect("a conversation of no rounds ran");
+    assert!(err.to_string().contains("rounds"), "{err:#}");
+}
+
 fn small_options(sampling: Option<SamplingParams>) -> ServeBenchOptions {
     ServeBenchOptions {
         streams: 3,
         prompt_tokens: 24,
         output_tokens: 6,
         turns: 4,
+        conversation_rounds: 1,
         conversation_tokens: 200,
         system_tokens: 0,
         decode_streams: 3,
@@ -157,7 +197,8 @@ fn serve_small(sampling: Option<SamplingParams>, vocab_limit: Option<usize>) -> 
 }
 
 /// `--batch-tokens` on the command line: a small budget runs (batches of prompt chunks and decode
-/// steps of at most 32 tokens), 0 is refused with a clear error.
+/// steps of at most 32 tokens), 0 is refused with a clear error; `--conversation-rounds` reaches
+/// the report.
 #[test]
 fn the_command_line_takes_a_batch_token_budget() {
     let run = |budget: &str| {
@@ -172,6 +213,7 @@ fn the_command_line_takes_a_batch_token_budget() {
                 "4",
             ])
             .args(["--turns", "2", "--conversation-tokens", "120"])
+            .args(["--conversation-rounds", "2"])
             .args(["--decode-streams", "2", "--batch-tokens", budget])
             .output()
             .expect("lily runs")
@@ -182,7 +224,9 @@ fn the_command_line_takes_a_batch_token_budget() {
         "{}",
         String::from_utf8_lossy(&ok.stderr)
     );
-    assert!(String::from_utf8_lossy(&ok.stdout).contains("concurrent streams"));
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(stdout.contains("concurrent streams"), "{stdout}");
+    assert!(stdout.contains("(medians of 2 runs)"), "{stdout}");
     let refused = run("0");
     assert!(!refused.status.success());
     assert!(

@@ -94,6 +94,9 @@ pub struct BenchArgs {
     /// --serve: turns of the conversation.
     #[arg(long, default_value_t = 10)]
     pub turns: usize,
+    /// --serve: times the conversation runs, cold and cached; each turn's times are the medians.
+    #[arg(long, default_value_t = 1)]
+    pub conversation_rounds: usize,
     /// --serve: the conversation's length at its last turn (about).
     #[arg(long, default_value_t = 32768)]
     pub conversation_tokens: usize,
@@ -375,6 +378,7 @@ fn serve(backend: Box<dyn Backend>, args: &BenchArgs) -> anyhow::Result<()> {
         prompt_tokens: args.prompt_tokens,
         output_tokens: args.output_tokens,
         turns: args.turns,
+        conversation_rounds: args.conversation_rounds,
         conversation_tokens: args.conversation_tokens,
         system_tokens: args.system_tokens,
         decode_streams: args.decode_streams,
