@@ -265,7 +265,9 @@ pub fn run(
     let turns: Vec<Turn> = (0..shape.turns)
         .map(|i| {
             let of_turn = || rounds.iter().map(move |r| r[i]);
-            let (prompt_tokens, _, _, cached_tokens) = rounds[0][i];
+            let (prompt_tokens, _, _, _) = rounds[0][i];
+            // The least any round reused: a round whose state was not saved shows.
+            let cached_tokens = of_turn().map(|t| t.3).min().unwrap_or(0);
             Turn {
                 prompt_tokens,
                 ttft_cold_s: median(of_turn().map(|t| t.1).collect()),

@@ -288,7 +288,7 @@ impl Experts {
 /// the latter also with its outputs stored through shared memory (`LILY_WGMMA_STAGED_STORES`),
 /// with or without the taller last tiles of its 128-row tile maps (`LILY_WGMMA_SPILL`); wgmma in
 /// its wide blocks (256 weight rows), or in its narrow ones (128, two per SM: `WgmmaNarrow`, with
-/// staged stores).
+/// staged stores; `WgmmaNarrowPlain`, without).
 #[derive(Clone, Copy, Debug)]
 enum Kernel {
     MmaSync,
@@ -296,6 +296,8 @@ enum Kernel {
     WgmmaStaged,
     WgmmaUnspilled,
     WgmmaNarrow,
+    /// Narrow blocks storing straight from the registers (`LILY_WGMMA_STAGED_STORES=0`).
+    WgmmaNarrowPlain,
 }
 
 impl Kernel {
@@ -307,7 +309,7 @@ impl Kernel {
         ));
         g.set_spill(!matches!(self, Kernel::WgmmaUnspilled));
         g.set_narrow_rows(match self {
-            Kernel::WgmmaNarrow => usize::MAX,
+            Kernel::WgmmaNarrow | Kernel::WgmmaNarrowPlain => usize::MAX,
             _ => 0,
         });
     }
@@ -447,7 +449,12 @@ fn grouped_experts_match_cpu() {
     // Experts of 70 (one tile of N = 96), 100 (N = 128), 140 (N = 144), 150 and 160 (N = 160),
     // 161 (128 + 33) and 288 rows (128 + 160).
     for tokens in [70, 100, 140, 150, 160, 161, 288] {
-        for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged, Kernel::WgmmaNarrow] {
+        for kernel in [
+            Kernel::Wgmma,
+            Kernel::WgmmaStaged,
+            Kernel::WgmmaNarrow,
+            Kernel::WgmmaNarrowPlain,
+        ] {
             grouped_case(&dev, &mut rng, &real, Routing::Same, tokens, (128, kernel));
         }
     }
@@ -522,7 +529,12 @@ fn grouped_experts_match_cpu() {
         100,
         (128, Kernel::Wgmma),
     );
-    for kernel in [Kernel::Wgmma, Kernel::WgmmaStaged, Kernel::WgmmaNarrow] {
+    for kernel in [
+        Kernel::Wgmma,
+        Kernel::WgmmaStaged,
+        Kernel::WgmmaNarrow,
+        Kernel::WgmmaNarrowPlain,
+    ] {
         grouped_case(
             &dev,
             &mut rng,

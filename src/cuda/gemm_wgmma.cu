@@ -79,7 +79,7 @@ template <int BN, int N, int F> __host__ __device__ constexpr int stage_bytes() 
 constexpr int SB_KTILES = 4;
 template <int BN> __host__ __device__ constexpr int sb_slot_bytes() { return 2 * BN * SB_KTILES * 2; }
 template <int BN, int F> __host__ __device__ constexpr int sb_offset() { return base_stages<BN>() * stage_bytes<BN, BM, F>(); }
-// Must match wgmma_shared_bytes in gemm_prefill.rs: the stages, the scale ring and slack to align
+// Must match WgmmaShape::shared_bytes in gemm_prefill.rs: the stages, the scale ring and slack to align
 // the start to 1024 bytes (the swizzle pattern repeats every 1024).
 template <int BN, int F> __host__ __device__ constexpr int smem_bytes() { return sb_offset<BN, F>() + 2 * sb_slot_bytes<BN>() + 1024; }
 // Static shared memory of a block: the X and Y row tables and the weight rows' offsets.
@@ -148,7 +148,7 @@ __device__ __forceinline__ void products(const GemmArgs& a, int mat, int rows, c
     const unsigned char* smem = smem_raw + (base - raw);
     auto x_tile = [&](int s) { return base + s * STAGE_BYTES; };
 
-    // k-tile kt into stage s: X N rows × 8 chunks (swizzled), W 256 rows × 2 chunks (plain).
+    // k-tile kt into stage s: X N rows × 8 chunks (swizzled), W BN rows × ROW / 16 chunks (plain).
     auto load_tile = [&](int kt, int s) {
 #pragma unroll
         for (int u = 0; u < X_ROWS; ++u) {

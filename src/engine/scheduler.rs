@@ -250,6 +250,13 @@ impl EngineLoop {
     }
 
     fn admit(&mut self) {
+        // A request about to look up the prefix cache may share a prompt whose state waits to
+        // be saved (`pending_save`): saved now, that first token is no longer ahead of it.
+        if !self.waiting.is_empty() && self.running.len() < self.options.max_sequences {
+            for i in 0..self.running.len() {
+                self.save_pending(i);
+            }
+        }
         while self.running.len() < self.options.max_sequences {
             let Some((request, events)) = self.waiting.pop_front() else {
                 break;
