@@ -596,6 +596,105 @@ fn the_first_token_leaves_before_the_prompts_state_is_saved() {
     assert_eq!(*token_came_first.lock().unwrap(), [true; 3]);
 }
 
+/// The CPU backend, stopping in its `gate_at`-th pass (counted from 1) until the test lets it go,
+/// after telling the test it got there.
+struct Gated {
+    inner: CpuBackend,
+    passes: usize,
+    gate_at: usize,
+    arrived: std::sync::mpsc::Sender<()>,
+    go: std::sync::mpsc::Receiver<()>,
+}
+
+impl Backend for Gated {
+    fn config(&self) -> &lily::config::ModelConfig {
+        self.inner.config()
+    }
+    fn device_name(&self) -> String {
+        "gated cpu".into()
+    }
+    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.inner.create_sequence(seq)
+    }
+    fn free_sequence(&mut self, seq: SeqId) {
+        self.inner.free_sequence(seq)
+    }
+    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+        self.inner.forward(seq, tokens)
+    }
+    fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
+        self.passes += 1;
+        if self.passes == self.gate_at {
+            self.arrived.send(()).unwrap();
+            self.go
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .unwrap();
+        }
+        self.inner.forward_batch(steps)
+    }
+    fn can_snapshot(&self) -> bool {
+        true
+    }
+    fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        self.inner.snapshot(seq)
+    }
+    fn can_keep_state_before_last(&self) -> bool {
+        self.inner.can_keep_state_before_last()
+    }
+    fn keep_state_before_last(&mut self, seq: SeqId) -> anyhow::Result<()> {
+        self.inner.keep_state_before_last(seq)
+    }
+    fn snapshot_before_last(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
+        self.inner.snapshot_before_last(seq)
+    }
+    fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
+        self.inner.restore(snapshot, seq)
+    }
+    fn drop_snapshot(&mut self, snapshot: SnapshotId) {
+        self.inner.drop_snapshot(snapshot)
+    }
+}
+
+#[test]
+fn a_request_arriving_as_a_prompt_ends_reuses_its_state() {
+    // The prompt's state is saved after its first token goes out, but a request that arrives
+    // meanwhile with the same prompt is admitted first: it must find that state all the same.
+    // A 20-token prompt in chunks of 8 runs in 3 passes; the second request comes during the
+    // third, the one that ends the prompt.
+    let w = weights();
+    let (arrived_tx, arrived) = std::sync::mpsc::channel();
+    let (go, go_rx) = std::sync::mpsc::channel();
+    let backend = Gated {
+        inner: CpuBackend::new(w.clone()),
+        passes: 0,
+        gate_at: 3,
+        arrived: arrived_tx,
+        go: go_rx,
+    };
+    let engine = Engine::start(
+        Box::new(backend),
+        EngineOptions {
+            prefill_chunk: 8,
+            batch_tokens: 8,
+            max_sequences: 2,
+            prefix_cache_bytes: 64 << 20,
+            snapshot_interval: 1000,
+            ..EngineOptions::default()
+        },
+    );
+    let prompt = random_tokens(20);
+    let first = engine.submit(greedy(prompt.clone(), 3, None));
+    arrived
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .unwrap();
+    let second = engine.submit(greedy(prompt.clone(), 3, None));
+    go.send(()).unwrap();
+    let (ids, _, cached) = collect_cached(first);
+    assert_eq!((ids, cached), (alone(&w, &prompt, 3), 0));
+    let (ids, _, cached) = collect_cached(second);
+    assert_eq!((ids, cached), (alone(&w, &prompt, 3), 19));
+}
+
 /// Live sequences and snapshots of a [`Counting`] backend.
 #[derive(Default)]
 struct Live {
