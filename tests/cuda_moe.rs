@@ -553,22 +553,9 @@ fn grouped_experts_match_cpu() {
         (Routing::Same, 150, 128),
         (Routing::Same, 200, 64),
     ] {
-        grouped_case(
-            &dev,
-            &mut rng,
-            &real_q8,
-            routing,
-            tokens,
-            (rows, Kernel::Wgmma),
-        );
-        grouped_case(
-            &dev,
-            &mut rng,
-            &real_q8,
-            routing,
-            tokens,
-            (rows, Kernel::WgmmaNarrow),
-        );
+        for kernel in [Kernel::Wgmma, Kernel::WgmmaNarrow] {
+            grouped_case(&dev, &mut rng, &real_q8, routing, tokens, (rows, kernel));
+        }
     }
 }
 

@@ -491,20 +491,30 @@ fn the_prompts_end_state_is_kept_without_a_step_of_its_own() {
     assert_eq!(engine.stats().batches_total.load(Ordering::Relaxed), 3 + 2);
 }
 
-/// The CPU backend whose snapshots of states kept before a prompt's last token wait (up to 10 s)
-/// for word that the request's first token has arrived, recording whether it came first.
-struct SavesAfterTheToken {
+/// The CPU backend with hooks the tests stop it in: before each pass, and before each snapshot
+/// of the states kept before a prompt's last token.
+struct Hooked {
     inner: CpuBackend,
-    token_seen: std::sync::mpsc::Receiver<()>,
-    token_came_first: Arc<Mutex<Vec<bool>>>,
+    before_pass: Box<dyn FnMut() + Send>,
+    before_snapshot_before_last: Box<dyn FnMut() + Send>,
 }
 
-impl Backend for SavesAfterTheToken {
+impl Hooked {
+    fn new(w: &lily::model::Weights) -> Self {
+        Hooked {
+            inner: CpuBackend::new(w.clone()),
+            before_pass: Box::new(|| {}),
+            before_snapshot_before_last: Box::new(|| {}),
+        }
+    }
+}
+
+impl Backend for Hooked {
     fn config(&self) -> &lily::config::ModelConfig {
         self.inner.config()
     }
     fn device_name(&self) -> String {
-        "cpu saving after the token".into()
+        "hooked cpu".into()
     }
     fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
         self.inner.create_sequence(seq)
@@ -516,6 +526,7 @@ impl Backend for SavesAfterTheToken {
         self.inner.forward(seq, tokens)
     }
     fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
+        (self.before_pass)();
         self.inner.forward_batch(steps)
     }
     fn can_snapshot(&self) -> bool {
@@ -531,10 +542,7 @@ impl Backend for SavesAfterTheToken {
         self.inner.keep_state_before_last(seq)
     }
     fn snapshot_before_last(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
-        let seen = (self.token_seen)
-            .recv_timeout(std::time::Duration::from_secs(10))
-            .is_ok();
-        self.token_came_first.lock().unwrap().push(seen);
+        (self.before_snapshot_before_last)();
         self.inner.snapshot_before_last(seq)
     }
     fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
@@ -551,12 +559,19 @@ fn the_first_token_leaves_before_the_prompts_state_is_saved() {
     // Requests that go on after that token, and one that ends with it (max_tokens 1), whose
     // prompt's state is saved all the same.
     let w = weights();
-    let (seen_tx, token_seen) = std::sync::mpsc::channel();
+    let (seen_tx, token_seen) = std::sync::mpsc::channel::<()>();
     let token_came_first = Arc::new(Mutex::new(Vec::new()));
-    let backend = SavesAfterTheToken {
-        inner: CpuBackend::new(w.clone()),
-        token_seen,
-        token_came_first: token_came_first.clone(),
+    // Each such snapshot waits (up to 10 s) for word that its request's first token has arrived,
+    // recording whether it came.
+    let recorded = token_came_first.clone();
+    let backend = Hooked {
+        before_snapshot_before_last: Box::new(move || {
+            let seen = token_seen
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .is_ok();
+            recorded.lock().unwrap().push(seen);
+        }),
+        ..Hooked::new(&w)
     };
     let engine = Engine::start(
         Box::new(backend),
@@ -596,65 +611,6 @@ fn the_first_token_leaves_before_the_prompts_state_is_saved() {
     assert_eq!(*token_came_first.lock().unwrap(), [true; 3]);
 }
 
-/// The CPU backend, stopping in its `gate_at`-th pass (counted from 1) until the test lets it go,
-/// after telling the test it got there.
-struct Gated {
-    inner: CpuBackend,
-    passes: usize,
-    gate_at: usize,
-    arrived: std::sync::mpsc::Sender<()>,
-    go: std::sync::mpsc::Receiver<()>,
-}
-
-impl Backend for Gated {
-    fn config(&self) -> &lily::config::ModelConfig {
-        self.inner.config()
-    }
-    fn device_name(&self) -> String {
-        "gated cpu".into()
-    }
-    fn create_sequence(&mut self, seq: SeqId) -> anyhow::Result<()> {
-        self.inner.create_sequence(seq)
-    }
-    fn free_sequence(&mut self, seq: SeqId) {
-        self.inner.free_sequence(seq)
-    }
-    fn forward(&mut self, seq: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
-        self.inner.forward(seq, tokens)
-    }
-    fn forward_batch(&mut self, steps: &[Step]) -> Vec<anyhow::Result<StepOutput>> {
-        self.passes += 1;
-        if self.passes == self.gate_at {
-            self.arrived.send(()).unwrap();
-            self.go
-                .recv_timeout(std::time::Duration::from_secs(10))
-                .unwrap();
-        }
-        self.inner.forward_batch(steps)
-    }
-    fn can_snapshot(&self) -> bool {
-        true
-    }
-    fn snapshot(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
-        self.inner.snapshot(seq)
-    }
-    fn can_keep_state_before_last(&self) -> bool {
-        self.inner.can_keep_state_before_last()
-    }
-    fn keep_state_before_last(&mut self, seq: SeqId) -> anyhow::Result<()> {
-        self.inner.keep_state_before_last(seq)
-    }
-    fn snapshot_before_last(&mut self, seq: SeqId) -> anyhow::Result<Snapshot> {
-        self.inner.snapshot_before_last(seq)
-    }
-    fn restore(&mut self, snapshot: SnapshotId, seq: SeqId) -> anyhow::Result<usize> {
-        self.inner.restore(snapshot, seq)
-    }
-    fn drop_snapshot(&mut self, snapshot: SnapshotId) {
-        self.inner.drop_snapshot(snapshot)
-    }
-}
-
 #[test]
 fn a_request_arriving_as_a_prompt_ends_reuses_its_state() {
     // The prompt's state is saved after its first token goes out, but a request that arrives
@@ -663,13 +619,20 @@ fn a_request_arriving_as_a_prompt_ends_reuses_its_state() {
     // third, the one that ends the prompt.
     let w = weights();
     let (arrived_tx, arrived) = std::sync::mpsc::channel();
-    let (go, go_rx) = std::sync::mpsc::channel();
-    let backend = Gated {
-        inner: CpuBackend::new(w.clone()),
-        passes: 0,
-        gate_at: 3,
-        arrived: arrived_tx,
-        go: go_rx,
+    let (go, go_rx) = std::sync::mpsc::channel::<()>();
+    // The third pass tells the test it got there, then waits until the test lets it go.
+    let mut passes = 0;
+    let backend = Hooked {
+        before_pass: Box::new(move || {
+            passes += 1;
+            if passes == 3 {
+                arrived_tx.send(()).unwrap();
+                go_rx
+                    .recv_timeout(std::time::Duration::from_secs(10))
+                    .unwrap();
+            }
+        }),
+        ..Hooked::new(&w)
     };
     let engine = Engine::start(
         Box::new(backend),

@@ -6,7 +6,7 @@ mod common;
 use lily::engine::EngineOptions;
 use lily::model::CpuBackend;
 use lily::sampling::SamplingParams;
-use lily::serve_bench::{run, to_markdown, ServeBenchOptions};
+use lily::serve_bench::{run, to_markdown, ServeBenchOptions, ServeReport};
 
 #[test]
 fn the_serve_benchmark_runs_small_on_the_cpu() {
@@ -65,11 +65,7 @@ fn the_conversation_can_open_with_a_system_prompt() {
     let (report, backend) =
         run(Box::new(CpuBackend::new(weights)), &options, |_| {}).expect("the benchmark runs");
     // 80 system tokens, then 4 turns of a 24-token message ((200 − 80) / 4 − 6) and 6 answered.
-    let lengths: Vec<usize> = report.turns.iter().map(|t| t.prompt_tokens).collect();
-    assert_eq!(lengths, vec![104, 134, 164, 194]);
-    for (i, t) in report.turns.iter().enumerate().skip(1) {
-        assert_eq!(t.cached_tokens, lengths[i - 1] + 5, "turn {i}");
-    }
+    assert_turns_reuse(&report, &[104, 134, 164, 194]);
     let md = to_markdown(&options, &report);
     assert!(
         md.contains("4 turns after a system prompt of 80 tokens"),
@@ -99,11 +95,9 @@ fn the_conversation_runs_in_rounds() {
     let (report, backend) = run(Box::new(CpuBackend::new(weights)), &options, |_| lines += 1)
         .expect("the benchmark runs");
     assert_eq!(lines, 1 + 4 + 1, "a line per measurement and per turn");
-    let lengths: Vec<usize> = report.turns.iter().map(|t| t.prompt_tokens).collect();
-    assert_eq!(lengths, vec![44, 94, 144, 194]);
+    assert_turns_reuse(&report, &[44, 94, 144, 194]);
     assert_eq!(report.turns[0].cached_tokens, 0);
     for (i, t) in report.turns.iter().enumerate().skip(1) {
-        assert_eq!(t.cached_tokens, lengths[i - 1] + 5, "turn {i}");
         assert!(
             t.ttft_cold_s > 0.0 && t.ttft_cached_s > 0.0,
             "turn {i}: {t:?}"
@@ -122,6 +116,16 @@ fn the_conversation_runs_in_rounds() {
         .err()
         .expect("a conversation of no rounds ran");
     assert!(err.to_string().contains("rounds"), "{err:#}");
+}
+
+/// The conversation's turns have these prompt lengths, and every later turn reuses the state the
+/// turn before it saved: its prompt and all but the last of its 6 answer tokens.
+fn assert_turns_reuse(report: &ServeReport, lengths: &[usize]) {
+    let got: Vec<usize> = report.turns.iter().map(|t| t.prompt_tokens).collect();
+    assert_eq!(got, lengths);
+    for (i, t) in report.turns.iter().enumerate().skip(1) {
+        assert_eq!(t.cached_tokens, lengths[i - 1] + 5, "turn {i}");
+    }
 }
 
 fn small_options(sampling: Option<SamplingParams>) -> ServeBenchOptions {
@@ -164,13 +168,8 @@ fn serve_small(sampling: Option<SamplingParams>, vocab_limit: Option<usize>) -> 
         "{t:?}"
     );
     // Each turn adds a 44-token message (200 / 4 − 6) and the 6-token answer.
-    let lengths: Vec<usize> = report.turns.iter().map(|t| t.prompt_tokens).collect();
-    assert_eq!(lengths, vec![44, 94, 144, 194]);
+    assert_turns_reuse(&report, &[44, 94, 144, 194]);
     assert_eq!(report.turns[0].cached_tokens, 0);
-    for (i, t) in report.turns.iter().enumerate().skip(1) {
-        // The previous turn's state after all but the last answer token.
-        assert_eq!(t.cached_tokens, lengths[i - 1] + 5, "turn {i}");
-    }
     assert!(report.decode.alone_tok_s > 0.0 && report.decode.per_stream_tok_s > 0.0);
     // The three streams decode together for most of their 6 tokens.
     assert!(
